@@ -1,0 +1,29 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/tfcli pretrain --objective clm --recipe gpt-mini
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,153 @@
+"""Where text comes from: the built-in offline corpus, local files, or the Hugging Face hub.
+
+Every source becomes a `datasets.Dataset` with one document per row in a `text` column,
+loaded through `datasets.load_dataset` so that Arrow files and later `map` results are cached.
+"""
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from ..errors import UserError
+
+LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+                  ".csv": "csv", ".parquet": "parquet"}
+
+
+def cache_dir() -> Path:
+    """tfcli's own cache (built-in corpus, matmul peak); $TFCLI_CACHE overrides."""
+    d = Path(os.environ.get("TFCLI_CACHE", Path.home() / ".cache" / "tfcli"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_documents(source: str, text_field: str = "text"):
+    """'builtin', local paths (files, globs, directories; comma-separated), or 'hf:name[:config[:split]]'."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source == "builtin":
+        return _load_local([builtin_corpus_file()], "text")  # JSON Lines, one document a row
+    if source.startswith("hf:"):
+        return _load_hub(source[3:], text_field)
+    files = expand_paths(source)
+    return _load_local(files, text_field)
+
+
+def expand_paths(source: str) -> list[Path]:
+    """Files named by a comma-separated list of files, globs and directories (searched recursively)."""
+    files: list[Path] = []
+    for part in (p.strip() for p in source.split(",") if p.strip()):
+        if any(ch in part for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(part, recursive=True) if Path(m).is_file())
+            if not matches:
+                raise UserError(f"no files match {part!r}")
+            files += matches
+        elif Path(part).is_dir():
+            found = sorted(p for p in Path(part).rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_BUILDERS)
+            if not found:
+                raise UserError(f"no data files ({', '.join(sorted(LOCAL_BUILDERS))}) in directory {part}")
+            files += found
+        elif Path(part).is_file():
+            files.append(Path(part))
+        else:
+            raise UserError(f"data not found: {part}")
+    for f in files:
+        if f.suffix.lower() not in LOCAL_BUILDERS:
+            raise UserError(f"unsupported data file {f} (use {', '.join(sorted(LOCAL_BUILDERS))})")
+    return files
+
+
+def _load_local(files: list[Path], text_field: str):
+    import datasets
+
+    by_builder: dict[str, list[str]] = {}
+    for f in files:
+        by_builder.setdefault(LOCAL_BUILDERS[f.suffix.lower()], []).append(str(f.resolve()))
+    parts = []
+    for builder, paths in by_builder.items():
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        try:
+            ds = datasets.load_dataset(builder, data_files=paths, split="train", **kwargs)
+        except Exception as e:  # malformed JSON/CSV/Parquet
+            raise UserError(f"could not read {', '.join(paths)}: {_first_line(e)}") from None
+        field = "text" if builder == "text" else text_field
+        if field not in ds.column_names:
+            raise UserError(f"{paths[0]}: no {field!r} field (columns: {', '.join(ds.column_names)}); "
+                            f"set data.text_field")
+        parts.append(ds.select_columns([field]).rename_column(field, "text") if field != "text"
+                     else ds.select_columns(["text"]))
+    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
+
+
+def _load_hub(spec: str, text_field: str):
+    import datasets
+
+    name, _, rest = spec.partition(":")
+    config, _, split = rest.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:
+        raise UserError(f"could not load Hugging Face dataset {spec!r} (is the hub reachable? "
+                        f"use a local file instead): {_first_line(e)}") from None
+    if text_field not in ds.column_names:
+        raise UserError(f"hf:{spec}: no {text_field!r} column (columns: {', '.join(ds.column_names)})")
+    return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" \
+        else ds.select_columns(["text"])
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else e.__class__.__name__
+
+
+# --- the built-in corpus ----------------------------------------------------------------------
+
+def builtin_corpus_file() -> Path:
+    """Python's own English documentation, written once to the cache as JSON Lines of documents.
+
+    pydoc_data.topics (the language reference topics, ~465k characters) plus the docstrings of
+    the standard library (~1.8M characters): real prose that ships with every Python, so the
+    demo works on a machine with nothing downloaded.
+    """
+    path = cache_dir() / f"builtin-corpus-py{sys.version_info.major}.{sys.version_info.minor}.jsonl"
+    if not path.exists():
+        docs = list(_pydoc_topics()) + list(_stdlib_docstrings())
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        os.replace(tmp, path)  # atomic: a crash never leaves half a corpus behind
+    return path
+
+
+def builtin_documents() -> list[str]:
+    return [json.loads(line)["text"] for line in builtin_corpus_file().read_text().splitlines()]
+
+
+def _pydoc_topics():
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield topics[name].strip()
+
+
+def _stdlib_docstrings():
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip"}
+    for path in sorted(stdlib.rglob("*.py")):
+        if skip & set(path.relative_to(stdlib).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [tree] + [n for n in ast.walk(tree)
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        parts = [d.strip() for d in (ast.get_docstring(n) for n in nodes) if d and len(d.strip()) > 40]
+        if parts:
+            yield "\n\n".join(parts)

@@ -1,0 +1,161 @@
+"""Tokenizers: trained on the training text (byte-level BPE, WordPiece, Unigram, characters)
+or loaded from files (tokenizer.json, GPT-2 vocab.json + merges.txt, BERT vocab.txt).
+
+Everything is a `tokenizers.Tokenizer` underneath, so a run saves exactly one tokenizer.json.
+The objective decides the special tokens (GPT: <|endoftext|>; BERT: [CLS] [SEP] ...).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from ..errors import UserError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token ids the objectives need."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self.tok.token_to_id(token)
+
+    def special_id(self, *candidates: str) -> Optional[int]:
+        """The id of the first of `candidates` that the vocabulary has."""
+        for c in candidates:
+            i = self.tok.token_to_id(c)
+            if i is not None:
+                return i
+        return None
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.special_id("<|endoftext|>", "</s>", "[SEP]")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def save(self, directory: Path) -> None:
+        self.tok.save(str(Path(directory) / TOKENIZER_FILE))
+
+    def fingerprint(self) -> str:
+        import hashlib
+        return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_run(cls, directory: Path) -> "TextTokenizer":
+        return cls(Tokenizer.from_file(str(Path(directory) / TOKENIZER_FILE)))
+
+
+def build_tokenizer(kind: str, *, vocab_size: int, path: str, lowercase: bool,
+                    texts: Iterable[str], specials: list[str]) -> TextTokenizer:
+    """Train or load the tokenizer a recipe's `tokenizer` section describes."""
+    if kind == "file":
+        return load_tokenizer_files(path, specials)
+    if kind == "char":
+        return _char_tokenizer(texts, specials, lowercase)
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token=_unk(specials)))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    elif kind == "unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                          unk_token=_unk(specials))
+    else:
+        raise UserError(f"tokenizer.kind: unknown kind {kind!r}")
+    if lowercase:
+        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
+                                               normalizers.StripAccents()])
+    tok.train_from_iterator(texts, trainer=trainer)
+    return TextTokenizer(tok)
+
+
+def _unk(specials: list[str]) -> str:
+    return next((s for s in specials if "unk" in s.lower()), "[UNK]")
+
+
+def _char_tokenizer(texts: Iterable[str], specials: list[str], lowercase: bool) -> TextTokenizer:
+    """One id per character seen in the training text (nanoGPT's shakespeare_char)."""
+    chars: set[str] = set()
+    for t in texts:
+        chars.update(t.lower() if lowercase else t)
+    unk = "<unk>"
+    vocab = {s: i for i, s in enumerate(dict.fromkeys(specials + [unk]))}
+    for c in sorted(chars):
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")  # (?m): '.' matches \n too
+    tok.decoder = decoders.Fuse()
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.add_special_tokens(list(dict.fromkeys(specials + [unk])))
+    return TextTokenizer(tok)
+
+
+def load_tokenizer_files(path: str, specials: list[str]) -> TextTokenizer:
+    """tokenizer.json; or a directory holding one, or vocab.json + merges.txt (GPT-2), or vocab.txt (BERT)."""
+    p = Path(path)
+    if not path or not p.exists():
+        raise UserError(f"tokenizer.path: not found: {path or '(empty)'}")
+    if p.is_dir():
+        if (p / TOKENIZER_FILE).is_file():
+            p = p / TOKENIZER_FILE
+        elif (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            return _gpt2_files(p / "vocab.json", p / "merges.txt", specials)
+        elif (p / "vocab.txt").is_file():
+            return _wordpiece_vocab(p / "vocab.txt", p)
+        else:
+            raise UserError(f"tokenizer.path: {path} holds no tokenizer.json, vocab.json+merges.txt or vocab.txt")
+    if p.name == "vocab.txt":
+        return _wordpiece_vocab(p, p.parent)
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:
+        raise UserError(f"tokenizer.path: {path} is not a tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+    return TextTokenizer(tok)
+
+
+def _gpt2_files(vocab: Path, merges: Path, specials: list[str]) -> TextTokenizer:
+    tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    present = [s for s in specials if tok.token_to_id(s) is not None]
+    tok.add_special_tokens(present or specials)
+    return TextTokenizer(tok)
+
+
+def _wordpiece_vocab(vocab: Path, directory: Path) -> TextTokenizer:
+    lowercase = True
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True))
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    impl = BertWordPieceTokenizer(str(vocab), lowercase=lowercase)
+    return TextTokenizer(impl._tokenizer)

@@ -1,0 +1,82 @@
+"""GPT-2-shaped decoder: learned positions, pre-norm causal blocks, LM head tied to the embedding."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import MLP, Attention, Block, KVCache, init_normal_, make_norm, scale_residual_projections_
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT. vocab_size 0 means 'take it from the tokenizer'."""
+
+    family: str = "gpt"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    d_ff: int = 0  # 0 -> 4 * d_model
+    max_seq_len: int = 256
+    vocab_size: int = 0
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if not self.d_ff:
+            self.d_ff = 4 * self.d_model
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. forward() returns hidden states; logits() applies the tied head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (it is filled in from the tokenizer)")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(
+                Attention(cfg.d_model, cfg.n_head, bias=cfg.bias, dropout=cfg.dropout),
+                MLP(cfg.d_model, cfg.d_ff, activation="gelu_tanh", bias=cfg.bias, dropout=cfg.dropout),
+                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps, cfg.bias),
+                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps, cfg.bias),
+                prenorm=True,
+                dropout=cfg.dropout,
+            )
+            for _ in range(cfg.n_layer)
+        )
+        self.ln_f = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps, cfg.bias)
+        init_normal_(self)
+        scale_residual_projections_(self.blocks, cfg.n_layer)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.wte.weight  # tied, as in GPT-2
+
+    def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
+        return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
+
+    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None) -> Tensor:
+        """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones."""
+        B, T = input_ids.shape
+        start = caches[0].length if caches else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than the context ({self.cfg.max_seq_len})")
+        pos = torch.arange(start, start + T, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            x = block(x, causal=True, cache=caches[i] if caches else None)
+        return self.ln_f(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, D) -> (B, T, vocab)."""
+        return hidden @ self.lm_head_weight.t()

@@ -1,0 +1,41 @@
+"""The machine's measured matmul peak, the denominator of MFU (model FLOPs utilisation)."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .data.sources import cache_dir
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """Best FLOP/s of square matmuls on this device, measured once and cached per device/threads/dtype."""
+    key = f"{device.type}:{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}:" \
+          f"{torch.get_num_threads()}:{dtype}"
+    path = cache_dir() / "matmul_peak.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in table:
+        table[key] = _measure(device, dtype)
+        path.write_text(json.dumps(table, indent=1))
+    return table[key]
+
+
+def _measure(device: torch.device, dtype: torch.dtype) -> float:
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = 0.0
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
