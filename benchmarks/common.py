@@ -1,0 +1,59 @@
+"""Side-by-side timing: tfcli and the Hugging Face peer measured in the same run, interleaved.
+
+The machines are noisy (+-25% between runs), so only same-run ratios mean anything: each
+round times one step of every contender in turn, and the median of the rounds is reported.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path("bench-results")
+
+
+def interleaved(contenders: dict[str, Callable[[], None]], rounds: int = 5, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each contender, calls interleaved round by round."""
+    for _ in range(warmup):
+        for fn in contenders.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def train_step(model_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """A full training step: forward, backward, AdamW update."""
+    def step():
+        loss = model_loss()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def report(name: str, unit: str, items: int, seconds: dict[str, float], ours: str = "tfcli",
+           peer: str = "transformers", target: float = 1.2) -> dict:
+    """Print and save items/s of each contender and the ratio ours/peer."""
+    rates = {k: items / v for k, v in seconds.items()}
+    ratio = rates[ours] / rates[peer]
+    verdict = "meets" if ratio >= target else "MISSES"
+    print(f"{name}: tfcli {rates[ours]:,.0f} {unit}/s, transformers {rates[peer]:,.0f} {unit}/s, "
+          f"ratio {ratio:.2f}x ({verdict} the {target}x target)")
+    for k, v in rates.items():
+        if k not in (ours, peer):
+            print(f"  {k}: {v:,.1f} {unit}/s")
+    result = {"benchmark": name, "unit": f"{unit}/s", **{k: round(v, 2) for k, v in rates.items()},
+              "ratio": round(ratio, 3), "target": target, "torch_threads": torch.get_num_threads()}
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "results.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
