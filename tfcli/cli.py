@@ -87,35 +87,62 @@ def finetune(
     task: str = typer.Argument(..., help="Task to finetune on, e.g. mnli."),
     from_: Optional[Path] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's]."),
-    data: Optional[str] = typer.Option(None, help="Task data directory or files."),
+    data: Optional[str] = typer.Option(None, help="Task data directory or files (task.data)."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (train.steps)."),
+    epochs: Optional[float] = typer.Option(None, help="Epochs over the training rows (task.epochs)."),
+    batch_size: Optional[int] = typer.Option(None, help="Per-process batch size (train.batch_size)."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (optim.lr)."),
+    pooling: Optional[str] = typer.Option(None, help="cls | mean | last4-sum | last4-concat (task.pooling)."),
+    train: Optional[str] = typer.Option(None, help="all | head: finetune everything or only the head (task.train)."),
+    head_lr: Optional[float] = typer.Option(None, help="Learning rate of the head (task.head_lr; 0 = --lr)."),
+    limit: Optional[int] = typer.Option(None, help="Use only the first N training rows (task.limit)."),
+    out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (train.device)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    quiet: bool = typer.Option(False, help="Print nothing but errors and the final summary."),
 ):
     """Finetune a pretrained model on a task."""
     from . import tasks
+    from .display import console
 
-    tasks.get(task)  # names the known tasks when this one is not
-    raise UserError(f"task {task!r} is registered but cannot be finetuned yet")
+    module = tasks.get(task)
+    if not hasattr(module, "finetune"):
+        raise UserError(f"task {task!r} can be evaluated but not finetuned")
+    rec = resolve_recipe(recipe or module.DEFAULT_RECIPE, set_, **{
+        "task.name": task, "task.data": data, "train.steps": steps, "task.epochs": epochs,
+        "train.batch_size": batch_size, "optim.lr": lr, "task.pooling": pooling, "task.train": train,
+        "task.head_lr": head_lr, "task.limit": limit, "train.device": device})
+    run_dir = module.finetune(rec, from_=from_, out=out, quiet=quiet)
+    console.print(f"\n[bold green]done.[/] run: {run_dir}\nevaluate it:  tfcli eval {task} --checkpoint {run_dir}")
 
 
 @app.command("eval")
 @user_errors
 def eval_(
-    task: Optional[str] = typer.Argument(None, help="Task to evaluate on; omit for held-out loss of a pretraining run."),
+    task: Optional[str] = typer.Argument(None, help="Task to evaluate on (e.g. mnli, mae); omit for held-out loss of a pretraining run."),
     checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
     data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's held-out split."),
-    batches: int = typer.Option(0, help="Number of held-out batches (0: the recipe's train.eval_batches)."),
+    batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
+    limit: int = typer.Option(0, help="Evaluate on the first N rows of each split (0: all)."),
+    out: Optional[Path] = typer.Option(None, help="Write a picture or report here (e.g. the MAE reconstruction grid)."),
+    premise: Optional[str] = typer.Option(None, help="MNLI: classify this premise ..."),
+    hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the three probabilities."),
+    few_shot: int = typer.Option(-1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."),
+    seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, masking)."),
 ):
     """Metrics of a checkpoint: held-out loss and perplexity, or a task's metrics."""
     from .checkpoint import newest_run
     from .display import console
-    from .evaluate import evaluate_pretraining, metrics_table
 
+    path = checkpoint or newest_run()
     if task is not None:
         from . import tasks
 
-        tasks.get(task)
-        raise UserError(f"task {task!r} cannot be evaluated yet")
-    path = checkpoint or newest_run()
+        tasks.get(task).evaluate(path, tasks.EvalOptions(data=data, limit=limit, out=out, premise=premise,
+                                                         hypothesis=hypothesis, few_shot=few_shot, seed=seed))
+        return
+    from .evaluate import evaluate_pretraining, metrics_table
+
     result = evaluate_pretraining(path, data=data, batches=batches)
     console.print(metrics_table(f"{path}", result))
 

@@ -76,6 +76,21 @@ class TrainConfig:
 
 
 @dataclass
+class TaskConfig:
+    """Finetuning: which task, its data, how features are pooled and what is trained."""
+
+    name: str = ""  # mnli | image-classify | ... ('' for pretraining recipes)
+    data: str = ""  # the task's data (directory or files); '' = the task's default source
+    pooling: Literal["cls", "mean", "last4-sum", "last4-concat"] = "cls"
+    train: Literal["all", "head"] = "all"  # head: frozen backbone (linear probe)
+    head_lr: float = 0.0  # 0 = optim.lr
+    max_length: int = 128
+    epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training rows
+    limit: int = 0  # use only the first N training rows (0 = all)
+    eval_limit: int = 0  # evaluate on the first N rows of each split (0 = all)
+
+
+@dataclass
 class Recipe:
     name: str = ""
     objective: str = "clm"
@@ -85,6 +100,7 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 class RecipeError(UserError):

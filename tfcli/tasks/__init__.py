@@ -1,9 +1,32 @@
-"""Finetuning tasks by registry key (`tfcli finetune TASK`, `tfcli eval TASK`)."""
+"""Finetuning tasks by registry key (`tfcli finetune TASK`, `tfcli eval TASK`).
+
+Each task module provides:
+  DEFAULT_RECIPE                      the recipe `tfcli finetune TASK` uses when none is given
+  finetune(recipe, from_, out, quiet) -> Path   train (recipe.task says how) and return the run dir
+  evaluate(checkpoint, options) -> None          print the task's metrics (options: EvalOptions)
+A task that only evaluates (e.g. `mae` reconstructions) may leave finetune out.
+"""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from ..errors import UserError
+
+
+@dataclass
+class EvalOptions:
+    """What `tfcli eval TASK` was asked for, beyond the checkpoint."""
+
+    data: Optional[str] = None
+    limit: int = 0  # first N rows of each split
+    out: Optional[Path] = None  # where to write a picture or report
+    premise: Optional[str] = None  # classify one pair instead of a split
+    hypothesis: Optional[str] = None
+    few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
+    seed: int = 0
 
 TASKS: dict[str, str] = {}
 
