@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from .gpt import GPT, GPTConfig
+from .t5 import T5, T5Config
 
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
+    "t5": (T5Config, T5),
 }
 
 
