@@ -52,10 +52,12 @@ def split_stream(stream: np.ndarray, val_fraction: float, seq_len: int) -> tuple
 class BlockSampler:
     """Shuffled fixed-length blocks of `seq_len + 1` tokens from a stream; resumable.
 
-    Each epoch starts the block grid at a random offset (so every epoch sees new boundaries) and
+    Blocks (Hugging Face's group_texts, the default): each epoch starts the block grid at a random offset (so every epoch sees new boundaries) and
     visits the blocks in a random order, both drawn from (seed, epoch). The sampler hands out the
     *global* batch of `batch_size * world_size` blocks and keeps this rank's slice, so the data
     order does not depend on how many processes share the work.
+    Windows (nanoGPT's get_batch): every batch draws its block starts uniformly from the whole
+    stream, from (seed, batch number); more variety per token on small corpora.
     """
 
     tokens: np.ndarray
@@ -64,8 +66,9 @@ class BlockSampler:
     seed: int
     rank: int = 0
     world_size: int = 1
+    windows: bool = False  # nanoGPT style: every position may start a block, drawn at random
     epoch: int = 0
-    index: int = 0  # position within this epoch's order
+    index: int = 0  # position within this epoch's order (windows: batches drawn so far)
 
     def __post_init__(self):
         self._order_epoch: Optional[int] = None
@@ -79,9 +82,16 @@ class BlockSampler:
             self._order_epoch = self.epoch
         return self._cached
 
+    def _window_starts(self, global_batch: int) -> list[int]:
+        rng = np.random.default_rng([self.seed, self.index])
+        self.index += 1
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=global_batch, endpoint=True).tolist()
+
     def next_batch(self) -> dict[str, torch.Tensor]:
         starts = []
         global_batch = self.batch_size * self.world_size
+        if self.windows:
+            starts = self._window_starts(global_batch)
         while len(starts) < global_batch:
             offset, order = self._order()
             if self.index >= len(order):

@@ -80,8 +80,7 @@ def _load_local(files: list[Path], text_field: str):
         if field not in ds.column_names:
             raise UserError(f"{paths[0]}: no {field!r} field (columns: {', '.join(ds.column_names)}); "
                             f"set data.text_field")
-        parts.append(ds.select_columns([field]).rename_column(field, "text") if field != "text"
-                     else ds.select_columns(["text"]))
+        parts.append(_text_column(ds, field))
     ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
 
@@ -98,8 +97,19 @@ def _load_hub(spec: str, text_field: str):
                         f"use a local file instead): {_first_line(e)}") from None
     if text_field not in ds.column_names:
         raise UserError(f"hf:{spec}: no {text_field!r} column (columns: {', '.join(ds.column_names)})")
-    return ds.select_columns([text_field]).rename_column(text_field, "text") if text_field != "text" \
-        else ds.select_columns(["text"])
+    return _text_column(ds, text_field)
+
+
+def _text_column(ds, field: str):
+    """Keep only `field`, named `text`, as plain strings (so sources of several formats concatenate)."""
+    import datasets
+
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    if ds.features["text"] != datasets.Value("string"):
+        ds = ds.cast_column("text", datasets.Value("string"))
+    return ds
 
 
 def _first_line(e: Exception) -> str:

@@ -44,7 +44,8 @@ def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) 
         val_tokens = packing.token_stream(packing.tokenize(docs["val"], tokenizer))
     else:
         train_tokens, val_tokens = packing.split_stream(stream, data.val_fraction, data.seq_len)
-    sampler = BlockSampler(train_tokens, data.seq_len, train.batch_size, train.seed, rank, world_size)
+    sampler = BlockSampler(train_tokens, data.seq_len, train.batch_size, train.seed, rank, world_size,
+                           windows=data.sampling == "windows")
 
     def val():
         if len(val_tokens) < data.seq_len + 1:

@@ -1,0 +1,80 @@
+"""The decoder: causality, the KV cache, parity with transformers' GPT-2, published size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfcli import recipe as recipes
+from tfcli.generate import generate_tokens
+from tfcli.hf.gpt2 import config_to_hf, state_from_hf, state_to_hf
+from tfcli.models.gpt import GPT, GPTConfig
+
+
+def tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"n_layer": 2, "n_head": 4, "d_model": 32, "max_seq_len": 48, "vocab_size": 97, **kw})).eval()
+
+
+def test_changing_a_later_token_never_changes_earlier_logits():
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 40))
+    changed = ids.clone()
+    changed[:, 25:] = (changed[:, 25:] + 1) % 97
+    with torch.no_grad():
+        a, b = model.logits(model(ids)), model.logits(model(changed))
+    assert torch.equal(a[:, :25], b[:, :25])
+    assert not torch.allclose(a[:, 25:], b[:, 25:])
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=20, top_p=0.9, seed=3)])
+def test_generation_with_cache_equals_generation_without(sampling):
+    model = tiny()
+    prompt = torch.randint(0, 97, (1, 7))
+    with_cache = list(generate_tokens(model, prompt, max_new_tokens=60, use_cache=True, **sampling))
+    without = list(generate_tokens(model, prompt, max_new_tokens=60, use_cache=False, **sampling))
+    assert len(with_cache) == 60  # runs past the 48-token context: the window slides
+    assert with_cache == without
+
+
+def test_cached_logits_match_full_forward():
+    model = tiny()
+    ids = torch.randint(0, 97, (1, 20))
+    caches = model.new_caches()
+    with torch.no_grad():
+        full = model.logits(model(ids))
+        prefix = model.logits(model(ids[:, :12], caches))
+        steps = [model.logits(model(ids[:, t:t + 1], caches)) for t in range(12, 20)]
+    incremental = torch.cat([prefix] + steps, dim=1)
+    assert (full - incremental).abs().max() < 1e-5
+
+
+def test_logits_match_transformers_gpt2_with_the_same_weights():
+    transformers = pytest.importorskip("transformers")
+    ours = tiny(dropout=0.0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(ours.cfg))).eval()
+    missing, unexpected = hf.load_state_dict(state_to_hf(ours.state_dict(), ours.cfg.n_layer), strict=False)
+    assert not unexpected and all(".attn.bias" in m or "masked_bias" in m for m in missing)
+    ids = torch.randint(0, 97, (3, 48))
+    with torch.no_grad():
+        diff = (ours.logits(ours(ids)) - hf(ids).logits).abs().max().item()
+    assert diff < 1e-4
+    # and back: transformers' weights into a fresh tfcli model give the same logits
+    fresh = GPT(ours.cfg).eval()
+    fresh.load_state_dict(state_from_hf(hf.state_dict(), ours.cfg.n_layer))
+    with torch.no_grad():
+        assert (fresh.logits(fresh(ids)) - hf(ids).logits).abs().max().item() < 1e-4
+
+
+def test_gpt2_small_recipe_has_the_published_parameter_count():
+    cfg = recipes.load("gpt2-small").model
+    cfg.vocab_size = 50257  # what the GPT-2 tokenizer gives
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 124e6) / 124e6 < 0.02, n
+
+
+def test_context_overflow_is_an_error():
+    model = tiny()
+    with pytest.raises(ValueError, match="longer than the context"):
+        model(torch.zeros(1, 49, dtype=torch.long))

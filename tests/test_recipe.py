@@ -1,0 +1,81 @@
+"""Recipes: every shipped one validates; mistakes are named by their dotted path."""
+from __future__ import annotations
+
+import pytest
+
+from tfcli import recipe as recipes
+from tfcli.recipe import RecipeError
+
+from .conftest import tiny_gpt_recipe
+
+
+@pytest.mark.parametrize("name", recipes.available())
+def test_every_shipped_recipe_validates_and_pins_every_field(name):
+    import yaml
+
+    rec = recipes.load(name)
+    raw = yaml.safe_load(recipes.recipe_path(name).read_text())
+    resolved = recipes.to_dict(rec)
+    for section in ("model", "optim", "schedule", "train"):
+        missing = set(resolved[section]) - set(raw.get(section, {}))
+        assert not missing, f"{name}: {section} does not pin {sorted(missing)}"
+
+
+def test_unknown_key_is_named_by_its_dotted_path(tmp_path):
+    raw = tiny_gpt_recipe(tmp_path, optim={"lrr": 1.0})
+    with pytest.raises(RecipeError, match=r"^optim\.lrr: unknown key"):
+        recipes.from_dict(raw)
+
+
+def test_unknown_model_key_names_the_family_section(tmp_path):
+    raw = tiny_gpt_recipe(tmp_path, model={"n_layers": 3})
+    with pytest.raises(RecipeError, match=r"^model\.n_layers: unknown key"):
+        recipes.from_dict(raw)
+
+
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("train", "steps", "many", r"^train\.steps: expected an integer"),
+    ("train", "steps", True, r"^train\.steps: expected an integer"),
+    ("optim", "lr", "fast", r"^optim\.lr: expected a number"),
+    ("optim", "betas", [0.9], r"^optim\.betas: expected a list of 2"),
+    ("schedule", "decay", "exp", r"^schedule\.decay: 'exp' is not one of"),
+    ("train", "precision", "fp8", r"^train\.precision: 'fp8' is not one of"),
+    ("model", "family", "rnn", r"^model\.family: unknown family 'rnn'"),
+])
+def test_wrong_types_are_rejected_with_the_key(tmp_path, section, key, value, expect):
+    raw = tiny_gpt_recipe(tmp_path, **{section: {key: value}})
+    with pytest.raises(RecipeError, match=expect):
+        recipes.from_dict(raw)
+
+
+def test_yaml_exponent_strings_are_numbers(tmp_path):
+    rec = recipes.from_dict(tiny_gpt_recipe(tmp_path, optim={"lr": "1e-3"}))
+    assert rec.optim.lr == pytest.approx(1e-3)
+
+
+def test_overrides_apply_and_are_validated(tmp_path):
+    raw = tiny_gpt_recipe(tmp_path)
+    rec = recipes.from_dict(raw, dict([recipes.parse_override("optim.lr=3e-4"),
+                                       recipes.parse_override("train.steps=7"),
+                                       recipes.parse_override("optim.betas=[0.8, 0.9]")]))
+    assert (rec.optim.lr, rec.train.steps, rec.optim.betas) == (3e-4, 7, (0.8, 0.9))
+    with pytest.raises(RecipeError, match=r"^train\.stepz: unknown key"):
+        recipes.from_dict(raw, {"train.stepz": 3})
+    with pytest.raises(RecipeError, match="must look like key.path=value"):
+        recipes.parse_override("optim.lr")
+
+
+def test_model_shape_errors_are_user_errors(tmp_path):
+    with pytest.raises(RecipeError, match="divisible"):
+        recipes.from_dict(tiny_gpt_recipe(tmp_path, model={"d_model": 30, "n_head": 4}))
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    rec = recipes.from_dict(tiny_gpt_recipe(tmp_path))
+    recipes.save(rec, tmp_path / "config.yaml")
+    assert recipes.load_resolved(tmp_path / "config.yaml") == rec
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(RecipeError, match="unknown recipe 'nope' .*gpt-mini"):
+        recipes.load("nope")
