@@ -54,6 +54,7 @@ def pretrain(
     resume: Optional[Path] = typer.Option(None, help="Continue the run in this directory from its latest checkpoint."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda (train.device)."),
     precision: Optional[str] = typer.Option(None, help="fp32 | bf16 (train.precision)."),
+    no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = typer.Option(False, help="Print nothing but errors and the final summary."),
 ):
@@ -66,6 +67,10 @@ def pretrain(
     module = objectives.get(objective)
     shortcuts = {"data.source": data, "train.steps": steps, "train.batch_size": batch_size, "optim.lr": lr,
                  "train.device": device, "train.precision": precision}
+    if no_nsp:
+        if objective != "mlm":
+            raise UserError("--no-nsp applies to --objective mlm only")
+        shortcuts["mlm.nsp"] = False
     if resume is not None:
         config = Path(resume) / "config.yaml"
         if not config.is_file():

@@ -87,6 +87,16 @@ class MLMConfig:
 
 
 @dataclass
+class MLMConfig:
+    """BERT's masked-LM objective (objective: mlm): masking and how segments are built."""
+
+    nsp: bool = True  # false: RoBERTa-style full segments, no next-sentence prediction
+    mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
+    short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
+    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
+
+
+@dataclass
 class TaskConfig:
     """Finetuning: which task, its data, how features are pooled and what is trained."""
 
@@ -99,6 +109,7 @@ class TaskConfig:
     epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training rows
     limit: int = 0  # use only the first N training rows (0 = all)
     eval_limit: int = 0  # evaluate on the first N rows of each split (0 = all)
+    warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
 
 
@@ -126,6 +137,7 @@ class Recipe:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)
 

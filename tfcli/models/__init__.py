@@ -1,11 +1,13 @@
 """Model families by registry key: the recipe's `model.family` picks the config and the class."""
 from __future__ import annotations
 
+from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
 from .t5 import T5, T5Config
 
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
+    "bert": (BertConfig, Bert),
     "t5": (T5Config, T5),
 }
 

@@ -18,6 +18,7 @@ from ..errors import UserError
 
 OBJECTIVES = {
     "clm": "next_token",
+    "mlm": "mlm_nsp",
 }
 
 

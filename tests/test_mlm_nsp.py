@@ -1,0 +1,121 @@
+"""MLM + NSP: masking statistics, NSP balance and truly consecutive IsNext pairs, training lowers the loss."""
+import json
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tfcli.cli import app
+from tfcli.data import segments
+from tfcli.data.tokenizers import build_tokenizer
+from tfcli.objectives.losses import IGNORE
+from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, Masker
+
+from .conftest import read_metrics
+
+
+def test_masking_statistics_over_a_large_sample():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (512, 128), generator=g)
+    ids[:, 0], ids[:, 60], ids[:, 127] = 2, 3, 3  # [CLS] .. [SEP] .. [SEP]
+    ids[::3, 100:] = 0  # padding
+    masker = Masker(mask_id=4, special_ids=[0, 1, 2, 3, 4], vocab_size=1000)
+    masked, labels = masker(ids, torch.Generator().manual_seed(1))
+    chosen = labels != IGNORE
+    special = ids < 5
+    assert not chosen[special].any(), "a special token was chosen"
+    assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.01
+    assert torch.equal(labels[chosen], ids[chosen])  # every chosen token is predicted
+    n = chosen.sum().item()
+    to_mask = (masked[chosen] == 4).sum().item() / n
+    kept = (masked[chosen] == ids[chosen]).sum().item() / n
+    swapped = 1 - to_mask - kept
+    assert abs(to_mask - 0.8) < 0.02 and abs(kept - 0.1) < 0.02 and abs(swapped - 0.1) < 0.02
+    assert not torch.isin(masked[chosen & (masked != 4)], torch.tensor([0, 1, 2, 3])).any()
+    assert torch.equal(masked[~chosen], ids[~chosen])  # nothing else changes
+
+
+@pytest.fixture(scope="module")
+def corpus(small_text):
+    text = small_text.read_text()
+    docs = datasets.Dataset.from_dict({"text": [p for p in text.split("\n\n") if p.strip()][:400]})
+    tok = build_tokenizer("wordpiece", vocab_size=600, path="", lowercase=True, texts=[text], specials=SPECIAL_TOKENS)
+    return segments.tokenize_sentences(docs, tok)
+
+
+def test_sentence_splitting():
+    assert segments.split_sentences("One. Two!  Three?\n\nFour\nstill four.") == ["One.", "Two!", "Three?",
+                                                                                "Four\nstill four."]
+
+
+def test_nsp_is_balanced_and_isnext_pairs_are_truly_consecutive(corpus):
+    pairs = segments.sentence_pairs(corpus, 61, np.random.default_rng(0))
+    labels = np.array([p[2] for p in pairs])
+    assert len(pairs) > 300
+    assert abs(labels.mean() - 0.5) < 0.06
+    docs = [corpus.tokens[corpus.sent_start[r.start]: corpus.sent_start[r.stop]].tobytes()
+            for r in (corpus.doc_sentences(d) for d in range(corpus.n_docs))]
+    for a, b, label in pairs:
+        assert len(a) >= 1 and len(b) >= 1 and len(a) + len(b) <= 61
+        joined = np.concatenate([a, b]).tobytes()
+        found = any(joined in d for d in docs)
+        if label == 0:
+            assert found, "an IsNext pair is not consecutive text of one document"
+    not_next = [np.concatenate([a, b]).tobytes() for a, b, l in pairs if l == 1]
+    assert sum(any(j in d for d in docs) for j in not_next) < 0.02 * len(not_next)
+
+
+def test_full_segments_pack_whole_sentences(corpus):
+    segs = segments.full_segments(corpus, 40, sep_id=3)
+    assert all(len(s) <= 40 for s in segs)
+    assert np.mean([len(s) for s in segs]) > 25  # packed, not one sentence each
+    stream = np.concatenate(segs)
+    assert (stream != 3).sum() == len(corpus.tokens)  # every token used exactly once
+
+
+def _tiny_bert_recipe(data, nsp=True) -> dict:
+    return {
+        "name": "tiny-bert", "objective": "mlm",
+        "model": {"family": "bert", "n_layer": 2, "n_head": 2, "d_model": 48, "d_ff": 96, "max_seq_len": 64,
+                  "dropout": 0.0},
+        "tokenizer": {"kind": "wordpiece", "vocab_size": 400, "lowercase": True},
+        "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 64},
+        "mlm": {"nsp": nsp, "documents": "paragraphs"},
+        "optim": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.01},
+        "schedule": {"warmup_steps": 3, "decay": "linear", "min_lr": 0.0},
+        "train": {"steps": 30, "batch_size": 16, "log_interval": 5, "eval_interval": 30, "eval_batches": 2,
+                  "ckpt_interval": 30, "seed": 3, "device": "cpu"},
+    }
+
+
+def test_pretrain_mlm_lowers_the_loss_and_reports_all_metrics(small_text, write_recipe, tmp_path):
+    path = write_recipe(_tiny_bert_recipe(small_text))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--recipe", str(path), "--out", str(out),
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in read_metrics(out) if "split" not in r]
+    assert {"mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc"} <= set(rows[0])
+    assert rows[-1]["mlm_loss"] < rows[0]["mlm_loss"] - 0.3  # from ln(400) = 6.0 towards the unigram entropy
+    val = [r for r in read_metrics(out) if r.get("split") == "val"][-1]
+    assert 0.0 <= val["nsp_acc"] <= 1.0 and val["mlm_loss"] > 0
+    meta = json.loads((out / "checkpoints" / "step-0000030" / "meta.json").read_text())
+    assert meta["family"] == "bert"
+
+
+def test_no_nsp_trains_mlm_only(small_text, write_recipe, tmp_path):
+    raw = _tiny_bert_recipe(small_text)
+    raw["train"]["steps"] = 6
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--no-nsp", "--recipe",
+                                      str(write_recipe(raw)), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(out)
+    assert "mlm_loss" in rows[0] and "nsp_loss" not in rows[0]
+
+
+def test_no_nsp_is_refused_for_other_objectives():
+    result = CliRunner().invoke(app, ["pretrain", "--objective", "clm", "--no-nsp"])
+    assert result.exit_code == 2 and "--no-nsp" in result.output

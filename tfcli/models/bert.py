@@ -1,0 +1,94 @@
+"""BERT-shaped encoder: token + segment + learned position embeddings, post-norm blocks, pooler.
+
+The model returns hidden states (and, when asked, every layer's for last-4 pooling); the MLM and
+NSP heads belong to the objective (tfcli.objectives.mlm_nsp), the classifier to the task.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import MLP, Attention, Block, init_normal_, make_norm, padding_mask
+
+
+@dataclass
+class BertConfig:
+    """Shape of a BERT. vocab_size 0 means 'take it from the tokenizer'."""
+
+    family: str = "bert"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    d_ff: int = 0  # 0 -> 4 * d_model
+    max_seq_len: int = 512  # max_position_embeddings
+    type_vocab_size: int = 2
+    vocab_size: int = 0
+    dropout: float = 0.1  # hidden and attention-probability dropout, as in BERT
+    layer_norm_eps: float = 1e-12
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if self.type_vocab_size < 1:
+            raise ValueError("model.type_vocab_size must be at least 1")
+        if not self.d_ff:
+            self.d_ff = 4 * self.d_model
+
+
+class Bert(nn.Module):
+    """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (it is filled in from the tokenizer)")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.wse = nn.Embedding(cfg.type_vocab_size, cfg.d_model)  # segment (token type) embeddings
+        self.ln_emb = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(
+                Attention(cfg.d_model, cfg.n_head, dropout=cfg.dropout),
+                MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation),
+                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
+                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
+                prenorm=False,  # BERT: norm(x + f(x))
+                dropout=cfg.dropout,
+            )
+            for _ in range(cfg.n_layer)
+        )
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+        init_normal_(self)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.wte.weight  # the MLM decoder is tied to the token embedding
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None, all_layers: bool = False):
+        """input_ids (B, T), token_type_ids (B, T) of 0/1, attention_mask (B, T) of 1 = token, 0 = pad
+        -> hidden states (B, T, D), or with all_layers the list of every block's output (last = final)."""
+        B, T = input_ids.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.max_seq_len} positions")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)  # (B, T, D)
+        x = x + (self.wse(token_type_ids) if token_type_ids is not None else self.wse.weight[0])
+        x = self.drop(self.ln_emb(x))
+        # no mask at all when nothing is padded: SDPA's fastest path
+        mask = padding_mask(attention_mask) if attention_mask is not None and not bool(attention_mask.all()) else None
+        layers = []
+        for block in self.blocks:
+            x = block(x, mask=mask)
+            layers.append(x)
+        return layers if all_layers else x
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        """(B, T, D) -> (B, D): tanh(dense(hidden of [CLS]))."""
+        return torch.tanh(self.pooler(hidden[:, 0]))
