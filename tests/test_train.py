@@ -1,0 +1,91 @@
+"""The trainer: learning, exact resume, accumulation, schedule, checkpoints a crash cannot corrupt."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tfcli import checkpoint
+from tfcli import recipe as recipes
+from tfcli.pretrain import pretrain
+from tfcli.recipe import ScheduleConfig
+from tfcli.train import lr_multiplier
+
+from .conftest import read_metrics, tiny_gpt_recipe
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "split" not in m}
+
+
+def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 40, "ckpt_interval": 20,
+                                                               "eval_interval": 20}))
+    run = pretrain(rec, out=tmp_path / "run", quiet=True)
+    losses = train_losses(run)
+    first, last = list(losses.values())[:5], list(losses.values())[-5:]
+    assert sum(last) / 5 < sum(first) / 5 - 0.5  # from ~4.1 (uniform over ~60 chars) well into learning
+    val = [m for m in read_metrics(run) if m.get("split") == "val"]
+    assert [m["step"] for m in val] == [20, 40] and val[1]["loss"] < val[0]["loss"]
+    assert val[1]["ppl"] == pytest.approx(2.718281828 ** val[1]["loss"], rel=1e-4)
+    ckpt = checkpoint.find(run)
+    assert ckpt.name == "step-0000040"
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "state.pt", "meta.json"}
+    assert (run / "config.yaml").is_file() and (run / "tokenizer.json").is_file()
+    assert recipes.load_resolved(run / "config.yaml").model.vocab_size > 0
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_text):
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10}))
+    whole = pretrain(rec, out=tmp_path / "whole", quiet=True)
+    # a run that died right after its step-10 checkpoint: same directory, nothing after step 10
+    crashed = tmp_path / "crashed"
+    shutil.copytree(whole, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step-0000020")
+    (crashed / "checkpoints" / "latest").write_text("step-0000010")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(l for l in lines if '"step": 1,' in l or
+                                                     int(l.split('"step": ')[1].split(",")[0]) <= 10) + "\n")
+    resumed = recipes.load_resolved(crashed / "config.yaml")
+    pretrain(resumed, resume=crashed, quiet=True)
+    a, b = train_losses(whole), train_losses(crashed)
+    assert sorted(b) == list(range(1, 21))
+    assert [b[s] for s in range(11, 21)] == [a[s] for s in range(11, 21)]  # bit for bit
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, small_text):
+    big = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 6, "batch_size": 8}))
+    acc = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 6, "batch_size": 4, "grad_accum": 2}))
+    a = train_losses(pretrain(big, out=tmp_path / "big", quiet=True))
+    b = train_losses(pretrain(acc, out=tmp_path / "acc", quiet=True))
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in a)
+
+
+def test_schedule_warms_up_then_decays_to_the_minimum():
+    sched = ScheduleConfig(warmup_steps=10, decay="cosine", min_lr=1e-4)
+    m = [lr_multiplier(s, sched, total=100, base_lr=1e-3) for s in range(101)]
+    assert m[0] == pytest.approx(0.1) and m[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(m[10:], m[11:]))
+    assert m[100] == pytest.approx(0.1)  # min_lr / lr
+    linear = ScheduleConfig(warmup_steps=0, decay="linear", min_lr=0.0)
+    assert lr_multiplier(50, linear, total=100, base_lr=1.0) == pytest.approx(0.5)
+
+
+def test_an_interrupted_checkpoint_write_never_becomes_latest(tmp_path, small_text, monkeypatch):
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10}))
+    calls = {"n": 0}
+    original = checkpoint.save_file
+
+    def failing_save(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint dies halfway through writing its weights
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError("disk full")
+        return original(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", failing_save)
+    with pytest.raises(OSError):
+        pretrain(rec, out=tmp_path / "run", quiet=True)
+    assert checkpoint.find(tmp_path / "run").name == "step-0000010"
+    assert not (tmp_path / "run" / "checkpoints" / "step-0000020").exists()
