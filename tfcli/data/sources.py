@@ -43,7 +43,9 @@ def expand_paths(source: str) -> list[Path]:
     """Files named by a comma-separated list of files, globs and directories (searched recursively)."""
     files: list[Path] = []
     for part in (p.strip() for p in source.split(",") if p.strip()):
-        if any(ch in part for ch in "*?["):
+        if part == "builtin":  # e.g. 'builtin,../shared/data/text': the built-in corpus plus files
+            files.append(builtin_corpus_file())
+        elif any(ch in part for ch in "*?["):
             matches = sorted(Path(m) for m in glob.glob(part, recursive=True) if Path(m).is_file())
             if not matches:
                 raise UserError(f"no files match {part!r}")

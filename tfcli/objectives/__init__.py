@@ -18,6 +18,7 @@ from ..errors import UserError
 
 OBJECTIVES = {
     "clm": "next_token",
+    "span": "span_corruption",
     "mlm": "mlm_nsp",
 }
 

@@ -1,0 +1,211 @@
+"""T5 span corruption: drop 15% of the tokens in spans of mean length 3, each span replaced by
+one sentinel in the input; the target spells out each sentinel followed by the tokens it hid.
+
+Faithful to the T5 codebase (t5.data.preprocessors): `random_spans_noise_mask` picks the number
+of noise tokens and spans as T5 does (a non-noise span first, a noise span last, spans never
+empty), `compute_input_and_target_lengths` picks how many raw tokens to cut so that the noised
+input fills the encoder length exactly, and the decoder input is the target shifted right behind
+the start token (the pad id, as T5). Example, noise spans marked:
+
+    Thank you [for inviting] me to your party [last] week .
+    input   Thank you <extra_id_0> me to your party <extra_id_1> week . </s>
+    target  <extra_id_0> for inviting <extra_id_1> last </s>       (T5 ends on a noise span)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..data import packing
+from ..data.packing import BlockSampler
+from ..errors import UserError
+from . import Prepared
+from .losses import IGNORE, linear_cross_entropy
+
+FAMILY = "t5"
+DEFAULT_RECIPE = "t5-mini"
+N_SENTINELS = 100
+SENTINELS = [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"] + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
+NOISE_DENSITY = 0.15
+MEAN_SPAN_LENGTH = 3.0
+
+
+def noise_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) in `length` tokens, with T5's guards against empty spans."""
+    length = max(length, 2)
+    n_noise = min(max(int(round(length * noise_density)), 1), length - 1)
+    n_spans = max(int(round(n_noise / mean_span_length)), 1)
+    return n_noise, n_spans
+
+
+def compute_input_and_target_lengths(inputs_length: int, noise_density: float = NOISE_DENSITY,
+                                     mean_span_length: float = MEAN_SPAN_LENGTH) -> tuple[int, int]:
+    """(raw tokens to cut, target length) so that the noised input is exactly `inputs_length` long:
+    non-noise tokens + one sentinel per span + EOS (T5's random_spans_helper; 512 -> 568, 114)."""
+    def lengths(tokens: int) -> tuple[int, int]:
+        n_noise, n_spans = noise_counts(tokens, noise_density, mean_span_length)
+        return tokens - n_noise + n_spans + 1, n_noise + n_spans + 1
+
+    tokens = inputs_length - 1
+    while lengths(tokens + 1)[0] <= inputs_length:
+        tokens += 1
+    targets = lengths(tokens)[1]
+    if noise_density == 0.5 and targets > inputs_length:  # T5's hack to keep targets a round number
+        tokens, targets = tokens - 1, targets - 1
+    return tokens, targets
+
+
+def _random_segmentation(n_items: int, n_segments: int, rng: np.random.Generator) -> np.ndarray:
+    """Split n_items into n_segments non-empty runs at random -> (n_segments,) run lengths."""
+    first = np.zeros(n_items, dtype=bool)
+    first[1:] = rng.permutation(np.arange(n_items - 1) < n_segments - 1)  # where a new run starts
+    return np.bincount(np.cumsum(first), minlength=n_segments)
+
+
+def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density: float = NOISE_DENSITY,
+                            mean_span_length: float = MEAN_SPAN_LENGTH) -> np.ndarray:
+    """(length,) bool, True = noise: alternating non-noise / noise spans, starting non-noise."""
+    n_noise, n_spans = noise_counts(length, noise_density, mean_span_length)
+    n = max(length, 2)
+    noise_lengths = _random_segmentation(n_noise, n_spans, rng)  # (n_spans,)
+    keep_lengths = _random_segmentation(n - n_noise, n_spans, rng)  # (n_spans,)
+    interleaved = np.stack([keep_lengths, noise_lengths], axis=1).reshape(-1)  # keep0 noise0 keep1 ...
+    starts = np.zeros(n, dtype=np.int64)
+    starts[np.cumsum(interleaved)[:-1]] = 1
+    return (np.cumsum(starts) % 2 == 1)[:length]
+
+
+def _replace_spans(tokens: np.ndarray, mask: np.ndarray, sentinels: np.ndarray) -> np.ndarray:
+    """Replace each run of masked tokens by the next sentinel (T5's noise_span_to_unique_sentinel)."""
+    prev = np.concatenate([[False], mask[:-1]])
+    first = mask & ~prev  # (N,) where a span begins
+    span = np.cumsum(first) - 1
+    out = np.where(first, sentinels[np.clip(span, 0, len(sentinels) - 1)], tokens)
+    return out[~(mask & prev)]  # drop the rest of every span
+
+
+def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinels: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) raw ids and noise mask -> (input ids, target ids), each ending in EOS."""
+    if int((mask & ~np.concatenate([[False], mask[:-1]])).sum()) > len(sentinels):
+        raise UserError(f"{len(sentinels)} sentinels cannot mark this many spans; lower data.seq_len")
+    inputs = _replace_spans(tokens, mask, sentinels)
+    # in the target the kept tokens are the 'spans'; with T5's mask the k-th kept span precedes the
+    # k-th noise span, so each sentinel is followed by exactly the tokens it hid in the input
+    targets = _replace_spans(tokens, ~mask, sentinels)
+    return np.append(inputs, eos_id), np.append(targets, eos_id)
+
+
+def shift_right(labels: Tensor, start_id: int) -> Tensor:
+    """(B, T) targets -> decoder inputs: start token, then the targets up to T-1 (ignored ones as start)."""
+    shifted = labels.new_full(labels.shape, start_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == IGNORE, start_id)
+
+
+@dataclass
+class SpanCorruptor:
+    """Turns raw blocks of `raw_len` tokens into encoder inputs, targets and decoder inputs."""
+
+    sentinels: np.ndarray
+    eos_id: int
+    start_id: int  # T5 starts decoding from the pad id
+    noise_density: float = NOISE_DENSITY
+    mean_span_length: float = MEAN_SPAN_LENGTH
+
+    def __call__(self, raw: np.ndarray, rng: np.random.Generator) -> dict[str, Tensor]:
+        """raw (B, N) -> input_ids (B, S), labels (B, T), decoder_input_ids (B, T)."""
+        pairs = [corrupt(row, random_spans_noise_mask(len(row), rng, self.noise_density, self.mean_span_length),
+                         self.sentinels, self.eos_id) for row in raw]
+        inputs = torch.from_numpy(np.stack([p[0] for p in pairs]))
+        labels = torch.from_numpy(np.stack([p[1] for p in pairs]))
+        return {"input_ids": inputs, "labels": labels, "decoder_input_ids": shift_right(labels, self.start_id)}
+
+
+@dataclass
+class SpanBatches:
+    """Shuffled raw blocks (BlockSampler) corrupted with noise drawn from (seed, rank, batch number)."""
+
+    blocks: BlockSampler
+    corruptor: SpanCorruptor
+    seed: int
+    rank: int = 0
+    batches: int = field(default=0)
+
+    def next_batch(self) -> dict[str, Tensor]:
+        b = self.blocks.next_batch()  # blocks of seq_len + 1 = raw_len tokens
+        raw = torch.cat([b["input_ids"], b["targets"][:, -1:]], dim=1).numpy()  # (B, raw_len)
+        rng = np.random.default_rng([self.seed, self.rank, self.batches])
+        self.batches += 1
+        return self.corruptor(raw, rng)
+
+    def state_dict(self) -> dict:
+        return {"blocks": self.blocks.state_dict(), "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.blocks.load_state_dict(state["blocks"])
+        self.batches = int(state["batches"])
+
+
+def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy."""
+    mask = batch.get("attention_mask")
+    hidden = model.decode(batch["decoder_input_ids"], model.encode(batch["input_ids"], mask), mask)  # (B, T, D)
+    value, correct = linear_cross_entropy(hidden, model.lm_head_weight, batch["labels"], with_accuracy=True)
+    n = (batch["labels"] != IGNORE).sum().clamp(min=1)
+    return value, {"loss": value.detach(), "accuracy": correct.float() / n}
+
+
+def flops_per_token(model, inputs_len: int, targets_len: int) -> float:
+    """Training FLOPs per (encoder + decoder) token: 6 x parameters each token passes through
+    (cross-attention keys/values run on encoder tokens, the LM head on decoder tokens) plus
+    attention's 12 x layers x Tq x Tk x inner width."""
+    cfg = model.cfg
+    count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
+    kv = count(b.cross_attn.kv for b in model.decoder)
+    n_enc = count(model.encoder) + kv
+    n_dec = count(model.decoder) - kv + cfg.vocab_size * cfg.d_model
+    inner = cfg.n_head * cfg.d_kv
+    attn = 12 * inner * (cfg.n_layer * inputs_len ** 2 + cfg.n_decoder_layer * (targets_len ** 2 + targets_len * inputs_len))
+    return (6.0 * (n_enc * inputs_len + n_dec * targets_len) + attn) / (inputs_len + targets_len)
+
+
+def make_corruptor(tokenizer) -> SpanCorruptor:
+    ids = [tokenizer.token_id(s) for s in SENTINELS]
+    pad, eos = tokenizer.token_id("<pad>"), tokenizer.token_id("</s>")
+    if None in ids or pad is None or eos is None:
+        raise UserError("span corruption needs a tokenizer with <pad>, </s> and <extra_id_0..99> "
+                        "(train one: tokenizer.kind unigram or bpe)")
+    return SpanCorruptor(np.array(ids, dtype=np.int64), eos_id=eos, start_id=pad)
+
+
+def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) -> Prepared:
+    """Tokenize (cached), cut raw blocks long enough to fill the encoder after noising, corrupt them."""
+    data, train = recipe.data, recipe.train
+    raw_len, targets_len = compute_input_and_target_lengths(data.seq_len)
+    if targets_len > model.cfg.max_seq_len:
+        raise UserError(f"targets of {targets_len} tokens exceed model.max_seq_len ({model.cfg.max_seq_len})")
+    corruptor = make_corruptor(tokenizer)
+    stream = packing.token_stream(packing.tokenize(docs["train"], tokenizer))
+    if docs.get("val") is not None:
+        train_tokens, val_tokens = stream, packing.token_stream(packing.tokenize(docs["val"], tokenizer))
+    else:
+        train_tokens, val_tokens = packing.split_stream(stream, data.val_fraction, raw_len - 1)
+    blocks = BlockSampler(train_tokens, raw_len - 1, train.batch_size, train.seed, rank, world_size)
+
+    def val():
+        rng = np.random.default_rng([train.seed, 10**6 + rank])  # the same noise every evaluation
+        for b in packing.sequential_blocks(val_tokens, raw_len - 1, train.batch_size, train.eval_batches,
+                                           rank, world_size):
+            yield corruptor(torch.cat([b["input_ids"], b["targets"][:, -1:]], dim=1).numpy(), rng)
+
+    return Prepared(
+        train=SpanBatches(blocks, corruptor, train.seed, rank),
+        val=lambda: val() if len(val_tokens) >= raw_len else iter(()),
+        loss=loss,
+        items_per_batch=lambda b: b["input_ids"].numel() + b["labels"].numel(),
+        flops_per_item=flops_per_token(model, data.seq_len, targets_len),
+    )
