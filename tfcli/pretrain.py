@@ -34,12 +34,14 @@ def pretrain(recipe: Recipe, out: Optional[Path] = None, resume: Optional[Path] 
     rt = setup_runtime(recipe.train.device, recipe.train.threads)
     try:
         ckpt = checkpoint.find(resume) if resume else None
-        docs = load_docs(recipe)
-        tokenizer = TextTokenizer.from_run(resume) if resume else shared_tokenizer(recipe, objective, docs, rt)
-        fill_vocab(recipe, tokenizer)
-        if recipe.data.seq_len > recipe.model.max_seq_len:
-            raise UserError(f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len "
-                            f"({recipe.model.max_seq_len})")
+        docs, tokenizer = None, None
+        if getattr(objective, "TEXT", True):  # image objectives (MAE) load their own data in prepare()
+            docs = load_docs(recipe)
+            tokenizer = TextTokenizer.from_run(resume) if resume else shared_tokenizer(recipe, objective, docs, rt)
+            fill_vocab(recipe, tokenizer)
+            if recipe.data.seq_len > recipe.model.max_seq_len:
+                raise UserError(f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len "
+                                f"({recipe.model.max_seq_len})")
         torch.manual_seed(recipe.train.seed)
         model = build_model(recipe.model)
         with main_first(rt):
@@ -48,13 +50,15 @@ def pretrain(recipe: Recipe, out: Optional[Path] = None, resume: Optional[Path] 
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             recipes.save(recipe, run_dir / "config.yaml")
-            tokenizer.save(run_dir)
+            if tokenizer is not None:
+                tokenizer.save(run_dir)
             if not quiet:
                 n = sum(p.numel() for p in model.parameters())
                 console.print(f"[bold]{recipe.name}[/]: {recipe.objective} on a {n / 1e6:.2f}M-parameter "
                               f"{recipe.model.family}, run directory [green]{run_dir}[/]"
                               + (f" (resuming from {ckpt.name})" if ckpt else ""))
-        fit(model, prepared, recipe, run_dir, rt, resume_from=ckpt, quiet=quiet)
+        evaluation = prepared.evaluation(run_dir) if prepared.evaluation else None
+        fit(model, prepared, recipe, run_dir, rt, resume_from=ckpt, evaluation=evaluation, quiet=quiet)
         return run_dir
     finally:
         teardown(rt)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
+from .vit import ViT, ViTConfig
 from .t5 import T5, T5Config
 
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
+    "vit": (ViTConfig, ViT),
     "bert": (BertConfig, Bert),
     "t5": (T5Config, T5),
 }

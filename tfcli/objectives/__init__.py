@@ -4,13 +4,15 @@ Each objective module provides:
   FAMILY            the model family it trains ("gpt", "bert", "t5", "vit")
   DEFAULT_RECIPE    the recipe `tfcli pretrain --objective X` uses when none is given
   SPECIAL_TOKENS    what its tokenizer must have (text objectives)
+  TEXT              optional, default True; False: no documents or tokenizer (MAE loads its own images)
   prepare(recipe, tokenizer, runtime) -> Prepared    data, heads and loss for the trainer
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 from torch import Tensor, nn
 
@@ -18,6 +20,7 @@ from ..errors import UserError
 
 OBJECTIVES = {
     "clm": "next_token",
+    "mae": "mae",
     "span": "span_corruption",
     "mlm": "mlm_nsp",
 }
@@ -46,6 +49,8 @@ class Prepared:
     heads: nn.ModuleDict = field(default_factory=nn.ModuleDict)
     eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m  # e.g. add perplexity
     item_name: str = "tok"
+    # run directory -> a train.Evaluation run at each evaluation (e.g. MAE saves reconstruction pictures)
+    evaluation: Optional[Callable[[Path], Any]] = None
 
 
 def get(name: str):

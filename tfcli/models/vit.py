@@ -1,0 +1,223 @@
+"""Vision Transformer encoder and the MAE decoder, built from the shared blocks.
+
+The encoder (`ViT`) returns hidden states; the MAE decoder (`MAEDecoder`) turns the encoded
+visible patches back into pixels of every patch. The decoder is an objective head: it lives in
+the MAE objective's heads and is dropped after pretraining. Patchify, unpatchify and random
+masking are pure functions so that the objective, the pictures and the tests share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import MLP, Attention, Block, make_norm
+
+
+@dataclass
+class ViTConfig:
+    """Shape of a ViT encoder plus its MAE decoder (decoder_* fields, mask_ratio, norm_pix_loss)."""
+
+    family: str = "vit"
+    image_size: int = 32
+    patch_size: int = 4
+    channels: int = 3
+    n_layer: int = 6
+    n_head: int = 3
+    d_model: int = 192
+    d_ff: int = 768
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-6
+    pos_embed: Literal["learned", "sincos"] = "sincos"  # learned 1-D, or MAE's fixed 2-D sin-cos
+    decoder_d_model: int = 128
+    decoder_n_layer: int = 2
+    decoder_n_head: int = 4
+    decoder_d_ff: int = 512
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = False
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(f"model.image_size ({self.image_size}) must be a multiple of "
+                             f"model.patch_size ({self.patch_size})")
+        for d, h, name in ((self.d_model, self.n_head, ""), (self.decoder_d_model, self.decoder_n_head, "decoder_")):
+            if d % h:
+                raise ValueError(f"model.{name}d_model ({d}) must be divisible by model.{name}n_head ({h})")
+            if self.pos_embed == "sincos" and d % 4:
+                raise ValueError(f"model.{name}d_model ({d}) must be divisible by 4 for sin-cos positions")
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ValueError(f"model.mask_ratio must be in [0, 1), got {self.mask_ratio}")
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.grid ** 2
+
+
+# --- pure functions -----------------------------------------------------------------------------
+
+def patchify(pixels: Tensor, patch: int) -> Tensor:
+    """(B, C, H, W) -> (B, N, P*P*C), patches in raster order, each flattened as (row, col, channel)."""
+    B, C, H, W = pixels.shape
+    h, w = H // patch, W // patch
+    x = pixels.reshape(B, C, h, patch, w, patch)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(B, h * w, patch * patch * C)
+
+
+def unpatchify(patches: Tensor, patch: int, channels: int = 3) -> Tensor:
+    """(B, N, P*P*C) -> (B, C, H, W): the exact inverse of patchify for a square grid."""
+    B, N, _ = patches.shape
+    g = int(round(N ** 0.5))
+    x = patches.reshape(B, g, g, patch, patch, channels)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(B, channels, g * patch, g * patch)
+
+
+def n_visible(n_patches: int, mask_ratio: float) -> int:
+    """Patches the encoder sees: round(N * (1 - mask_ratio)), at least one."""
+    return max(1, int(round(n_patches * (1.0 - mask_ratio))))
+
+
+def random_masking(noise: Tensor, mask_ratio: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample shuffle by sorting noise (B, N); keep the lowest-noise patches (official MAE).
+
+    Returns ids_keep (B, K) of visible patches, ids_restore (B, N) that undoes the shuffle,
+    and mask (B, N) with 1 on masked patches and 0 on visible ones.
+    """
+    B, N = noise.shape
+    keep = n_visible(N, mask_ratio)
+    ids_shuffle = torch.argsort(noise, dim=1)  # (B, N) ascending noise: small is kept
+    ids_restore = torch.argsort(ids_shuffle, dim=1)  # (B, N)
+    mask = torch.ones(B, N, device=noise.device)
+    mask[:, :keep] = 0
+    mask = torch.gather(mask, 1, ids_restore)  # (B, N) back in raster order
+    return ids_shuffle[:, :keep], ids_restore, mask
+
+
+def sincos_2d(grid: int, dim: int) -> Tensor:
+    """Fixed 2-D sin-cos positions (1, 1 + grid*grid, dim), a zero row for [CLS] first.
+
+    Layout as in the official MAE code (and so in its released weights): the first half encodes
+    the column, the second half the row, each as [sin | cos] over dim/4 frequencies.
+    """
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))  # (dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float64),
+                                torch.arange(grid, dtype=torch.float64), indexing="ij")
+    c = cols.flatten().outer(omega)  # (N, dim/4)
+    r = rows.flatten().outer(omega)
+    emb = torch.cat([c.sin(), c.cos(), r.sin(), r.cos()], dim=1)  # (N, dim)
+    return torch.cat([torch.zeros(1, dim, dtype=torch.float64), emb]).float()[None]
+
+
+# --- modules ------------------------------------------------------------------------------------
+
+def _blocks(n: int, d: int, heads: int, d_ff: int, eps: float, dropout: float) -> nn.ModuleList:
+    """Pre-norm shared blocks with exact GELU, as in ViT and MAE."""
+    return nn.ModuleList(
+        Block(Attention(d, heads, bias=True, dropout=dropout),
+              MLP(d, d_ff, activation="gelu", bias=True, dropout=dropout),
+              make_norm("layernorm", d, eps), make_norm("layernorm", d, eps),
+              prenorm=True, dropout=dropout)
+        for _ in range(n))
+
+
+def _positions(module: nn.Module, cfg: ViTConfig, dim: int) -> None:
+    """Learned 1-D positions (a parameter) or fixed 2-D sin-cos (a buffer, recomputed, not saved)."""
+    if cfg.pos_embed == "learned":
+        module.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, dim))
+        nn.init.trunc_normal_(module.pos_embed, std=0.02)
+    else:
+        module.register_buffer("pos_embed", sincos_2d(cfg.grid, dim), persistent=False)
+
+
+def _init_linear_(module: nn.Module) -> None:
+    """MAE initialisation: xavier-uniform linear layers, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class ViT(nn.Module):
+    """ViT encoder: Conv2d patchify (kernel = stride = P), [CLS], positions, pre-norm blocks."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
+        _positions(self, cfg, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = _blocks(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.layer_norm_eps, cfg.dropout)
+        self.norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps)
+        _init_linear_(self)
+        w = self.patch_embed.weight
+        nn.init.xavier_uniform_(w.view(w.size(0), -1))  # like a linear layer on flattened patches
+        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.normal_(self.cls_token, std=0.02)
+
+    def embed(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+        """(B, C, H, W) -> (B, 1 + K, D): [CLS] then the kept patches (all N if ids_keep is None)."""
+        B, _, H, W = pixels.shape
+        if H != self.cfg.image_size or W != self.cfg.image_size:
+            raise ValueError(f"images are {H}x{W}, the model takes {self.cfg.image_size}x{self.cfg.image_size}")
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = x + self.pos_embed[:, 1:]
+        if ids_keep is not None:
+            x = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, x.size(-1)))  # (B, K, D)
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(B, -1, -1)  # (B, 1, D)
+        return self.drop(torch.cat([cls, x], dim=1))
+
+    def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+        """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks."""
+        x = self.embed(pixels, ids_keep)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+        return self.forward_features(pixels, ids_keep)
+
+    @staticmethod
+    def pool(hidden: Tensor, how: str = "cls") -> Tensor:
+        """(B, 1 + N, D) -> (B, D): the [CLS] vector or the mean of the patch vectors."""
+        return hidden[:, 0] if how == "cls" else hidden[:, 1:].mean(dim=1)
+
+
+class MAEDecoder(nn.Module):
+    """Narrow decoder: visible tokens + a shared mask token at each masked position -> pixels."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        d = cfg.decoder_d_model
+        self.cfg = cfg
+        self.embed = nn.Linear(cfg.d_model, d)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, d))
+        _positions(self, cfg, d)
+        self.blocks = _blocks(cfg.decoder_n_layer, d, cfg.decoder_n_head, cfg.decoder_d_ff,
+                              cfg.layer_norm_eps, cfg.dropout)
+        self.norm = make_norm("layernorm", d, cfg.layer_norm_eps)
+        self.pred = nn.Linear(d, cfg.patch_size ** 2 * cfg.channels)
+        _init_linear_(self)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def forward(self, latent: Tensor, ids_restore: Tensor) -> Tensor:
+        """latent (B, 1 + K, D), ids_restore (B, N) -> predicted patches (B, N, P*P*C) in raster order."""
+        x = self.embed(latent)  # (B, 1 + K, d)
+        B, N = ids_restore.shape
+        d = x.size(-1)
+        masks = self.mask_token.expand(B, N - (x.size(1) - 1), d)  # (B, N - K, d)
+        x_ = torch.cat([x[:, 1:], masks], dim=1)  # (B, N, d) in shuffled order
+        x_ = torch.gather(x_, 1, ids_restore[..., None].expand(-1, -1, d))  # (B, N, d) raster order
+        x = torch.cat([x[:, :1], x_], dim=1) + self.pos_embed  # (B, 1 + N, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.pred(self.norm(x))[:, 1:]  # (B, N, P*P*C)
