@@ -87,16 +87,6 @@ class MLMConfig:
 
 
 @dataclass
-class MLMConfig:
-    """BERT's masked-LM objective (objective: mlm): masking and how segments are built."""
-
-    nsp: bool = True  # false: RoBERTa-style full segments, no next-sentence prediction
-    mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
-    short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
-    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
-
-
-@dataclass
 class TaskConfig:
     """Finetuning: which task, its data, how features are pooled and what is trained."""
 
@@ -109,20 +99,6 @@ class TaskConfig:
     epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training rows
     limit: int = 0  # use only the first N training rows (0 = all)
     eval_limit: int = 0  # evaluate on the first N rows of each split (0 = all)
-
-
-@dataclass
-class ImagesConfig:
-    """Image objectives and tasks (MAE, image-classify): training augmentation and normalisation.
-    Pixels are scaled to [0, 1], then (x - mean) / std per channel; the size is model.image_size."""
-
-    augment: bool = True  # random resized crop + horizontal flip on training images
-    crop_scale: tuple[float, float] = (0.2, 1.0)  # area fraction of the random crop (MAE: 0.2-1)
-    crop_ratio: tuple[float, float] = (0.75, 1.3333333)  # aspect ratio range of the crop
-    hflip: bool = True
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
 
 
@@ -150,8 +126,6 @@ class Recipe:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    images: ImagesConfig = field(default_factory=ImagesConfig)
-    mlm: MLMConfig = field(default_factory=MLMConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)
 
