@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
-from .vit import ViT, ViTConfig
 from .t5 import T5, T5Config
+from .vit import ViT, ViTConfig
 
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
-    "vit": (ViTConfig, ViT),
-    "bert": (BertConfig, Bert),
     "t5": (T5Config, T5),
+    "bert": (BertConfig, Bert),
+    "vit": (ViTConfig, ViT),
 }
 
 

@@ -20,8 +20,8 @@ from ..errors import UserError
 
 OBJECTIVES = {
     "clm": "next_token",
-    "mae": "mae",
     "span": "span_corruption",
+    "mae": "mae",
     "mlm": "mlm_nsp",
 }
 
