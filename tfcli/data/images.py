@@ -8,9 +8,12 @@ converted to RGB; unreadable files are skipped and counted, never a traceback.
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -223,6 +226,10 @@ def _from_hub(spec: str) -> ImageSplits:
     import datasets
 
     name, _, config = spec.partition(":")
+    offline = any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if not offline and not hub_reachable():  # fail in a second, not after a minute of retries
+        raise UserError(f"could not load Hugging Face dataset {spec!r}: the hub is unreachable from here; "
+                        f"use a local image folder or .npz instead (or HF_HUB_OFFLINE=1 for a cached copy)")
     try:
         ds = datasets.load_dataset(name, config or None)
     except Exception as e:  # offline, unknown name, ...: one line, not a traceback
@@ -233,6 +240,16 @@ def _from_hub(spec: str) -> ImageSplits:
         raise UserError(f"hf:{spec}: no train split (has: {', '.join(ds)})")
     test_name = next((s for s in ("test", "validation", "val") if s in ds), None)
     return ImageSplits(_hub_split(ds["train"], spec), _hub_split(ds[test_name], spec) if test_name else None)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (HF_ENDPOINT) accepts a TCP connection."""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _hub_split(split, spec: str) -> ImageSet:
