@@ -28,7 +28,9 @@ class EvalOptions:
     few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
     seed: int = 0
 
-TASKS: dict[str, str] = {}
+TASKS: dict[str, str] = {
+    "mnli": "mnli",
+}
 
 
 def get(name: str):
