@@ -127,6 +127,36 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
     assert result.exit_code == 0, result.output
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
+    # tfcli eval mae: held-out reconstruction loss and the picture grid
+    png = tmp_path / "recon.png"
+    result = CliRunner().invoke(app, ["eval", "mae", "--checkpoint", str(out), "--out", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "recon_loss" in result.output and "images" in result.output
+    with Image.open(png) as im:
+        assert im.size == (3 * (96 + 2) + 2, 8 * (96 + 2) + 2)  # 3 columns x 8 held-out images, 16px x6
+    # plain `tfcli eval` gives the held-out loss of the pretraining run
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(out)])
+    assert result.exit_code == 0 and "loss" in result.output, result.output
+
+
+def test_reconstruction_picture_pastes_visible_patches():
+    from tfcli.pictures import reconstruct
+    cfg = ViTConfig(**TINY)
+    enc, dec = ViT(cfg).eval(), MAEDecoder(cfg).eval()
+    x = torch.rand(2, 3, 16, 16)
+    noise = torch.rand(2, 16)
+    _, _, mask = random_masking(noise, 0.75)
+    original, masked, recon = reconstruct(enc, dec, x, noise, lambda t: t.clamp(0, 1))
+    vis = (1 - mask).bool()
+    p_orig, p_masked, p_recon = (patchify(t, 4) for t in (original, masked, recon))
+    assert torch.allclose(p_recon[vis], p_orig[vis]) and torch.allclose(p_masked[vis], p_orig[vis])
+    assert torch.all(p_masked[mask.bool()] == 0.5)
+    assert not torch.allclose(p_recon[mask.bool()], p_orig[mask.bool()])
+
+
+def test_eval_mae_rejects_other_runs(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "mae", "--checkpoint", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "not found" in result.output
 
 
 def test_objective_family_mismatch_is_a_user_error(tmp_path):

@@ -41,7 +41,8 @@ def evaluate_pretraining(path, data: str | None = None, batches: int = 0, device
     if batches:
         recipe.train.eval_batches = batches
     objective = objectives.get(recipe.objective)
-    prepared = objective.prepare(recipe, loaded.tokenizer, load_docs(recipe), loaded.model)
+    docs = load_docs(recipe) if getattr(objective, "TEXT", True) else None  # MAE loads its own images
+    prepared = objective.prepare(recipe, loaded.tokenizer, docs, loaded.model)
     prepared.heads.load_state_dict(loaded.heads)
     module = ObjectiveModule(loaded.model, prepared.heads, prepared.loss).to(device)
     metrics = held_out_metrics(module, prepared.val(), torch.device(device))

@@ -30,6 +30,7 @@ class EvalOptions:
 
 TASKS: dict[str, str] = {
     "mnli": "mnli",
+    "mae": "mae",  # evaluation only: reconstruction loss and picture grid of an MAE run
 }
 
 
