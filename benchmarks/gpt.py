@@ -1,0 +1,56 @@
+"""GPT training step vs transformers' GPT2LMHeadModel at the same config, and generation speed.
+
+Config (issue 2): 4 layers, width 256, 4 heads, context 256, batch 16, vocab 50257, fp32,
+2 threads, no dropout. Both sides use the same weights and torch's fused AdamW.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.common import interleaved, report, train_step
+from tfcli.generate import generate_tokens
+from tfcli.hf.gpt2 import config_to_hf, state_to_hf
+from tfcli.models.gpt import GPT, GPTConfig
+from tfcli.objectives.next_token import loss as next_token_loss
+
+BATCH, CONTEXT = 16, 256
+
+
+def main() -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=CONTEXT, vocab_size=50257, dropout=0.0)
+    ours = GPT(cfg).train()
+    peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(cfg))).train()
+    peer.load_state_dict(state_to_hf(ours.state_dict(), cfg.n_layer), strict=False)
+    block = torch.randint(0, cfg.vocab_size, (BATCH, CONTEXT + 1))
+    batch = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+    opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
+    seconds = interleaved({
+        "tfcli": train_step(lambda: next_token_loss(ours, None, batch)[0], opt_ours),
+        "transformers": train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
+                                   opt_peer),
+    }, rounds=5, warmup=1)
+    report("gpt train step (L4 d256 h4 ctx256 b16 V50257 fp32)", "tok", BATCH * CONTEXT, seconds)
+    generation(ours.eval())
+
+
+def generation(model: GPT, new_tokens: int = 200) -> None:
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 16))
+    rates = {}
+    for use_cache in (True, False):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in generate_tokens(model, prompt, max_new_tokens=new_tokens, temperature=0.0,
+                                           use_cache=use_cache))
+        rates[use_cache] = n / (time.perf_counter() - t0)
+    print(f"gpt generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
+          f"({rates[True] / rates[False]:.1f}x)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
