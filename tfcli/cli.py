@@ -154,6 +154,22 @@ def eval_(
 
 @app.command()
 @user_errors
+def export(
+    hf: Path = typer.Option(..., "--hf", help="Write a Hugging Face transformers directory here."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
+):
+    """Export a run (its best checkpoint, else its latest) as a directory transformers can load."""
+    from .checkpoint import newest_run
+    from .display import console
+    from .hf import export_run
+
+    path = checkpoint or newest_run()
+    arch = export_run(path, hf)
+    console.print(f"wrote {arch} to {hf}")
+
+
+@app.command()
+@user_errors
 def generate(
     prompt: str = typer.Option("", help="Text to continue."),
     checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),

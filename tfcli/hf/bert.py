@@ -149,12 +149,46 @@ def write_hf_dir(out: Path, cfg: BertConfig, model_sd: dict[str, Tensor], heads_
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     classify = "classifier.weight" in heads_sd
-    arch = "BertForSequenceClassification" if classify else "BertForPreTraining"
+    arch = ("BertForSequenceClassification" if classify else
+            "BertForPreTraining" if "nsp.weight" in heads_sd else "BertForMaskedLM")
     n_labels = heads_sd["classifier.weight"].shape[0] if classify else 2
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg, n_labels, arch, id2label), indent=2))
     save_file(to_hf(model_sd, heads_sd, cfg.n_layer), str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(out)
+        norm = tokenizer.tok.normalizer
+        lower = norm is not None and norm.normalize_str("A") == "a"
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "BertTokenizerFast", "do_lower_case": lower, "model_max_length": cfg.max_seq_len}))
         vocab = tokenizer.tok.get_vocab(with_added_tokens=True)
         if tokenizer.tok.model.__class__.__name__ == "WordPiece":
             (out / "vocab.txt").write_text("".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda x: x[1])))
+
+
+def export(loaded, out: Path) -> str:
+    """A loaded tfcli BERT run -> a transformers directory: BertForSequenceClassification for a
+    finetuned run (cls pooling), BertForPreTraining for MLM+NSP, BertForMaskedLM for MLM only."""
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose a new --hf directory")
+    model_sd = {k: v for k, v in loaded.model.state_dict().items()}
+    heads = dict(loaded.heads)
+    id2label = None
+    if "classifier.weight" in heads:
+        task = loaded.recipe.task
+        if task.pooling != "cls":
+            raise UserError(f"this run classifies from --pooling {task.pooling}; transformers' "
+                            f"BertForSequenceClassification uses the pooled [CLS] (cls) only")
+        id2label = _labels(task.name)
+        heads = {k: v for k, v in heads.items() if k.startswith("classifier.")}
+    write_hf_dir(out, loaded.model.cfg, model_sd, heads, loaded.tokenizer, id2label)
+    return json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+
+
+def _labels(task_name: str) -> Optional[dict[int, str]]:
+    from .. import tasks
+
+    try:
+        labels = getattr(tasks.get(task_name), "LABELS", None)
+    except UserError:
+        return None
+    return dict(enumerate(labels)) if labels else None

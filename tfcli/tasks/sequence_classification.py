@@ -260,6 +260,7 @@ def finetune(task: PairTask, recipe, from_: Optional[Path] = None, out: Optional
     try:
         model, tokenizer = load_backbone(recipe, from_)
         check_pooling(model, t.pooling)
+        t.max_length = min(t.max_length, model.cfg.max_seq_len)  # no longer than the model's positions
         pad = special_ids(tokenizer)["pad"]
         train_ex = encode(tokenizer, _load_rows(task, t.data, task.train_split, t.limit, quiet), t.max_length)
         evals = {s: encode(tokenizer, _load_rows(task, t.data, s, t.eval_limit, quiet), t.max_length)
