@@ -122,7 +122,7 @@ def test_a_few_steps_lower_the_loss():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.6 * losses[0]
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
@@ -170,11 +170,18 @@ def tiny_t5_recipe(data) -> dict:
     }
 
 
-def test_pretrain_span_through_the_cli(tmp_path, text_file):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def span_run(tmp_path_factory, text_file) -> Path:
+    tmp = tmp_path_factory.mktemp("span")
+    out = tmp / "run"
     result = CliRunner().invoke(app, ["pretrain", "--objective", "span", "--recipe",
-                                      recipe_file(tmp_path, tiny_t5_recipe(text_file)), "--out", str(out), "--quiet"])
+                                      recipe_file(tmp, tiny_t5_recipe(text_file)), "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
+    return out
+
+
+def test_pretrain_span_through_the_cli(span_run):
+    out = span_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "split" not in r]
     assert train[-1]["step"] == 8 and train[-1]["loss"] < train[0]["loss"]
@@ -187,3 +194,17 @@ def test_span_needs_a_t5_recipe(tmp_path, text_file):
     raw["model"] = {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "max_seq_len": 64}
     result = CliRunner().invoke(app, ["pretrain", "--objective", "span", "--recipe", recipe_file(tmp_path, raw)])
     assert result.exit_code == 2 and "trains a 't5' model" in result.output
+
+
+def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
+    def run(*extra):
+        result = CliRunner().invoke(app, ["generate", "--checkpoint", str(span_run), "--prompt",
+                                          "Thank you <extra_id_0> me to your party <extra_id_1> week.",
+                                          "--greedy", "--max-new-tokens", "12", *extra])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    cached = run()
+    assert cached.strip() and cached == run("--no-cache")
+    result = CliRunner().invoke(app, ["generate", "--checkpoint", str(span_run)])
+    assert result.exit_code == 2 and "--prompt" in result.output

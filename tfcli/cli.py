@@ -182,7 +182,7 @@ def generate(
     no_cache: bool = typer.Option(False, help="Recompute every position each step (for checking the cache)."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
 ):
-    """Generate text from a decoder checkpoint, streaming tokens as they are made."""
+    """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
     import torch
 
     from .checkpoint import newest_run
@@ -192,21 +192,33 @@ def generate(
     if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     loaded = load_run(checkpoint or newest_run(), device=device)
-    if loaded.recipe.model.family != "gpt":
-        raise UserError(f"{loaded.checkpoint} holds a {loaded.recipe.model.family!r} model; "
-                        f"generate needs a decoder (gpt) checkpoint")
+    family = loaded.recipe.model.family
+    if family not in ("gpt", "t5"):
+        raise UserError(f"{loaded.checkpoint} holds a {family!r} model; "
+                        f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
     tok = loaded.tokenizer
-    ids = tok.encode(prompt) if prompt else []
-    if not ids:
-        if tok.eos_id is None:
-            raise UserError("give a non-empty --prompt (this tokenizer has no end-of-text token to start from)")
-        ids = [tok.eos_id]
-    streamer = TextStreamer(tok.decode)
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
-    for token in generate_tokens(loaded.model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                                 temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p,
-                                 eos_id=tok.eos_id, use_cache=not no_cache, seed=seed):
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
+                    top_p=top_p, eos_id=tok.eos_id, use_cache=not no_cache, seed=seed)
+    if family == "t5":  # encode the prompt once, decode an answer from the start token
+        from .seq2seq import generate_seq2seq
+
+        if not prompt:
+            raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
+                            "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
+        ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
+        streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))  # show the sentinels
+        tokens = generate_seq2seq(loaded.model, ids, start_id=tok.token_id("<pad>"), **sampling)
+    else:
+        ids = tok.encode(prompt) if prompt else []
+        if not ids:
+            if tok.eos_id is None:
+                raise UserError("give a non-empty --prompt (this tokenizer has no end-of-text token to start from)")
+            ids = [tok.eos_id]
+        streamer = TextStreamer(tok.decode)
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        tokens = generate_tokens(loaded.model, torch.tensor([ids], device=device), **sampling)
+    for token in tokens:
         sys.stdout.write(streamer.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
