@@ -19,7 +19,7 @@ TINY = {"image_size": 16, "patch_size": 4, "n_layer": 2, "n_head": 2, "d_model":
 
 
 def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
-    """Smooth random images (gradients + blobs) with labels, as x_train/y_train/x_test/y_test."""
+    """Smooth random gradients, tinted by class (0 red, 1 blue), as x_train/y_train/x_test/y_test."""
     rng = np.random.default_rng(0)
     yy, xx = np.mgrid[0:size, 0:size] / size
     def make(k):
@@ -27,7 +27,8 @@ def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
         for i in range(k):
             c = rng.uniform(0, 1, (3, 3))
             img = c[:, 0, None, None] + c[:, 1, None, None] * xx + c[:, 2, None, None] * yy
-            imgs.append((np.clip(img / 2.5, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8))
+            img[2 * (i % 2)] += 1.0  # class 0 reddish, class 1 bluish
+            imgs.append((np.clip(img / 3.5, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8))
             labels.append(i % 2)
         return np.stack(imgs), np.array(labels)
     xtr, ytr = make(n)

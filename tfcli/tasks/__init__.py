@@ -31,6 +31,7 @@ class EvalOptions:
 TASKS: dict[str, str] = {
     "mnli": "mnli",
     "mae": "mae",  # evaluation only: reconstruction loss and picture grid of an MAE run
+    "image-classify": "image_classification",
 }
 
 
