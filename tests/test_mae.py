@@ -114,6 +114,7 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
         args += ["--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    assert "tfcli eval mae --checkpoint" in result.output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "split" not in r]
     assert [r["step"] for r in train] == [2, 4] and all(np.isfinite(r["loss"]) for r in train)

@@ -81,6 +81,11 @@ def pretrain(
     else:
         rec = resolve_recipe(recipe or module.DEFAULT_RECIPE, set_, objective=objective, **shortcuts)
     run_dir = run(rec, out=out, resume=resume, quiet=quiet)
+    if rec.objective == "mae":
+        console.print(f"\n[bold green]done.[/] run: {run_dir}  (reconstructions: {run_dir}/recon.png)\n"
+                      f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png\n"
+                      f"probe it:     tfcli finetune image-classify --from {run_dir} --data ... --train head")
+        return
     console.print(f"\n[bold green]done.[/] run: {run_dir}\n"
                   f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"...\"\n"
                   f"evaluate it:       tfcli eval --checkpoint {run_dir}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -84,13 +85,20 @@ def val_batches(images: ImageSet, recipe, n_patches: int, max_batches: int, rank
         yield b
 
 
+def picture_batch(images: ImageSet, recipe, k: int = PICTURE_IMAGES) -> Tensor:
+    """k held-out images spread evenly over the set (not just its first class), eval-transformed."""
+    idx = np.unique(np.linspace(0, len(images) - 1, min(k, len(images))).round().astype(np.int64))
+    transform = ImageTransform.from_recipe(recipe, train=False)
+    return next(sequential_batches(images.take(idx), transform, len(idx), 1))["pixels"]  # (k, C, S, S)
+
+
 def picture_saver(recipe, images: ImageSet, rank: int):
     """A run directory -> an evaluation that saves the reconstruction grid at each evaluation."""
     from ..pictures import reconstruction_png
     from ..train import Evaluation
 
     transform = ImageTransform.from_recipe(recipe, train=False)
-    first = next(sequential_batches(images, transform, min(PICTURE_IMAGES, len(images)), 1))["pixels"]
+    first = picture_batch(images, recipe)
 
     def make(run_dir: Path):
         def run(module: nn.Module) -> dict[str, float]:

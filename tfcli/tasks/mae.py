@@ -10,7 +10,6 @@ from torch import nn
 from ..errors import UserError
 from . import EvalOptions
 
-PICTURE_IMAGES = 8
 
 
 def load_mae(checkpoint: Path):
@@ -47,10 +46,10 @@ def reconstruction_loss(encoder: nn.Module, decoder: nn.Module, batches) -> tupl
 def evaluate(checkpoint: Path, options: EvalOptions) -> dict[str, float]:
     """Print the held-out reconstruction loss and write the picture grid (default: RUN/recon.png)."""
     from ..checkpoint import run_dir_of
-    from ..data.image_batches import ImageTransform, sequential_batches
+    from ..data.image_batches import ImageTransform
     from ..display import console
     from ..evaluate import metrics_table
-    from ..objectives.mae import fixed_noise, held_out, val_batches
+    from ..objectives.mae import fixed_noise, held_out, picture_batch, val_batches
     from ..pictures import reconstruction_png
 
     loaded, decoder = load_mae(checkpoint)
@@ -63,7 +62,7 @@ def evaluate(checkpoint: Path, options: EvalOptions) -> dict[str, float]:
         images = images.take(range(min(options.limit, len(images))))
     value, n = reconstruction_loss(encoder, decoder, val_batches(images, recipe, encoder.cfg.n_patches, 0))
     transform = ImageTransform.from_recipe(recipe, train=False)
-    first = next(sequential_batches(images, transform, min(PICTURE_IMAGES, len(images)), 1))["pixels"]
+    first = picture_batch(images, recipe)
     out = Path(options.out) if options.out else run_dir_of(loaded.checkpoint) / "recon.png"
     reconstruction_png(encoder, decoder, first, fixed_noise(0, first.size(0), encoder.cfg.n_patches,
                                                             recipe.train.seed), transform.denormalize, out)
