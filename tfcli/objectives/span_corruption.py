@@ -154,9 +154,10 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
     """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy."""
     mask = batch.get("attention_mask")
     hidden = model.decode(batch["decoder_input_ids"], model.encode(batch["input_ids"], mask), mask)  # (B, T, D)
-    value, correct = linear_cross_entropy(hidden, model.lm_head_weight, batch["labels"], with_accuracy=True)
-    n = (batch["labels"] != IGNORE).sum().clamp(min=1)
-    return value, {"loss": value.detach(), "accuracy": correct.float() / n}
+    labels = batch["labels"]
+    valid = labels != IGNORE  # padded targets never reach the (large) output projection
+    value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, labels[valid], with_accuracy=True)
+    return value, {"loss": value.detach(), "accuracy": correct.float() / valid.sum().clamp(min=1)}
 
 
 def flops_per_token(model, inputs_len: int, targets_len: int) -> float:

@@ -1,0 +1,61 @@
+"""T5 span-corruption training step vs transformers' T5ForConditionalGeneration, same config.
+
+Config (issue 4): d_model 256, FFN 1024 (gated-GELU, T5 v1.1), 4+4 layers, 4 heads of 64,
+vocabulary 32,128, encoder length 114, decoder length 32, batch 32, fp32, 2 threads, no dropout.
+Batches are real span corruption of random token blocks (114 input tokens fill the encoder
+exactly; the 26 target tokens are padded to 32 with ignored labels). Same weights, fused AdamW.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from benchmarks.common import interleaved, report, train_step
+from tfcli.hf.t5 import config_to_hf, state_dict_to_hf
+from tfcli.models.t5 import T5, T5Config
+from tfcli.objectives import span_corruption as sc
+from tfcli.objectives.losses import IGNORE
+
+BATCH, ENCODER_LEN, DECODER_LEN, VOCAB = 32, 114, 32, 32128
+
+
+def span_batch() -> dict[str, torch.Tensor]:
+    """A span-corruption batch: input_ids (B, 114), labels and decoder_input_ids (B, 32)."""
+    raw_len, _ = sc.compute_input_and_target_lengths(ENCODER_LEN)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(103, VOCAB - 100, size=(BATCH, raw_len))
+    corruptor = sc.SpanCorruptor(np.arange(VOCAB - 1, VOCAB - 101, -1), eos_id=1, start_id=0)  # T5's sentinel ids
+    batch = corruptor(raw, rng)
+    labels = torch.full((BATCH, DECODER_LEN), IGNORE, dtype=torch.long)
+    labels[:, : batch["labels"].size(1)] = batch["labels"]
+    return {"input_ids": batch["input_ids"], "labels": labels, "decoder_input_ids": sc.shift_right(labels, 0)}
+
+
+def main() -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
+                   feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
+    ours = T5(cfg).train()
+    peer = transformers.T5ForConditionalGeneration(transformers.T5Config(**config_to_hf(cfg))).train()
+    peer.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg), strict=False)
+    batch = span_batch()
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+    opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
+    with torch.no_grad():  # same weights, same batch: the same loss
+        a = sc.loss(ours, None, batch)[0]
+        b = peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    print(f"t5 loss check: tfcli {float(a):.5f}, transformers {float(b):.5f}")
+    seconds = interleaved({
+        "tfcli": train_step(lambda: sc.loss(ours, None, batch)[0], opt_ours),
+        "transformers": train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+                                   opt_peer),
+    }, rounds=5, warmup=1)
+    report(f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} "
+           f"V{VOCAB} fp32)", "tok", BATCH * (ENCODER_LEN + DECODER_LEN), seconds)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
