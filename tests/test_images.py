@@ -161,3 +161,10 @@ def test_sequential_batches_cover_everything_once():
     batches = list(sequential_batches(data, ImageTransform(8, MEAN, STD), 3))
     assert [b["labels"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
     assert len(list(sequential_batches(data, ImageTransform(8, MEAN, STD), 3, max_batches=2))) == 2
+
+
+def test_subset_is_a_seeded_sample_across_classes():
+    data = ImageSet(np.zeros((100, 4, 4, 3), np.uint8), np.repeat(np.arange(10), 10))  # sorted by class
+    sub = data.subset(30, seed=1)
+    assert len(sub) == 30 and len(set(sub.labels.tolist())) > 5
+    assert np.array_equal(sub.labels, data.subset(30, seed=1).labels) and data.subset(0) is data

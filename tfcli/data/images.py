@@ -44,6 +44,13 @@ class ImageSet:
         labels = self.labels[idx] if self.labels is not None else None
         return ImageSet(images, labels, self.class_names)
 
+    def subset(self, n: int, seed: int = 0) -> "ImageSet":
+        """A seeded random n of the images, in their order (files are often sorted by class, so
+        the first n would not do); n <= 0 or >= len: all of them."""
+        if n <= 0 or n >= len(self):
+            return self
+        return self.take(np.sort(np.random.default_rng(seed).permutation(len(self))[:n]))
+
 
 @dataclass
 class ImageSplits:

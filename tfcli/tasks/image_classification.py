@@ -100,10 +100,6 @@ def load_labelled(recipe, data: Optional[str] = None) -> ImageSplits:
     return splits
 
 
-def _limit(images: ImageSet, n: int) -> ImageSet:
-    return images.take(range(min(n, len(images)))) if n > 0 else images
-
-
 def finetune(recipe, from_: Optional[Path] = None, out: Optional[Path] = None, quiet: bool = False) -> Path:
     """Train the head (and with task.train=all the encoder); accuracy on the test split at each
     evaluation keeps the best checkpoint, which is then reported with its confusion matrix."""
@@ -119,7 +115,7 @@ def finetune(recipe, from_: Optional[Path] = None, out: Optional[Path] = None, q
     try:
         model = load_encoder(recipe, from_)
         splits = load_labelled(recipe)
-        train, test = _limit(splits.train, t.limit), _limit(splits.test or splits.train, t.eval_limit)
+        train, test = splits.train.subset(t.limit), (splits.test or splits.train).subset(t.eval_limit)
         names = splits.train.class_names or [str(i) for i in range(int(splits.train.labels.max()) + 1)]
         if t.epochs > 0:
             tc.steps = max(1, math.ceil(t.epochs * len(train) / (tc.batch_size * tc.grad_accum * rt.world_size)))
@@ -153,7 +149,7 @@ def finetune(recipe, from_: Optional[Path] = None, out: Optional[Path] = None, q
     finally:
         teardown(rt)
     if rt.is_main:
-        report(run_dir, "best", None, t.eval_limit, quiet)
+        report(run_dir, "best", None, 0, quiet)  # the whole test split, whatever eval_limit was
     return run_dir
 
 
@@ -174,7 +170,7 @@ def report(path: Path, which: str = "best", data: Optional[str] = None, limit: i
     names = tuple(json.loads(classes_file.read_text())) if classes_file.is_file() else \
         tuple(str(i) for i in range(heads["classifier"].out_features))
     splits = load_labelled(recipe, data)
-    test = _limit(splits.test or splits.train, limit)
+    test = (splits.test or splits.train).subset(limit)
     if int(test.labels.max()) >= len(names):
         raise UserError(f"{data or recipe.task.data or recipe.data.source}: labels go up to {int(test.labels.max())}, "
                         f"but the classifier has {len(names)} classes")

@@ -58,8 +58,7 @@ def evaluate(checkpoint: Path, options: EvalOptions) -> dict[str, float]:
     if options.data:
         recipe.data.val_source = options.data
     images = held_out(recipe)
-    if options.limit:
-        images = images.take(range(min(options.limit, len(images))))
+    images = images.subset(options.limit)
     value, n = reconstruction_loss(encoder, decoder, val_batches(images, recipe, encoder.cfg.n_patches, 0))
     transform = ImageTransform.from_recipe(recipe, train=False)
     first = picture_batch(images, recipe)
