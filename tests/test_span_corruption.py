@@ -208,3 +208,23 @@ def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
     assert cached.strip() and cached == run("--no-cache")
     result = CliRunner().invoke(app, ["generate", "--checkpoint", str(span_run)])
     assert result.exit_code == 2 and "--prompt" in result.output
+
+
+def test_export_a_t5_run_that_transformers_loads(span_run, tmp_path):
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    from tfcli.inference import load_run
+
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(span_run), "--hf", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Thank you <extra_id_0> me to your party <extra_id_1> week."
+    loaded = load_run(span_run)
+    ids = loaded.tokenizer.encode(text) + [loaded.tokenizer.eos_id]
+    assert tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] == ids
+    x, dec = torch.tensor([ids]), torch.tensor([[tok.pad_token_id, 5, 9]])
+    with torch.no_grad():
+        ours = loaded.model.logits(loaded.model(x, None, dec))
+        theirs = hf(input_ids=x, decoder_input_ids=dec).logits
+    assert (ours - theirs).abs().max() < 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tfcli import recipe as recipes
-from tfcli.hf.t5 import config_to_hf, export, load_pretrained, state_dict_from_hf, state_dict_to_hf
+from tfcli.hf.t5 import config_to_hf, export_model, load_pretrained, state_dict_from_hf, state_dict_to_hf
 from tfcli.models import build_model
 from tfcli.models.t5 import T5, T5Config
 
@@ -57,7 +57,7 @@ def test_state_dict_round_trip_and_load_pretrained(tmp_path):
     back = state_dict_from_hf(state_dict_to_hf(sd, model.cfg), model.cfg)
     assert sd.keys() == back.keys() and all(torch.equal(sd[k], back[k]) for k in sd)
     tied = tiny()
-    loaded = load_pretrained(export(tied, tmp_path / "hf"))
+    loaded = load_pretrained(export_model(tied, tmp_path / "hf"))
     for k, v in tied.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
 
@@ -66,7 +66,7 @@ def test_export_loads_in_transformers(tmp_path):
     from transformers import T5ForConditionalGeneration
 
     model = tiny()
-    hf = T5ForConditionalGeneration.from_pretrained(export(model, tmp_path / "hf")).eval()
+    hf = T5ForConditionalGeneration.from_pretrained(export_model(model, tmp_path / "hf")).eval()
     ids, dec = torch.randint(0, V, (2, 12)), torch.randint(0, V, (2, 7))
     with torch.no_grad():
         diff = model.logits(model(ids, None, dec)) - hf(input_ids=ids, decoder_input_ids=dec).logits

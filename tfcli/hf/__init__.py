@@ -9,6 +9,7 @@ from pathlib import Path
 # model family -> module of this package that has export(loaded, out) (a loaded tfcli run -> HF directory)
 EXPORTERS = {
     "bert": "bert",
+    "t5": "t5",
     "vit": "vit",
 }
 

@@ -130,7 +130,7 @@ def load_pretrained(directory: Path) -> T5:
     return model.eval()
 
 
-def export(model: T5, directory: Path, pad_id: int = 0, eos_id: int = 1) -> Path:
+def export_model(model: T5, directory: Path, pad_id: int = 0, eos_id: int = 1) -> Path:
     """Write config.json + model.safetensors that T5ForConditionalGeneration.from_pretrained loads."""
     from safetensors.torch import save_file
 
@@ -144,3 +144,22 @@ def export(model: T5, directory: Path, pad_id: int = 0, eos_id: int = 1) -> Path
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps(config_to_hf(model.cfg, pad_id, eos_id), indent=2))
     return d
+
+
+def export(loaded, out: Path) -> str:
+    """A loaded tfcli T5 run -> a transformers directory (T5ForConditionalGeneration + tokenizer.json)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose a new --hf directory")
+    tok = loaded.tokenizer
+    pad, eos = tok.token_id("<pad>"), tok.token_id("</s>")
+    if pad is None or eos is None:
+        raise UserError("this run's tokenizer has no <pad> or </s>; it was not trained for T5")
+    export_model(loaded.model, out, pad_id=pad, eos_id=eos)
+    tok.save(out)
+    sentinels = [t for t in (f"<extra_id_{i}>" for i in range(100)) if tok.token_id(t) is not None]
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>",
+        "unk_token": "<unk>", "additional_special_tokens": sentinels,
+        "model_max_length": loaded.model.cfg.max_seq_len}, indent=2))
+    return "T5ForConditionalGeneration"
