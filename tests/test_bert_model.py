@@ -96,3 +96,29 @@ def test_bert_base_recipe_has_paper_size():
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="divisible"):
         BertConfig(d_model=30, n_head=4)
+
+
+def test_hugging_face_dir_with_pytorch_model_bin_loads_with_its_heads(tmp_path):
+    torch.manual_seed(2)
+    hf = transformers.BertForPreTraining(transformers.BertConfig(**TINY)).eval()
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")  # the older checkpoint format
+    cfg, model_sd, heads_sd, _ = hf_bert.read_hf_dir(tmp_path)
+    assert (cfg.n_layer, cfg.d_model, cfg.vocab_size) == (2, 32, 99)
+    model = Bert(cfg).eval()
+    model.load_state_dict(model_sd)
+    assert {"mlm.dense.weight", "mlm.norm.weight", "mlm.bias", "nsp.weight"} <= set(heads_sd)
+    ids, types, mask = _inputs()
+    with torch.no_grad():
+        ref = hf.bert(input_ids=ids, token_type_ids=types, attention_mask=mask).last_hidden_state
+        ours = model(ids, types, mask)
+    assert (ours - ref)[mask.bool()].abs().max() < 1e-4
+
+
+def test_a_directory_without_weights_is_a_user_error(tmp_path):
+    from tfcli.errors import UserError
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "num_hidden_layers": 1, "num_attention_heads": 2, '
+                                          '"hidden_size": 8, "intermediate_size": 16, "vocab_size": 10}')
+    with pytest.raises(UserError, match="no model.safetensors or pytorch_model.bin"):
+        hf_bert.read_hf_dir(tmp_path)

@@ -119,3 +119,26 @@ def test_no_nsp_trains_mlm_only(small_text, write_recipe, tmp_path):
 def test_no_nsp_is_refused_for_other_objectives():
     result = CliRunner().invoke(app, ["pretrain", "--objective", "clm", "--no-nsp"])
     assert result.exit_code == 2 and "--no-nsp" in result.output
+
+
+def test_resumed_mlm_run_ends_with_the_same_weights(small_text, write_recipe, tmp_path):
+    from tfcli.checkpoint import find, load_weights
+
+    text = small_text.read_text()
+    tok = build_tokenizer("wordpiece", vocab_size=400, path="", lowercase=True, texts=[text], specials=SPECIAL_TOKENS)
+    tok.save(tmp_path)  # one tokenizer for both runs (WordPiece training breaks ties differently run to run)
+    raw = _tiny_bert_recipe(small_text)
+    raw["tokenizer"] = {"kind": "file", "path": str(tmp_path / "tokenizer.json")}
+    raw["schedule"]["decay"] = "constant"  # the schedule then does not depend on the total steps
+    raw["train"].update(steps=6, ckpt_interval=3, eval_interval=3, log_interval=3)
+    path = write_recipe(raw)
+    straight, split = tmp_path / "a", tmp_path / "b"
+    run = lambda *extra: CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--recipe", str(path),
+                                                  "--quiet", *extra])
+    assert run("--out", str(straight)).exit_code == 0
+    assert run("--out", str(split), "--steps", "3").exit_code == 0
+    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--resume", str(split), "--steps", "6",
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    a, b = load_weights(find(straight)), load_weights(find(split))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
