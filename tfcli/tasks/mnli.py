@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from . import sequence_classification as seqcls
+from . import text_to_text
 from .sequence_classification import PairTask, Rows
 
 DEFAULT_RECIPE = "mnli-bert-mini"
@@ -107,10 +108,15 @@ TASK = PairTask(name="mnli", labels=LABELS, train_split="train", eval_splits=("d
 
 
 def finetune(recipe, from_=None, out=None, quiet: bool = False) -> Path:
-    """Finetune a BERT (tfcli run, Hugging Face directory, or fresh) on MNLI."""
+    """Finetune a BERT (tfcli run, Hugging Face directory, or fresh) on MNLI; a t5/gpt run text-to-text."""
+    if text_to_text.is_generative_run(from_):
+        return text_to_text.finetune(TASK, recipe, from_=from_, out=out, quiet=quiet)
     return seqcls.finetune(TASK, recipe, from_=from_, out=out, quiet=quiet)
 
 
 def evaluate(checkpoint, options) -> None:
     """Accuracy and confusion matrices on matched and mismatched, or one pair's probabilities."""
+    if options.few_shot >= 0 or text_to_text.is_generative_run(checkpoint):
+        text_to_text.evaluate(TASK, checkpoint, options)  # label-word scoring, k-shot prompting
+        return
     seqcls.evaluate(TASK, checkpoint, options)
