@@ -147,11 +147,18 @@ def test_finetune_from_a_hf_directory_and_export_as_vit_for_image_classification
     transformers.ViTMAEForPreTraining(hf_cfg).save_pretrained(tmp_path / "mae")
     run = tmp_path / "ft"
     result = CliRunner().invoke(app, ["finetune", "image-classify", "--from", str(tmp_path / "mae"), "--data", str(npz),
-                                      "--train", "all", "--steps", "2", "--batch-size", "8", "--out", str(run),
+                                      "--train", "all", "--pooling", "cls", "--steps", "2", "--batch-size", "8",
+                                      "--out", str(run),
                                       "--set", "schedule.warmup_steps=1", "--quiet"])
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(app, ["export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf")])
     assert result.exit_code == 0 and "ViTForImageClassification" in result.output, result.output
+    mean_run = tmp_path / "ft-mean"
+    assert CliRunner().invoke(app, ["finetune", "image-classify", "--from", str(tmp_path / "mae"), "--data", str(npz),
+                                    "--pooling", "mean", "--steps", "1", "--batch-size", "8", "--out", str(mean_run),
+                                    "--set", "schedule.warmup_steps=1", "--quiet"]).exit_code == 0
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(mean_run), "--hf", str(tmp_path / "hf-mean")])
+    assert result.exit_code == 2 and "--pooling cls" in result.output
     hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.id2label == {0: "a", 1: "b"}
     from tfcli.inference import load_run

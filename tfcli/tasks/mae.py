@@ -68,4 +68,7 @@ def evaluate(checkpoint: Path, options: EvalOptions) -> dict[str, float]:
     metrics = {"recon_loss": value, "images": float(n), "mask_ratio": encoder.cfg.mask_ratio}
     console.print(metrics_table(f"{loaded.checkpoint} (MAE reconstruction, held-out)", metrics))
     console.print(f"picture: {out}  (columns: original | masked input | reconstruction, visible patches pasted)")
+    if encoder.cfg.norm_pix_loss:
+        console.print("note: this model predicts per-patch normalised pixels (norm_pix_loss); the picture draws each "
+                      "masked patch with its true mean and variance, so colours and contrast are not predicted")
     return metrics
