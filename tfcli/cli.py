@@ -86,6 +86,11 @@ def pretrain(
                       f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png\n"
                       f"probe it:     tfcli finetune image-classify --from {run_dir} --data ... --train head")
         return
+    if rec.objective == "mlm":
+        console.print(f"\n[bold green]done.[/] run: {run_dir}\n"
+                      f"evaluate it:  tfcli eval --checkpoint {run_dir}\n"
+                      f"finetune it:  tfcli finetune mnli --from {run_dir} --data ../shared/data/mnli")
+        return
     console.print(f"\n[bold green]done.[/] run: {run_dir}\n"
                   f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"...\"\n"
                   f"evaluate it:       tfcli eval --checkpoint {run_dir}")
