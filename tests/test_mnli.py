@@ -154,3 +154,27 @@ def test_finetune_from_a_missing_path_is_a_one_line_error(small_mnli, tmp_path):
     result = CliRunner().invoke(app, ["finetune", "mnli", "--from", str(tmp_path / "missing"), "--data",
                                       str(small_mnli)])
     assert result.exit_code == 2 and "not found" in result.output
+
+
+def test_every_pooling_has_the_right_width_and_ignores_padding():
+    from tfcli.models.bert import Bert, BertConfig
+    from tfcli.tasks import sequence_classification as seqcls
+
+    model = Bert(BertConfig(n_layer=4, n_head=2, d_model=16, vocab_size=40, dropout=0.0)).eval()
+    ids = torch.randint(5, 40, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+    other = dict(batch, input_ids=ids.masked_fill(mask == 0, 7))  # different pad contents
+    widths = {"cls": 16, "mean": 16, "last4-sum": 16, "last4-concat": 64}
+    with torch.no_grad():
+        for pooling, width in widths.items():
+            feats = seqcls.features(model, batch, pooling)
+            assert feats.shape == (2, width)
+            assert torch.allclose(feats, seqcls.features(model, other, pooling), atol=1e-5), pooling
+        layers = model(ids, attention_mask=mask, all_layers=True)
+        assert torch.allclose(seqcls.features(model, batch, "last4-sum"), sum(h[:, 0] for h in layers[-4:]))
+        mean = seqcls.features(model, batch, "mean")
+        assert torch.allclose(mean[1], layers[-1][1, :5].mean(0), atol=1e-6)  # pads left out of the mean
+    with pytest.raises(UserError, match="at least 4 layers"):
+        seqcls.check_pooling(Bert(BertConfig(n_layer=2, n_head=2, d_model=16, vocab_size=40)), "last4-sum")
