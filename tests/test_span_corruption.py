@@ -117,13 +117,13 @@ def test_a_few_steps_lower_the_loss():
     model = tiny_t5()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(25):
+    for _ in range(12):
         loss, metrics = sc.loss(model, None, batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    assert losses[-1] < 0.6 * losses[0]
+    assert losses[-1] < 0.7 * losses[0]
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 

@@ -109,7 +109,7 @@ def test_text_to_text_finetuning_learns_the_label_word(family):
     encode = lambda rows: [reader.query("mnli", a, b, family == "gpt") for a, b, _ in rows]  # noqa: E731
     batches = t2t.ShuffledBatches(list(zip(encode(train), [y for *_, y in train])), reader.batch, 32, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(60):
+    for _ in range(40):
         loss, _ = reader.loss(model, None, batches.next_batch())
         loss.backward()
         opt.step()
