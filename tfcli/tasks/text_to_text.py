@@ -215,6 +215,20 @@ def _default_data(task) -> str:
     return recipes.load(tasks.get(task.name).DEFAULT_RECIPE).task.data
 
 
+def _tokens(batch: dict[str, Tensor]) -> int:
+    """Tokens a training batch counts for: encoder and decoder tokens (T5) or the sequence (GPT)."""
+    return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
+
+
+def _flops_per_token(family: str, model, examples: list, reader) -> float:
+    """The pretraining objectives' FLOP counts at the mean prompt and answer lengths, for MFU."""
+    prompt = int(np.mean([len(p) for p, _ in examples]))
+    answer = int(np.mean([len(a) for a in reader.answers]))
+    if family == "t5":
+        return span_corruption.flops_per_token(model, prompt, answer)
+    return next_token.flops_per_token(model, prompt + answer)
+
+
 def finetune(task, recipe, from_: Optional[Path], out: Optional[Path] = None, quiet: bool = False) -> Path:
     """Text-to-text finetuning of a t5 or gpt run: the label word is the target; the dev splits are
     scored (label word with the highest log-probability) as training goes, the best kept."""
@@ -231,6 +245,8 @@ def finetune(task, recipe, from_: Optional[Path], out: Optional[Path] = None, qu
         model, tok = loaded.model.train(), loaded.tokenizer
         family = loaded.recipe.model.family
         reader = make_reader(family, model, tok, task.labels)
+        if recipe.model.family not in GENERATIVE:  # a BERT recipe (the task's default) lends its training settings
+            recipe.name = f"{task.name}-{family}-text-to-text"
         recipe.model, recipe.tokenizer = loaded.recipe.model, loaded.recipe.tokenizer  # the run describes itself
         n_tokens = budget(model, reader, t.max_length)
         encode = lambda rows: [(fit_pair(reader, task.name, a, b, n_tokens, family == "gpt"), y)  # noqa: E731
@@ -253,8 +269,8 @@ def finetune(task, recipe, from_: Optional[Path], out: Optional[Path] = None, qu
         n_params = sum(p.numel() for p in model.parameters())
         prepared = Prepared(
             train=ShuffledBatches(train_ex, reader.batch, tc.batch_size, tc.seed, rt.rank, rt.world_size),
-            val=lambda: iter(val), loss=reader.loss, items_per_batch=lambda b: int(b["input_ids"].numel()),
-            flops_per_item=6.0 * n_params, item_name="tok")
+            val=lambda: iter(val), loss=reader.loss, items_per_batch=_tokens,
+            flops_per_item=_flops_per_token(family, model, train_ex, reader), item_name="tok")
         run_dir = new_run_dir(recipe, out)
         run_dir.mkdir(parents=True, exist_ok=True)
         recipes.save(recipe, run_dir / "config.yaml")
