@@ -78,3 +78,29 @@ def test_context_overflow_is_an_error():
     model = tiny()
     with pytest.raises(ValueError, match="longer than the context"):
         model(torch.zeros(1, 49, dtype=torch.long))
+
+
+def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_path, small_text):
+    import yaml
+    from typer.testing import CliRunner
+
+    transformers = pytest.importorskip("transformers")
+    from tfcli.cli import app
+    from tfcli.inference import load_run
+
+    from .conftest import tiny_gpt_recipe
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 3})))
+    runner = CliRunner()
+    assert runner.invoke(app, ["pretrain", "--recipe", str(recipe), "--out", str(tmp_path / "run"),
+                               "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ours = load_run(tmp_path / "run").model
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert (ours.logits(ours(ids)) - hf(ids).logits).abs().max().item() < 1e-4
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("ROMEO:")["input_ids"] == load_run(tmp_path / "run").tokenizer.encode("ROMEO:")

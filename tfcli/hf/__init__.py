@@ -8,6 +8,7 @@ from pathlib import Path
 
 # model family -> module of this package that has export(loaded, out) (a loaded tfcli run -> HF directory)
 EXPORTERS = {
+    "gpt": "gpt2",
     "bert": "bert",
     "t5": "t5",
     "vit": "vit",

@@ -5,6 +5,9 @@ transposed on the way in and out. The LM head is tied to wte, so it is not store
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from ..models.gpt import GPTConfig
@@ -61,3 +64,24 @@ def state_to_hf(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch
                 out[f"transformer.h.{i}.{theirs}.{kind}"] = (
                     t.t().contiguous() if kind == "weight" and ours in _CONV1D else t)
     return out
+
+
+def export(loaded, out: Path) -> str:
+    """A loaded tfcli GPT run -> a directory GPT2LMHeadModel.from_pretrained loads (+ tokenizer files)."""
+    from safetensors.torch import save_file
+
+    cfg = loaded.model.cfg
+    out.mkdir(parents=True, exist_ok=True)
+    state = state_to_hf({k: v.detach().cpu() for k, v in loaded.model.state_dict().items()}, cfg.n_layer)
+    state.pop("lm_head.weight")  # tied to wte: transformers ties it again on load
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    eos = loaded.tokenizer.eos_id if loaded.tokenizer is not None else None
+    hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **config_to_hf(cfg),
+          "bos_token_id": eos, "eos_token_id": eos}
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save(out)
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+            "bos_token": "<|endoftext|>", "model_max_length": cfg.max_seq_len}, indent=2))
+    return "GPT2LMHeadModel"
