@@ -56,7 +56,7 @@ def pretrain(
     precision: Optional[str] = typer.Option(None, help="fp32 | bf16 [default: the recipe\'s train.precision]."),
     no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
-    quiet: bool = typer.Option(False, help="Print nothing but errors and the final summary."),
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE)."""
     from . import objectives
@@ -114,7 +114,7 @@ def finetune(
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe\'s train.device]."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
-    quiet: bool = typer.Option(False, help="Print nothing but errors and the final summary."),
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
 ):
     """Finetune a pretrained model on a task."""
     from . import tasks
@@ -187,9 +187,9 @@ def generate(
     temperature: float = typer.Option(0.8, help="Sampling temperature; 0 is greedy."),
     top_k: int = typer.Option(50, help="Sample among the k most likely tokens (0: all)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling: smallest set with this much probability (1: off)."),
-    greedy: bool = typer.Option(False, help="Always take the most likely token (same as --temperature 0)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token (same as --temperature 0)."),
     seed: Optional[int] = typer.Option(None, help="Random seed for reproducible samples [default: unseeded]."),
-    no_cache: bool = typer.Option(False, help="Recompute every position each step (for checking the cache)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
