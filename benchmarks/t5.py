@@ -7,6 +7,8 @@ exactly; the 26 target tokens are padded to 32 with ignored labels). Same weight
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ from tfcli.hf.t5 import config_to_hf, state_dict_to_hf
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
 from tfcli.objectives.losses import IGNORE
+from tfcli.seq2seq import generate_seq2seq
 
 BATCH, ENCODER_LEN, DECODER_LEN, VOCAB = 32, 114, 32, 32128
 
@@ -54,6 +57,19 @@ def main() -> None:
     }, rounds=5, warmup=1)
     report(f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} "
            f"V{VOCAB} fp32)", "tok", BATCH * (ENCODER_LEN + DECODER_LEN), seconds)
+    generation(ours.eval(), batch["input_ids"][:1])
+
+
+def generation(model: T5, prompt: torch.Tensor, new_tokens: int = 64) -> None:
+    """Greedy decoding speed after one encoding, with and without the KV cache."""
+    rates = {}
+    for use_cache in (True, False):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in generate_seq2seq(model, prompt, start_id=0, max_new_tokens=new_tokens, temperature=0.0,
+                                            use_cache=use_cache))
+        rates[use_cache] = n / (time.perf_counter() - t0)
+    print(f"t5 generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
+          f"({rates[True] / rates[False]:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,25 @@ def test_a_few_steps_lower_the_loss():
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 
+def test_padded_targets_change_neither_the_loss_nor_the_gradients():
+    import torch.nn.functional as F
+
+    _, batch = corrupted(4, 70)
+    labels = torch.cat([batch["labels"], torch.full((4, 5), -100)], dim=1)
+    labels[0, 10:] = -100  # one row's target is shorter still
+    padded = {"input_ids": batch["input_ids"], "labels": labels, "decoder_input_ids": sc.shift_right(labels, PAD)}
+    model = tiny_t5()
+    loss, _ = sc.loss(model, None, padded)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    full = model.logits(model(padded["input_ids"], None, padded["decoder_input_ids"]))  # every position
+    reference = F.cross_entropy(full.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    reference.backward()
+    assert torch.allclose(loss, reference, atol=1e-5)
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+
+
 def test_batches_resume_where_they_left_off():
     from tfcli.data.packing import BlockSampler
 

@@ -151,11 +151,16 @@ class SpanBatches:
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy."""
-    mask = batch.get("attention_mask")
-    hidden = model.decode(batch["decoder_input_ids"], model.encode(batch["input_ids"], mask), mask)  # (B, T, D)
-    labels = batch["labels"]
-    valid = labels != IGNORE  # padded targets never reach the (large) output projection
+    """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy.
+
+    Padding costs nothing it need not: decoder positions after every row's last target are cut
+    (causal attention: they cannot change earlier positions), and padded targets never reach the
+    (large) output projection."""
+    mask, labels = batch.get("attention_mask"), batch["labels"]
+    valid = labels != IGNORE  # (B, T)
+    last = int(valid.any(0).nonzero().max()) + 1 if bool(valid.any()) else 1
+    labels, valid = labels[:, :last], valid[:, :last]
+    hidden = model.decode(batch["decoder_input_ids"][:, :last], model.encode(batch["input_ids"], mask), mask)
     value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, labels[valid], with_accuracy=True)
     return value, {"loss": value.detach(), "accuracy": correct.float() / valid.sum().clamp(min=1)}
 
