@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from .generate import sample_next
+from .generate import sampling_loop
 
 
 @torch.no_grad()
@@ -17,25 +17,23 @@ def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_
                      seed: Optional[int] = None) -> Iterator[int]:
     """Yield new target ids for input_ids (1, S). The decoder starts from `start_id` (T5: pad) and
     may produce at most model.cfg.max_seq_len tokens; without the cache every step re-decodes all."""
-    generator = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
     encoded = model.encode(input_ids, attention_mask)  # (1, S, D), computed once
     steps = min(max_new_tokens, model.cfg.max_seq_len)
     caches = model.new_caches(steps) if use_cache else None
     dec = torch.full((input_ids.size(0), 1), start_id, dtype=torch.long, device=input_ids.device)
-    pending = dec  # tokens the cache has not seen yet
-    for _ in range(steps):
-        if caches is not None:
-            hidden = model.decode(pending, encoded, attention_mask, caches)  # (1, 1, D)
+
+    def next_logits(previous: Optional[Tensor]) -> Tensor:
+        nonlocal dec
+        if previous is not None:
+            dec = torch.cat([dec, previous], dim=1)
+        if caches is not None:  # only the newest token goes in; the cache holds the rest
+            hidden = model.decode(dec[:, -1:] if previous is not None else dec, encoded, attention_mask, caches)
         else:
-            hidden = model.decode(dec, encoded, attention_mask)  # (1, t, D)
-        nxt = sample_next(model.logits(hidden[:, -1]), temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=generator)
-        token = int(nxt[0])
-        if eos_id is not None and token == eos_id:
-            return
-        yield token
-        pending = nxt[:, None]
-        dec = torch.cat([dec, pending], dim=1)
+            hidden = model.decode(dec, encoded, attention_mask)  # (1, t, D): re-decode everything
+        return model.logits(hidden[:, -1])
+
+    return sampling_loop(next_logits, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_id=eos_id, seed=seed, device=input_ids.device)
 
 
 def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[Tensor], targets: Tensor,

@@ -60,10 +60,17 @@ class Seq2SeqReader:
         """(N, n_labels) log p(answer | prompt)."""
         from ..seq2seq import target_log_probs
 
-        ids, mask = _pad(prompt_ids, self.pad), _mask(prompt_ids)
+        dev = _device(self.model)
+        ids, mask = _pad(prompt_ids, self.pad).to(dev), _mask(prompt_ids).to(dev)
         encoded = self.model.encode(ids, mask)  # (N, S, D), once for every label
-        return torch.stack([target_log_probs(self.model, encoded, mask, _pad([a] * len(prompt_ids), IGNORE),
-                                             self.pad) for a in self.answers], dim=1)
+        return torch.stack([target_log_probs(self.model, encoded, mask,
+                                             _pad([a] * len(prompt_ids), IGNORE).to(dev), self.pad)
+                            for a in self.answers], dim=1)
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's weights are: scoring batches are built on the CPU and moved there."""
+    return next(model.parameters()).device
 
 
 def _mask(rows: list[list[int]]) -> Tensor:
@@ -96,14 +103,14 @@ class DecoderReader:
     @torch.no_grad()
     def scores(self, prompt_ids: list[list[int]]) -> Tensor:
         """(N, n_labels) log p(label tokens | prompt), reading only the answer positions' logits."""
-        n, L = len(prompt_ids), len(self.answers)
+        n, L, dev = len(prompt_ids), len(self.answers), _device(self.model)
         pairs = [(p, a) for p in prompt_ids for a in self.answers]
-        hidden = self.model(_pad([p + a[:-1] for p, a in pairs], self.fill))  # (N*L, T, D)
-        rows = torch.tensor([i for i, (p, a) in enumerate(pairs) for _ in a])
-        cols = torch.tensor([len(p) - 1 + j for p, a in pairs for j in range(len(a))])
+        hidden = self.model(_pad([p + a[:-1] for p, a in pairs], self.fill).to(dev))  # (N*L, T, D)
+        rows = torch.tensor([i for i, (p, a) in enumerate(pairs) for _ in a], device=dev)
+        cols = torch.tensor([len(p) - 1 + j for p, a in pairs for j in range(len(a))], device=dev)
         logp = self.model.logits(hidden[rows, cols]).float().log_softmax(-1)  # (answer tokens, V)
-        picked = logp.gather(1, torch.tensor([t for _, a in pairs for t in a])[:, None]).squeeze(1)
-        return torch.zeros(n * L).index_add_(0, rows, picked).view(n, L)
+        picked = logp.gather(1, torch.tensor([t for _, a in pairs for t in a], device=dev)[:, None]).squeeze(1)
+        return torch.zeros(n * L, device=dev).index_add_(0, rows, picked).view(n, L)
 
 
 def make_reader(family: str, model, tokenizer, label_words, sentinel: bool = False):
