@@ -46,12 +46,9 @@ def pretrain(recipe: Recipe, out: Optional[Path] = None, resume: Optional[Path] 
         model = build_model(recipe.model)
         with main_first(rt):
             prepared = objective.prepare(recipe, tokenizer, docs, model, rt.rank, rt.world_size)
-        run_dir = Path(resume) if resume else _broadcast(rt, new_run_dir(recipe, out))
+        run_dir = Path(resume) if resume else None
+        run_dir = open_run_dir(recipe, out, rt, tokenizer, existing=run_dir)
         if rt.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            recipes.save(recipe, run_dir / "config.yaml")
-            if tokenizer is not None:
-                tokenizer.save(run_dir)
             if not quiet:
                 n = sum(p.numel() for p in model.parameters())
                 console.print(f"[bold]{recipe.name}[/]: {recipe.objective} on a {n / 1e6:.2f}M-parameter "
@@ -102,6 +99,20 @@ def fill_vocab(recipe: Recipe, tokenizer: TextTokenizer) -> None:
     elif recipe.model.vocab_size < tokenizer.vocab_size:
         raise UserError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the tokenizer's "
                         f"({tokenizer.vocab_size})")
+
+
+def open_run_dir(recipe: Recipe, out: Optional[Path], rt: Runtime, tokenizer: Optional[TextTokenizer] = None,
+                 existing: Optional[Path] = None) -> Path:
+    """Create the run directory (or reuse `existing`, when resuming) and write the resolved recipe and
+    the tokenizer into it. Rank 0 writes; every rank gets the same path. Called only once the data,
+    tokenizer and model are known to be good, so bad input never leaves a run directory behind."""
+    run_dir = existing or _broadcast(rt, new_run_dir(recipe, out))
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recipes.save(recipe, run_dir / "config.yaml")
+        if tokenizer is not None:
+            tokenizer.save(run_dir)
+    return run_dir
 
 
 def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:

@@ -103,9 +103,8 @@ def load_labelled(recipe, data: Optional[str] = None) -> ImageSplits:
 def finetune(recipe, from_: Optional[Path] = None, out: Optional[Path] = None, quiet: bool = False) -> Path:
     """Train the head (and with task.train=all the encoder); accuracy on the test split at each
     evaluation keeps the best checkpoint, which is then reported with its confusion matrix."""
-    from .. import recipe as recipes
     from ..objectives import Prepared
-    from ..pretrain import new_run_dir
+    from ..pretrain import open_run_dir
     from ..train import Evaluation, fit, setup_runtime, teardown
     from .sequence_classification import _optimizer  # head lr, frozen backbone for --train head
 
@@ -134,9 +133,7 @@ def finetune(recipe, from_: Optional[Path] = None, out: Optional[Path] = None, q
             val=lambda: (b for b, _ in zip(sequential_batches(test, eval_tf, tc.batch_size), range(tc.eval_batches))),
             loss=make_loss(t.pooling), items_per_batch=lambda b: int(b["labels"].numel()),
             flops_per_item=(6.0 if t.train == "all" else 2.0) * n_params * tokens, heads=heads, item_name="img")
-        run_dir = new_run_dir(recipe, out)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recipes.save(recipe, run_dir / "config.yaml")
+        run_dir = open_run_dir(recipe, out, rt)
         (run_dir / CLASSES_FILE).write_text(json.dumps(names))
         if not quiet:
             from ..display import console

@@ -250,9 +250,8 @@ def finetune(task: PairTask, recipe, from_: Optional[Path] = None, out: Optional
              quiet: bool = False) -> Path:
     """Train backbone (or only the head) + classifier; evaluate on task.eval_splits as it goes
     (the best checkpoint is kept), then report the best checkpoint on the full eval splits."""
-    from .. import recipe as recipes
     from ..objectives import Prepared
-    from ..pretrain import new_run_dir
+    from ..pretrain import open_run_dir
     from ..train import Evaluation, fit, setup_runtime, teardown
 
     tc, t = recipe.train, recipe.task
@@ -286,10 +285,7 @@ def finetune(task: PairTask, recipe, from_: Optional[Path] = None, out: Optional
             val=lambda: (b for b, _ in zip(sequential_batches(evals[first], pad, tc.batch_size), range(tc.eval_batches))),
             loss=make_loss(t.pooling, model.cfg.dropout), items_per_batch=lambda b: int(b["labels"].numel()),
             flops_per_item=6.0 * n_params * mean_len, heads=heads, item_name="ex")
-        run_dir = new_run_dir(recipe, out)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recipes.save(recipe, run_dir / "config.yaml")
-        tokenizer.save(run_dir)
+        run_dir = open_run_dir(recipe, out, rt, tokenizer)
         if not quiet:
             from ..display import console
 

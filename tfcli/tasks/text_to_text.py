@@ -239,10 +239,9 @@ def _flops_per_token(family: str, model, examples: list, reader) -> float:
 def finetune(task, recipe, from_: Optional[Path], out: Optional[Path] = None, quiet: bool = False) -> Path:
     """Text-to-text finetuning of a t5 or gpt run: the label word is the target; the dev splits are
     scored (label word with the highest log-probability) as training goes, the best kept."""
-    from .. import recipe as recipes
     from ..inference import load_run
     from ..objectives import Prepared
-    from ..pretrain import new_run_dir
+    from ..pretrain import open_run_dir
     from ..train import Evaluation, fit, setup_runtime, teardown
 
     tc, t = recipe.train, recipe.task
@@ -278,10 +277,7 @@ def finetune(task, recipe, from_: Optional[Path], out: Optional[Path] = None, qu
             train=ShuffledBatches(train_ex, reader.batch, tc.batch_size, tc.seed, rt.rank, rt.world_size),
             val=lambda: iter(val), loss=reader.loss, items_per_batch=_tokens,
             flops_per_item=_flops_per_token(family, model, train_ex, reader), item_name="tok")
-        run_dir = new_run_dir(recipe, out)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recipes.save(recipe, run_dir / "config.yaml")
-        tok.save(run_dir)
+        run_dir = open_run_dir(recipe, out, rt, tok)
         if not quiet:
             from ..display import console
 
