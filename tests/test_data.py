@@ -136,3 +136,15 @@ def test_sampler_resumes_exactly_and_splits_the_global_batch(windows):
     halves = [BlockSampler(stream, 16, 3, seed=1, rank=r, world_size=2, windows=windows).next_batch()["input_ids"]
               for r in range(2)]
     assert np.array_equal(np.concatenate(halves), whole)
+
+
+def test_unreachable_hub_fails_fast_in_one_line(monkeypatch):
+    from tfcli.data import sources
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(UserError, match="^could not load Hugging Face dataset 'wikitext:wikitext-2-raw-v1': "
+                                        "the hub is unreachable from here; use local files instead") as e:
+        load_documents("hf:wikitext:wikitext-2-raw-v1")
+    assert "\n" not in str(e.value)

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from tfcli.data import images as images_mod
+from tfcli.data import sources
 from tfcli.data.image_batches import ImageSampler, ImageTransform, sequential_batches
 from tfcli.data.images import ImageSet, as_uint8_rgb, load_images
 from tfcli.errors import UserError
@@ -96,7 +97,7 @@ def test_missing_and_unsupported_sources(tmp_path):
 def test_hub_unreachable_is_one_line(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(images_mod, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(UserError) as e:
         load_images("hf:cifar10")
     assert "unreachable" in str(e.value) and "\n" not in str(e.value)

@@ -65,10 +65,12 @@ def test_missing_split_and_missing_directory_are_one_line_errors(tmp_path):
 def test_unreachable_hub_is_a_clear_error(monkeypatch):
     import datasets
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # skip the reachability probe: load_dataset itself fails
+
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'glue' on the Hub\nmore lines")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(UserError, match=r"could not load glue/mnli .*Couldn't reach.*--data DIR"):
+    with pytest.raises(UserError, match=r"could not load Hugging Face dataset 'glue:mnli' \(Couldn't reach.*--data DIR"):
         mnli.load_split("", "train")
 
 

@@ -8,16 +8,14 @@ converted to RGB; unreadable files are skipped and counted, never a traceback.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlparse
 
 import numpy as np
 
 from ..errors import UserError
+from .sources import load_hub_dataset
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MAX_SIDE = 512  # larger images are shrunk on load (keeps memory bounded; crops are small anyway)
@@ -230,33 +228,12 @@ def _stack_if_same(images: list[np.ndarray]):
 
 def _from_hub(spec: str) -> ImageSplits:
     """hf:name[:config], e.g. hf:cifar10: its train and test splits, image and label columns."""
-    import datasets
-
     name, _, config = spec.partition(":")
-    offline = any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if not offline and not hub_reachable():  # fail in a second, not after a minute of retries
-        raise UserError(f"could not load Hugging Face dataset {spec!r}: the hub is unreachable from here; "
-                        f"use a local image folder or .npz instead (or HF_HUB_OFFLINE=1 for a cached copy)")
-    try:
-        ds = datasets.load_dataset(name, config or None)
-    except Exception as e:  # offline, unknown name, ...: one line, not a traceback
-        line = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
-        raise UserError(f"could not load Hugging Face dataset {spec!r} (is the hub reachable? "
-                        f"use a local folder or .npz instead): {line}") from None
+    ds = load_hub_dataset(name, config or None, instead="use a local image folder or .npz instead")
     if "train" not in ds:
         raise UserError(f"hf:{spec}: no train split (has: {', '.join(ds)})")
     test_name = next((s for s in ("test", "validation", "val") if s in ds), None)
     return ImageSplits(_hub_split(ds["train"], spec), _hub_split(ds[test_name], spec) if test_name else None)
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub (HF_ENDPOINT) accepts a TCP connection."""
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _hub_split(split, spec: str) -> ImageSet:

@@ -9,9 +9,12 @@ import ast
 import glob
 import json
 import os
+import socket
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
 
 from ..errors import UserError
 
@@ -88,18 +91,41 @@ def _load_local(files: list[Path], text_field: str):
 
 
 def _load_hub(spec: str, text_field: str):
-    import datasets
-
     name, _, rest = spec.partition(":")
     config, _, split = rest.partition(":")
-    try:
-        ds = datasets.load_dataset(name, config or None, split=split or "train")
-    except Exception as e:
-        raise UserError(f"could not load Hugging Face dataset {spec!r} (is the hub reachable? "
-                        f"use a local file instead): {_first_line(e)}") from None
+    ds = load_hub_dataset(name, config or None, split or "train", instead="use local files instead")
     if text_field not in ds.column_names:
         raise UserError(f"hf:{spec}: no {text_field!r} column (columns: {', '.join(ds.column_names)})")
     return _text_column(ds, text_field)
+
+
+def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str):
+    """`datasets.load_dataset` for a hub dataset that fails with one line, and within seconds rather
+    than after a minute of retries when the hub cannot be reached. `instead` says what to do then."""
+    import datasets
+
+    label = f"{name}:{config}" if config else name
+    if not hub_offline() and not hub_reachable():
+        raise UserError(f"could not load Hugging Face dataset {label!r}: the hub is unreachable from here; "
+                        f"{instead} (or set HF_HUB_OFFLINE=1 to use a cached copy)")
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # unknown name, offline without a cache, ...
+        raise UserError(f"could not load Hugging Face dataset {label!r} ({_first_line(e)}); {instead}") from None
+
+
+def hub_offline() -> bool:
+    return any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (HF_ENDPOINT) accepts a TCP connection."""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _text_column(ds, field: str):

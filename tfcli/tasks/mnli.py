@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..data.sources import load_hub_dataset
 from ..errors import UserError
 from . import sequence_classification as seqcls
 from . import text_to_text
@@ -78,14 +79,8 @@ def read_tsv(path: Path) -> Rows:
 
 
 def read_hub(split: str) -> Rows:
-    try:
-        import datasets
-
-        ds = datasets.load_dataset("glue", "mnli", split=HF_SPLITS[split])
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
-        raise UserError(f"could not load glue/mnli from the Hugging Face hub ({first}); pass --data DIR with "
-                        f"train/dev_matched/dev_mismatched as .tsv or .jsonl (e.g. ../shared/data/mnli)") from None
+    ds = load_hub_dataset("glue", "mnli", HF_SPLITS[split], instead="pass --data DIR with train/dev_matched/"
+                          "dev_mismatched as .tsv or .jsonl (e.g. ../shared/data/mnli)")
     rows = [_row(p, h, l) for p, h, l in zip(ds["premise"], ds["hypothesis"], ds["label"])]
     return Rows([r for r in rows if r], sum(r is None for r in rows))
 
