@@ -129,6 +129,10 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
     assert result.exit_code == 0, result.output
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 6
+    # a checkpoint of the wrong family is one line naming it, exit code 2
+    result = CliRunner().invoke(app, ["generate", "--checkpoint", str(out), "--prompt", "hi"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert "holds a 'vit' model; generate needs a decoder (gpt) or encoder-decoder (t5)" in result.output
     # tfcli eval mae: held-out reconstruction loss and the picture grid
     png = tmp_path / "recon.png"
     result = CliRunner().invoke(app, ["eval", "mae", "--checkpoint", str(out), "--out", str(png)])
