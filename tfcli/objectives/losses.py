@@ -39,11 +39,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             p_target = probs.gather(1, t[:, None]).squeeze(1)
             loss_sum -= (p_target.clamp_min(1e-38).log() * ok).sum()
             if need_grad:
-                probs[torch.arange(len(t), device=t.device), t] -= 1.0  # d loss / d logits
-                probs.mul_((ok.float() / n_valid)[:, None])
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0  # d loss / d logits, unscaled
+                # each row's weight (1/n_valid, or 0 where ignored) goes on the narrow (c, D) side
+                # of the two products, saving a pass over the (c, V) chunk
+                row = (ok.float() / n_valid)[:, None]  # (c, 1)
                 g = probs.to(hidden.dtype)
-                grad_hidden[s: s + step] = g @ weight.to(hidden.dtype)
-                grad_weight.addmm_(g.t().float(), h.float())
+                grad_hidden[s: s + step] = (g @ weight.to(hidden.dtype)) * row.to(hidden.dtype)
+                grad_weight.addmm_(g.t().float(), h.float() * row)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(correct)
