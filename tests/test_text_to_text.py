@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from tfcli.cli import app
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
+from tfcli.recipe import load_resolved
 from tfcli.tasks import prompts
 from tfcli.tasks import text_to_text as t2t
 
@@ -160,6 +161,7 @@ def test_gpt_few_shot_and_finetune_through_the_cli(tmp_path, mnli_dir):
                                   "--batch-size", "4", "--limit", "16", "--out", str(tmp_path / "ft"), "--quiet",
                                   "--set", "task.epochs=0", "--set", "task.eval_limit=6"])
     assert ft.exit_code == 0, ft.output
+    assert load_resolved(tmp_path / "ft" / "config.yaml").name == "mnli-gpt-mini"  # the GPT default recipe
     ev = CliRunner().invoke(app, ["eval", "mnli", "--checkpoint", str(tmp_path / "ft"), "--limit", "6"])
     assert ev.exit_code == 0 and "dev_matched: accuracy" in ev.output, ev.output
 
@@ -177,6 +179,7 @@ def test_mnli_finetune_eval_and_few_shot_through_the_cli(t5_run, mnli_dir, tmp_p
                              "--batch-size", "4", "--limit", "40", "--out", str(out), "--quiet",
                              "--set", "task.epochs=0", "--set", "task.eval_limit=8", "--set", "train.eval_interval=3"])
     assert ft.exit_code == 0, ft.output
+    assert load_resolved(out / "config.yaml").name == "mnli-t5-mini"  # --from a t5 run picks the T5 recipe
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("dev_matched_acc" in r for r in records)
     ev = runner.invoke(app, ["eval", "mnli", "--checkpoint", str(out), "--limit", "10"])

@@ -101,7 +101,7 @@ def pretrain(
 def finetune(
     task: str = typer.Argument(..., help="Task to finetune on, e.g. mnli."),
     from_: Optional[Path] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
-    recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's]."),
+    recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's; mnli-t5-mini or mnli-gpt-mini when --from is a t5 or gpt run]."),
     data: Optional[str] = typer.Option(None, help="Task data directory or files [default: the recipe\'s task.data]."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: the recipe\'s train.steps]."),
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training rows [default: the recipe\'s task.epochs]."),
@@ -123,7 +123,8 @@ def finetune(
     module = tasks.get(task)
     if not hasattr(module, "finetune"):
         raise UserError(f"task {task!r} can be evaluated but not finetuned")
-    rec = resolve_recipe(recipe or module.DEFAULT_RECIPE, set_, **{
+    default = module.default_recipe(from_) if hasattr(module, "default_recipe") else module.DEFAULT_RECIPE
+    rec = resolve_recipe(recipe or default, set_, **{
         "task.name": task, "task.data": data, "train.steps": steps, "task.epochs": epochs,
         "train.batch_size": batch_size, "optim.lr": lr, "task.pooling": pooling, "task.train": train,
         "task.head_lr": head_lr, "task.limit": limit, "train.device": device})

@@ -2,6 +2,7 @@
 
 Each task module provides:
   DEFAULT_RECIPE                      the recipe `tfcli finetune TASK` uses when none is given
+  default_recipe(from_) -> str        (optional) the same, depending on what --from names
   finetune(recipe, from_, out, quiet) -> Path   train (recipe.task says how) and return the run dir
   evaluate(checkpoint, options) -> None          print the task's metrics (options: EvalOptions)
 A task that only evaluates (e.g. `mae` reconstructions) may leave finetune out.

@@ -102,6 +102,13 @@ TASK = PairTask(name="mnli", labels=LABELS, train_split="train", eval_splits=("d
                 load_split=load_split, best_key="dev_matched_acc")
 
 
+def default_recipe(from_=None) -> str:
+    """mnli-t5-mini / mnli-gpt-mini for text-to-text finetuning of a t5 / gpt run, else the BERT one.
+    Generative finetuning wants its own settings: a BERT learning rate leaves a small T5 guessing."""
+    family = text_to_text.generative_family(from_)
+    return f"mnli-{family}-mini" if family else DEFAULT_RECIPE
+
+
 def finetune(recipe, from_=None, out=None, quiet: bool = False) -> Path:
     """Finetune a BERT (tfcli run, Hugging Face directory, or fresh) on MNLI; a t5/gpt run text-to-text."""
     if text_to_text.is_generative_run(from_):

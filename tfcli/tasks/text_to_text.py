@@ -190,18 +190,26 @@ class ShuffledBatches:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
-def is_generative_run(path: Optional[Path]) -> bool:
-    """Whether `path` is a tfcli run (or checkpoint) of a t5 or gpt model."""
+def generative_family(path: Optional[Path]) -> Optional[str]:
+    """'t5' or 'gpt' when `path` is a tfcli run (or checkpoint) of that family, else None."""
     from .. import checkpoint
     from .. import recipe as recipes
 
     if path is None or not Path(path).exists():
-        return False
+        return None
     try:
         config = checkpoint.run_dir_of(checkpoint.find(Path(path))) / "config.yaml"
     except UserError:
-        return False
-    return config.is_file() and recipes.load_resolved(config).model.family in GENERATIVE
+        return None
+    if not config.is_file():
+        return None
+    family = recipes.load_resolved(config).model.family
+    return family if family in GENERATIVE else None
+
+
+def is_generative_run(path: Optional[Path]) -> bool:
+    """Whether `path` is a tfcli run (or checkpoint) of a t5 or gpt model."""
+    return generative_family(path) is not None
 
 
 # --- finetune and evaluate --------------------------------------------------------------------
