@@ -102,6 +102,18 @@ def test_label_scores_agree_with_the_training_loss(family):
     assert abs(float(loss) - (-sum(scores[i, y] for i, y in enumerate(labels)) / n_tokens)) < 1e-4
 
 
+def test_t5_answers_fill_the_sentinel_as_in_span_corruption():
+    tok = tokenizer()
+    reader = t2t.make_reader("t5", tiny("t5"), tok, LABELS)
+    sentinel = tok.token_id(prompts.SENTINEL)
+    query = reader.query("mnli", "the cat", "the dog never cat", cue=False)
+    assert query[-2:] == [sentinel, tok.eos_id]  # "... <extra_id_0> </s>"
+    for word, answer in zip(LABELS, reader.answers):
+        assert answer == [sentinel, tok.token_id(word), tok.eos_id]  # "<extra_id_0> word </s>"
+    batch = reader.batch([query], [2])
+    assert batch["decoder_input_ids"][0, :2].tolist() == [tok.token_id("<pad>"), sentinel]
+
+
 @pytest.mark.parametrize("family", ["t5", "gpt"])
 def test_text_to_text_finetuning_learns_the_label_word(family):
     model, tok = tiny(family), tokenizer()

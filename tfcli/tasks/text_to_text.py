@@ -1,7 +1,7 @@
 """Sentence-pair tasks the generative way, for T5 and GPT runs.
 
-Text-to-text finetuning: T5 reads "mnli premise: ... hypothesis: ..." and learns to write the
-label word; GPT reads the same text followed by "answer:" and learns the label word as the next
+Text-to-text finetuning: T5 reads "mnli premise: ... hypothesis: ... <extra_id_0>" and learns to
+fill the sentinel with the label word; GPT reads the same text followed by "answer:" and learns the label word as the next
 tokens. Prediction is never free-running decoding: the model scores each label word (the sum of
 its tokens' log-probabilities) and the highest wins. k-shot prompting scores an un-finetuned
 checkpoint the same way, with k solved training examples (balanced, seeded) before the question.
@@ -33,16 +33,23 @@ def _pad(rows: list[list[int]], value: int) -> Tensor:
 
 
 class Seq2SeqReader:
-    """T5: the prompt (ending in </s>) goes to the encoder; the answer, label word + </s>, is the target."""
+    """T5: the prompt, ending in the sentinel <extra_id_0> and </s>, goes to the encoder; the target
+    is <extra_id_0> label-word </s>, the span-corruption answer format.
 
-    def __init__(self, model, tokenizer, label_words, sentinel: bool):
+    Why the sentinel, finetuned or not: span corruption always starts its target with
+    <extra_id_0>, so a pretrained decoder's first position never learned to read the encoder. A
+    label word there starts from nothing (a small T5 finetuned that way stayed at the label prior);
+    after the sentinel it sits where pretraining taught the decoder to fill a gap from the input.
+    """
+
+    def __init__(self, model, tokenizer, label_words):
         self.model, self.tok = model, tokenizer
         self.eos, self.pad = tokenizer.eos_id, tokenizer.token_id("<pad>")
-        if self.eos is None or self.pad is None:
-            raise UserError("this T5 run's tokenizer lacks <pad> or </s>")
-        lead = [tokenizer.token_id(prompts.SENTINEL)] if sentinel else []  # span-corruption answer format
-        self.answers = [lead + tokenizer.encode(w) + [self.eos] for w in label_words]
-        self.suffix = f" {prompts.SENTINEL}" if sentinel else ""
+        sentinel = tokenizer.token_id(prompts.SENTINEL)
+        if self.eos is None or self.pad is None or sentinel is None:
+            raise UserError(f"this T5 run's tokenizer lacks <pad>, </s> or {prompts.SENTINEL}")
+        self.answers = [[sentinel] + tokenizer.encode(w) + [self.eos] for w in label_words]
+        self.suffix = f" {prompts.SENTINEL}"
         self.loss = span_corruption.loss
 
     def query(self, task: str, a: str, b: str, cue: bool) -> list[int]:
@@ -81,7 +88,7 @@ def _mask(rows: list[list[int]]) -> Tensor:
 class DecoderReader:
     """GPT: the prompt ends in "answer:"; the label word's tokens are its continuation."""
 
-    def __init__(self, model, tokenizer, label_words, sentinel: bool = False):
+    def __init__(self, model, tokenizer, label_words):
         self.model, self.tok = model, tokenizer
         probe = tokenizer.encode("answer:")
         self.answers = []
@@ -113,10 +120,10 @@ class DecoderReader:
         return torch.zeros(n * L, device=dev).index_add_(0, rows, picked).view(n, L)
 
 
-def make_reader(family: str, model, tokenizer, label_words, sentinel: bool = False):
+def make_reader(family: str, model, tokenizer, label_words):
     if family not in GENERATIVE:
         raise UserError(f"text-to-text needs a t5 or gpt run, not {family!r}")
-    return (Seq2SeqReader if family == "t5" else DecoderReader)(model, tokenizer, label_words, sentinel)
+    return (Seq2SeqReader if family == "t5" else DecoderReader)(model, tokenizer, label_words)
 
 
 def fit_pair(reader, task: str, a: str, b: str, budget: int, cue: bool) -> list[int]:
@@ -309,8 +316,7 @@ def evaluate(task, checkpoint: Path, options) -> dict:
     if k < 0 and not finetuned:
         raise UserError(f"{loaded.checkpoint} was not finetuned on {task.name}; score it with --few-shot K "
                         f"(K solved examples in the prompt, 0 for none)")
-    reader = make_reader(family, loaded.model, loaded.tokenizer, task.labels,
-                         sentinel=family == "t5" and not finetuned)
+    reader = make_reader(family, loaded.model, loaded.tokenizer, task.labels)
     cue = family == "gpt" or not finetuned
     data = options.data or loaded.recipe.task.data or _default_data(task)
     longest = loaded.model.cfg.max_seq_len
