@@ -280,11 +280,14 @@ def finetune(task: PairTask, recipe, from_: Optional[Path] = None, out: Optional
 
         mean_len = float(np.mean([len(e[0]) for e in train_ex]))
         n_params = sum(p.numel() for p in model.parameters())
+        # embedding tables are lookups, not matrix products: they do not count towards MFU
+        n_matmul = n_params - sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+                                  for p in m.parameters())
         prepared = Prepared(
             train=LengthGroupedBatches(train_ex, pad, tc.batch_size, tc.seed, rt.rank, rt.world_size),
             val=lambda: (b for b, _ in zip(sequential_batches(evals[first], pad, tc.batch_size), range(tc.eval_batches))),
             loss=make_loss(t.pooling, model.cfg.dropout), items_per_batch=lambda b: int(b["labels"].numel()),
-            flops_per_item=6.0 * n_params * mean_len, heads=heads, item_name="ex")
+            flops_per_item=6.0 * n_matmul * mean_len, heads=heads, item_name="ex")
         run_dir = open_run_dir(recipe, out, rt, tokenizer)
         if not quiet:
             from ..display import console
