@@ -13,6 +13,8 @@ def _fmt(key: str, v) -> str:
             return f"{v:.2e}"
         if key == "mfu":
             return f"{100 * v:.1f}%"
+        if key.endswith("_per_s"):  # a rate: whole units read best (tok_per_s, ex_per_s, img_per_s)
+            return f"{v:,.1f}" if abs(v) < 100 else f"{v:,.0f}"
         return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
 
