@@ -24,6 +24,8 @@ from tfcli.tasks import mnli
 from tfcli.tasks import sequence_classification as seqcls
 
 MNLI = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnli"
+# The parity settings, pinned here: the mnli-minilm recipe itself is tuned for the one-hour run.
+PARITY = {"optim.lr": 5e-5, "task.epochs": 1.0}
 
 
 def minilm_dir() -> Path:
@@ -35,7 +37,7 @@ def minilm_dir() -> Path:
 
 
 def run_tfcli(rows: int, out: Path, data: Path) -> dict:
-    rec = recipes.load("mnli-minilm", {"task.data": str(data), "task.limit": rows, "task.eval_limit": 1,
+    rec = recipes.load("mnli-minilm", {**PARITY, "task.data": str(data), "task.limit": rows, "task.eval_limit": 1,
                                         "train.eval_interval": 10**9, "train.ckpt_interval": 10**9,
                                         "train.threads": 2, "train.device": "cpu"})
     seqcls.finetune(mnli.TASK, rec, from_=minilm_dir(), out=out, quiet=True)
@@ -53,7 +55,7 @@ def run_transformers(rows: int, data: Path) -> dict:
     from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS
 
     torch.set_num_threads(2)
-    rec = recipes.load("mnli-minilm")
+    rec = recipes.load("mnli-minilm", PARITY)
     torch.manual_seed(rec.train.seed)
     model = transformers.BertForSequenceClassification.from_pretrained(minilm_dir(), num_labels=3).train()
     tok = load_tokenizer_files(str(minilm_dir()), SPECIAL_TOKENS)
