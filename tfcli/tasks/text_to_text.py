@@ -346,6 +346,7 @@ def evaluate(task, checkpoint: Path, options) -> dict:
                           "majority": prompts.majority_baseline(gold, len(task.labels)),
                           "shots": float(np.mean([used for _, used in built]))}
         r = results[split]
-        console.print(f"{split}: accuracy {r['acc']:.4f} on {r['n']} rows (majority class {r['majority']:.4f})"
-                      + (f", {r['shots']:.1f} of {k} shots fit in the context" if k > 0 else ""))
+        console.print(f"{split}: accuracy {100 * r['acc']:.2f}% on {r['n']} rows (majority class "
+                      f"{100 * r['majority']:.2f}%)" + (f", {r['shots']:.3g} of {k} shots fit in the context on average"
+                                                        if k > 0 else ""))
     return results
