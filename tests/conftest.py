@@ -1,11 +1,14 @@
-"""Shared fixtures: tiny recipes and real text from ../shared/data, sized for 2 CPU cores."""
+"""Shared fixtures: tiny recipes and real data from ../shared/data, sized for 2 CPU cores."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from typer.testing import CliRunner
 
 torch.set_num_threads(2)
 
@@ -28,6 +31,16 @@ def small_text(tmp_path_factory, shared_data) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def mnli_dir(tmp_path_factory, shared_data) -> Path:
+    """A small slice of ../shared/data/mnli: 300 train rows, 30 of each dev split."""
+    out = tmp_path_factory.mktemp("mnli")
+    for split, n in (("train", 300), ("dev_matched", 30), ("dev_mismatched", 30)):
+        lines = (shared_data / "mnli" / f"{split}.jsonl").read_text().splitlines()[:n]
+        (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return out
+
+
 def tiny_gpt_recipe(data: Path, **sections) -> dict:
     """A GPT recipe small enough to train for a few steps in a second or two."""
     raw = {
@@ -46,6 +59,25 @@ def tiny_gpt_recipe(data: Path, **sections) -> dict:
     return raw
 
 
+def tiny_bert_recipe(data, objective: str = "mlm", **sections) -> dict:
+    """A two-layer BERT on `data` with a small trained WordPiece vocabulary."""
+    raw = {
+        "name": f"tiny-{objective}", "objective": objective,
+        "model": {"family": "bert", "n_layer": 2, "n_head": 2, "d_model": 48, "d_ff": 96, "max_seq_len": 64,
+                  "dropout": 0.0},
+        "tokenizer": {"kind": "wordpiece", "vocab_size": 400, "lowercase": True},
+        "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 64},
+        objective: {"documents": "paragraphs"},
+        "optim": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.01},
+        "schedule": {"warmup_steps": 3, "decay": "linear", "min_lr": 0.0},
+        "train": {"steps": 30, "batch_size": 16, "log_interval": 5, "eval_interval": 30, "eval_batches": 2,
+                  "ckpt_interval": 30, "seed": 3, "device": "cpu"},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     """Write a recipe dict to a YAML file and return its path."""
@@ -57,6 +89,70 @@ def write_recipe(tmp_path):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "split" not in m}
+
+
+def invoke(*args):
+    """Run the CLI in-process; the Result has exit_code and output."""
+    from tfcli.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def set_args(overrides: dict) -> list[str]:
+    """{'a.b': v} -> ['--set', 'a.b=v', ...] (lists as JSON)."""
+    out = []
+    for k, v in overrides.items():
+        out += ["--set", f"{k}={json.dumps(v) if isinstance(v, (list, tuple)) else v}"]
+    return out
+
+
+def pretrained_run(tmp: Path, text: Path, objective: str, model: dict, tokenizer: dict = None, steps: int = 2) -> Path:
+    """A few steps of pretraining of a tiny text model (byte-level BPE of 400 tokens by default)."""
+    (tmp / "text.txt").write_text(text.read_text()[:30_000])
+    raw = {"name": f"tiny-{objective}", "objective": objective, "model": model,
+           "tokenizer": tokenizer or {"kind": "bpe", "vocab_size": 400, "train_chars": 30_000},
+           "data": {"source": str(tmp / "text.txt"), "val_fraction": 0.1, "seq_len": 48},
+           "train": {"steps": steps, "batch_size": 4, "log_interval": 1, "eval_interval": steps, "eval_batches": 1,
+                     "ckpt_interval": steps, "device": "cpu"}}
+    (tmp / "r.yaml").write_text(yaml.safe_dump(raw))
+    result = invoke("pretrain", "--recipe", tmp / "r.yaml", "--out", tmp / "run", "--quiet")
+    assert result.exit_code == 0, result.output
+    return tmp / "run"
+
+
+TINY_VIT = {"image_size": 16, "patch_size": 4, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64,
+            "decoder_d_model": 32, "decoder_n_layer": 1, "decoder_n_head": 2, "decoder_d_ff": 64}
+
+
+def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
+    """Smooth random gradients, tinted by class (0 red, 1 blue), as x_train/y_train/x_test/y_test."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+
+    def make(k):
+        imgs, labels = [], []
+        for i in range(k):
+            c = rng.uniform(0, 1, (3, 3))
+            img = c[:, 0, None, None] + c[:, 1, None, None] * xx + c[:, 2, None, None] * yy
+            img[2 * (i % 2)] += 1.0  # class 0 reddish, class 1 bluish
+            imgs.append((np.clip(img / 3.5, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8))
+            labels.append(i % 2)
+        return np.stack(imgs), np.array(labels)
+    xtr, ytr = make(n)
+    xte, yte = make(16)
+    np.savez(path, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, class_names=np.array(["a", "b"]))
+    return path
+
+
+def mae_overrides(npz: Path, **extra) -> dict:
+    o = {f"model.{k}": v for k, v in TINY_VIT.items()}
+    o.update({"data.source": str(npz), "train.batch_size": 16, "train.steps": 4, "train.log_interval": 2,
+              "train.eval_interval": 2, "train.eval_batches": 1, "train.ckpt_interval": 2,
+              "schedule.warmup_steps": 1, "train.threads": 2, "mae.crop_scale": [0.5, 1.0]})
+    o.update(extra)
+    return o

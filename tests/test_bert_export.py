@@ -1,16 +1,14 @@
-"""`tfcli export --hf`: transformers loads the directory and gives the same logits as tfcli."""
+"""`tfcli export --hf` of BERT runs: transformers loads the directory and gives the same logits."""
 import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from tfcli.cli import app
-from tfcli.inference import load_run
+from tfcli.backbone import from_run
 from tfcli.objectives.mlm_nsp import build_heads
-from tfcli.tasks import sequence_classification as seqcls
+from tfcli.tasks.heads import features
 
-from .test_mlm_nsp import _tiny_bert_recipe
+from .conftest import invoke, tiny_bert_recipe
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,11 +18,8 @@ def mlm_run(tmp_path_factory, small_text):
     import yaml
 
     d = tmp_path_factory.mktemp("mlm")
-    raw = _tiny_bert_recipe(small_text)
-    raw["train"]["steps"] = 4
-    (d / "r.yaml").write_text(yaml.safe_dump(raw))
-    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--recipe", str(d / "r.yaml"),
-                                      "--out", str(d / "run"), "--quiet"])
+    (d / "r.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(small_text, train={"steps": 4})))
+    result = invoke("pretrain", "--recipe", d / "r.yaml", "--out", d / "run", "--quiet")
     assert result.exit_code == 0, result.output
     return d / "run"
 
@@ -38,11 +33,11 @@ def _batch(vocab: int):
 
 
 def test_exported_pretraining_run_loads_in_bert_for_pretraining(mlm_run, tmp_path):
-    result = CliRunner().invoke(app, ["export", "--hf", str(tmp_path / "hf"), "--checkpoint", str(mlm_run)])
+    result = invoke("export", "--hf", tmp_path / "hf", "--checkpoint", mlm_run)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
     hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
-    loaded = load_run(mlm_run)
+    loaded = from_run(mlm_run)
     heads = build_heads(loaded.model.cfg)
     heads.load_state_dict(loaded.heads)
     ids, types, mask = _batch(loaded.model.cfg.vocab_size)
@@ -55,28 +50,22 @@ def test_exported_pretraining_run_loads_in_bert_for_pretraining(mlm_run, tmp_pat
     assert (nsp - ref.seq_relationship_logits).abs().max() < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("To be, or not")["input_ids"][1:-1] == loaded.tokenizer.encode("To be, or not")
+    assert all(oct(p.stat().st_mode)[-3:] == "644" for p in (tmp_path / "hf").iterdir())
 
 
-def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_run, small_text, tmp_path,
-                                                                           shared_data):
-    data = tmp_path / "mnli"
-    data.mkdir()
-    for split, n in (("train", 48), ("dev_matched", 16), ("dev_mismatched", 16)):
-        lines = (shared_data / "mnli" / f"{split}.jsonl").read_text().splitlines()[:n]
-        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_run, mnli_dir, tmp_path):
     run = tmp_path / "ft"
-    result = CliRunner().invoke(app, ["finetune", "mnli", "--from", str(mlm_run), "--data", str(data), "--steps",
-                                      "2", "--batch-size", "16", "--out", str(run), "--quiet",
-                                      "--set", "task.epochs=0"])
+    result = invoke("finetune", "mnli", "--from", mlm_run, "--data", mnli_dir, "--steps", 2, "--batch-size", 16,
+                    "--out", run, "--quiet", "--set", "finetune.eval_limit=8")
     assert result.exit_code == 0, result.output
-    assert CliRunner().invoke(app, ["export", "--hf", str(tmp_path / "hf"), "--checkpoint", str(run)]).exit_code == 0
+    assert invoke("export", "--hf", tmp_path / "hf", "--checkpoint", run).exit_code == 0
     hf = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.id2label == {0: "entailment", 1: "neutral", 2: "contradiction"}
-    model, heads, _, _, _ = seqcls._load_classifier(run)
-    ids, types, mask = _batch(model.cfg.vocab_size)
+    loaded = from_run(run, which="best")
+    ids, types, mask = _batch(loaded.model.cfg.vocab_size)
     batch = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
     with torch.no_grad():
-        ours = heads["classifier"](seqcls.features(model, batch, "cls"))
+        ours = features(loaded.model, batch, "cls") @ loaded.heads["classifier.weight"].t() + loaded.heads["classifier.bias"]
         ref = hf(**batch).logits
     assert (ours - ref).abs().max() < 1e-4
 
@@ -84,5 +73,5 @@ def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_ru
 def test_export_refuses_a_non_empty_directory(mlm_run, tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "file").write_text("")
-    result = CliRunner().invoke(app, ["export", "--hf", str(tmp_path / "x"), "--checkpoint", str(mlm_run)])
-    assert result.exit_code == 2 and "not empty" in result.output
+    result = invoke("export", "--hf", tmp_path / "x", "--checkpoint", mlm_run)
+    assert result.exit_code == 2 and "not an empty directory" in result.output

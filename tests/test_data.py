@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from tfcli.data import packing
-from tfcli.data.packing import BlockSampler
 from tfcli.data.sources import builtin_documents, load_documents
 from tfcli.data.tokenizers import TextTokenizer, build_tokenizer, load_tokenizer_files
 from tfcli.errors import UserError
@@ -106,36 +105,6 @@ def test_split_holds_out_the_tail():
     assert np.array_equal(np.concatenate([train, val]), stream) and len(val) == 100
     with pytest.raises(UserError, match="fewer than one block"):
         packing.split_stream(np.arange(20), 0.1, seq_len=16)
-
-
-def test_blocks_are_contiguous_with_shifted_targets_and_cover_an_epoch_once():
-    stream = np.arange(10_000)
-    sampler = BlockSampler(stream, seq_len=16, batch_size=8, seed=0)
-    offset, order = sampler._order()
-    starts = []
-    for _ in range(len(order) // 8):
-        b = sampler.next_batch()
-        assert b["input_ids"].shape == (8, 16)
-        assert np.array_equal(b["targets"].numpy(), b["input_ids"].numpy() + 1)
-        assert np.all(np.diff(b["input_ids"].numpy(), axis=1) == 1)
-        starts += b["input_ids"][:, 0].tolist()
-    assert len(set(starts)) == len(starts)  # no block twice within an epoch
-    assert all((s - offset) % 16 == 0 for s in starts)
-
-
-@pytest.mark.parametrize("windows", [False, True])
-def test_sampler_resumes_exactly_and_splits_the_global_batch(windows):
-    stream = np.arange(5_000)
-    a = BlockSampler(stream, 16, 6, seed=1, windows=windows)
-    for _ in range(100):  # well past an epoch of 312 blocks
-        a.next_batch()
-    b = BlockSampler(stream, 16, 6, seed=1, windows=windows)
-    b.load_state_dict(a.state_dict())
-    assert all(np.array_equal(a.next_batch()["input_ids"], b.next_batch()["input_ids"]) for _ in range(10))
-    whole = BlockSampler(stream, 16, 6, seed=1, windows=windows).next_batch()["input_ids"]
-    halves = [BlockSampler(stream, 16, 3, seed=1, rank=r, world_size=2, windows=windows).next_batch()["input_ids"]
-              for r in range(2)]
-    assert np.array_equal(np.concatenate(halves), whole)
 
 
 def test_unreachable_hub_fails_fast_in_one_line(monkeypatch):

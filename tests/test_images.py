@@ -1,4 +1,4 @@
-"""Image loaders (npz, folders, builtin, hub errors), bad images, transforms and the resumable sampler."""
+"""Image loaders (npz, folders, builtin, hub errors), bad images and transforms (the sampler: test_sampler)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ from PIL import Image
 
 from tfcli.data import images as images_mod
 from tfcli.data import sources
-from tfcli.data.image_batches import ImageSampler, ImageTransform, sequential_batches
+from tfcli.data.image_batches import ImageTransform
 from tfcli.data.images import ImageSet, as_uint8_rgb, load_images
 from tfcli.errors import UserError
 
@@ -137,31 +137,6 @@ def test_horizontal_flip_happens_half_the_time():
     rng = np.random.default_rng(0)
     flipped = [float(t(img, rng)[0, 0, 0]) == 0.0 for _ in range(200)]
     assert 70 < sum(flipped) < 130
-
-
-def test_sampler_epochs_and_exact_resume():
-    data = ImageSet(np.random.default_rng(0).integers(0, 256, (10, 12, 12, 3), dtype=np.uint8), np.arange(10))
-    t = ImageTransform(8, MEAN, STD, train=True)
-    s = ImageSampler(data, t, batch_size=5, seed=3)
-    first_epoch = torch.cat([s.next_batch()["labels"] for _ in range(2)])
-    assert sorted(first_epoch.tolist()) == list(range(10))
-    state = s.state_dict()
-    expected = s.next_batch()
-    resumed = ImageSampler(data, t, batch_size=5, seed=3)
-    resumed.load_state_dict(state)
-    got = resumed.next_batch()
-    assert torch.equal(got["pixels"], expected["pixels"]) and torch.equal(got["labels"], expected["labels"])
-    # two ranks together see the single-process global batch
-    r0 = ImageSampler(data, t, batch_size=2, seed=3, rank=0, world_size=2).next_batch()["labels"]
-    r1 = ImageSampler(data, t, batch_size=2, seed=3, rank=1, world_size=2).next_batch()["labels"]
-    assert torch.equal(torch.cat([r0, r1]), ImageSampler(data, t, batch_size=4, seed=3).next_batch()["labels"])
-
-
-def test_sequential_batches_cover_everything_once():
-    data = ImageSet(np.zeros((7, 8, 8, 3), np.uint8), np.arange(7))
-    batches = list(sequential_batches(data, ImageTransform(8, MEAN, STD), 3))
-    assert [b["labels"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
-    assert len(list(sequential_batches(data, ImageTransform(8, MEAN, STD), 3, max_batches=2))) == 2
 
 
 def test_subset_is_a_seeded_sample_across_classes():

@@ -1,4 +1,5 @@
-"""MLM + NSP: masking statistics, NSP balance and truly consecutive IsNext pairs, training lowers the loss."""
+"""MLM + NSP: NSP balance and truly consecutive IsNext pairs, training lowers the loss (masking
+statistics: test_sampler)."""
 import json
 
 import datasets
@@ -10,31 +11,9 @@ from typer.testing import CliRunner
 from tfcli.cli import app
 from tfcli.data import segments
 from tfcli.data.tokenizers import build_tokenizer
-from tfcli.objectives.losses import IGNORE
-from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, Masker
+from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS
 
-from .conftest import read_metrics
-
-
-def test_masking_statistics_over_a_large_sample():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 1000, (512, 128), generator=g)
-    ids[:, 0], ids[:, 60], ids[:, 127] = 2, 3, 3  # [CLS] .. [SEP] .. [SEP]
-    ids[::3, 100:] = 0  # padding
-    masker = Masker(mask_id=4, special_ids=[0, 1, 2, 3, 4], vocab_size=1000)
-    masked, labels = masker(ids, torch.Generator().manual_seed(1))
-    chosen = labels != IGNORE
-    special = ids < 5
-    assert not chosen[special].any(), "a special token was chosen"
-    assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.01
-    assert torch.equal(labels[chosen], ids[chosen])  # every chosen token is predicted
-    n = chosen.sum().item()
-    to_mask = (masked[chosen] == 4).sum().item() / n
-    kept = (masked[chosen] == ids[chosen]).sum().item() / n
-    swapped = 1 - to_mask - kept
-    assert abs(to_mask - 0.8) < 0.02 and abs(kept - 0.1) < 0.02 and abs(swapped - 0.1) < 0.02
-    assert not torch.isin(masked[chosen & (masked != 4)], torch.tensor([0, 1, 2, 3])).any()
-    assert torch.equal(masked[~chosen], ids[~chosen])  # nothing else changes
+from .conftest import read_metrics, tiny_bert_recipe
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +55,7 @@ def test_full_segments_pack_whole_sentences(corpus):
 
 
 def _tiny_bert_recipe(data, nsp=True) -> dict:
-    return {
-        "name": "tiny-bert", "objective": "mlm",
-        "model": {"family": "bert", "n_layer": 2, "n_head": 2, "d_model": 48, "d_ff": 96, "max_seq_len": 64,
-                  "dropout": 0.0},
-        "tokenizer": {"kind": "wordpiece", "vocab_size": 400, "lowercase": True},
-        "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 64},
-        "mlm": {"nsp": nsp, "documents": "paragraphs"},
-        "optim": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.01},
-        "schedule": {"warmup_steps": 3, "decay": "linear", "min_lr": 0.0},
-        "train": {"steps": 30, "batch_size": 16, "log_interval": 5, "eval_interval": 30, "eval_batches": 2,
-                  "ckpt_interval": 30, "seed": 3, "device": "cpu"},
-    }
+    return tiny_bert_recipe(data, mlm={"nsp": nsp})
 
 
 def test_pretrain_mlm_lowers_the_loss_and_reports_all_metrics(small_text, write_recipe, tmp_path):

@@ -11,14 +11,50 @@ from .conftest import tiny_gpt_recipe
 
 @pytest.mark.parametrize("name", recipes.available())
 def test_every_shipped_recipe_validates_and_pins_every_field(name):
-    import yaml
-
     rec = recipes.load(name)
-    raw = yaml.safe_load(recipes.recipe_path(name).read_text())
+    raw = recipes.load_raw(name)  # the file with what it extends
     resolved = recipes.to_dict(rec)
-    for section in ("model", "optim", "schedule", "train"):
-        missing = set(resolved[section]) - set(raw.get(section, {}))
-        assert not missing, f"{name}: {section} does not pin {sorted(missing)}"
+    for section in ("model", "optim", "schedule", "train", rec.plugin, "finetune"):
+        if section in resolved:
+            missing = set(resolved[section]) - set(raw.get(section, {}))
+            assert not missing, f"{name}: {section} does not pin {sorted(missing)}"
+
+
+def test_the_plugin_key_is_validated_with_the_known_keys(tmp_path):
+    with pytest.raises(RecipeError, match=r"^objective: unknown objective 'lm' \(known: clm, electra, mae, mlm, span\)"):
+        recipes.from_dict(tiny_gpt_recipe(tmp_path, objective="lm"))
+    with pytest.raises(RecipeError, match="exactly one of `objective`"):
+        recipes.from_dict({**tiny_gpt_recipe(tmp_path), "task": "classify"})
+
+
+def test_a_plugin_section_belongs_only_to_recipes_of_that_plugin(tmp_path):
+    with pytest.raises(RecipeError, match=r"^mlm: unknown key \(allowed: .*\)"):
+        recipes.from_dict(tiny_gpt_recipe(tmp_path, mlm={"nsp": False}))
+    with pytest.raises(RecipeError, match=r"^finetune: unknown key"):  # pretraining recipes have no finetune section
+        recipes.from_dict(tiny_gpt_recipe(tmp_path, finetune={"epochs": 1}))
+    rec = recipes.load("bert-mini", {"mlm.nsp": False})
+    assert rec.settings.nsp is False and recipes.to_dict(rec)["mlm"]["nsp"] is False
+    with pytest.raises(RecipeError, match=r"^mlm\.nsp: expected true or false"):
+        recipes.load("bert-mini", {"mlm.nsp": "maybe"})
+
+
+def test_recipes_are_immutable_and_replace_makes_a_new_one():
+    import dataclasses
+
+    rec = recipes.load("gpt-mini")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.train.steps = 3
+    longer = recipes.replace(rec, train=recipes.replace(rec.train, steps=3))
+    assert (rec.train.steps, longer.train.steps) == (400, 3)
+
+
+def test_extends_starts_from_another_recipe(tmp_path):
+    (tmp_path / "child.yaml").write_text("extends: mnli-bert-mini\noptim:\n  lr: 5.0e-5\n")
+    child, base = recipes.load(str(tmp_path / "child.yaml")), recipes.load("mnli-bert-mini")
+    assert child.name == "child" and child.optim.lr == 5e-5 and child.optim.betas == base.optim.betas
+    assert child.settings.preset == "mnli" and child.finetune == base.finetune
+    # a model of another family replaces the base's model section instead of merging into it
+    assert recipes.load("classify-gpt-mini").model.family == "gpt"
 
 
 def test_unknown_key_is_named_by_its_dotted_path(tmp_path):

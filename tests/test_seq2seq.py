@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tfcli.models.t5 import T5, T5Config
-from tfcli.seq2seq import generate_seq2seq, target_log_probs
+from tfcli.generate import generate_seq2seq
+from tfcli.tasks.text_to_text import target_log_probs
 
 V = 97
 

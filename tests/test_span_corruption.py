@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from tfcli.cli import app
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
+from tfcli.sampler import Sampler
 
 SENTINELS = np.arange(1000, 1100)  # ids outside the raw tokens' range, so they are recognisable
 EOS, PAD = 1, 0
@@ -22,7 +23,7 @@ EOS, PAD = 1, 0
 def corrupted(n_rows: int, raw_len: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     raw = rng.integers(5, 900, size=(n_rows, raw_len))
-    batch = sc.SpanCorruptor(SENTINELS, eos_id=EOS, start_id=PAD)(raw, rng)
+    batch = sc.SpanCorruptor(SENTINELS, eos_id=EOS, start_id=PAD)(raw, [rng] * n_rows)
     return raw, batch
 
 
@@ -146,19 +147,15 @@ def test_padded_targets_change_neither_the_loss_nor_the_gradients():
     assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
 
 
-def test_batches_resume_where_they_left_off():
-    from tfcli.data.packing import BlockSampler
-
-    def source():
-        tokens = np.random.default_rng(0).integers(5, 900, size=5000)
-        return sc.SpanBatches(BlockSampler(tokens, 69, 4, seed=3), sc.SpanCorruptor(SENTINELS, EOS, PAD), seed=3)
-
-    a = source()
-    a.next_batch()
-    b = source()
-    b.load_state_dict(a.state_dict())
-    x, y = a.next_batch(), b.next_batch()
-    assert all(torch.equal(x[k], y[k]) for k in x)
+def test_corruption_follows_each_block_s_own_random_stream():
+    """The same block at the same position is corrupted the same way, resumed or not, whatever the
+    process count (the resume itself: test_sampler)."""
+    tokens = np.random.default_rng(0).integers(5, 900, size=5000)
+    source = sc.CorruptedBlocks(tokens, 70, sc.SpanCorruptor(SENTINELS, EOS, PAD), seed=3)
+    whole = Sampler(source, 4, seed=3).next_batch()
+    halves = [Sampler(source, 2, seed=3, rank=r, world_size=2).next_batch() for r in range(2)]
+    assert all(torch.equal(torch.cat([h[k] for h in halves]), whole[k]) for k in whole)
+    assert whole["input_ids"].shape[0] == 4 and bool((whole["input_ids"][:, -1] == EOS).all())
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +209,7 @@ def test_span_needs_a_t5_recipe(tmp_path, text_file):
     raw = tiny_t5_recipe(text_file)
     raw["model"] = {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "max_seq_len": 64}
     result = CliRunner().invoke(app, ["pretrain", "--objective", "span", "--recipe", recipe_file(tmp_path, raw)])
-    assert result.exit_code == 2 and "trains a 't5' model" in result.output
+    assert result.exit_code == 2 and "describes a 'gpt' model; objective 'span' trains 't5'" in result.output
 
 
 def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
@@ -232,7 +229,7 @@ def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
 def test_export_a_t5_run_that_transformers_loads(span_run, tmp_path):
     from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-    from tfcli.inference import load_run
+    from tfcli.backbone import from_run as load_run
 
     result = CliRunner().invoke(app, ["export", "--checkpoint", str(span_run), "--hf", str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
@@ -241,7 +238,7 @@ def test_export_a_t5_run_that_transformers_loads(span_run, tmp_path):
     text = "Thank you <extra_id_0> me to your party <extra_id_1> week."
     loaded = load_run(span_run)
     ids = loaded.tokenizer.encode(text) + [loaded.tokenizer.eos_id]
-    assert tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] == ids
+    assert tok(text).input_ids == ids  # the exported tokenizer appends </s>, as T5's do
     x, dec = torch.tensor([ids]), torch.tensor([[tok.pad_token_id, 5, 9]])
     with torch.no_grad():
         ours = loaded.model.logits(loaded.model(x, None, dec))

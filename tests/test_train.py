@@ -7,15 +7,15 @@ import pytest
 
 from tfcli import checkpoint
 from tfcli import recipe as recipes
-from tfcli.pretrain import pretrain
+from tfcli.driver import RunRequest, train
 from tfcli.recipe import ScheduleConfig
 from tfcli.train import lr_multiplier
 
-from .conftest import read_metrics, tiny_gpt_recipe
+from .conftest import read_metrics, tiny_gpt_recipe, train_losses
 
 
-def train_losses(run_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "split" not in m}
+def pretrain(recipe, out=None, resume=None, quiet=True):
+    return train(RunRequest(recipe, out=out, resume=resume, quiet=quiet))[0]
 
 
 def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):

@@ -55,7 +55,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, module: torch.nn.Module, state: dict, meta: dict, keep: int,
+def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict, meta: dict, keep: int,
          best: bool = False) -> Path:
     """Write checkpoint `step`, point `latest` (and `best`) at it, prune old ones beyond `keep`."""
     root = Path(run_dir) / CHECKPOINTS
@@ -64,7 +64,7 @@ def save(run_dir: Path, step: int, module: torch.nn.Module, state: dict, meta: d
     tmp = root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     save_file(_untie(weights), str(tmp / WEIGHTS))
     torch.save(state, tmp / STATE)
     (tmp / META).write_text(json.dumps({"step": step, "time": time.time(), **meta}, indent=2))

@@ -1,4 +1,8 @@
-"""The `tfcli` command: each subcommand loads a recipe, applies overrides, calls one function."""
+"""The `tfcli` command: each subcommand resolves a recipe, applies overrides and calls the driver.
+
+Commands import the driver (and with it torch) when they run, not when the program starts, so
+that `--help` answers at once.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,12 +13,17 @@ from typing import List, Optional
 import typer
 from typer._click import exceptions as click_errors  # typer vendors click
 
+from . import recipe as recipes
+from . import registry
 from .errors import UserError
+from .tasks.presets import PRESETS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Pretrain, finetune, evaluate and sample transformers.")
 recipes_app = typer.Typer(add_completion=False, rich_markup_mode=None, help="List or show recipes.")
 app.add_typer(recipes_app, name="recipes")
+
+SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable)."
 
 
 def user_errors(fn):
@@ -29,138 +38,145 @@ def user_errors(fn):
     return wrapper
 
 
-def resolve_recipe(recipe_name: str, sets: list[str], **shortcuts):
+def resolve_recipe(name: str, sets: list[str], shortcuts: dict) -> recipes.Recipe:
     """Load a recipe and apply --set overrides, then the short flags (which win)."""
-    from . import recipe as recipes
-
     overrides = dict(recipes.parse_override(s) for s in sets)
     overrides.update({k: v for k, v in shortcuts.items() if v is not None})
-    return recipes.load(recipe_name, overrides)
+    return recipes.load(name, overrides)
 
 
-SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable)."
+def training_recipe(default: str, recipe: Optional[str], resume: Optional[Path], sets: list[str],
+                    shortcuts: dict) -> recipes.Recipe:
+    """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml)."""
+    if resume is None:
+        return resolve_recipe(recipe or default, sets, shortcuts)
+    config = Path(resume) / "config.yaml"
+    if not config.is_file():
+        raise UserError(f"--resume {resume}: no config.yaml there; is it a tfcli run?")
+    rec = resolve_recipe(str(config), sets, {k: v for k, v in shortcuts.items() if k not in ("objective", "task")})
+    if recipe and recipe != rec.name:
+        from .display import console
+        console.print(f"[yellow]note:[/] resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
+    return rec
+
+
+def run_training(rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path],
+                 quiet: bool) -> None:
+    from .display import console
+    from .driver import RunRequest, train
+
+    run_dir, plugin = train(RunRequest(rec, source, out, resume, quiet))
+    console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))
 
 
 @app.command()
 @user_errors
 def pretrain(
-    objective: str = typer.Option("clm", help="clm (GPT next-token) | mlm | span | mae."),
+    objective: Optional[str] = typer.Option(None, help="clm (GPT next-token) | mlm | span | mae | electra [default: the recipe's; clm]."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name in recipes/ or a YAML path [default: the objective's]."),
     data: Optional[str] = typer.Option(None, help="Training data: builtin, files/globs/dirs, or hf:name[:config] [default: the recipe's data.source]."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: the recipe\'s train.steps]."),
-    batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe\'s train.batch_size]."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe\'s optim.lr]."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: the recipe's train.steps]."),
+    batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe's train.batch_size]."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe's optim.lr]."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
     resume: Optional[Path] = typer.Option(None, help="Continue the run in this directory from its latest checkpoint [default: start a new run]."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe\'s train.device]."),
-    precision: Optional[str] = typer.Option(None, help="fp32 | bf16 [default: the recipe\'s train.precision]."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe's train.device]."),
+    precision: Optional[str] = typer.Option(None, help="fp32 | bf16 [default: the recipe's train.precision]."),
     no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
 ):
-    """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE)."""
-    from . import objectives
-    from . import recipe as recipes
-    from .display import console
-    from .pretrain import pretrain as run
-
-    module = objectives.get(objective)
-    shortcuts = {"data.source": data, "train.steps": steps, "train.batch_size": batch_size, "optim.lr": lr,
-                 "train.device": device, "train.precision": precision}
+    """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE, ELECTRA)."""
+    default = registry.plugin_class("objective", objective or "clm").default_recipe()
+    shortcuts = {"objective": objective, "data.source": data, "train.steps": steps, "train.batch_size": batch_size,
+                 "optim.lr": lr, "train.device": device, "train.precision": precision}
+    rec = training_recipe(default, recipe, resume, set_, shortcuts)
     if no_nsp:
-        if objective != "mlm":
+        if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
-        shortcuts["mlm.nsp"] = False
-    if resume is not None:
-        config = Path(resume) / "config.yaml"
-        if not config.is_file():
-            raise UserError(f"--resume {resume}: no config.yaml there; is it a tfcli run?")
-        rec = resolve_recipe(str(config), set_, **shortcuts)
-        if recipe and recipe != rec.name:
-            console.print(f"[yellow]note:[/] resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
-    else:
-        rec = resolve_recipe(recipe or module.DEFAULT_RECIPE, set_, objective=objective, **shortcuts)
-    run_dir = run(rec, out=out, resume=resume, quiet=quiet)
-    if rec.objective == "mae":
-        console.print(f"\n[bold green]done.[/] run: {run_dir}  (reconstructions: {run_dir}/recon.png)\n"
-                      f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png\n"
-                      f"probe it:     tfcli finetune image-classify --from {run_dir} --data ... --train head")
-        return
-    if rec.objective == "mlm":
-        console.print(f"\n[bold green]done.[/] run: {run_dir}\n"
-                      f"evaluate it:  tfcli eval --checkpoint {run_dir}\n"
-                      f"finetune it:  tfcli finetune mnli --from {run_dir} --data ../shared/data/mnli")
-        return
-    console.print(f"\n[bold green]done.[/] run: {run_dir}\n"
-                  f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"...\"\n"
-                  f"evaluate it:       tfcli eval --checkpoint {run_dir}")
+        rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
+    run_training(rec, None, out, resume, quiet)
+
+
+def task_target(name: str) -> tuple[str, dict, dict]:
+    """(task key, its recipe-section overrides, default recipes by family) for a task or a preset."""
+    if name in PRESETS:
+        p = PRESETS[name]
+        return p.task, {"preset": name}, p.recipes
+    if name not in registry.TASKS:
+        raise UserError(f"unknown task {name!r} (known: {', '.join(sorted([*registry.TASKS, *PRESETS]))})")
+    return name, {}, registry.plugin_class("task", name).recipes
 
 
 @app.command()
 @user_errors
 def finetune(
-    task: str = typer.Argument(..., help="Task to finetune on, e.g. mnli."),
-    from_: Optional[Path] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
-    recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's; mnli-t5-mini or mnli-gpt-mini when --from is a t5 or gpt run]."),
-    data: Optional[str] = typer.Option(None, help="Task data directory or files [default: the recipe\'s task.data]."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: the recipe\'s train.steps]."),
-    epochs: Optional[float] = typer.Option(None, help="Epochs over the training rows [default: the recipe\'s task.epochs]."),
-    batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe\'s train.batch_size]."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe\'s optim.lr]."),
-    pooling: Optional[str] = typer.Option(None, help="cls | mean | last4-sum | last4-concat [default: the recipe\'s task.pooling]."),
-    train: Optional[str] = typer.Option(None, help="all | head: finetune everything or only the head [default: the recipe\'s task.train]."),
-    head_lr: Optional[float] = typer.Option(None, help="Learning rate of the head (task.head_lr; 0 = --lr)."),
-    limit: Optional[int] = typer.Option(None, help="Use only the first N training rows [default: the recipe\'s task.limit]."),
+    task: str = typer.Argument(..., help="Task: classify, image-classify, or a preset such as mnli."),
+    from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
+    recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
+    data: Optional[str] = typer.Option(None, help="Task data: a file, a directory of split files, or hf:name [default: the recipe's data.source]."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps; given, it wins over epochs [default: the recipe's train.steps]."),
+    epochs: Optional[float] = typer.Option(None, help="Epochs over the training rows [default: the recipe's finetune.epochs]."),
+    batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe's train.batch_size]."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe's optim.lr]."),
+    pooling: Optional[str] = typer.Option(None, help="cls | mean | last4-sum | last4-concat [default: the recipe's finetune.pooling]."),
+    train: Optional[str] = typer.Option(None, help="all | head: finetune everything or only the head [default: the recipe's finetune.train]."),
+    head_lr: Optional[float] = typer.Option(None, help="Learning rate of the head (finetune.head_lr; 0 = --lr)."),
+    limit: Optional[int] = typer.Option(None, help="Use only the first N training rows [default: the recipe's finetune.limit]."),
+    text_fields: Optional[str] = typer.Option(None, help="classify: the column(s) holding the text, e.g. title,body (classify.text_fields)."),
+    label_field: Optional[str] = typer.Option(None, help="classify: the column holding the label (classify.label_field)."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe\'s train.device]."),
+    resume: Optional[Path] = typer.Option(None, help="Continue the finetuning run in this directory from its latest checkpoint."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe's train.device]."),
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
 ):
     """Finetune a pretrained model on a task."""
-    from . import tasks
-    from .display import console
+    from .backbone import family_of
 
-    module = tasks.get(task)
-    if not hasattr(module, "finetune"):
-        raise UserError(f"task {task!r} can be evaluated but not finetuned")
-    default = module.default_recipe(from_) if hasattr(module, "default_recipe") else module.DEFAULT_RECIPE
-    rec = resolve_recipe(recipe or default, set_, **{
-        "task.name": task, "task.data": data, "train.steps": steps, "task.epochs": epochs,
-        "train.batch_size": batch_size, "optim.lr": lr, "task.pooling": pooling, "task.train": train,
-        "task.head_lr": head_lr, "task.limit": limit, "train.device": device})
-    run_dir = module.finetune(rec, from_=from_, out=out, quiet=quiet)
-    console.print(f"\n[bold green]done.[/] run: {run_dir}\nevaluate it:  tfcli eval {task} --checkpoint {run_dir}")
+    key, settings, defaults = task_target(task)
+    family = family_of(from_)
+    default = defaults.get(family or "", next(iter(defaults.values())))
+    shortcuts = {"task": key, "data.source": data, "train.steps": steps, "finetune.epochs": epochs,
+                 "train.batch_size": batch_size, "optim.lr": lr, "finetune.pooling": pooling, "finetune.train": train,
+                 "finetune.head_lr": head_lr, "finetune.limit": limit, "train.device": device,
+                 **{f"{key}.{k}": v for k, v in settings.items()}}
+    if steps is not None and epochs is None:
+        shortcuts["finetune.epochs"] = 0.0  # --steps wins over the recipe's epochs
+    if text_fields is not None or label_field is not None:
+        shortcuts.update({f"{key}.text_fields": text_fields, f"{key}.label_field": label_field})
+    rec = training_recipe(default, recipe, resume, set_, shortcuts)
+    run_training(rec, from_, out, resume, quiet)
 
 
 @app.command("eval")
 @user_errors
 def eval_(
-    task: Optional[str] = typer.Argument(None, help="Task to evaluate on (e.g. mnli, mae); omit for held-out loss of a pretraining run."),
+    task: Optional[str] = typer.Argument(None, help="What to evaluate as (mnli, classify, image-classify, mae, ...); omit for the run's own objective or task."),
     checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
-    data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's held-out split."),
+    data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's."),
     batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
-    limit: int = typer.Option(0, help="Evaluate on the first N rows of each split (0: all)."),
-    out: Optional[Path] = typer.Option(None, help="Write a picture or report here (e.g. the MAE reconstruction grid)."),
+    limit: int = typer.Option(0, help="A seeded, class-balanced sample of N examples of each split (0: all)."),
+    out: Optional[Path] = typer.Option(None, help="Write the report (or the MAE picture) here [default: beside the run, eval-<what>.json]."),
     premise: Optional[str] = typer.Option(None, help="MNLI: classify this premise ..."),
-    hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the three probabilities."),
+    hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the label probabilities."),
+    input_: List[str] = typer.Option([], "--input", help="Classify this input (repeat for a pair's second text)."),
     few_shot: int = typer.Option(-1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."),
-    seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, masking)."),
+    seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
 ):
-    """Metrics of a checkpoint: held-out loss and perplexity, or a task's metrics."""
+    """Metrics of a run: held-out loss and perplexity, or a task's report."""
     from .checkpoint import newest_run
-    from .display import console
+    from .driver import evaluate
+    from .plugin import EvalOptions
 
-    path = checkpoint or newest_run()
+    if (premise is None) != (hypothesis is None):
+        raise UserError("give both --premise and --hypothesis, or neither")
+    inputs = tuple(input_) + ((premise, hypothesis) if premise is not None else ())
+    key, settings = None, {}
     if task is not None:
-        from . import tasks
-
-        tasks.get(task).evaluate(path, tasks.EvalOptions(data=data, limit=limit, out=out, premise=premise,
-                                                         hypothesis=hypothesis, few_shot=few_shot, seed=seed))
-        return
-    from .evaluate import evaluate_pretraining, metrics_table
-
-    result = evaluate_pretraining(path, data=data, batches=batches)
-    console.print(metrics_table(f"{path}", result))
+        key, settings = (task, {}) if task in registry.OBJECTIVES else task_target(task)[:2]
+    evaluate(checkpoint or newest_run(), key, settings, EvalOptions(data=data, limit=limit, batches=batches, out=out,
+                                                                   inputs=inputs, few_shot=few_shot, seed=seed))
 
 
 @app.command()
@@ -170,12 +186,13 @@ def export(
     checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load."""
+    from . import hf as hf_interop
+    from .backbone import from_run
     from .checkpoint import newest_run
     from .display import console
-    from .hf import export_run
 
-    path = checkpoint or newest_run()
-    arch = export_run(path, hf)
+    backbone = from_run(checkpoint or newest_run(), which="best")
+    arch = hf_interop.export(backbone, backbone.recipe, hf)
     console.print(f"wrote {arch} to {hf}")
 
 
@@ -194,43 +211,20 @@ def generate(
     device: str = typer.Option("cpu", help="cpu | cuda."),
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
-    import torch
-
+    from .backbone import from_run
     from .checkpoint import newest_run
-    from .generate import TextStreamer, generate_tokens
-    from .inference import load_run
+    from .generate import stream
 
     if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    loaded = load_run(checkpoint or newest_run(), device=device)
-    family = loaded.recipe.model.family
-    if family not in ("gpt", "t5"):
-        raise UserError(f"{loaded.checkpoint} holds a {family!r} model; "
+    backbone = from_run(checkpoint or newest_run(), device=device)
+    if backbone.family not in ("gpt", "t5"):
+        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; "
                         f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
-    tok = loaded.tokenizer
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
-                    top_p=top_p, eos_id=tok.eos_id, use_cache=not no_cache, seed=seed)
-    if family == "t5":  # encode the prompt once, decode an answer from the start token
-        from .seq2seq import generate_seq2seq
-
-        if not prompt:
-            raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
-                            "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
-        ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
-        streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))  # show the sentinels
-        tokens = generate_seq2seq(loaded.model, ids, start_id=tok.token_id("<pad>"), **sampling)
-    else:
-        ids = tok.encode(prompt) if prompt else []
-        if not ids:
-            if tok.eos_id is None:
-                raise UserError("give a non-empty --prompt (this tokenizer has no end-of-text token to start from)")
-            ids = [tok.eos_id]
-        streamer = TextStreamer(tok.decode)
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-        tokens = generate_tokens(loaded.model, torch.tensor([ids], device=device), **sampling)
-    for token in tokens:
-        sys.stdout.write(streamer.push(token))
+                    top_p=top_p, use_cache=not no_cache, seed=seed)
+    for text in stream(backbone, prompt, **sampling):
+        sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
 
@@ -240,18 +234,19 @@ def recipes_list(ctx: typer.Context):
     """List the recipes in recipes/."""
     if ctx.invoked_subcommand is not None:
         return
-    import yaml
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    from . import recipe as recipes
     from .display import console
 
-    table = Table("recipe", "objective", "model", "steps", "batch", "lr")
+    table = Table("objective / task", "model", "steps", "batch", "lr")
+    table.columns.insert(0, Column("recipe", no_wrap=True))
     for name in recipes.available():
-        raw = yaml.safe_load(recipes.recipe_path(name).read_text()) or {}
+        raw = recipes.load_raw(name)
         m, t, o = raw.get("model", {}), raw.get("train", {}), raw.get("optim", {})
         shape = f"{m.get('family', '?')} L{m.get('n_layer', '?')} d{m.get('d_model', '?')}"
-        table.add_row(name, str(raw.get("objective", "")), shape, str(t.get("steps", "")),
+        plugin = raw.get("objective") or raw.get("task", "")
+        preset = (raw.get(plugin) or {}).get("preset") if isinstance(raw.get(plugin), dict) else None
+        table.add_row(name, f"{plugin} ({preset})" if preset else str(plugin), shape, str(t.get("steps", "")),
                       str(t.get("batch_size", "")), str(o.get("lr", "")))
     console.print(table)
 
@@ -261,8 +256,6 @@ def recipes_list(ctx: typer.Context):
 def recipes_show(name: str = typer.Argument(..., help="Recipe name or path.")):
     """Print a recipe fully resolved, every default filled in."""
     import yaml
-
-    from . import recipe as recipes
 
     typer.echo(yaml.safe_dump(recipes.to_dict(recipes.load(name)), sort_keys=False), nl=False)
 

@@ -1,10 +1,15 @@
-"""Autoregressive generation: greedy, temperature, top-k, top-p, with a key/value cache."""
+"""Autoregressive generation for decoders (GPT) and encoder-decoders (T5): greedy, temperature,
+top-k, top-p, a seed, a key/value cache, tokens streamed as text as they are made. One sampling
+loop serves both; only how the next logits are computed differs.
+"""
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from .errors import UserError
 
 
 def sample_next(logits: Tensor, *, temperature: float, top_k: int, top_p: float,
@@ -75,6 +80,32 @@ def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, te
                          top_p=top_p, eos_id=eos_id, seed=seed, device=prompt.device)
 
 
+@torch.no_grad()
+def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_new_tokens: int,
+                     attention_mask: Optional[Tensor] = None, temperature: float = 1.0, top_k: int = 0,
+                     top_p: float = 1.0, eos_id: Optional[int] = None, use_cache: bool = True,
+                     seed: Optional[int] = None) -> Iterator[int]:
+    """Yield new target ids for input_ids (1, S). The decoder starts from `start_id` (T5: pad) and
+    may produce at most model.cfg.max_seq_len tokens; without the cache every step re-decodes all."""
+    encoded = model.encode(input_ids, attention_mask)  # (1, S, D), computed once
+    steps = min(max_new_tokens, model.cfg.max_seq_len)
+    caches = model.new_caches(steps) if use_cache else None
+    dec = torch.full((input_ids.size(0), 1), start_id, dtype=torch.long, device=input_ids.device)
+
+    def next_logits(previous: Optional[Tensor]) -> Tensor:
+        nonlocal dec
+        if previous is not None:
+            dec = torch.cat([dec, previous], dim=1)
+        if caches is not None:  # only the newest token goes in; the cache holds the rest
+            hidden = model.decode(dec[:, -1:] if previous is not None else dec, encoded, attention_mask, caches)
+        else:
+            hidden = model.decode(dec, encoded, attention_mask)  # (1, t, D): re-decode everything
+        return model.logits(hidden[:, -1])
+
+    return sampling_loop(next_logits, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_id=eos_id, seed=seed, device=input_ids.device)
+
+
 class TextStreamer:
     """Turns a growing list of ids into newly printable text (never splits a multi-byte character)."""
 
@@ -88,3 +119,31 @@ class TextStreamer:
             return ""  # wait for the rest of the character
         new, self.printed = text[self.printed:], len(text)
         return new
+
+
+def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+           use_cache: bool = True, seed: Optional[int] = None) -> Iterator[str]:
+    """The text a run generates after `prompt`, piece by piece: a decoder continues the prompt (which
+    comes first); an encoder-decoder encodes it once and answers (sentinels shown)."""
+    tok, model = backbone.tokenizer, backbone.model
+    device = next(model.parameters()).device
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    eos_id=tok.eos_id, use_cache=use_cache, seed=seed)
+    if backbone.family == "t5":
+        if not prompt:
+            raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
+                            "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
+        ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
+        streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))
+        tokens = generate_seq2seq(model, ids, start_id=tok.token_id("<pad>"), **sampling)
+    else:
+        ids = tok.encode(prompt) if prompt else []
+        if not ids:
+            if tok.eos_id is None:
+                raise UserError("give a non-empty --prompt (this tokenizer has no end-of-text token to start from)")
+            ids = [tok.eos_id]
+        streamer = TextStreamer(tok.decode)
+        yield prompt
+        tokens = generate_tokens(model, torch.tensor([ids], device=device), **sampling)
+    for token in tokens:
+        yield streamer.push(token)

@@ -1,8 +1,14 @@
-"""Recipes: YAML files that pin every hyperparameter, parsed into typed, validated dataclasses.
+"""Recipes: YAML files that pin every hyperparameter, parsed into frozen, typed dataclasses.
 
-`load(name_or_path, overrides)` reads a recipe, applies `a.b=value` overrides, and checks every
-key and type, naming the dotted path of anything wrong. The `model` section is the config
-dataclass of the family named by `model.family` (see tfcli.models.FAMILIES).
+`load(name_or_path, overrides)` reads a recipe, applies `a.b=value` overrides and checks every
+key and type, naming the dotted path of anything wrong. A recipe names one plug-in: `objective:`
+(pretraining) or `task:` (finetuning), validated against tfcli.registry. The plug-in's own settings
+are a section named like its key (`mlm:`, `classify:`), typed by the plug-in's Config; only recipes
+using that plug-in carry it. Task recipes also carry `finetune:` (what is trained, for how long).
+The `model` section is the config dataclass of the family named by `model.family`.
+
+`extends: other-recipe` starts from another recipe and overrides what this file sets.
+Recipes are immutable: the driver derives a run's final recipe with `dataclasses.replace`.
 """
 from __future__ import annotations
 
@@ -15,12 +21,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from . import registry
 from .errors import UserError
+from .models import FAMILIES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerConfig:
     """bpe/wordpiece/unigram: trained on the training text; char: one id per character;
     file: load `path` (tokenizer.json, or a directory with vocab.json+merges.txt or vocab.txt)."""
@@ -32,34 +40,34 @@ class TokenizerConfig:
     train_chars: int = 5_000_000  # characters of training text used to learn the vocabulary
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """source: 'builtin', a file/glob/directory (comma-separated for several), or 'hf:name[:config]'."""
 
     source: str = "builtin"
     text_field: str = "text"
-    val_fraction: float = 0.1  # the last fraction of the token stream is held out
+    val_fraction: float = 0.1  # the last fraction of the token stream (or a seeded share of rows) is held out
     val_source: str = ""  # optional separate held-out data instead of val_fraction
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per example (finetuning: the longest input)
     sampling: Literal["blocks", "windows"] = "blocks"  # shuffled non-overlapping blocks | random windows
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.1  # applied to matrices only, never to biases, norms or embeddings' positions
+    weight_decay: float = 0.1  # applied to matrices only, never to biases, norms or 1-D parameters
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleConfig:
     warmup_steps: int = 100
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
     batch_size: int = 16  # per process; the global batch is batch_size * grad_accum * processes
@@ -74,64 +82,50 @@ class TrainConfig:
     keep_checkpoints: int = 2
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    strategy: Literal["auto", "none", "ddp"] = "auto"  # auto: DDP under torchrun, else none
 
 
-@dataclass
-class MLMConfig:
-    """BERT's masked-LM objective (objective: mlm): masking and how segments are built."""
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """What a task trains and for how long (task recipes only)."""
 
-    nsp: bool = True  # false: RoBERTa-style full segments, no next-sentence prediction
-    mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
-    short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
-    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
-
-
-@dataclass
-class TaskConfig:
-    """Finetuning: which task, its data, how features are pooled and what is trained."""
-
-    name: str = ""  # mnli | image-classify | ... ('' for pretraining recipes)
-    data: str = ""  # the task's data (directory or files); '' = the task's default source
-    pooling: Literal["cls", "mean", "last4-sum", "last4-concat"] = "cls"
     train: Literal["all", "head"] = "all"  # head: frozen backbone (linear probe)
+    pooling: Literal["cls", "mean", "last4-sum", "last4-concat"] = "cls"  # classifier features
     head_lr: float = 0.0  # 0 = optim.lr
-    max_length: int = 128
-    epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training rows
-    limit: int = 0  # use only the first N training rows (0 = all)
-    eval_limit: int = 0  # evaluate on the first N rows of each split (0 = all)
+    epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training examples
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
+    limit: int = 0  # use a seeded sample of N training examples (0 = all)
+    eval_limit: int = 0  # evaluate during training on N examples of each split (0 = all)
 
 
-@dataclass
-class ImagesConfig:
-    """Image objectives and tasks (MAE, image-classify): training augmentation and normalisation.
-    Pixels are scaled to [0, 1], then (x - mean) / std per channel; the size is model.image_size."""
-
-    augment: bool = True  # random resized crop + horizontal flip on training images
-    crop_scale: tuple[float, float] = (0.2, 1.0)  # area fraction of the random crop (MAE: 0.2-1)
-    crop_ratio: tuple[float, float] = (0.75, 1.3333333)  # aspect ratio range of the crop
-    hflip: bool = True
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Recipe:
     name: str = ""
-    objective: str = "clm"
+    objective: str = ""  # pretraining: an objective key (registry.OBJECTIVES)
+    task: str = ""  # finetuning: a task key (registry.TASKS)
     model: Any = None  # the family's config dataclass, chosen by model.family
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    images: ImagesConfig = field(default_factory=ImagesConfig)
-    mlm: MLMConfig = field(default_factory=MLMConfig)
+    finetune: Optional[FinetuneConfig] = None  # task recipes only
+    settings: Any = None  # the plug-in's own section, written under its key (e.g. `mlm:`)
+
+    @property
+    def kind(self) -> str:
+        return "objective" if self.objective else "task"
+
+    @property
+    def plugin(self) -> str:
+        return self.objective or self.task
 
 
 class RecipeError(UserError):
     pass
+
+
+COMMON = ("name", "objective", "task", "model", "tokenizer", "data", "optim", "schedule", "train")
 
 
 def recipe_path(name_or_path: str) -> Path:
@@ -143,8 +137,7 @@ def recipe_path(name_or_path: str) -> Path:
         return p
     p = RECIPES_DIR / f"{name_or_path}.yaml"
     if not p.is_file():
-        known = ", ".join(available()) or "none"
-        raise RecipeError(f"unknown recipe {name_or_path!r} (known: {known})")
+        raise RecipeError(f"unknown recipe {name_or_path!r} (known: {', '.join(available()) or 'none'})")
     return p
 
 
@@ -153,7 +146,12 @@ def available() -> list[str]:
 
 
 def load(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> Recipe:
-    """Read a recipe, apply dotted-path overrides, validate everything."""
+    """Read a recipe (following `extends:`), apply dotted-path overrides, validate everything."""
+    return from_dict(load_raw(name_or_path), overrides)
+
+
+def load_raw(name_or_path: str, _depth: int = 0) -> dict:
+    """A recipe file as plain data, with its `extends:` chain merged in (the file's name kept)."""
     path = recipe_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -161,15 +159,21 @@ def load(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> Recip
         raise RecipeError(f"{path}: not valid YAML ({e.__class__.__name__})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
-    raw.setdefault("name", path.stem)
-    return from_dict(raw, overrides)
+    own_name, base = raw.get("name"), raw.pop("extends", None)
+    if base is not None:
+        if _depth >= 8:
+            raise RecipeError(f"{path}: `extends` goes more than 8 recipes deep (a cycle?)")
+        base_dir = path.parent / f"{base}.yaml"
+        raw = _merge(load_raw(str(base_dir) if base_dir.is_file() else str(base), _depth + 1), raw)
+    raw["name"] = own_name or path.stem
+    return raw
 
 
 def from_dict(raw: dict, overrides: Optional[dict[str, Any]] = None) -> Recipe:
     raw = _deepcopy(raw)
     for key, value in (overrides or {}).items():
         _set_path(raw, key, value)
-    return _build(Recipe, raw, "")
+    return _build_recipe(raw)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -187,14 +191,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def to_dict(recipe: Recipe) -> dict:
-    """Plain data for YAML (tuples become lists)."""
-    def plain(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (tuple, list)):
-            return [plain(x) for x in v]
-        return v
-    return plain(recipe)
+    """Plain data for YAML, in reading order; the plug-in section under its key."""
+    out = {"name": recipe.name, recipe.kind: recipe.plugin, "model": _plain(recipe.model),
+           "tokenizer": _plain(recipe.tokenizer), "data": _plain(recipe.data)}
+    if recipe.settings is not None:
+        out[recipe.plugin] = _plain(recipe.settings)
+    if recipe.finetune is not None:
+        out["finetune"] = _plain(recipe.finetune)
+    out.update(optim=_plain(recipe.optim), schedule=_plain(recipe.schedule), train=_plain(recipe.train))
+    return out
 
 
 def save(recipe: Recipe, path: Path) -> None:
@@ -203,10 +208,149 @@ def save(recipe: Recipe, path: Path) -> None:
 
 def load_resolved(path: Path) -> Recipe:
     """Read a config.yaml written by save() (a run's resolved recipe)."""
-    return from_dict(yaml.safe_load(Path(path).read_text()))
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({e.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: not a tfcli recipe")
+    return from_dict(raw)
+
+
+def replace(obj, **changes):
+    """dataclasses.replace that names the field when a derived value is out of range."""
+    try:
+        return dataclasses.replace(obj, **changes)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 # --- validation -------------------------------------------------------------------------------
+
+def _build_recipe(raw: dict) -> Recipe:
+    objective, task = raw.get("objective") or "", raw.get("task") or ""
+    if bool(objective) == bool(task):
+        raise RecipeError("a recipe names exactly one of `objective` (pretraining) or `task` (finetuning)")
+    kind, key = ("objective", objective) if objective else ("task", task)
+    if not isinstance(key, str):
+        raise RecipeError(f"{kind}: expected a name, got {key!r}")
+    try:
+        cls = registry.plugin_class(kind, key)
+    except UserError as e:
+        raise RecipeError(f"{kind}: {e}") from None
+    allowed = set(COMMON) | ({"finetune"} if task else set()) | ({key} if cls.Config else set())
+    for k in raw:
+        if k not in allowed:
+            raise RecipeError(f"{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
+    if "model" not in raw:
+        raise RecipeError("model: missing section (it needs at least model.family)")
+    kwargs = {f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
+              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune")}
+    kwargs["model"] = _build_model(raw["model"], "model")
+    if task:
+        kwargs["finetune"] = _build(FinetuneConfig, raw.get("finetune", {}), "finetune")
+    if cls.Config:
+        kwargs["settings"] = _build(cls.Config, raw.get(key) or {}, key)
+    return Recipe(**kwargs)
+
+
+def _build(cls, raw: Any, path: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise RecipeError(f"{_join(path, key)}: unknown key (allowed: {', '.join(sorted(names))})")
+    kwargs = {f.name: _coerce(hints[f.name], raw[f.name], _join(path, f.name))
+              for f in dataclasses.fields(cls) if f.name in raw}
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+
+
+def _build_model(raw: Any, path: str):
+    if not isinstance(raw, dict) or "family" not in raw:
+        raise RecipeError(f"{path}.family: missing (one of {', '.join(sorted(FAMILIES))})")
+    family = raw["family"]
+    if family not in FAMILIES:
+        raise RecipeError(f"{path}.family: unknown family {family!r} (one of {', '.join(sorted(FAMILIES))})")
+    return _build(FAMILIES[family][0], raw, path)
+
+
+def _coerce(tp, value: Any, path: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, path)
+    if origin is Literal:
+        if value not in args:
+            raise RecipeError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is tuple:
+        if args[-1] is Ellipsis:  # tuple[str, ...]: any length
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)):
+                raise RecipeError(f"{path}: expected a list, got {value!r}")
+            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise RecipeError(f"{path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    return _coerce_scalar(tp, value, path)
+
+
+def _coerce_scalar(tp, value: Any, path: str):
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise RecipeError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    if tp is Any:
+        return value
+    raise RecipeError(f"{path}: unsupported type {tp}")
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section; a model of another family replaces the base's."""
+    out = dict(base)
+    for k, v in over.items():
+        other_family = isinstance(v, dict) and "family" in v and v["family"] != (out.get(k) or {}).get("family")
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and not other_family else v
+    return out
+
 
 def _deepcopy(d):
     if isinstance(d, dict):
@@ -225,97 +369,6 @@ def _set_path(raw: dict, dotted: str, value: Any) -> None:
             raise RecipeError(f"{'.'.join(parts[: i + 1])}: is a value, not a section")
         node = nxt
     node[parts[-1]] = value
-
-
-def _build(cls, raw: Any, path: str):
-    where = path or "recipe"
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            raise RecipeError(f"{_join(path, key)}: unknown key (allowed: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        sub = _join(path, f.name)
-        if cls is Recipe and f.name == "model":
-            kwargs["model"] = _build_model(raw["model"], sub)
-        else:
-            kwargs[f.name] = _coerce(hints[f.name], raw[f.name], sub)
-    if cls is Recipe and "model" not in kwargs:
-        raise RecipeError("model: missing section (it needs at least model.family)")
-    try:
-        return cls(**kwargs)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-
-
-def _build_model(raw: Any, path: str):
-    from .models import FAMILIES
-
-    if not isinstance(raw, dict) or "family" not in raw:
-        raise RecipeError(f"{path}.family: missing (one of {', '.join(sorted(FAMILIES))})")
-    family = raw["family"]
-    if family not in FAMILIES:
-        raise RecipeError(f"{path}.family: unknown family {family!r} (one of {', '.join(sorted(FAMILIES))})")
-    return _build(FAMILIES[family][0], raw, path)
-
-
-def _coerce(tp, value: Any, path: str):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path)
-    if origin is Literal:
-        if value not in args:
-            raise RecipeError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise RecipeError(f"{path}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is list:
-        if not isinstance(value, list):
-            raise RecipeError(f"{path}: expected a list, got {value!r}")
-        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise RecipeError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise RecipeError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool):
-            raise RecipeError(f"{path}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise RecipeError(f"{path}: expected a number, got {value!r}")
-    if tp is str:
-        if value is None:
-            return ""
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise RecipeError(f"{path}: expected a string, got {value!r}")
-        return str(value)
-    if tp is Any:
-        return value
-    raise RecipeError(f"{path}: unsupported type {tp}")
 
 
 def _join(path: str, key: str) -> str:

@@ -1,21 +1,33 @@
-"""From images to batches: random resized crop, horizontal flip, per-channel normalisation, and a
-resumable shuffled sampler (the image counterpart of packing.BlockSampler).
-
-Every random choice of a batch is drawn from (seed, epoch, position), so a run resumed from a
-checkpoint sees exactly the crops and flips it would have seen without the interruption.
+"""From images to batches: random resized crop, horizontal flip, per-channel normalisation, as a
+`sampler.Source`. Every random choice (crop, flip, MAE's masking noise) is drawn from the
+example's own random stream, so a resumed run sees exactly the crops it would have seen.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..sampler import Draw, Source
 from .images import ImageSet
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How images become pixels (the `mae:` and `image-classify:` recipe sections). Pixels are
+    scaled to [0, 1], then (x - mean) / std per channel; the size is model.image_size."""
+
+    augment: bool = True  # random resized crop + horizontal flip on training images
+    crop_scale: tuple[float, float] = (0.2, 1.0)  # area fraction of the random crop (MAE: 0.2-1)
+    crop_ratio: tuple[float, float] = (0.75, 1.3333333)  # aspect ratio range of the crop
+    hflip: bool = True
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 
 @dataclass
@@ -31,10 +43,8 @@ class ImageTransform:
     hflip: bool = True
 
     @classmethod
-    def from_recipe(cls, recipe, train: bool) -> "ImageTransform":
-        im = recipe.images
-        return cls(recipe.model.image_size, im.mean, im.std, train and im.augment, im.crop_scale,
-                   im.crop_ratio, im.hflip)
+    def from_config(cls, cfg: ImageConfig, size: int, train: bool) -> "ImageTransform":
+        return cls(size, cfg.mean, cfg.std, train and cfg.augment, cfg.crop_scale, cfg.crop_ratio, cfg.hflip)
 
     def crop_box(self, h: int, w: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """Random resized crop as torchvision draws it: (top, left, height, width)."""
@@ -78,71 +88,22 @@ class ImageTransform:
         return (x * std + mean).clamp(0.0, 1.0)
 
 
-def make_batch(images: ImageSet, idx, transform: ImageTransform, rng: Optional[np.random.Generator]) -> dict:
-    """{'pixels': (B, 3, S, S) float, 'labels': (B,) int64 when the images have labels}."""
-    pixels = torch.stack([transform(images.images[i], rng) for i in idx])  # (B, 3, S, S)
-    batch = {"pixels": pixels}
-    if images.labels is not None:
-        batch["labels"] = torch.from_numpy(images.labels[np.asarray(idx, dtype=np.int64)])
-    return batch
+class ImageSource(Source):
+    """Transformed images (and their labels); with `noise_patches` also MAE's masking noise (B, N),
+    each example's drawn from its own random stream."""
 
+    def __init__(self, images: ImageSet, transform: ImageTransform, noise_patches: int = 0):
+        self.images, self.transform, self.noise_patches = images, transform, noise_patches
 
-@dataclass
-class ImageSampler:
-    """Shuffled batches of transformed images, epoch after epoch; resumable via state_dict.
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.images)
 
-    Hands out the global batch of batch_size * world_size images and keeps this rank's slice, so
-    the data order does not depend on how many processes share the work.
-    """
-
-    images: ImageSet
-    transform: ImageTransform
-    batch_size: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
-    epoch: int = 0
-    index: int = 0  # position within this epoch's order
-
-    def __post_init__(self):
-        self._order_epoch: Optional[int] = None
-
-    def _order(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            self._cached = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.images))
-            self._order_epoch = self.epoch
-        return self._cached
-
-    def next_batch(self) -> dict[str, Tensor]:
-        rng = np.random.default_rng([self.seed, self.epoch, self.index, 1])  # this batch's crops/flips
-        picked = []
-        while len(picked) < self.batch_size * self.world_size:
-            order = self._order()
-            if self.index >= len(order):
-                self.epoch, self.index = self.epoch + 1, 0
-                continue
-            picked.append(int(order[self.index]))
-            self.index += 1
-        mine = picked[self.rank * self.batch_size: (self.rank + 1) * self.batch_size]
-        return make_batch(self.images, mine, self.transform, rng)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
-
-def sequential_batches(images: ImageSet, transform: ImageTransform, batch_size: int, max_batches: int = 0,
-                       rank: int = 0, world_size: int = 1) -> Iterator[dict[str, Tensor]]:
-    """Held-out batches in order, the same every time (max_batches 0: all of them)."""
-    per_step = batch_size * world_size
-    n_batches = math.ceil(len(images) / per_step)
-    if max_batches > 0:
-        n_batches = min(n_batches, max_batches)
-    for b in range(n_batches):
-        first = b * per_step + rank * batch_size
-        idx = list(range(first, min(first + batch_size, len(images))))
-        if not idx:
-            return
-        yield make_batch(images, idx, transform, None)
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        rngs = [draw.rng(i) for i in range(len(draw))]
+        pixels = torch.stack([self.transform(self.images.images[int(i)], rng) for i, rng in zip(draw.indices, rngs)])
+        batch = {"pixels": pixels}  # (B, 3, S, S)
+        if self.images.labels is not None:
+            batch["labels"] = torch.from_numpy(self.images.labels[draw.indices.astype(np.int64)])
+        if self.noise_patches:
+            batch["noise"] = torch.from_numpy(np.stack([rng.random(self.noise_patches) for rng in rngs])).float()
+        return batch

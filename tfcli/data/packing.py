@@ -1,19 +1,19 @@
-"""From documents to training batches: cached tokenization, one token stream, fixed-length blocks.
+"""From documents to fixed-length blocks: cached tokenization, one token stream, block sources.
 
 Tokenization goes through `datasets.map` with a fingerprint made of the data's fingerprint and
 the tokenizer's, so a second run over the same data with the same tokenizer loads the cached
-Arrow file instead of tokenizing again.
+Arrow file instead of tokenizing again. Blocks are `sampler.Source`s: the one sampler shuffles,
+slices per rank and resumes them.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from ..errors import UserError
+from ..sampler import Draw, Source
 from .tokenizers import TextTokenizer
 
 
@@ -48,77 +48,51 @@ def split_stream(stream: np.ndarray, val_fraction: float, seq_len: int) -> tuple
     return train, val
 
 
-@dataclass
-class BlockSampler:
-    """Shuffled fixed-length blocks of `seq_len + 1` tokens from a stream; resumable.
+def train_and_val_streams(docs: dict, tokenizer: TextTokenizer, data, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams of the training documents and of the held-out ones (data.val_source), or the
+    training stream's tail (data.val_fraction) when there are none."""
+    stream = token_stream(tokenize(docs["train"], tokenizer))
+    if docs.get("val") is not None:
+        return stream, token_stream(tokenize(docs["val"], tokenizer))
+    return split_stream(stream, data.val_fraction, block)
 
-    Blocks (Hugging Face's group_texts, the default): each epoch starts the block grid at a random offset (so every epoch sees new boundaries) and
-    visits the blocks in a random order, both drawn from (seed, epoch). The sampler hands out the
-    *global* batch of `batch_size * world_size` blocks and keeps this rank's slice, so the data
-    order does not depend on how many processes share the work.
-    Windows (nanoGPT's get_batch): every batch draws its block starts uniformly from the whole
-    stream, from (seed, batch number); more variety per token on small corpora.
-    """
 
-    tokens: np.ndarray
-    seq_len: int
-    batch_size: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
-    windows: bool = False  # nanoGPT style: every position may start a block, drawn at random
-    epoch: int = 0
-    index: int = 0  # position within this epoch's order (windows: batches drawn so far)
+class BlockSource(Source):
+    """Hugging Face's group_texts: non-overlapping blocks of seq_len + 1 tokens (inputs and the
+    targets one to the right). With shift=True each epoch starts the grid at an offset drawn from
+    (seed, epoch), so every epoch sees new block boundaries."""
 
-    def __post_init__(self):
-        self._order_epoch: Optional[int] = None
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shift: bool = True):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.shift = shift and len(tokens) > 2 * (seq_len + 1)
 
-    def _order(self) -> tuple[int, np.ndarray]:
-        if self._order_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            offset = int(rng.integers(0, self.seq_len)) if len(self.tokens) > 2 * (self.seq_len + 1) else 0
-            n_blocks = (len(self.tokens) - offset - 1) // self.seq_len
-            self._cached = (offset, rng.permutation(n_blocks))
-            self._order_epoch = self.epoch
-        return self._cached
+    def offset(self, epoch: int) -> int:
+        return int(np.random.default_rng([self.seed, epoch, 7]).integers(0, self.seq_len)) if self.shift else 0
 
-    def _window_starts(self, global_batch: int) -> list[int]:
-        rng = np.random.default_rng([self.seed, self.index])
-        self.index += 1
-        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=global_batch, endpoint=True).tolist()
+    def epoch_size(self, epoch: int) -> int:
+        return max(0, (len(self.tokens) - self.offset(epoch) - 1) // self.seq_len)
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        starts = []
-        global_batch = self.batch_size * self.world_size
-        if self.windows:
-            starts = self._window_starts(global_batch)
-        while len(starts) < global_batch:
-            offset, order = self._order()
-            if self.index >= len(order):
-                self.epoch, self.index = self.epoch + 1, 0
-                continue
-            starts.append(offset + int(order[self.index]) * self.seq_len)
-            self.index += 1
-        mine = starts[self.rank * self.batch_size: (self.rank + 1) * self.batch_size]
-        block = torch.from_numpy(np.stack([self.tokens[s: s + self.seq_len + 1] for s in mine]))
+    def starts(self, draw: Draw) -> list[int]:
+        return [self.offset(int(e)) + int(i) * self.seq_len for e, i in zip(draw.epochs, draw.indices)]
+
+    def blocks(self, starts: list[int]) -> torch.Tensor:
+        """(B, seq_len + 1) token blocks beginning at `starts`."""
+        return torch.from_numpy(np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts]))
+
+    def batch(self, draw: Draw) -> dict[str, torch.Tensor]:
+        block = self.blocks(self.starts(draw))
         return {"input_ids": block[:, :-1], "targets": block[:, 1:]}
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+class WindowSource(BlockSource):
+    """nanoGPT's get_batch: each example is a window at a position drawn from its own random stream
+    (more variety per token on small corpora). An 'epoch' is as many windows as the stream has blocks."""
 
+    shuffle = False
 
-def sequential_blocks(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int,
-                      rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
-    """Held-out batches: consecutive blocks from the start, the same every evaluation."""
-    n_blocks = (len(tokens) - 1) // seq_len
-    per_step = batch_size * world_size
-    for b in range(min(max_batches, max(1, n_blocks // per_step))):
-        first = b * per_step + rank * batch_size
-        ids = [i for i in range(first, first + batch_size) if i < n_blocks]
-        if not ids:
-            return
-        block = torch.from_numpy(np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in ids]))
-        yield {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        super().__init__(tokens, seq_len, shift=False)
+
+    def starts(self, draw: Draw) -> list[int]:
+        last = len(self.tokens) - self.seq_len - 1
+        return [int(draw.rng(i).integers(0, last, endpoint=True)) for i in range(len(draw))]

@@ -1,31 +1,58 @@
-"""Hugging Face interop: load transformers checkpoints into tfcli models and export them back.
+"""Hugging Face interop: read a transformers directory into tfcli weights, write a run back out.
 
-One module per family (gpt2.py, bert.py, t5.py, vit.py), each a pair of pure functions that
-rename and reshape state dicts, plus config translation.
+One engine (convert.py) and one table module per family; nothing here is family-specific.
 """
+from __future__ import annotations
 
 from pathlib import Path
 
-# model family -> module of this package that has export(loaded, out) (a loaded tfcli run -> HF directory)
-EXPORTERS = {
-    "gpt": "gpt2",
-    "bert": "bert",
-    "t5": "t5",
-    "vit": "vit",
-}
+from torch import Tensor
+
+from ..errors import UserError
+from . import bert, gpt2, t5, vit
+from .convert import check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
+
+FAMILIES = {"gpt": gpt2, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
 
 
-def export_run(path: Path, out: Path) -> str:
-    """Write the run (its best checkpoint, else its latest) as a transformers directory; return the
-    architecture written. Dispatches on the run's model family."""
-    import importlib
+def family_of_config(raw: dict, where: Path) -> str:
+    """The tfcli family of a transformers config.json (by its model_type)."""
+    model_type = raw.get("model_type")
+    for family, module in FAMILIES.items():
+        if model_type in module.MODEL_TYPES:
+            return family
+    known = ", ".join(t for m in FAMILIES.values() for t in m.MODEL_TYPES)
+    raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
 
-    from ..errors import UserError
-    from ..inference import load_run
 
-    loaded = load_run(Path(path), which="best")
-    family = loaded.recipe.model.family
-    if family not in EXPORTERS:
-        raise UserError(f"export to Hugging Face is not available for {family!r} models "
-                        f"(available: {', '.join(sorted(EXPORTERS))})")
-    return importlib.import_module(f"{__name__}.{EXPORTERS[family]}").export(loaded, Path(out))
+def read_pretrained(path: Path):
+    """A local transformers directory -> (tfcli model config, state dict with model.* and heads.* names)."""
+    raw = read_config(path)
+    module = FAMILIES[family_of_config(raw, path)]
+    state = module.normalize(read_state(path))
+    try:
+        cfg = module.config_from_hf(raw, state)
+    except KeyError as e:
+        raise UserError(f"{path}/config.json lacks {e.args[0]!r}") from None
+    except ValueError as e:
+        raise UserError(f"{path}/config.json: {e}") from None
+    return cfg, to_tfcli(state, module.rules(cfg))
+
+
+def tfcli_state(backbone) -> dict[str, Tensor]:
+    """A backbone's model and head weights under checkpoint names (model.*, heads.*)."""
+    return {**{f"model.{k}": v for k, v in backbone.model.state_dict().items()},
+            **{f"heads.{k}": v for k, v in backbone.heads.items()}}
+
+
+def export(backbone, recipe, out: Path) -> str:
+    """Write a backbone (model, heads, tokenizer) as a transformers directory; return the architecture."""
+    module = FAMILIES.get(backbone.family)
+    if module is None:
+        raise UserError(f"export to Hugging Face is not available for {backbone.family!r} models")
+    check_writable(out)
+    spec = module.export(backbone, recipe)
+    state = {**to_hf(tfcli_state(backbone), module.rules(backbone.cfg)), **spec.extra_tensors}
+    files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
+    write_dir(out, spec.config, state, {**files, **spec.files})
+    return spec.config["architectures"][0]

@@ -1,205 +1,130 @@
-"""Hugging Face ViT-MAE / ViT <-> tfcli ViT + MAEDecoder: config translation and state-dict renaming.
+"""ViT and ViT-MAE <-> transformers' ViTModel / ViTForImageClassification / ViTMAEForPreTraining:
+the weight table and config map.
 
-Covers ViTMAEForPreTraining (encoder + decoder; identical outputs given the same `noise`) and
-ViTForImageClassification (encoder + linear classifier on the final [CLS]). transformers' separate
-q/k/v projections become our fused qkv. Fixed sin-cos position embeddings are recognised on import
-(and recomputed, not stored); anything else is loaded as learned positions. Older transformers
-checkpoints (`encoder.layer.N.attention.attention.query`, ...) are renamed on the way in.
+The table uses the names transformers writes to disk (4.x style, which 5.x also writes); 5.x
+in-memory names are mapped onto them. q/k/v become tfcli's fused qkv. Fixed 2-D sin-cos position
+embeddings are recognised on import (and recomputed, not stored in tfcli); export writes them out.
 """
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
-from typing import Optional
+from dataclasses import replace
 
 import torch
-from torch import Tensor, nn
 
 from ..errors import UserError
-from ..models.vit import MAEDecoder, ViT, ViTConfig, sincos_2d
+from ..models.vit import ViTConfig, sincos_2d
+from .convert import Export, Rule, json_text, rule
 
-LEGACY = [  # transformers 4.x names (also what 5.x writes to disk) -> 5.x module names
-    (r"^decoder\.decoder_encoder\.layer\.", "decoder.decoder_layers."), (r"\.encoder\.layer\.", ".layers."),
-    (r"\.attention\.attention\.query\.", ".attention.q_proj."),
-    (r"\.attention\.attention\.key\.", ".attention.k_proj."), (r"\.attention\.attention\.value\.", ".attention.v_proj."),
-    (r"\.attention\.output\.dense\.", ".attention.o_proj."), (r"\.intermediate\.dense\.", ".mlp.fc1."),
-    (r"\.output\.dense\.", ".mlp.fc2."),
+MODEL_TYPES = ("vit", "vit_mae")
+_BLOCK = [("norm_attn", "layernorm_before"), ("norm_mlp", "layernorm_after"), ("attn.out", "attention.output.dense"),
+          ("mlp.up", "intermediate.dense"), ("mlp.down", "output.dense")]
+_MODERN = [  # transformers 5.x module names -> the on-disk names
+    (r"^vit\.layers\.", "vit.encoder.layer."), (r"^decoder\.decoder_layers\.", "decoder.decoder_encoder.layer."),
+    (r"\.attention\.q_proj\.", ".attention.attention.query."), (r"\.attention\.k_proj\.", ".attention.attention.key."),
+    (r"\.attention\.v_proj\.", ".attention.attention.value."), (r"\.attention\.o_proj\.", ".attention.output.dense."),
+    (r"\.mlp\.fc1\.", ".intermediate.dense."), (r"\.mlp\.fc2\.", ".output.dense."),
 ]
-BLOCK = [("norm_attn", "layernorm_before"), ("norm_mlp", "layernorm_after"), ("attn.out", "attention.o_proj"),
-         ("mlp.up", "mlp.fc1"), ("mlp.down", "mlp.fc2")]
+_ENCODER = "vit.embeddings.position_embeddings"
+_DECODER = "decoder.decoder_pos_embed"
 
 
-def config_from_hf(hf: dict, pos_embed: str = "sincos") -> ViTConfig:
-    """A ViTMAEConfig or ViTConfig dict -> ViTConfig (decoder fields keep their defaults for ViT)."""
-    if hf.get("hidden_act", "gelu") != "gelu" or not hf.get("qkv_bias", True):
+def config_from_hf(raw: dict, state: dict) -> ViTConfig:
+    """A ViTMAEConfig or ViTConfig dict -> ViTConfig (decoder fields keep their defaults for a ViT);
+    positions are sin-cos when the checkpoint's equal MAE's fixed ones, else learned."""
+    if raw.get("hidden_act", "gelu") != "gelu" or not raw.get("qkv_bias", True):
         raise UserError("only ViTs with exact GELU and q/k/v biases are supported")
     d = ViTConfig()
-    return ViTConfig(
-        image_size=hf["image_size"], patch_size=hf["patch_size"], channels=hf.get("num_channels", 3),
-        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"], d_model=hf["hidden_size"],
-        d_ff=hf["intermediate_size"], dropout=hf.get("hidden_dropout_prob", 0.0),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12), pos_embed=pos_embed,
-        decoder_d_model=hf.get("decoder_hidden_size", d.decoder_d_model),
-        decoder_n_layer=hf.get("decoder_num_hidden_layers", d.decoder_n_layer),
-        decoder_n_head=hf.get("decoder_num_attention_heads", d.decoder_n_head),
-        decoder_d_ff=hf.get("decoder_intermediate_size", d.decoder_d_ff),
-        mask_ratio=hf.get("mask_ratio", d.mask_ratio), norm_pix_loss=hf.get("norm_pix_loss", d.norm_pix_loss))
+    cfg = ViTConfig(
+        image_size=raw["image_size"], patch_size=raw["patch_size"], channels=raw.get("num_channels", 3),
+        n_layer=raw["num_hidden_layers"], n_head=raw["num_attention_heads"], d_model=raw["hidden_size"],
+        d_ff=raw["intermediate_size"], dropout=raw.get("hidden_dropout_prob", 0.0),
+        layer_norm_eps=raw.get("layer_norm_eps", 1e-12), pos_embed="learned",
+        decoder_d_model=raw.get("decoder_hidden_size", d.decoder_d_model),
+        decoder_n_layer=raw.get("decoder_num_hidden_layers", d.decoder_n_layer),
+        decoder_n_head=raw.get("decoder_num_attention_heads", d.decoder_n_head),
+        decoder_d_ff=raw.get("decoder_intermediate_size", d.decoder_d_ff),
+        mask_ratio=raw.get("mask_ratio", d.mask_ratio), norm_pix_loss=raw.get("norm_pix_loss", d.norm_pix_loss))
+    return replace(cfg, pos_embed="sincos") if _positions_are_sincos(state, cfg) else cfg
 
 
-def config_to_hf(cfg: ViTConfig, mae: bool = True, labels: Optional[list[str]] = None):
-    """ViTConfig -> transformers ViTMAEConfig (mae) or ViTConfig (classification)."""
-    import transformers
-
-    common = dict(image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.channels,
-                  num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, hidden_size=cfg.d_model,
-                  intermediate_size=cfg.d_ff, hidden_act="gelu", hidden_dropout_prob=cfg.dropout,
-                  attention_probs_dropout_prob=cfg.dropout, layer_norm_eps=cfg.layer_norm_eps, qkv_bias=True)
-    if mae:
-        return transformers.ViTMAEConfig(
-            **common, decoder_hidden_size=cfg.decoder_d_model, decoder_num_hidden_layers=cfg.decoder_n_layer,
-            decoder_num_attention_heads=cfg.decoder_n_head, decoder_intermediate_size=cfg.decoder_d_ff,
-            mask_ratio=cfg.mask_ratio, norm_pix_loss=cfg.norm_pix_loss)
-    labels = labels or ["0", "1"]
-    return transformers.ViTConfig(**common, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                                  label2id={n: i for i, n in enumerate(labels)})
+def _positions_are_sincos(state: dict, cfg: ViTConfig) -> bool:
+    pairs = [(_ENCODER, cfg.d_model)] + ([(_DECODER, cfg.decoder_d_model)] if _DECODER in state else [])
+    return all(k in state and dim % 4 == 0 and state[k].shape == (1, cfg.n_patches + 1, dim)
+               and torch.allclose(state[k].float(), sincos_2d(cfg.grid, dim), atol=1e-5) for k, dim in pairs)
 
 
-def _blocks_to_hf(sd: dict[str, Tensor], ours: str, theirs: str, n: int, out: dict) -> None:
+def _blocks(ours: str, theirs: str, n: int, optional: bool = False) -> list[Rule]:
+    out = []
     for i in range(n):
         a, b = f"{ours}.{i}.", f"{theirs}.{i}."
-        for part in ("weight", "bias"):
-            for o, t in BLOCK:
-                out[f"{b}{t}.{part}"] = sd[f"{a}{o}.{part}"]
-            q, k, v = sd[f"{a}attn.qkv.{part}"].chunk(3, dim=0)
-            out[f"{b}attention.q_proj.{part}"], out[f"{b}attention.k_proj.{part}"], out[f"{b}attention.v_proj.{part}"] = q, k, v
+        for w in ("weight", "bias"):
+            out.append(rule(f"{a}attn.qkv.{w}", *(f"{b}attention.attention.{p}.{w}" for p in ("query", "key", "value")),
+                            optional=optional))
+            out += [rule(f"{a}{o}.{w}", f"{b}{t}.{w}", optional=optional) for o, t in _BLOCK]
+    return out
 
 
-def _blocks_from_hf(sd: dict[str, Tensor], theirs: str, ours: str, n: int, out: dict) -> None:
-    for i in range(n):
-        a, b = f"{theirs}.{i}.", f"{ours}.{i}."
-        for part in ("weight", "bias"):
-            for o, t in BLOCK:
-                out[f"{b}{o}.{part}"] = sd[f"{a}{t}.{part}"]
-            out[f"{b}attn.qkv.{part}"] = torch.cat([sd[f"{a}attention.{p}_proj.{part}"] for p in "qkv"], dim=0)
-
-
-def to_hf(encoder: ViT, decoder: Optional[MAEDecoder] = None, classifier: Optional[nn.Linear] = None) -> dict:
-    """tfcli modules -> a transformers state dict (ViTMAEForPreTraining with a decoder,
-    ViTForImageClassification with a classifier)."""
-    cfg, e = encoder.cfg, encoder.state_dict()
-    out = {"vit.embeddings.cls_token": e["cls_token"], "vit.embeddings.position_embeddings": encoder.pos_embed,
-           "vit.embeddings.patch_embeddings.projection.weight": e["patch_embed.weight"],
-           "vit.embeddings.patch_embeddings.projection.bias": e["patch_embed.bias"],
-           "vit.layernorm.weight": e["norm.weight"], "vit.layernorm.bias": e["norm.bias"]}
-    _blocks_to_hf(e, "blocks", "vit.layers", cfg.n_layer, out)
-    if decoder is not None:
-        d = decoder.state_dict()
-        out.update({"decoder.mask_token": d["mask_token"], "decoder.decoder_pos_embed": decoder.pos_embed})
-        for ours, theirs in (("embed", "decoder_embed"), ("norm", "decoder_norm"), ("pred", "decoder_pred")):
-            out[f"decoder.{theirs}.weight"], out[f"decoder.{theirs}.bias"] = d[f"{ours}.weight"], d[f"{ours}.bias"]
-        _blocks_to_hf(d, "blocks", "decoder.decoder_layers", cfg.decoder_n_layer, out)
-    if classifier is not None:
-        out["classifier.weight"], out["classifier.bias"] = classifier.weight, classifier.bias
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
-
-
-def from_hf(sd: dict[str, Tensor], cfg: ViTConfig) -> tuple[dict, dict, dict]:
-    """A transformers state dict -> (encoder, decoder, classifier) state dicts for our modules
-    (decoder or classifier empty when the checkpoint has none)."""
-    sd = _modern(sd)
-    enc = {"cls_token": sd["vit.embeddings.cls_token"],
-           "patch_embed.weight": sd["vit.embeddings.patch_embeddings.projection.weight"],
-           "patch_embed.bias": sd["vit.embeddings.patch_embeddings.projection.bias"],
-           "norm.weight": sd["vit.layernorm.weight"], "norm.bias": sd["vit.layernorm.bias"]}
+def rules(cfg: ViTConfig) -> list[Rule]:
+    """Encoder (model.*), and when present the MAE decoder (heads.decoder.*) and a classifier."""
+    out = [rule("model.cls_token", "vit.embeddings.cls_token"), rule("model.norm.weight", "vit.layernorm.weight"),
+           rule("model.norm.bias", "vit.layernorm.bias")]
+    out += [rule(f"model.patch_embed.{w}", f"vit.embeddings.patch_embeddings.projection.{w}") for w in ("weight", "bias")]
+    out += _blocks("model.blocks", "vit.encoder.layer", cfg.n_layer)
+    dec = [rule("heads.decoder.mask_token", "decoder.mask_token", optional=True)]
+    dec += [rule(f"heads.decoder.{o}.{w}", f"decoder.{t}.{w}", optional=True)
+            for o, t in (("embed", "decoder_embed"), ("norm", "decoder_norm"), ("pred", "decoder_pred"))
+            for w in ("weight", "bias")]
+    dec += _blocks("heads.decoder.blocks", "decoder.decoder_encoder.layer", cfg.decoder_n_layer, optional=True)
     if cfg.pos_embed == "learned":
-        enc["pos_embed"] = sd["vit.embeddings.position_embeddings"]
-    _blocks_from_hf(sd, "vit.layers", "blocks", cfg.n_layer, enc)
-    dec = {}
-    if "decoder.decoder_embed.weight" in sd:
-        dec["mask_token"] = sd["decoder.mask_token"]
-        if cfg.pos_embed == "learned":
-            dec["pos_embed"] = sd["decoder.decoder_pos_embed"]
-        for ours, theirs in (("embed", "decoder_embed"), ("norm", "decoder_norm"), ("pred", "decoder_pred")):
-            dec[f"{ours}.weight"], dec[f"{ours}.bias"] = sd[f"decoder.{theirs}.weight"], sd[f"decoder.{theirs}.bias"]
-        _blocks_from_hf(sd, "decoder.decoder_layers", "blocks", cfg.decoder_n_layer, dec)
-    cls = {k[len("classifier."):]: v for k, v in sd.items() if k.startswith("classifier.")}
-    return enc, dec, cls
+        out.append(rule("model.pos_embed", _ENCODER))
+        dec.append(rule("heads.decoder.pos_embed", _DECODER, optional=True))
+    return out + dec + [rule(f"heads.classifier.{w}", f"classifier.{w}", optional=True) for w in ("weight", "bias")]
 
 
-def _modern(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename transformers 4.x keys (and a bare ViTModel's, without the 'vit.' prefix) to 5.x."""
-    if not any(k.startswith(("vit.", "decoder.", "classifier.")) for k in sd):
-        sd = {f"vit.{k}": v for k, v in sd.items()}
+def normalize(state: dict) -> dict:
+    """5.x in-memory names and a bare ViTModel's (no 'vit.' prefix) -> the on-disk names."""
+    if not any(k.startswith(("vit.", "decoder.", "classifier.")) for k in state):
+        state = {f"vit.{k}": v for k, v in state.items()}
     out = {}
-    for k, v in sd.items():
-        for pattern, repl in LEGACY:
+    for k, v in state.items():
+        for pattern, repl in _MODERN:
             k = re.sub(pattern, repl, k)
         out[k] = v
     return out
 
 
-def positions_are_sincos(sd: dict[str, Tensor], hf: dict) -> bool:
-    """Whether the checkpoint's position embeddings are MAE's fixed 2-D sin-cos (encoder and decoder)."""
-    sd = _modern(sd)
-    grid = hf["image_size"] // hf["patch_size"]
-    pairs = [("vit.embeddings.position_embeddings", hf["hidden_size"])]
-    if "decoder.decoder_pos_embed" in sd:
-        pairs.append(("decoder.decoder_pos_embed", hf["decoder_hidden_size"]))
-    return all(dim % 4 == 0 and sd[k].shape == (1, grid * grid + 1, dim)
-               and torch.allclose(sd[k].float(), sincos_2d(grid, dim), atol=1e-5) for k, dim in pairs)
+def _common(cfg: ViTConfig) -> dict:
+    return {"image_size": cfg.image_size, "patch_size": cfg.patch_size, "num_channels": cfg.channels,
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.d_ff, "hidden_act": "gelu", "hidden_dropout_prob": cfg.dropout,
+            "attention_probs_dropout_prob": cfg.dropout, "layer_norm_eps": cfg.layer_norm_eps, "qkv_bias": True}
 
 
-def read_weights(path: Path) -> dict[str, Tensor]:
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise UserError(f"{path}: no model.safetensors or pytorch_model.bin")
-
-
-def read_hf_dir(path: Path, with_heads: bool = False):
-    """A local transformers ViT-MAE / ViT directory -> (ViTConfig, encoder state dict)
-    (with_heads: also the decoder and classifier state dicts and the raw config)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path}: not a Hugging Face model directory (no config.json); the hub is not "
-                        f"reachable from tfcli, download the model elsewhere and pass its directory")
-    raw = json.loads((path / "config.json").read_text())
-    if raw.get("model_type") not in ("vit_mae", "vit"):
-        raise UserError(f"{path}: model_type {raw.get('model_type')!r} is not a ViT or ViT-MAE")
-    sd = read_weights(path)
-    cfg = config_from_hf(raw, "sincos" if positions_are_sincos(sd, raw) else "learned")
-    enc, dec, cls = from_hf(sd, cfg)
-    return (cfg, enc, dec, cls, raw) if with_heads else (cfg, enc)
-
-
-def export(loaded, out: Path) -> str:
-    """A loaded tfcli ViT run -> a transformers directory: ViTForImageClassification for an
-    image-classify run ([CLS] pooling), ViTMAEForPreTraining for an MAE run."""
-    import transformers
-
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose a new --hf directory")
-    encoder, heads, cfg = loaded.model, loaded.heads, loaded.model.cfg
+def export(backbone, recipe) -> Export:
+    """ViTForImageClassification for a classifier run ([CLS] pooling), ViTMAEForPreTraining for an MAE
+    run; sin-cos positions are written out as the fixed tensors transformers keeps."""
+    cfg, heads = backbone.cfg, backbone.heads
+    extra = {}
+    if cfg.pos_embed == "sincos":
+        extra[_ENCODER] = sincos_2d(cfg.grid, cfg.d_model)
     if "classifier.weight" in heads:
-        if loaded.recipe.task.pooling != "cls":
+        if recipe is not None and recipe.finetune is not None and recipe.finetune.pooling != "cls":
             raise UserError("this run classifies mean-pooled patches; transformers' ViTForImageClassification "
                             "uses the [CLS] vector (finetune with --pooling cls to export)")
-        classes = Path(loaded.checkpoint).parent.parent / "classes.json"
-        n = heads["classifier.weight"].shape[0]
-        labels = json.loads(classes.read_text()) if classes.is_file() else [str(i) for i in range(n)]
-        head = nn.Linear(cfg.d_model, n)
-        head.load_state_dict({"weight": heads["classifier.weight"], "bias": heads["classifier.bias"]})
-        hf = transformers.ViTForImageClassification(config_to_hf(cfg, mae=False, labels=labels))
-        hf.load_state_dict(to_hf(encoder, classifier=head))
+        labels = list(backbone.labels) or [str(i) for i in range(heads["classifier.weight"].shape[0])]
+        config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **_common(cfg),
+                  "id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
     else:
-        decoder = MAEDecoder(cfg)
-        decoder.load_state_dict({k[len("decoder."):]: v for k, v in heads.items() if k.startswith("decoder.")})
-        hf = transformers.ViTMAEForPreTraining(config_to_hf(cfg, mae=True))
-        hf.load_state_dict(to_hf(encoder, decoder=decoder))
-    hf.save_pretrained(out)
-    return hf.__class__.__name__
+        if cfg.pos_embed == "sincos":
+            extra[_DECODER] = sincos_2d(cfg.grid, cfg.decoder_d_model)
+        config = {"architectures": ["ViTMAEForPreTraining"], "model_type": "vit_mae", **_common(cfg),
+                  "decoder_hidden_size": cfg.decoder_d_model, "decoder_num_hidden_layers": cfg.decoder_n_layer,
+                  "decoder_num_attention_heads": cfg.decoder_n_head, "decoder_intermediate_size": cfg.decoder_d_ff,
+                  "mask_ratio": cfg.mask_ratio, "norm_pix_loss": cfg.norm_pix_loss}
+    images = recipe.settings if recipe is not None and hasattr(recipe.settings, "mean") else None
+    mean, std = (list(images.mean), list(images.std)) if images else ([0.5] * 3, [0.5] * 3)
+    processor = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "do_rescale": True,
+                 "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": mean, "image_std": std,
+                 "resample": 2, "size": {"height": cfg.image_size, "width": cfg.image_size}}
+    return Export(config, extra_tensors=extra, files={"preprocessor_config.json": json_text(processor)})

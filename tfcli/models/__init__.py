@@ -6,6 +6,8 @@ from .gpt import GPT, GPTConfig
 from .t5 import T5, T5Config
 from .vit import ViT, ViTConfig
 
+TEXT_FAMILIES = ("gpt", "bert", "t5")  # families that read text (and so have a tokenizer)
+
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
     "t5": (T5Config, T5),

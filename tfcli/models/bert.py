@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .blocks import MLP, Attention, Block, init_normal_, make_norm, padding_mask
 
 
-@dataclass
+@dataclass(frozen=True)
 class BertConfig:
     """Shape of a BERT. vocab_size 0 means 'take it from the tokenizer'."""
 
@@ -36,7 +36,33 @@ class BertConfig:
         if self.type_vocab_size < 1:
             raise ValueError("model.type_vocab_size must be at least 1")
         if not self.d_ff:
-            self.d_ff = 4 * self.d_model
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+
+def encoder_blocks(cfg: BertConfig) -> nn.ModuleList:
+    """BERT's post-norm blocks for a BertConfig (the encoder, or an ELECTRA generator's)."""
+    return nn.ModuleList(
+        Block(
+            Attention(cfg.d_model, cfg.n_head, dropout=cfg.dropout),
+            MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation),
+            make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
+            make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
+            prenorm=False,  # BERT: norm(x + f(x))
+            dropout=cfg.dropout,
+        )
+        for _ in range(cfg.n_layer)
+    )
+
+
+def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor], all_layers: bool = False):
+    """x (B, T, D) through the blocks with padded keys masked -> (B, T, D), or every block's output."""
+    # no mask at all when nothing is padded: SDPA's fastest path
+    mask = padding_mask(attention_mask) if attention_mask is not None and not bool(attention_mask.all()) else None
+    layers = []
+    for block in blocks:
+        x = block(x, mask=mask)
+        layers.append(x)
+    return layers if all_layers else x
 
 
 class Bert(nn.Module):
@@ -52,17 +78,7 @@ class Bert(nn.Module):
         self.wse = nn.Embedding(cfg.type_vocab_size, cfg.d_model)  # segment (token type) embeddings
         self.ln_emb = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(
-            Block(
-                Attention(cfg.d_model, cfg.n_head, dropout=cfg.dropout),
-                MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation),
-                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
-                make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps),
-                prenorm=False,  # BERT: norm(x + f(x))
-                dropout=cfg.dropout,
-            )
-            for _ in range(cfg.n_layer)
-        )
+        self.blocks = encoder_blocks(cfg)
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
         init_normal_(self)
 
@@ -70,24 +86,20 @@ class Bert(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.wte.weight  # the MLM decoder is tied to the token embedding
 
-    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None, all_layers: bool = False):
-        """input_ids (B, T), token_type_ids (B, T) of 0/1, attention_mask (B, T) of 1 = token, 0 = pad
-        -> hidden states (B, T, D), or with all_layers the list of every block's output (last = final)."""
-        B, T = input_ids.shape
+    def embed(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None) -> Tensor:
+        """input_ids (B, T), token_type_ids (B, T) of 0/1 -> normalised embeddings (B, T, D)."""
+        T = input_ids.size(1)
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.max_seq_len} positions")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(pos)  # (B, T, D)
+        x = self.wte(input_ids) + self.wpe(torch.arange(T, device=input_ids.device))  # (B, T, D)
         x = x + (self.wse(token_type_ids) if token_type_ids is not None else self.wse.weight[0])
-        x = self.drop(self.ln_emb(x))
-        # no mask at all when nothing is padded: SDPA's fastest path
-        mask = padding_mask(attention_mask) if attention_mask is not None and not bool(attention_mask.all()) else None
-        layers = []
-        for block in self.blocks:
-            x = block(x, mask=mask)
-            layers.append(x)
-        return layers if all_layers else x
+        return self.drop(self.ln_emb(x))
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None, all_layers: bool = False):
+        """input_ids (B, T), token_type_ids (B, T), attention_mask (B, T) of 1 = token, 0 = pad
+        -> hidden states (B, T, D), or with all_layers the list of every block's output (last = final)."""
+        return run_blocks(self.blocks, self.embed(input_ids, token_type_ids), attention_mask, all_layers)
 
     def pool(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, D): tanh(dense(hidden of [CLS]))."""

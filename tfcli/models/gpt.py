@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .blocks import MLP, Attention, Block, KVCache, init_normal_, make_norm, scale_residual_projections_
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     """Shape of a GPT. vocab_size 0 means 'take it from the tokenizer'."""
 
@@ -29,7 +29,7 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if not self.d_ff:
-            self.d_ff = 4 * self.d_model
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
 
 
 class GPT(nn.Module):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .blocks import MLP, Attention, Block, KVCache, causal_mask, make_norm, padding_mask
 
 
-@dataclass
+@dataclass(frozen=True)
 class T5Config:
     """Shape of a T5. vocab_size 0 means 'take it from the tokenizer'; n_decoder_layer 0 = n_layer."""
 
@@ -39,12 +39,12 @@ class T5Config:
 
     def __post_init__(self):
         if not self.n_decoder_layer:
-            self.n_decoder_layer = self.n_layer
+            object.__setattr__(self, "n_decoder_layer", self.n_layer)
         if not self.d_kv:
             if self.d_model % self.n_head:
                 raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head "
                                  f"({self.n_head}) unless model.d_kv is set")
-            self.d_kv = self.d_model // self.n_head
+            object.__setattr__(self, "d_kv", self.d_model // self.n_head)
         if self.relative_attention_num_buckets < 4:
             raise ValueError("model.relative_attention_num_buckets must be at least 4")
 

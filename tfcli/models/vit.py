@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .blocks import MLP, Attention, Block, make_norm
 
 
-@dataclass
+@dataclass(frozen=True)
 class ViTConfig:
     """Shape of a ViT encoder plus its MAE decoder (decoder_* fields, mask_ratio, norm_pix_loss)."""
 

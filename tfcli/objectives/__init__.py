@@ -1,60 +1,72 @@
-"""Pretraining objectives by registry key (`--objective`, or `objective:` in a recipe).
+"""Pretraining objectives: plug-ins (tfcli.plugin) registered in tfcli.registry.OBJECTIVES.
 
-Each objective module provides:
-  FAMILY            the model family it trains ("gpt", "bert", "t5", "vit")
-  DEFAULT_RECIPE    the recipe `tfcli pretrain --objective X` uses when none is given
-  SPECIAL_TOKENS    what its tokenizer must have (text objectives)
-  TEXT              optional, default True; False: no documents or tokenizer (MAE loads its own images)
-  prepare(recipe, tokenizer, runtime) -> Prepared    data, heads and loss for the trainer
+`Objective` gives every objective the held-out evaluation of `tfcli eval`; `TextObjective` adds
+what the text objectives share: their documents, read once, and a sample of them for training a
+tokenizer. An objective module then defines only its data source, heads and loss.
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol
+from dataclasses import replace
+from typing import Any, Iterator
 
-from torch import Tensor, nn
+import torch
 
+from ..data.sources import load_documents
+from ..display import console
 from ..errors import UserError
-
-OBJECTIVES = {
-    "clm": "next_token",
-    "span": "span_corruption",
-    "mae": "mae",
-    "mlm": "mlm_nsp",
-}
+from ..evaluate import held_out_metrics, metrics_table
+from ..plugin import EvalOptions, Plugin
+from ..sampler import sequential_batches
+from ..train import ObjectiveModule
 
 
-class BatchSource(Protocol):
-    """A resumable stream of training batches."""
+class Objective(Plugin):
+    kind = "objective"
 
-    def next_batch(self) -> dict[str, Tensor]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-LossFn = Callable[[nn.Module, nn.ModuleDict, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
-
-
-@dataclass
-class Prepared:
-    """Everything the trainer needs from an objective."""
-
-    train: BatchSource
-    val: Callable[[], Iterable[dict[str, Tensor]]]  # a fresh pass over the same held-out batches
-    loss: LossFn  # (model, heads, batch) -> (loss, metrics of scalar tensors)
-    items_per_batch: Callable[[dict[str, Tensor]], int]  # tokens (or images) a batch counts for
-    flops_per_item: float  # training FLOPs per token/image, for MFU
-    heads: nn.ModuleDict = field(default_factory=nn.ModuleDict)
-    eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m  # e.g. add perplexity
-    item_name: str = "tok"
-    # run directory -> a train.Evaluation run at each evaluation (e.g. MAE saves reconstruction pictures)
-    evaluation: Optional[Callable[[Path], Any]] = None
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """Held-out metrics of a pretraining run: its own validation split, or all of options.data."""
+        if options.data:
+            recipe = replace(recipe, data=replace(recipe.data, source=options.data, val_source=options.data))
+        if options.batches:
+            recipe = replace(recipe, train=replace(recipe.train, eval_batches=options.batches))
+        job = self.setup(recipe, backbone)
+        job.heads.load_state_dict(backbone.heads)
+        module = ObjectiveModule(backbone.model, job.heads, job.loss)
+        t = recipe.train
+        batches = sequential_batches(job.val, t.batch_size, t.seed, t.eval_batches) if job.val is not None else ()
+        metrics = held_out_metrics(module, batches, torch.device("cpu"))
+        if not metrics:
+            raise UserError("no held-out batches to evaluate on (data shorter than one block?)")
+        metrics = job.held_out_metrics(metrics)
+        console.print(metrics_table(f"{backbone.checkpoint}", metrics))
+        return metrics
 
 
-def get(name: str):
-    """The objective module for `name`, or a UserError listing the known ones."""
-    if name not in OBJECTIVES:
-        raise UserError(f"unknown objective {name!r} (known: {', '.join(sorted(OBJECTIVES))})")
-    return importlib.import_module(f"{__name__}.{OBJECTIVES[name]}")
+class TextObjective(Objective):
+    """An objective over documents of text (data.source, data.val_source)."""
+
+    def documents(self, recipe) -> dict:
+        """{'train': Dataset of `text`, 'val': Dataset or None}, read once per plug-in."""
+        d = recipe.data
+        key = (d.source, d.val_source, d.text_field)
+        if getattr(self, "_docs_key", None) != key:
+            self._docs = {"train": load_documents(d.source, d.text_field),
+                          "val": load_documents(d.val_source, d.text_field) if d.val_source else None}
+            self._docs_key = key
+        return self._docs
+
+    @staticmethod
+    def check_length(recipe, backbone) -> None:
+        """Blocks must fit the model's learned positions."""
+        if recipe.data.seq_len > backbone.cfg.max_seq_len:
+            raise UserError(f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len ({backbone.cfg.max_seq_len})")
+
+    def tokenizer_texts(self, recipe) -> Iterator[str]:
+        """The first tokenizer.train_chars characters of the training documents."""
+        total, limit = 0, recipe.tokenizer.train_chars
+        for row in self.documents(recipe)["train"]:
+            if total >= limit:
+                return
+            text = row["text"][: limit - total]
+            total += len(text)
+            yield text

@@ -6,22 +6,26 @@ The decoder is this objective's head: it is trained here and dropped after pretr
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..data.image_batches import ImageSampler, ImageTransform, sequential_batches
+from ..data.image_batches import ImageConfig, ImageSource, ImageTransform
 from ..data.images import ImageSet, load_images
 from ..display import console
+from ..errors import UserError
+from ..evaluate import held_out_metrics, metrics_table
 from ..models.vit import MAEDecoder, n_visible, patchify, random_masking
-from . import Prepared
+from ..pictures import reconstruction_png
+from ..plugin import EvalOptions, Job
+from ..sampler import HELD_OUT, Draw, sequential_batches
+from ..train import ObjectiveModule
+from . import Objective
 
-FAMILY = "vit"
-DEFAULT_RECIPE = "mae-vit-tiny"
-SPECIAL_TOKENS: list[str] = []
-TEXT = False  # no tokenizer, no documents: prepare() loads its own images
 PICTURE_IMAGES = 8  # held-out images drawn in each reconstruction grid
 
 
@@ -36,13 +40,10 @@ def masked_mse(pred: Tensor, target: Tensor, mask: Tensor, norm_pix: bool = Fals
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Masked-patch reconstruction loss; `noise` (B, N) in the batch fixes the masking (held-out, tests)."""
+    """Masked-patch reconstruction loss; `noise` (B, N) in the batch decides the masking."""
     cfg = model.cfg
     pixels = batch["pixels"]  # (B, C, S, S)
-    noise = batch.get("noise")
-    if noise is None:
-        noise = torch.rand(pixels.size(0), cfg.n_patches, device=pixels.device)
-    ids_keep, ids_restore, mask = random_masking(noise, cfg.mask_ratio)
+    ids_keep, ids_restore, mask = random_masking(batch["noise"], cfg.mask_ratio)
     latent = model.forward_features(pixels, ids_keep)  # (B, 1 + K, D): only visible patches
     pred = heads["decoder"](latent, ids_restore)  # (B, N, P*P*C)
     value = masked_mse(pred.float(), patchify(pixels, cfg.patch_size).float(), mask, cfg.norm_pix_loss)
@@ -60,78 +61,87 @@ def flops_per_image(model: nn.Module, decoder: nn.Module) -> float:
     return 6.0 * (enc * k + dec * n + embed) + attn
 
 
-def held_out(recipe) -> ImageSet:
-    """The images MAE is evaluated on: data.val_source, else the source's test split or held-out tail."""
-    d = recipe.data
-    if d.val_source:
-        splits = load_images(d.val_source, 0.0, recipe.train.seed)
+def held_out(data, seed: int) -> ImageSet:
+    """The images MAE is evaluated on: data.val_source, else the source's test split or held-out share."""
+    if data.val_source:
+        splits = load_images(data.val_source, 0.0, seed)
         return splits.test or splits.train
-    splits = load_images(d.source, d.val_fraction, recipe.train.seed)
+    splits = load_images(data.source, data.val_fraction, seed)
     return splits.test if splits.test is not None else splits.train
 
 
-def fixed_noise(index: int, batch: int, n_patches: int, seed: int) -> Tensor:
-    """The same masking for held-out batch `index` at every evaluation, so losses compare."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    return torch.rand(batch, n_patches, generator=g)
+def picture_batch(source: ImageSource, seed: int, k: int = PICTURE_IMAGES) -> dict[str, Tensor]:
+    """k held-out images spread evenly over the set (not just its first class), with fixed masking noise."""
+    idx = np.unique(np.linspace(0, len(source.images) - 1, min(k, len(source.images))).round().astype(np.int64))
+    keys = np.stack([np.full_like(idx, seed), np.full_like(idx, HELD_OUT), idx], axis=1)
+    return source.batch(Draw(np.zeros_like(idx), idx, keys))
 
 
-def val_batches(images: ImageSet, recipe, n_patches: int, max_batches: int, rank: int = 0, world_size: int = 1):
-    transform = ImageTransform.from_recipe(recipe, train=False)
-    for i, b in enumerate(sequential_batches(images, transform, recipe.train.batch_size, max_batches,
-                                             rank, world_size)):
-        b.pop("labels", None)
-        b["noise"] = fixed_noise(i * world_size + rank, b["pixels"].size(0), n_patches, recipe.train.seed)
-        yield b
+def save_picture(module: ObjectiveModule, batch: dict[str, Tensor], transform: ImageTransform, path: Path) -> Path:
+    device = next(module.parameters()).device
+    return reconstruction_png(module.model, module.heads["decoder"], batch["pixels"].to(device),
+                              batch["noise"].to(device), transform.denormalize, path)
 
 
-def picture_batch(images: ImageSet, recipe, k: int = PICTURE_IMAGES) -> Tensor:
-    """k held-out images spread evenly over the set (not just its first class), eval-transformed."""
-    idx = np.unique(np.linspace(0, len(images) - 1, min(k, len(images))).round().astype(np.int64))
-    transform = ImageTransform.from_recipe(recipe, train=False)
-    return next(sequential_batches(images.take(idx), transform, len(idx), 1))["pixels"]  # (k, C, S, S)
+class MaskedAutoencoder(Objective):
+    key = "mae"
+    families = ("vit",)
+    Config = ImageConfig
+    recipes = {"vit": "mae-vit-tiny"}
+    describe = "ViT masked autoencoder"
 
+    def sources(self, recipe, backbone) -> tuple[ImageSource, ImageSource]:
+        d, seed, size, n = recipe.data, recipe.train.seed, backbone.cfg.image_size, backbone.cfg.n_patches
+        splits = load_images(d.source, d.val_fraction, seed)
+        if splits.skipped and self.rt.is_main and not self.quiet:
+            console.print(f"[yellow]note:[/] skipped {splits.skipped} unreadable image file(s) in {d.source}")
+        val = held_out(d, seed) if d.val_source else (splits.test or splits.train)
+        return (ImageSource(splits.train, ImageTransform.from_config(recipe.settings, size, train=True), n),
+                ImageSource(val, ImageTransform.from_config(recipe.settings, size, train=False), n))
 
-def picture_saver(recipe, images: ImageSet, rank: int):
-    """A run directory -> an evaluation that saves the reconstruction grid at each evaluation."""
-    from ..pictures import reconstruction_png
-    from ..train import Evaluation
+    def setup(self, recipe, backbone) -> Job:
+        train, val = self.sources(recipe, backbone)
+        heads = nn.ModuleDict({"decoder": MAEDecoder(backbone.cfg)})
+        pictures = picture_batch(val, recipe.train.seed)
 
-    transform = ImageTransform.from_recipe(recipe, train=False)
-    first = picture_batch(images, recipe)
-
-    def make(run_dir: Path):
-        def run(module: nn.Module) -> dict[str, float]:
-            if rank == 0:
+        def evaluate(module: ObjectiveModule, run_dir: Path) -> dict[str, float]:
+            if self.rt.is_main:  # the reconstruction grid of this evaluation, and the latest as recon.png
                 folder = Path(run_dir) / "recon"
-                path = folder / f"eval-{len(list(folder.glob('eval-*.png'))) + 1:03d}.png"
-                device = next(module.parameters()).device
-                noise = fixed_noise(0, first.size(0), module.model.cfg.n_patches, recipe.train.seed)
-                reconstruction_png(module.model, module.heads["decoder"], first.to(device), noise.to(device),
-                                   transform.denormalize, path)
+                path = save_picture(module, pictures, val.transform,
+                                    folder / f"eval-{len(list(folder.glob('eval-*.png'))) + 1:03d}.png")
                 shutil.copyfile(path, Path(run_dir) / "recon.png")
             return {}
-        return Evaluation(run=run, best_key="")
-    return make
 
+        return Job(heads=heads, loss=loss, train=train, val=val, evaluate=evaluate, item_name="img",
+                   flops_per_item=flops_per_image(backbone.model, heads["decoder"]),
+                   count_items=lambda b: b["pixels"].size(0))
 
-def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) -> Prepared:
-    """Load and split the images (tokenizer and docs are unused), build the decoder head."""
-    d, t = recipe.data, recipe.train
-    splits = load_images(d.source, d.val_fraction, t.seed)
-    if splits.skipped and rank == 0:
-        console.print(f"[yellow]note:[/] skipped {splits.skipped} unreadable image file(s) in {d.source}")
-    val_images = held_out(recipe) if d.val_source else (splits.test or splits.train)
-    heads = nn.ModuleDict({"decoder": MAEDecoder(model.cfg)})
-    sampler = ImageSampler(splits.train, ImageTransform.from_recipe(recipe, train=True), t.batch_size, t.seed,
-                           rank, world_size)
-    return Prepared(
-        train=sampler,
-        val=lambda: val_batches(val_images, recipe, model.cfg.n_patches, t.eval_batches, rank, world_size),
-        loss=loss,
-        items_per_batch=lambda b: b["pixels"].size(0),
-        flops_per_item=flops_per_image(model, heads["decoder"]),
-        heads=heads,
-        item_name="img",
-        evaluation=picture_saver(recipe, val_images, rank),
-    )
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """Held-out reconstruction loss and the picture grid (default: RUN/recon-eval.png; the
+        training's own RUN/recon.png is left as it is)."""
+        if not any(k.startswith("decoder.") for k in backbone.heads):
+            raise UserError(f"{backbone.checkpoint} has no MAE decoder; `eval mae` needs an MAE pretraining run "
+                            f"(tfcli pretrain --objective mae)")
+        t = recipe.train
+        recipe = replace(recipe, train=replace(t, seed=t.seed + options.seed),  # --seed: another masking
+                         data=replace(recipe.data, val_source=options.data or recipe.data.val_source))
+        job = self.setup(recipe, backbone)
+        job.heads.load_state_dict(backbone.heads)
+        module = ObjectiveModule(backbone.model, job.heads, loss)
+        val = job.val
+        val.images = val.images.subset(options.limit)
+        metrics = held_out_metrics(module, sequential_batches(val, t.batch_size, recipe.train.seed), torch.device("cpu"))
+        out = Path(options.out) if options.out else Path(backbone.checkpoint).parent.parent / "recon-eval.png"
+        save_picture(module, picture_batch(val, recipe.train.seed), val.transform, out)
+        metrics = {"recon_loss": metrics["loss"], "images": float(len(val.images)), "mask_ratio": backbone.cfg.mask_ratio}
+        console.print(metrics_table(f"{backbone.checkpoint} (MAE reconstruction, held-out)", metrics))
+        console.print(f"picture: {out}  (columns: original | masked input | reconstruction, visible patches pasted)")
+        if backbone.cfg.norm_pix_loss:
+            console.print("note: this model predicts per-patch normalised pixels (norm_pix_loss); the picture draws each "
+                          "masked patch with its true mean and variance, so colours and contrast are not predicted")
+        return metrics
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"reconstructions: {run_dir}/recon.png",
+                f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png",
+                f"probe it:     tfcli finetune image-classify --from {run_dir} --data ... --train head"]

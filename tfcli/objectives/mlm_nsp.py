@@ -8,6 +8,7 @@ projection + cross-entropy), not at all T positions as in transformers' BertForP
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -17,36 +18,48 @@ from torch import Tensor, nn
 from ..data import segments
 from ..errors import UserError
 from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
-from . import Prepared
+from ..plugin import Job
+from ..sampler import Draw, Source
+from . import TextObjective
 from .losses import IGNORE, linear_cross_entropy
 
-FAMILY = "bert"
-DEFAULT_RECIPE = "bert-mini"
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@dataclass(frozen=True)
+class MLMConfig:
+    """BERT's masked-LM objective (`mlm:` in a recipe): masking and how segments are built."""
+
+    nsp: bool = True  # false: RoBERTa-style full segments, no next-sentence prediction
+    mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
+    short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
+    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
 
 
 class MLMHead(nn.Module):
     """BERT's prediction-head transform (dense, activation, LayerNorm) and the output bias; the
-    output weight is the model's token embedding (tied)."""
+    output weight is the token embedding (tied). `d_in` may be narrower than the embedding (an
+    ELECTRA generator's hidden width)."""
 
-    def __init__(self, d_model: int, vocab_size: int, eps: float, activation: str = "gelu"):
+    def __init__(self, d_in: int, d_embed: int, vocab_size: int, eps: float, activation: str = "gelu"):
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
+        self.dense = nn.Linear(d_in, d_embed)
         self.act = ACTIVATIONS[activation]
-        self.norm = make_norm("layernorm", d_model, eps)
+        self.norm = make_norm("layernorm", d_embed, eps)
         self.bias = nn.Parameter(torch.zeros(vocab_size))
 
     def transform(self, hidden: Tensor) -> Tensor:
         return self.norm(self.act(self.dense(hidden)))
 
     def logits(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        """(..., D) -> (..., V): all logits, for parity checks and inspection."""
+        """(..., d_in) -> (..., V): every logit (for sampling, parity checks and inspection)."""
         return self.transform(hidden) @ weight.t() + self.bias
 
 
 def build_heads(cfg, nsp: bool = True) -> nn.ModuleDict:
     """The pretraining heads for a BertConfig: 'mlm' and (with NSP) 'nsp' on the pooled [CLS]."""
-    heads = nn.ModuleDict({"mlm": MLMHead(cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps, cfg.activation)})
+    heads = nn.ModuleDict({"mlm": MLMHead(cfg.d_model, cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps,
+                                          cfg.activation)})
     if nsp:
         heads["nsp"] = nn.Linear(cfg.d_model, 2)
     init_normal_(heads)
@@ -63,8 +76,7 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
     weight = torch.cat([model.lm_head_weight, mlm.bias[:, None]], dim=1)  # (V, D + 1)
     mlm_loss, correct = linear_cross_entropy(F.pad(h, (0, 1), value=1.0), weight, batch["mlm_labels"][chosen],
                                              with_accuracy=True)
-    n = chosen.sum().clamp(min=1)
-    metrics = {"mlm_loss": mlm_loss.detach(), "mlm_acc": correct.float() / n}
+    metrics = {"mlm_loss": mlm_loss.detach(), "mlm_acc": correct.float() / chosen.sum().clamp(min=1)}
     total = mlm_loss
     if "nsp" in heads:
         logits = heads["nsp"](model.pool(hidden))  # (B, 2)
@@ -78,98 +90,78 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
 
 @dataclass
 class Masker:
-    """BERT's masking: choose round(p * n) of each row's n maskable tokens; 80/10/10."""
+    """BERT's masking of one example: choose round(prob * n) of its n maskable tokens; of those,
+    `replace` shares become [MASK] and a random token (BERT 0.8 / 0.1; ELECTRA 0.85 / 0), the rest stay."""
 
     mask_id: int
     special_ids: list[int]
     vocab_size: int
     prob: float = 0.15
+    replace: tuple[float, float] = (0.8, 0.1)
 
     def __post_init__(self):
-        self._special = torch.tensor(self.special_ids)
-        self._allowed = torch.tensor(sorted(set(range(self.vocab_size)) - set(self.special_ids)))  # random-token pool
+        self._special = np.array(sorted(set(self.special_ids)))
+        self._allowed = np.setdiff1d(np.arange(self.vocab_size), self._special)  # the random-token pool
 
-    def __call__(self, ids: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        """ids (B, T) with padding -> (masked input ids, labels with IGNORE where not chosen)."""
-        special = torch.isin(ids, self._special)  # (B, T)
-        n_cand = (~special).sum(1)  # (B,)
-        n_pick = torch.where(n_cand > 0, (n_cand.float() * self.prob).round().clamp(min=1), 0).long()
-        noise = torch.rand(ids.shape, generator=gen).masked_fill(special, 2.0)  # specials sort last
-        rank = noise.argsort(1).argsort(1)  # (B, T): position of each token in the random order
-        chosen = rank < n_pick[:, None]
-        labels = ids.masked_fill(~chosen, IGNORE)
-        r = torch.rand(ids.shape, generator=gen)
-        out = ids.masked_fill(chosen & (r < 0.8), self.mask_id)
-        swap = chosen & (r >= 0.8) & (r < 0.9)
-        random_ids = self._allowed[torch.randint(len(self._allowed), ids.shape, generator=gen)]
-        return torch.where(swap, random_ids, out), labels
-
-
-class PairBatches:
-    """Resumable stream of MLM(+NSP) batches. Each epoch re-draws the pairs (and their masks)
-    from (seed, epoch), as BERT's dupe_factor does, and visits them in a random order."""
-
-    def __init__(self, build, masker: Masker, ids: dict[str, int], batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
-        self.build, self.masker, self.ids = build, masker, ids
-        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
-        self.epoch, self.index = 0, 0
-        self._epoch_items = None
-
-    def _items(self):
-        if self._epoch_items is None or self._epoch_items[0] != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            items = self.build(rng)
-            if not items:
-                raise UserError("the training data is too short to make a single MLM example")
-            self._epoch_items = (self.epoch, items, rng.permutation(len(items)))
-        return self._epoch_items[1], self._epoch_items[2]
-
-    def next_batch(self) -> dict[str, Tensor]:
-        picked = []
-        while len(picked) < self.batch_size * self.world_size:
-            items, order = self._items()
-            if self.index >= len(order):
-                self.epoch, self.index = self.epoch + 1, 0
-                continue
-            picked.append(items[order[self.index]])
-            self.index += 1
-        mine = picked[self.rank * self.batch_size: (self.rank + 1) * self.batch_size]
-        seed = np.random.default_rng([self.seed, self.epoch, self.index, self.rank]).integers(2**62)
-        gen = torch.Generator().manual_seed(int(seed))  # masks depend only on the data position: exact resume
-        return collate(mine, self.ids, self.masker, gen)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+    def __call__(self, row: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(T,) ids -> (input ids, labels with IGNORE where not chosen)."""
+        candidates = np.flatnonzero(~np.isin(row, self._special))
+        k = max(1, int(np.round(self.prob * len(candidates)))) if len(candidates) else 0
+        chosen = rng.choice(candidates, size=k, replace=False)
+        labels = np.full_like(row, IGNORE)
+        labels[chosen] = row[chosen]
+        r = rng.random(k)
+        out = row.copy()
+        out[chosen[r < self.replace[0]]] = self.mask_id
+        swap = chosen[(r >= self.replace[0]) & (r < self.replace[0] + self.replace[1])]
+        out[swap] = rng.choice(self._allowed, size=len(swap))
+        return out, labels
 
 
-def collate(items: list, ids: dict[str, int], masker: Masker, gen: torch.Generator) -> dict[str, Tensor]:
-    """(A, B, label) pairs or single segments -> padded, masked tensors."""
-    rows, types, labels = [], [], []
+def collate(items: list, ids: dict[str, int], masker: Masker, rngs: list[np.random.Generator]) -> dict[str, Tensor]:
+    """(A, B, label) pairs or single segments -> padded tensors, each row masked with its own rng."""
+    rows, labels = [], []
     for item in items:
         a, b, label = item if isinstance(item, tuple) else (item, None, -1)
-        row = [ids["cls"], *a.tolist(), ids["sep"]]
-        seg = [0] * len(row)
-        if b is not None:
-            row += [*b.tolist(), ids["sep"]]
-            seg += [1] * (len(b) + 1)
-        rows.append(row), types.append(seg), labels.append(label)
-    T = max(map(len, rows))
+        row = np.concatenate([[ids["cls"]], a, [ids["sep"]]] + ([b, [ids["sep"]]] if b is not None else []))
+        rows.append((row.astype(np.int64), len(a) + 2))
+        labels.append(label)
+    T = max(len(r) for r, _ in rows)
     input_ids = torch.full((len(rows), T), ids["pad"], dtype=torch.long)
+    mlm_labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
     token_type = torch.zeros((len(rows), T), dtype=torch.long)
     attention = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (row, seg) in enumerate(zip(rows, types)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        token_type[i, : len(seg)] = torch.tensor(seg)
+    for i, ((row, n_a), rng) in enumerate(zip(rows, rngs)):
+        masked, lab = masker(row, rng)
+        input_ids[i, : len(row)], mlm_labels[i, : len(row)] = torch.from_numpy(masked), torch.from_numpy(lab)
+        token_type[i, n_a: len(row)] = 1
         attention[i, : len(row)] = 1
-    masked, mlm_labels = masker(input_ids, gen)
-    batch = {"input_ids": masked, "token_type_ids": token_type, "attention_mask": attention, "mlm_labels": mlm_labels}
+    batch = {"input_ids": input_ids, "token_type_ids": token_type, "attention_mask": attention, "mlm_labels": mlm_labels}
     if labels[0] >= 0:
         batch["nsp_labels"] = torch.tensor(labels)
     return batch
+
+
+class PairSource(Source):
+    """MLM(+NSP) examples: each epoch's pairs (or full segments) are drawn afresh from (seed, epoch),
+    as BERT's dupe_factor does; each example is masked from its own random stream."""
+
+    def __init__(self, build: Callable[[np.random.Generator], list], ids: dict[str, int], masker: Masker, seed: int):
+        self.build, self.ids, self.masker, self.seed = build, ids, masker, seed
+        self._cache: dict[int, list] = {}
+
+    def items(self, epoch: int) -> list:
+        if epoch not in self._cache:
+            self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}
+            self._cache[epoch] = self.build(np.random.default_rng([self.seed, epoch]))
+        return self._cache[epoch]
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.items(epoch))
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        items = [self.items(int(e))[int(i)] for e, i in zip(draw.epochs, draw.indices)]
+        return collate(items, self.ids, self.masker, [draw.rng(i) for i in range(len(draw))])
 
 
 def special_ids(tokenizer) -> dict[str, int]:
@@ -177,44 +169,54 @@ def special_ids(tokenizer) -> dict[str, int]:
     out = {k: tokenizer.token_id(v) for k, v in names.items()}
     missing = [names[k] for k, v in out.items() if v is None]
     if missing:
-        raise UserError(f"the tokenizer lacks {', '.join(missing)}, which MLM needs (a BERT WordPiece vocabulary)")
+        raise UserError(f"the tokenizer lacks {', '.join(missing)}, which BERT needs (a BERT WordPiece vocabulary)")
     return out
 
 
-def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) -> Prepared:
-    """Sentences (cached), held-out documents, pairs (or full segments) drawn per epoch, masks."""
-    m, data, train = recipe.mlm, recipe.data, recipe.train
-    ids = special_ids(tokenizer)
-    masker = Masker(ids["mask"], sorted(set(ids.values())), model.cfg.vocab_size, m.mask_prob)
-    paragraphs = m.documents == "paragraphs"
-    corpus = segments.tokenize_sentences(docs["train"], tokenizer, paragraphs)
-    if docs.get("val") is not None:
-        train_c, val_c = corpus, segments.tokenize_sentences(docs["val"], tokenizer, paragraphs)
-    else:
-        n_val = int(corpus.n_docs * data.val_fraction) if data.val_fraction > 0 else 0
-        if corpus.n_docs - n_val < (2 if m.nsp else 1):
-            raise UserError(f"MLM needs at least 2 training documents, the data has {corpus.n_docs - n_val}")
-        train_c, val_c = corpus.subset(range(0, corpus.n_docs - n_val)), corpus.subset(range(corpus.n_docs - n_val, corpus.n_docs))
+class MaskedLM(TextObjective):
+    key = "mlm"
+    families = ("bert",)
+    Config = MLMConfig
+    recipes = {"bert": "bert-mini"}
+    describe = "BERT MLM + NSP"
+    replace = (0.8, 0.1)  # [MASK] and random-token shares of the chosen tokens
 
-    def builder(c):
-        if m.nsp:
-            return lambda rng: segments.sentence_pairs(c, data.seq_len - 3, rng, m.short_seq_prob)
-        return lambda rng: segments.full_segments(c, data.seq_len - 2, ids["sep"])
+    def special_tokens(self, family: str) -> list[str]:
+        return SPECIAL_TOKENS
 
-    sampler = PairBatches(builder(train_c), masker, ids, train.batch_size, train.seed, rank, world_size)
-    val_items = builder(val_c)(np.random.default_rng([train.seed, 10**6])) if val_c.n_docs > (1 if m.nsp else 0) else []
+    def sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, PairSource]:
+        """Sentences (cached), held-out documents, and training/held-out sources of pairs (NSP) or
+        full segments, masked with this objective's shares."""
+        s, d, seed = recipe.settings, recipe.data, recipe.train.seed
+        self.check_length(recipe, backbone)
+        ids = special_ids(backbone.tokenizer)
+        masker = Masker(ids["mask"], sorted(set(ids.values())), backbone.cfg.vocab_size, s.mask_prob, self.replace)
+        docs, paragraphs = self.documents(recipe), s.documents == "paragraphs"
+        corpus = segments.tokenize_sentences(docs["train"], backbone.tokenizer, paragraphs)
+        if docs["val"] is not None:
+            train_c, val_c = corpus, segments.tokenize_sentences(docs["val"], backbone.tokenizer, paragraphs)
+        else:
+            n_val = int(corpus.n_docs * d.val_fraction) if d.val_fraction > 0 else 0
+            if corpus.n_docs - n_val < (2 if nsp else 1):
+                raise UserError(f"MLM needs at least 2 training documents, the data has {corpus.n_docs - n_val}")
+            train_c, val_c = corpus.subset(range(0, corpus.n_docs - n_val)), corpus.subset(range(corpus.n_docs - n_val, corpus.n_docs))
 
-    def val():
-        gen = torch.Generator().manual_seed(train.seed)
-        step = train.batch_size * world_size
-        for b in range(min(train.eval_batches, len(val_items) // step)):
-            first = b * step + rank * train.batch_size
-            yield collate(val_items[first: first + train.batch_size], ids, masker, gen)
+        def builder(c):
+            if nsp:
+                return lambda rng: segments.sentence_pairs(c, d.seq_len - 3, rng, s.short_seq_prob)
+            return lambda rng: segments.full_segments(c, d.seq_len - 2, ids["sep"])
 
-    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return Prepared(
-        train=sampler, val=val, loss=loss,
-        items_per_batch=lambda b: int(b["attention_mask"].sum()),
-        flops_per_item=6.0 * n_params + 12.0 * model.cfg.n_layer * data.seq_len * model.cfg.d_model,
-        heads=build_heads(model.cfg, nsp=m.nsp),
-    )
+        val = PairSource(builder(val_c), ids, masker, seed + 10**6) if val_c.n_docs > (1 if nsp else 0) else None
+        return PairSource(builder(train_c), ids, masker, seed), val
+
+    def setup(self, recipe, backbone) -> Job:
+        train, val = self.sources(recipe, backbone, recipe.settings.nsp)
+        cfg = backbone.cfg
+        n_params = sum(p.numel() for p in backbone.model.parameters()) - backbone.model.wpe.weight.numel()
+        return Job(heads=build_heads(cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
+                   flops_per_item=6.0 * n_params + 12.0 * cfg.n_layer * recipe.data.seq_len * cfg.d_model,
+                   count_items=lambda b: int(b["attention_mask"].sum()))
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
+                f"finetune it:  tfcli finetune mnli --from {run_dir} --data DIR"]

@@ -3,17 +3,12 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
-from ..data import packing
-from ..data.packing import BlockSampler
-from . import Prepared
+from ..data.packing import BlockSource, WindowSource, train_and_val_streams
+from ..plugin import Job
+from . import TextObjective
 from .losses import linear_cross_entropy
-
-FAMILY = "gpt"
-DEFAULT_RECIPE = "gpt-mini"
-SPECIAL_TOKENS = ["<|endoftext|>"]
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -23,8 +18,7 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
     return value, {"loss": value.detach()}
 
 
-def eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Add perplexity to averaged held-out metrics."""
+def with_perplexity(metrics: dict[str, float]) -> dict[str, float]:
     return {**metrics, "ppl": math.exp(min(metrics["loss"], 50.0))}
 
 
@@ -35,29 +29,27 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
 
 
-def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) -> Prepared:
-    """Tokenize (cached), hold out the tail of the stream, sample shuffled blocks."""
-    data, train = recipe.data, recipe.train
-    stream = packing.token_stream(packing.tokenize(docs["train"], tokenizer))
-    if docs.get("val") is not None:
-        train_tokens = stream
-        val_tokens = packing.token_stream(packing.tokenize(docs["val"], tokenizer))
-    else:
-        train_tokens, val_tokens = packing.split_stream(stream, data.val_fraction, data.seq_len)
-    sampler = BlockSampler(train_tokens, data.seq_len, train.batch_size, train.seed, rank, world_size,
-                           windows=data.sampling == "windows")
+class NextToken(TextObjective):
+    key = "clm"
+    families = ("gpt",)
+    recipes = {"gpt": "gpt-mini"}
+    describe = "GPT next-token"
 
-    def val():
-        if len(val_tokens) < data.seq_len + 1:
-            return iter(())
-        return packing.sequential_blocks(val_tokens, data.seq_len, train.batch_size, train.eval_batches,
-                                         rank, world_size)
+    def special_tokens(self, family: str) -> list[str]:
+        return ["<|endoftext|>"]
 
-    return Prepared(
-        train=sampler,
-        val=val,
-        loss=loss,
-        items_per_batch=lambda b: b["input_ids"].numel(),
-        flops_per_item=flops_per_token(model, data.seq_len),
-        eval_metrics=eval_metrics,
-    )
+    def setup(self, recipe, backbone) -> Job:
+        """Tokenize (cached), hold out the tail of the stream, sample shuffled blocks or random windows."""
+        d = recipe.data
+        self.check_length(recipe, backbone)
+        train, val = train_and_val_streams(self.documents(recipe), backbone.tokenizer, d, d.seq_len)
+        source = WindowSource(train, d.seq_len) if d.sampling == "windows" else \
+            BlockSource(train, d.seq_len, recipe.train.seed)
+        return Job(heads=nn.ModuleDict(), loss=loss, train=source,
+                   val=BlockSource(val, d.seq_len, shift=False) if len(val) > d.seq_len else None,
+                   flops_per_item=flops_per_token(backbone.model, d.seq_len),
+                   count_items=lambda b: b["input_ids"].numel(), held_out_metrics=with_perplexity)
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"...\"",
+                f"evaluate it:       tfcli eval --checkpoint {run_dir}"]

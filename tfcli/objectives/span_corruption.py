@@ -13,20 +13,19 @@ the start token (the pad id, as T5). Example, noise spans marked:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..data import packing
-from ..data.packing import BlockSampler
+from ..data.packing import BlockSource, train_and_val_streams
 from ..errors import UserError
-from . import Prepared
+from ..plugin import Job
+from ..sampler import Draw
+from . import TextObjective
 from .losses import IGNORE, linear_cross_entropy
 
-FAMILY = "t5"
-DEFAULT_RECIPE = "t5-mini"
 N_SENTINELS = 100
 SENTINELS = [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"] + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
@@ -116,38 +115,25 @@ class SpanCorruptor:
     noise_density: float = NOISE_DENSITY
     mean_span_length: float = MEAN_SPAN_LENGTH
 
-    def __call__(self, raw: np.ndarray, rng: np.random.Generator) -> dict[str, Tensor]:
-        """raw (B, N) -> input_ids (B, S), labels (B, T), decoder_input_ids (B, T)."""
+    def __call__(self, raw: np.ndarray, rngs: list[np.random.Generator]) -> dict[str, Tensor]:
+        """raw (B, N) and each row's random generator -> input_ids (B, S), labels (B, T), decoder_input_ids (B, T)."""
         pairs = [corrupt(row, random_spans_noise_mask(len(row), rng, self.noise_density, self.mean_span_length),
-                         self.sentinels, self.eos_id) for row in raw]
+                         self.sentinels, self.eos_id) for row, rng in zip(raw, rngs)]
         inputs = torch.from_numpy(np.stack([p[0] for p in pairs]))
         labels = torch.from_numpy(np.stack([p[1] for p in pairs]))
         return {"input_ids": inputs, "labels": labels, "decoder_input_ids": shift_right(labels, self.start_id)}
 
 
-@dataclass
-class SpanBatches:
-    """Shuffled raw blocks (BlockSampler) corrupted with noise drawn from (seed, rank, batch number)."""
+class CorruptedBlocks(BlockSource):
+    """Raw blocks of `raw_len` tokens, each corrupted with noise from its own random stream."""
 
-    blocks: BlockSampler
-    corruptor: SpanCorruptor
-    seed: int
-    rank: int = 0
-    batches: int = field(default=0)
+    def __init__(self, tokens: np.ndarray, raw_len: int, corruptor: SpanCorruptor, seed: int = 0, shift: bool = True):
+        super().__init__(tokens, raw_len - 1, seed, shift)
+        self.corruptor = corruptor
 
-    def next_batch(self) -> dict[str, Tensor]:
-        b = self.blocks.next_batch()  # blocks of seq_len + 1 = raw_len tokens
-        raw = torch.cat([b["input_ids"], b["targets"][:, -1:]], dim=1).numpy()  # (B, raw_len)
-        rng = np.random.default_rng([self.seed, self.rank, self.batches])
-        self.batches += 1
-        return self.corruptor(raw, rng)
-
-    def state_dict(self) -> dict:
-        return {"blocks": self.blocks.state_dict(), "batches": self.batches}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.blocks.load_state_dict(state["blocks"])
-        self.batches = int(state["batches"])
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        raw = self.blocks(self.starts(draw)).numpy()  # (B, raw_len)
+        return self.corruptor(raw, [draw.rng(i) for i in range(len(draw))])
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -188,30 +174,28 @@ def make_corruptor(tokenizer) -> SpanCorruptor:
     return SpanCorruptor(np.array(ids, dtype=np.int64), eos_id=eos, start_id=pad)
 
 
-def prepare(recipe, tokenizer, docs, model, rank: int = 0, world_size: int = 1) -> Prepared:
-    """Tokenize (cached), cut raw blocks long enough to fill the encoder after noising, corrupt them."""
-    data, train = recipe.data, recipe.train
-    raw_len, targets_len = compute_input_and_target_lengths(data.seq_len)
-    if targets_len > model.cfg.max_seq_len:
-        raise UserError(f"targets of {targets_len} tokens exceed model.max_seq_len ({model.cfg.max_seq_len})")
-    corruptor = make_corruptor(tokenizer)
-    stream = packing.token_stream(packing.tokenize(docs["train"], tokenizer))
-    if docs.get("val") is not None:
-        train_tokens, val_tokens = stream, packing.token_stream(packing.tokenize(docs["val"], tokenizer))
-    else:
-        train_tokens, val_tokens = packing.split_stream(stream, data.val_fraction, raw_len - 1)
-    blocks = BlockSampler(train_tokens, raw_len - 1, train.batch_size, train.seed, rank, world_size)
+class SpanCorruption(TextObjective):
+    key = "span"
+    families = ("t5",)
+    recipes = {"t5": "t5-mini"}
+    describe = "T5 span corruption"
 
-    def val():
-        rng = np.random.default_rng([train.seed, 10**6 + rank])  # the same noise every evaluation
-        for b in packing.sequential_blocks(val_tokens, raw_len - 1, train.batch_size, train.eval_batches,
-                                           rank, world_size):
-            yield corruptor(torch.cat([b["input_ids"], b["targets"][:, -1:]], dim=1).numpy(), rng)
+    def special_tokens(self, family: str) -> list[str]:
+        return SPECIAL_TOKENS  # T5's ids: pad 0, eos 1, unk 2, then the sentinels
 
-    return Prepared(
-        train=SpanBatches(blocks, corruptor, train.seed, rank),
-        val=lambda: val() if len(val_tokens) >= raw_len else iter(()),
-        loss=loss,
-        items_per_batch=lambda b: b["input_ids"].numel() + b["labels"].numel(),
-        flops_per_item=flops_per_token(model, data.seq_len, targets_len),
-    )
+    def setup(self, recipe, backbone) -> Job:
+        """Tokenize (cached), cut raw blocks long enough to fill the encoder after noising, corrupt them."""
+        d = recipe.data
+        raw_len, targets_len = compute_input_and_target_lengths(d.seq_len)
+        if targets_len > backbone.cfg.max_seq_len:
+            raise UserError(f"targets of {targets_len} tokens exceed model.max_seq_len ({backbone.cfg.max_seq_len})")
+        corruptor = make_corruptor(backbone.tokenizer)
+        train, val = train_and_val_streams(self.documents(recipe), backbone.tokenizer, d, raw_len - 1)
+        return Job(heads=nn.ModuleDict(), loss=loss, train=CorruptedBlocks(train, raw_len, corruptor, recipe.train.seed),
+                   val=CorruptedBlocks(val, raw_len, corruptor, shift=False) if len(val) >= raw_len else None,
+                   flops_per_item=flops_per_token(backbone.model, d.seq_len, targets_len),
+                   count_items=lambda b: b["input_ids"].numel() + b["labels"].numel())
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"... <extra_id_0> ...\"",
+                f"evaluate it:       tfcli eval --checkpoint {run_dir}"]

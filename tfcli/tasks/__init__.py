@@ -1,44 +1,175 @@
-"""Finetuning tasks by registry key (`tfcli finetune TASK`, `tfcli eval TASK`).
+"""Finetuning tasks: plug-ins (tfcli.plugin) registered in tfcli.registry.TASKS.
 
-Each task module provides:
-  DEFAULT_RECIPE                      the recipe `tfcli finetune TASK` uses when none is given
-  default_recipe(from_) -> str        (optional) the same, depending on what --from names
-  finetune(recipe, from_, out, quiet) -> Path   train (recipe.task says how) and return the run dir
-  evaluate(checkpoint, options) -> None          print the task's metrics (options: EvalOptions)
-A task that only evaluates (e.g. `mae` reconstructions) may leave finetune out.
+`ClassificationTask` is what text and image classification share: a head on the backbone (a
+classifier on pooled features, or label words scored by a generative model), evaluation on every
+split during training (the best checkpoint kept), and the same report for every route: accuracy
+beside the majority class, per-class precision and recall, and the confusion matrix. A subclass
+says only how its data is read (`load`) and which head reads it (`head`).
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..backbone import from_run
+from ..display import console
 from ..errors import UserError
+from ..plugin import Batch, EvalOptions, Job, Plugin
+from ..runtime import autocast_context, to_device
+from ..sampler import Source, sequential_batches
+from ..train import ObjectiveModule
+from .classification_report import metrics, tables
 
 
 @dataclass
-class EvalOptions:
-    """What `tfcli eval TASK` was asked for, beyond the checkpoint."""
+class TaskData:
+    """A task's training data and evaluation splits (rows or images, whatever its head reads)."""
 
-    data: Optional[str] = None
-    limit: int = 0  # first N rows of each split
-    out: Optional[Path] = None  # where to write a picture or report
-    premise: Optional[str] = None  # classify one pair instead of a split
-    hypothesis: Optional[str] = None
-    few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
-    seed: int = 0
-
-TASKS: dict[str, str] = {
-    "mnli": "mnli",
-    "mae": "mae",  # evaluation only: reconstruction loss and picture grid of an MAE run
-    "image-classify": "image_classification",
-}
+    train: Any
+    evals: dict[str, Any]  # split -> data; the first split picks the best checkpoint
+    labels: tuple[str, ...]
 
 
-def get(name: str):
-    """The task module for `name`, or a UserError listing the known ones."""
-    if name not in TASKS:
-        known = ", ".join(sorted(TASKS)) or "none yet"
-        raise UserError(f"unknown task {name!r} (known: {known})")
-    return importlib.import_module(f"{__name__}.{TASKS[name]}")
+class Head:
+    """How a classification task reads the backbone: its trainable heads, sources, loss and scores."""
+
+    heads: nn.ModuleDict
+    item_name = "ex"
+
+    def source(self, data, train: bool) -> Source:
+        """Training batches (train=True) or scoring batches (train=False); both carry batch["labels"]."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch):
+        raise NotImplementedError
+
+    def scores(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch) -> Tensor:
+        """(B, n_labels): higher is more likely."""
+        raise NotImplementedError
+
+    def flops_per_item(self, model: nn.Module, data, trains_backbone: bool) -> float:
+        raise NotImplementedError
+
+    def count_items(self, batch: Batch) -> int:
+        return int(batch["labels"].numel())
+
+    def notes(self) -> dict[str, float]:
+        """Facts about the last scoring this head did, for its report (e.g. k-shot prompts that fit)."""
+        return {}
+
+
+@torch.no_grad()
+def predict(module: ObjectiveModule, head: Head, source: Source, batch_size: int, device: torch.device,
+            precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
+    """Scores (N, n_labels) and gold labels (N,) of every example of `source`, in order."""
+    was = module.training
+    module.eval()
+    scores, gold = [], []
+    for batch in sequential_batches(source, batch_size, seed=0):
+        with autocast_context(precision, device):
+            scores.append(module(to_device(batch, device), fn=head.scores).float().cpu())
+        gold.append(batch["labels"])
+    module.train(was)
+    return torch.cat(scores).numpy(), torch.cat(gold).numpy()
+
+
+class ClassificationTask(Plugin):
+    kind = "task"
+
+    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = ()) -> TaskData:
+        """The task's data (`data` instead of the recipe's, for `tfcli eval --data`); `labels`: the
+        label set a trained classifier was trained with (evaluation must use its ids)."""
+        raise NotImplementedError
+
+    def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
+        raise NotImplementedError
+
+    def sample(self, data, n: int, seed: int):
+        """A seeded, class-balanced sample of n examples of one split (n <= 0: all)."""
+        raise NotImplementedError
+
+    def setup(self, recipe, backbone) -> Job:
+        data = self.load(recipe, backbone)
+        head = self.head(recipe, backbone, data)
+        ft, t = recipe.finetune, recipe.train
+        limited = {s: self.sample(d, ft.eval_limit, t.seed) for s, d in data.evals.items()}
+        scoring = {s: head.source(d, train=False) for s, d in limited.items()}
+        first = next(iter(limited))
+
+        def evaluate(module: ObjectiveModule, run_dir: Path) -> dict[str, float]:
+            out = {}
+            for split, source in scoring.items():
+                scores, gold = predict(module, head, source, t.batch_size, self.rt.device, t.precision)
+                out[f"{split}_acc"] = float((scores.argmax(1) == gold).mean())
+            return out
+
+        return Job(heads=head.heads, loss=head.loss, train=head.source(data.train, train=True),
+                   val=head.source(limited[first], train=True), evaluate=evaluate, best_key=f"{first}_acc",
+                   flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train != "head"),
+                   count_items=head.count_items, item_name=head.item_name, examples=len(data.train),
+                   labels=data.labels)
+
+    def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
+        """Metrics of every evaluation split (a sample of options.limit examples each)."""
+        data = self.load(recipe, backbone, options.data, backbone.labels)
+        head = self.head(recipe, backbone, data, options)
+        head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
+        module = ObjectiveModule(backbone.model, head.heads, head.loss)
+        results = {}
+        for split, d in data.evals.items():
+            scores, gold = predict(module, head, head.source(self.sample(d, options.limit, options.seed), train=False),
+                                   recipe.train.batch_size, torch.device("cpu"))
+            results[split] = {**metrics(scores.argmax(1), gold, data.labels), **head.notes()}
+        return results
+
+    def report(self, recipe, run_dir: Path) -> dict[str, Any]:
+        """The best checkpoint on every full evaluation split: printed, and saved as eval.json."""
+        backbone = from_run(run_dir, which="best")
+        results = self.score(recipe, backbone, EvalOptions())
+        self.show(results)
+        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        return results
+
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """`tfcli eval`: one input's label probabilities, or the report on the evaluation splits,
+        saved beside the run as eval-<what>.json (or --out), never over the training's eval.json."""
+        if options.inputs:
+            return self.classify_one(recipe, backbone, options)
+        results = self.score(recipe, backbone, options)
+        self.show(results)
+        out = Path(options.out) if options.out else \
+            Path(backbone.checkpoint).parent.parent / f"eval-{self.eval_name(recipe, options)}.json"
+        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, "limit": options.limit,
+                                   **results}, indent=1))
+        console.print(f"report: {out}")
+        return results
+
+    def classify_one(self, recipe, backbone, options: EvalOptions) -> dict[str, float]:
+        raise UserError(f"{self.key} cannot classify a single input from the command line")
+
+    def name(self, recipe) -> str:
+        """What the reports call this task (a preset's name where there is one)."""
+        return self.key
+
+    def eval_name(self, recipe, options: EvalOptions) -> str:
+        parts = [self.name(recipe)] + ([Path(options.data).stem] if options.data else []) + \
+            ([f"limit{options.limit}"] if options.limit else []) + ([f"{options.few_shot}shot"] if options.few_shot >= 0 else [])
+        return "-".join(parts)
+
+    def show(self, results: dict[str, dict]) -> None:
+        if self.quiet:
+            return
+        for split, result in results.items():
+            for table in tables(split, result, result["labels"]):
+                console.print(table)
+
+
+def with_data(recipe, source: Optional[str]):
+    """The recipe reading its task data from `source` (eval --data) when given."""
+    return recipe if not source else replace(recipe, data=replace(recipe.data, source=source, val_source=""))

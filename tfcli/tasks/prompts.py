@@ -1,5 +1,5 @@
-"""Sentence-pair tasks as text: the prompt a generative model reads, the label word it answers,
-and k-shot prompts (k solved training examples, balanced over the labels and seeded).
+"""Classification as text: the prompt a generative model reads, the label word it answers, and
+k-shot prompts (k solved training examples, balanced over the labels and seeded).
 
 Pure string functions, no tokenizer: the same text serves T5 (encoder input, label word as the
 target) and GPT (label word as the continuation after "answer:").
@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import numpy as np
 
-FIELDS = {"mnli": ("premise", "hypothesis")}  # how each task names its two texts in the prompt
 SENTINEL = "<extra_id_0>"  # a span-corruption T5 answers a prompt ending in a sentinel
 
 
-def pair_text(task: str, a: str, b: str) -> str:
-    """'mnli premise: <a> hypothesis: <b>' (T5's text-to-text MNLI format)."""
-    first, second = FIELDS.get(task, ("sentence1", "sentence2"))
-    return f"{task} {first}: {a} {second}: {b}"
+def input_text(task: str, fields: tuple[str, ...], texts: tuple[str, ...]) -> str:
+    """'mnli premise: <a> hypothesis: <b>' (T5's text-to-text format), one 'field: text' per field."""
+    return " ".join([task] + [f"{f}: {t}" for f, t in zip(fields, texts)])
 
 
-def question(task: str, a: str, b: str) -> str:
-    """The pair followed by the cue whose answer is the label word."""
-    return f"{pair_text(task, a, b)} answer:"
+def question(task: str, fields: tuple[str, ...], texts: tuple[str, ...]) -> str:
+    """The input followed by the cue whose answer is the label word."""
+    return f"{input_text(task, fields, texts)} answer:"
 
 
-def demonstration(task: str, a: str, b: str, label: str) -> str:
+def demonstration(task: str, fields: tuple[str, ...], texts: tuple[str, ...], label: str) -> str:
     """A solved example for a k-shot prompt."""
-    return f"{question(task, a, b)} {label}"
+    return f"{question(task, fields, texts)} {label}"
 
 
 def balanced_shots(labels: list[int], k: int, n_labels: int, seed: int) -> list[int]:
@@ -44,11 +42,7 @@ def balanced_shots(labels: list[int], k: int, n_labels: int, seed: int) -> list[
     return [picked[i] for i in rng.permutation(len(picked))]
 
 
-def few_shot_prefix(task: str, rows: list, shots: list[int], label_words: tuple[str, ...]) -> list[str]:
+def few_shot_prefix(task: str, fields: tuple[str, ...], rows: list, shots: list[int],
+                    label_words: tuple[str, ...]) -> list[str]:
     """The demonstrations of a k-shot prompt, one string each (they are joined with newlines)."""
-    return [demonstration(task, rows[i][0], rows[i][1], label_words[rows[i][2]]) for i in shots]
-
-
-def majority_baseline(gold: np.ndarray, n_labels: int) -> float:
-    """Accuracy of always answering the split's most frequent label."""
-    return float(np.bincount(gold, minlength=n_labels).max() / max(len(gold), 1))
+    return [demonstration(task, fields, rows[i][0], label_words[rows[i][1]]) for i in shots]

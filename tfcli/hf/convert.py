@@ -1,0 +1,156 @@
+"""Hugging Face directories <-> tfcli weights: one engine; each family supplies only tables.
+
+A family module (gpt2.py, bert.py, t5.py, vit.py) describes itself with:
+  MODEL_TYPES                    the transformers `model_type`s it reads
+  config_from_hf(raw, state)     config.json (+ weights, for what only they tell) -> tfcli model config
+  rules(cfg)                     the weight table: one Rule per tfcli tensor
+  normalize(state)               (optional) older or prefix-less transformers names -> the table's
+  export(backbone, recipe)       -> Export: config.json, architecture, extra tensors and files
+and this module does the rest, the same way for every family: reading a directory (single or
+sharded safetensors, or pytorch_model.bin read with weights_only=True), renaming, fusing and
+splitting q/k/v, transposing Conv1D weights, and writing a directory transformers loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from ..errors import UserError
+
+CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tfcli tensor and the transformers tensor(s) it is made of."""
+
+    ours: str  # name in a tfcli checkpoint: "model.blocks.0.attn.qkv.weight", "heads.mlm.bias"
+    theirs: tuple[str, ...]  # several: concatenated along dim 0 (fused q/k/v) and split again on export
+    transpose: bool = False  # transformers' Conv1D stores (in, out) (GPT-2)
+    optional: bool = False  # present only in some checkpoints (pretraining heads, a pooler)
+
+
+def rule(ours: str, *theirs: str, transpose: bool = False, optional: bool = False) -> Rule:
+    return Rule(ours, tuple(theirs), transpose, optional)
+
+
+@dataclass
+class Export:
+    """What a family writes for one run: config.json, its architecture, and anything beyond the table."""
+
+    config: dict
+    extra_tensors: dict[str, Tensor] = field(default_factory=dict)  # e.g. fixed sin-cos positions
+    files: dict[str, str] = field(default_factory=dict)  # file name -> text (tokenizer_config.json, ...)
+    drop: tuple[str, ...] = ()  # transformers names not to write (tied copies it recreates)
+
+
+def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
+    """transformers state dict -> tfcli state dict (model.* and heads.*), per the table."""
+    out = {}
+    for r in rules:
+        present = [t in state for t in r.theirs]
+        if not all(present):
+            if r.optional and not any(present):
+                continue
+            raise UserError(f"not a matching checkpoint: weight {r.theirs[present.index(False)]!r} is missing")
+        t = torch.cat([state[n] for n in r.theirs], dim=0) if len(r.theirs) > 1 else state[r.theirs[0]]
+        out[r.ours] = t.t().contiguous() if r.transpose else t
+    return out
+
+
+def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
+    """tfcli state dict -> transformers state dict: the inverse of to_tfcli (fused weights split)."""
+    out = {}
+    for r in rules:
+        if r.ours not in state:
+            if r.optional:
+                continue
+            raise KeyError(r.ours)
+        t = state[r.ours].t() if r.transpose else state[r.ours]
+        for name, part in zip(r.theirs, t.chunk(len(r.theirs), dim=0)):
+            out[name] = part
+    return out
+
+
+# --- directories --------------------------------------------------------------------------------
+
+def read_config(path: Path) -> dict:
+    """A directory's config.json, or a one-line error saying what is wrong."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise UserError(f"{path}: no config.json; not a Hugging Face model directory")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file}: not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{file}: not a transformers config")
+    return raw
+
+
+def read_state(path: Path) -> dict[str, Tensor]:
+    """The weights of a transformers directory: model.safetensors, a sharded safetensors index, or
+    pytorch_model.bin (single or sharded) loaded with weights_only=True (no code runs)."""
+    path = Path(path)
+    for index, loader in (("model.safetensors.index.json", _load_safetensors),
+                          ("pytorch_model.bin.index.json", _load_bin)):
+        if (path / index).is_file():
+            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            state = {}
+            for shard in shards:
+                state.update(loader(path / shard))
+            return state
+    if (path / "model.safetensors").is_file():
+        return _load_safetensors(path / "model.safetensors")
+    if (path / "pytorch_model.bin").is_file():
+        return _load_bin(path / "pytorch_model.bin")
+    raise UserError(f"{path}: no model.safetensors, sharded safetensors or pytorch_model.bin")
+
+
+def _load_safetensors(file: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+
+
+def _load_bin(file: Path) -> dict[str, Tensor]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses pickled code; a truncated file fails to unpickle
+        raise UserError(f"{file}: refused or unreadable with weights_only=True "
+                        f"({str(e).splitlines()[0][:120]}); convert it to safetensors") from None
+
+
+def check_writable(out: Path) -> None:
+    """Refuse a --hf directory that exists with something in it: never write into another model."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not an empty directory; choose a new --hf directory")
+
+
+def write_dir(out: Path, config: dict, state: dict[str, Tensor], files: dict[str, str]) -> None:
+    """config.json, model.safetensors and the given text files, readable by everyone (0644)."""
+    check_writable(out)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    for name, text in files.items():
+        (out / name).write_text(text)
+    for f in out.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o644)
+
+
+def json_text(obj: Any) -> str:
+    return json.dumps(obj, indent=2)

@@ -1,0 +1,126 @@
+"""The one contract that objectives (pretraining) and tasks (finetuning) implement.
+
+The driver (tfcli.driver) asks a plug-in, in order:
+  special_tokens(family)     what a tokenizer trained or loaded for it must contain
+  tokenizer_texts(recipe)    text to train a fresh tokenizer on (pretraining)
+  setup(recipe, backbone)    -> Job: heads, training and held-out data, loss, evaluation, FLOPs
+  report(recipe, run_dir)    after training: the final report (e.g. accuracy of the best checkpoint)
+  hints(run_dir)             what to run next
+and `tfcli eval` asks evaluate(recipe, backbone, options).
+
+A plug-in is registered by key in tfcli.registry; its recipe section is its `Config` dataclass.
+Losses and evaluations receive the model, the heads and a batch, never the trainer's wrapper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable, Optional
+
+from torch import Tensor, nn
+
+from .runtime import Runtime
+from .sampler import Source
+
+Batch = dict[str, Tensor]
+LossFn = Callable[[nn.Module, nn.ModuleDict, Batch], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class EvalOptions:
+    """What `tfcli eval` was asked for, beyond the run."""
+
+    data: Optional[str] = None  # evaluate on this data instead of the run's
+    limit: int = 0  # a sample of N examples of each split
+    batches: int = 0  # held-out batches for pretraining runs (0: the recipe's train.eval_batches)
+    out: Optional[Path] = None  # where to write a picture or report
+    inputs: tuple[str, ...] = ()  # classify one input (e.g. premise and hypothesis) instead of a split
+    few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
+    seed: int = 0
+
+
+@dataclass
+class Job:
+    """Everything the trainer needs from a plug-in for one run."""
+
+    heads: nn.ModuleDict  # what the plug-in adds to the backbone (trained with it, saved as heads.*)
+    loss: LossFn  # (model, heads, batch) -> (loss, metrics of scalar tensors)
+    train: Source  # training data; the driver's one Sampler draws from it
+    val: Optional[Source]  # held-out data for the periodic loss (first train.eval_batches batches)
+    flops_per_item: float  # training FLOPs per token/example/image, for MFU
+    count_items: Callable[[Batch], int]  # tokens (examples, images) a batch counts for
+    item_name: str = "tok"
+    held_out_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m  # e.g. add perplexity
+    # run at each evaluation with the trained module (train.ObjectiveModule) and the run directory;
+    # returns metrics to log (e.g. accuracy) and may write files (e.g. MAE's reconstruction pictures)
+    evaluate: Optional[Callable[[nn.Module, Path], dict[str, float]]] = None
+    best_key: str = ""  # the metric (higher is better) that picks the best checkpoint; "" = none
+    examples: int = 0  # training examples per epoch, for finetune.epochs
+    labels: tuple[str, ...] = ()  # a classifier's class names (saved in the run as labels.json)
+
+
+class Plugin:
+    """Base of every objective and task: class attributes describe it, methods do the work."""
+
+    key: ClassVar[str]
+    kind: ClassVar[str]  # "objective" | "task"
+    families: ClassVar[tuple[str, ...]]  # model families it accepts
+    Config: ClassVar[Optional[type]] = None  # its recipe section (named like the key), if any
+    recipes: ClassVar[dict[str, str]] = {}  # family -> its default recipe (the first: the plug-in's)
+    describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
+
+    def __init__(self, rt: Runtime, quiet: bool = False):
+        self.rt, self.quiet = rt, quiet
+
+    @classmethod
+    def default_recipe(cls, family: Optional[str] = None) -> str:
+        return cls.recipes.get(family or "", next(iter(cls.recipes.values())))
+
+    def title(self, recipe, backbone) -> str:
+        """What this run does, for the banner."""
+        return self.describe
+
+    def special_tokens(self, family: str) -> list[str]:
+        return []
+
+    def tokenizer_texts(self, recipe) -> Iterable[str]:
+        return ()
+
+    def resolve(self, recipe, backbone):
+        """The recipe this run saves, given its backbone: the backbone's own model shape, so that the
+        run describes itself (plug-ins may take more from it)."""
+        return replace(recipe, model=backbone.cfg)
+
+    def setup(self, recipe, backbone) -> Job:
+        raise NotImplementedError
+
+    def report(self, recipe, run_dir: Path) -> dict[str, Any]:
+        """The final report after training (rank 0); nothing by default."""
+        return {}
+
+    def hints(self, run_dir: Path) -> list[str]:
+        return [f"evaluate it:  tfcli eval --checkpoint {run_dir}"]
+
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class Backbone:
+    """A model with its tokenizer, and where it came from."""
+
+    model: nn.Module
+    tokenizer: Any  # TextTokenizer, or None for image models
+    source: str = "scratch"  # "scratch", a tfcli run or checkpoint, or a Hugging Face directory
+    heads: dict[str, Tensor] = field(default_factory=dict)  # head weights that came with it (no "heads." prefix)
+    recipe: Any = None  # the recipe of the tfcli run it came from
+    checkpoint: Optional[Path] = None  # the checkpoint it was read from
+    labels: tuple[str, ...] = ()  # a classifier's class names, in id order
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def family(self) -> str:
+        return self.model.cfg.family

@@ -1,0 +1,39 @@
+"""Plug-ins by registry key: the objectives of `tfcli pretrain --objective KEY` and the tasks of
+`tfcli finetune KEY`. A new objective or task is one file, one recipe and one line here.
+
+Values are "module:Class" inside tfcli.objectives / tfcli.tasks, imported on first use, so that
+reading a recipe does not import every plug-in.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .errors import UserError
+
+OBJECTIVES = {
+    "clm": "next_token:NextToken",
+    "mlm": "mlm_nsp:MaskedLM",
+    "span": "span_corruption:SpanCorruption",
+    "mae": "mae:MaskedAutoencoder",
+    "electra": "electra:Electra",
+}
+
+TASKS = {
+    "classify": "classify:Classify",
+    "image-classify": "image_classification:ImageClassify",
+}
+
+_PACKAGES = {"objective": ("tfcli.objectives", OBJECTIVES), "task": ("tfcli.tasks", TASKS)}
+
+
+def known(kind: str) -> list[str]:
+    return sorted(_PACKAGES[kind][1])
+
+
+def plugin_class(kind: str, key: str):
+    """The plug-in class registered as `key`, or a UserError listing the known keys."""
+    package, table = _PACKAGES[kind]
+    if key not in table:
+        raise UserError(f"unknown {kind} {key!r} (known: {', '.join(sorted(table))})")
+    module, cls = table[key].split(":")
+    return getattr(importlib.import_module(f"{package}.{module}"), cls)

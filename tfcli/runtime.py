@@ -1,0 +1,141 @@
+"""Where a run executes: the device, this process's rank, and the distribution strategy.
+
+The trainer never names DDP itself: it asks the strategy to wrap the module, to say whether a
+micro-batch synchronises gradients, to clip, and for the state dict to save. `none` (one process)
+and `ddp` are here; another strategy is one more class with the same five methods.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .errors import UserError
+
+
+class Strategy:
+    """One process: the module as it is."""
+
+    name = "none"
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def sync_gradients(self, wrapped: nn.Module, sync: bool):
+        """Context for one micro-batch's backward; sync=False defers the gradient all-reduce."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> Tensor:
+        return nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+    def state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """The full (unsharded) weights, as every rank's copy of the module holds them."""
+        return module.state_dict()
+
+    def load_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
+        module.load_state_dict(state)
+
+
+class DDPStrategy(Strategy):
+    """DistributedDataParallel: a full replica per process, gradients all-reduced each step."""
+
+    name = "ddp"
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(module)
+
+    def sync_gradients(self, wrapped: nn.Module, sync: bool):
+        return contextlib.nullcontext() if sync else wrapped.no_sync()
+
+
+STRATEGIES = {"none": Strategy, "ddp": DDPStrategy}
+
+
+@dataclass
+class Runtime:
+    """This process's device and share of the work."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    strategy: Strategy = field(default_factory=Strategy)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast(self, value):
+        """Rank 0's value on every rank (any picklable-free plain value: str, int, list, dict)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value averaged over the ranks."""
+        if not self.distributed or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist())}
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block first (e.g. fills a cache), then the others."""
+        if self.distributed and not self.is_main:
+            dist.barrier()
+        yield
+        if self.distributed and self.is_main:
+            dist.barrier()
+
+
+def autocast_context(precision: str, device: torch.device):
+    """bf16 autocast (fp32 master weights) or nothing."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto") -> Runtime:
+    """Pick the device; under torchrun (WORLD_SIZE > 1) join the process group (nccl on GPU, gloo on CPU)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device is {device!r} but no CUDA device is available")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local if world > 1 else (dev.index or 0))
+        torch.cuda.set_device(dev)
+    name = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
+    if name == "none" and world > 1:
+        raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp or auto")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Runtime(dev, rank, world, STRATEGIES[name]())
+
+
+def teardown(rt: Runtime) -> None:
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()

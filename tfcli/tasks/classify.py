@@ -1,0 +1,197 @@
+"""Text classification on a user's own labelled data, or a preset (`tfcli finetune mnli`).
+
+    tfcli finetune classify --data reviews.csv --text-fields title,body --label-field label --from RUN
+
+One or two text fields per row (a pair: BERT reads [CLS] a [SEP] b [SEP]) and a label, as a word or
+an id. How the backbone reads them depends on its family: a BERT gets a classifier on pooled
+features (tasks.heads); a T5 or GPT learns the label word as text (tasks.text_to_text), and an
+un-finetuned one can be prompted with k solved examples (`tfcli eval mnli --few-shot K`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from ..data.labelled import TextSpec, balanced_sample, load_splits
+from ..display import console
+from ..errors import UserError
+from ..objectives.mlm_nsp import SPECIAL_TOKENS as BERT_TOKENS
+from ..objectives.mlm_nsp import special_ids
+from ..objectives.span_corruption import SPECIAL_TOKENS as T5_TOKENS
+from ..plugin import EvalOptions
+from ..sampler import sequential_batches
+from ..recipe import FinetuneConfig
+from . import ClassificationTask, Head, TaskData, with_data
+from . import prompts
+from .heads import ClassifierHead, ExampleSource
+from .presets import PRESETS
+from .text_to_text import T5_PROMPT_TOKENS, TextHead
+
+SPECIALS = {"bert": BERT_TOKENS, "t5": T5_TOKENS, "gpt": ["<|endoftext|>"]}
+
+
+@dataclass(frozen=True)
+class ClassifyConfig:
+    """The `classify:` recipe section. Fields left empty come from the preset."""
+
+    preset: str = ""  # e.g. "mnli": its data source, text fields and labels
+    text_fields: tuple[str, ...] = ()  # the column(s) holding the text: one, or two for a pair
+    label_field: str = ""  # the column holding the label ("" = the preset's, else "label")
+    labels: tuple[str, ...] = ()  # label names in id order ("" = the preset's, else the training data's, sorted)
+
+    def __post_init__(self):
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"classify.preset: unknown preset {self.preset!r} (known: {', '.join(sorted(PRESETS))})")
+
+
+def text_spec(cfg: ClassifyConfig) -> TextSpec:
+    """Where the text and labels are: the recipe's fields over the preset's."""
+    p = PRESETS.get(cfg.preset)
+    fields = cfg.text_fields or (p.text_fields if p else ())
+    if not fields:
+        raise UserError("classify.text_fields: name the column(s) holding the text (--text-fields title,body)")
+    if len(fields) > 2:
+        raise UserError(f"classify.text_fields: one text or a pair, not {len(fields)} ({', '.join(fields)})")
+    if p is None:
+        return TextSpec("classify", fields, cfg.label_field or "label", cfg.labels)
+    return TextSpec(cfg.preset, fields, cfg.label_field or p.label_field, cfg.labels or p.labels, p.splits, p.hub,
+                    p.hub_splits, p.aliases)
+
+
+def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int, int]]:
+    """(texts, label) rows -> (ids of [CLS] a [SEP] (b [SEP]), length of "[CLS] a [SEP]", label),
+    the longer text trimmed first until the row fits max_length."""
+    ids = special_ids(tokenizer)
+    encoded = [tokenizer.encode_batch([r[0][i] for r in rows]) for i in range(len(rows[0][0]))]
+    out = []
+    for k, (_, label) in enumerate(rows):
+        parts = [list(e[k]) for e in encoded]  # one or two token lists
+        while sum(map(len, parts)) > max_length - 1 - len(parts):
+            longest = max(range(len(parts)), key=lambda i: len(parts[i]))
+            parts[longest].pop()
+        seq = [ids["cls"]] + [t for p in parts for t in (*p, ids["sep"])]
+        out.append((np.array(seq, dtype=np.int64), len(parts[0]) + 2, label))
+    return out
+
+
+def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad to the longest row of this batch only (dynamic padding)."""
+    T = max(len(e[0]) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    types = torch.zeros((len(examples), T), dtype=torch.long)
+    mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, (seq, n_a, _) in enumerate(examples):
+        ids[i, : len(seq)] = torch.from_numpy(seq)
+        types[i, n_a: len(seq)] = 1
+        mask[i, : len(seq)] = 1
+    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask,
+            "labels": torch.tensor([e[2] for e in examples])}
+
+
+class Classify(ClassificationTask):
+    key = "classify"
+    families = ("bert", "gpt", "t5")
+    Config = ClassifyConfig
+    recipes = {"bert": "classify-bert-mini", "t5": "classify-t5-mini", "gpt": "classify-gpt-mini"}
+    describe = "text classification"
+
+    def special_tokens(self, family: str) -> list[str]:
+        return SPECIALS[family]
+
+    def tokenizer_texts(self, recipe) -> Iterator[str]:
+        """A fresh model's tokenizer learns from the training rows' texts."""
+        total = 0
+        for texts, _ in self.load(recipe, None).train:
+            if total >= recipe.tokenizer.train_chars:
+                return
+            total += sum(map(len, texts))
+            yield from texts
+
+    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = ()) -> TaskData:
+        spec = text_spec(recipe.settings)
+        spec = replace(spec, labels=labels) if labels else spec
+        d, ft = with_data(recipe, data).data, recipe.finetune or FinetuneConfig()
+        key = (spec, d.source, d.val_source, d.val_fraction)
+        if getattr(self, "_loaded_key", None) != key:
+            self._loaded, self._loaded_key = load_splits(spec, d.source, d.val_source, d.val_fraction, recipe.train.seed), key
+        splits, labels = self._loaded
+        for name, split in splits.items():
+            if not split.rows:
+                raise UserError(f"{split.where}: no usable rows ({split.skipped} skipped)")
+            if self.rt.is_main and not self.quiet and backbone is not None:
+                console.print(f"{spec.name} {name}: {len(split.rows):,} rows, {split.skipped:,} skipped "
+                              f"(missing text or no label) from {split.where}")
+        train = splits[spec.splits[0]].rows
+        return TaskData(train[: ft.limit] if ft.limit > 0 else train,
+                        {s: v.rows for s, v in splits.items() if s != spec.splits[0]}, labels)
+
+    def sample(self, rows: list, n: int, seed: int) -> list:
+        return [rows[i] for i in balanced_sample(np.array([y for _, y in rows]), n, seed)]
+
+    def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
+        if backbone.family == "bert":
+            return self.classifier(recipe, backbone, data)
+        return self.text_head(recipe, backbone, data, options)
+
+    def classifier(self, recipe, backbone, data: TaskData) -> ClassifierHead:
+        pad, cfg = special_ids(backbone.tokenizer)["pad"], backbone.cfg
+        max_length = min(recipe.data.seq_len, cfg.max_seq_len)
+
+        def make_source(rows: list, train: bool) -> ExampleSource:
+            examples = encode(backbone.tokenizer, rows, max_length)
+            return ExampleSource(examples, lambda ex: collate(ex, pad), np.array([len(e[0]) for e in examples]))
+
+        sample = encode(backbone.tokenizer, data.train[:2000], max_length) if data.train else []
+        mean_len = float(np.mean([len(e[0]) for e in sample])) if sample else float(max_length)
+        ft = recipe.finetune or FinetuneConfig()
+        return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout)
+
+    def text_head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions]) -> TextHead:
+        """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""
+        ft, spec = recipe.finetune or FinetuneConfig(), text_spec(recipe.settings)
+        if (ft.train, ft.pooling, ft.head_lr) != ("all", "cls", 0.0):
+            raise UserError(f"a {backbone.family} learns {spec.name} as text and trains the whole model; "
+                            f"--train head, --pooling and --head-lr apply to classifier heads (BERT)")
+        finetuned = backbone.recipe is not None and backbone.recipe.task == self.key
+        k = options.few_shot if options is not None else -1
+        if options is not None and k < 0 and not finetuned:
+            raise UserError(f"{backbone.checkpoint} was not finetuned on {spec.name}; score it with --few-shot K "
+                            f"(K solved examples in the prompt, 0 for none)")
+        demos, max_length = [], recipe.data.seq_len
+        if k >= 0:
+            max_length = max(backbone.cfg.max_seq_len, T5_PROMPT_TOKENS if backbone.family == "t5" else 0)
+        if k > 0:
+            shots = prompts.balanced_shots([y for _, y in data.train], k, len(data.labels), options.seed)
+            demos = prompts.few_shot_prefix(spec.name, spec.text_fields, data.train, shots, data.labels)
+        cue = backbone.family == "gpt" or (options is not None and not finetuned)
+        return TextHead(backbone.family, backbone.model, backbone.tokenizer, spec.name, spec.text_fields,
+                        data.labels, max_length, cue, demos)
+
+    def classify_one(self, recipe, backbone, options: EvalOptions) -> dict[str, float]:
+        """The label probabilities of one input (e.g. --premise and --hypothesis)."""
+        spec = text_spec(recipe.settings)
+        if len(options.inputs) != len(spec.text_fields):
+            raise UserError(f"{spec.name} reads {len(spec.text_fields)} text(s) ({', '.join(spec.text_fields)}); "
+                            f"got {len(options.inputs)}")
+        labels = backbone.labels or spec.labels
+        if not labels:
+            raise UserError(f"{backbone.checkpoint} does not record its labels")
+        data = self.load(recipe, backbone, options.data) if options.few_shot > 0 else TaskData([], {}, labels)
+        head = self.head(recipe, backbone, data, options)
+        head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
+        batch = next(sequential_batches(head.source([(tuple(options.inputs), 0)], train=False), 1, seed=0))
+        with torch.no_grad():
+            probs = torch.softmax(head.scores(backbone.model.eval(), head.heads, batch).float(), -1)[0]
+        for name, p in zip(labels, probs.tolist()):
+            console.print(f"{name:>14}  {p:.4f}")
+        return dict(zip(labels, probs.tolist()))
+
+    def name(self, recipe) -> str:
+        return text_spec(recipe.settings).name
+
+    def title(self, recipe, backbone) -> str:
+        how = "classifier" if backbone.family == "bert" else "text-to-text"
+        return f"{text_spec(recipe.settings).name} ({how})"

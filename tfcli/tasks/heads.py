@@ -1,0 +1,97 @@
+"""A linear classifier on pooled backbone features, for text (BERT) and images (ViT) alike.
+
+`features` is the one place that knows how each family's hidden states become a feature vector:
+BERT's pooled [CLS] (transformers' BertForSequenceClassification exactly), the mean of the token
+outputs, or the [CLS] vectors of the last four layers summed or concatenated; ViT's [CLS] vector
+or the mean of its patch vectors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UserError
+from ..plugin import Batch
+from ..sampler import Draw, Source
+from . import Head
+
+POOLINGS = {"bert": ("cls", "mean", "last4-sum", "last4-concat"), "vit": ("cls", "mean")}
+
+
+def check_pooling(cfg, pooling: str) -> None:
+    allowed = POOLINGS.get(cfg.family, ())
+    if pooling not in allowed:
+        raise UserError(f"--pooling {pooling}: a {cfg.family} classifier pools {', '.join(allowed) or 'nothing'}")
+    if pooling.startswith("last4") and cfg.n_layer < 4:
+        raise UserError(f"--pooling {pooling} needs at least 4 layers; this model has {cfg.n_layer}")
+
+
+def feature_dim(cfg, pooling: str) -> int:
+    return 4 * cfg.d_model if pooling == "last4-concat" else cfg.d_model
+
+
+def features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
+    """A batch's inputs -> (B, F) features for the classifier."""
+    if model.cfg.family == "vit":
+        return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)
+    args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+    if pooling == "cls":
+        return model.pool(model(*args))  # BERT's pooler: tanh(dense([CLS]))
+    if pooling == "mean":
+        hidden, m = model(*args), batch["attention_mask"][..., None].to(torch.float32)  # (B, T, D), (B, T, 1)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+    cls = [h[:, 0] for h in model(*args, all_layers=True)[-4:]]  # 4 x (B, D)
+    return torch.stack(cls).sum(0) if pooling == "last4-sum" else torch.cat(cls, dim=-1)
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters in matrix products (embedding tables are lookups and do not count towards MFU)."""
+    return sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+
+
+class ExampleSource(Source):
+    """Pre-encoded examples batched by `collate`; with `lengths`, batches of similar length."""
+
+    def __init__(self, examples: list, collate: Callable[[list], Batch], lengths: Optional[np.ndarray] = None):
+        self.examples, self.collate, self.lengths = examples, collate, lengths
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.examples)
+
+    def batch(self, draw: Draw) -> Batch:
+        return self.collate([self.examples[int(i)] for i in draw.indices])
+
+
+class ClassifierHead(Head):
+    """A linear layer on dropout(pooled features); cross-entropy; the logits are the scores."""
+
+    def __init__(self, cfg, pooling: str, n_labels: int, make_source: Callable[[object, bool], Source],
+                 tokens_per_item: float, dropout: float = 0.0, init_std: float = 0.02, item_name: str = "ex"):
+        check_pooling(cfg, pooling)
+        self.item_name = item_name
+        self.pooling, self.dropout, self.make_source, self.tokens_per_item = pooling, dropout, make_source, tokens_per_item
+        linear = nn.Linear(feature_dim(cfg, pooling), n_labels)
+        nn.init.trunc_normal_(linear.weight, std=init_std)
+        nn.init.zeros_(linear.bias)
+        self.heads = nn.ModuleDict({"classifier": linear})
+
+    def source(self, data, train: bool) -> Source:
+        return self.make_source(data, train)
+
+    def scores(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch) -> Tensor:
+        return heads["classifier"](features(model, batch, self.pooling))  # (B, n_labels)
+
+    def loss(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch):
+        feats = F.dropout(features(model, batch, self.pooling), self.dropout, training=model.training)
+        logits = heads["classifier"](feats)  # (B, n_labels)
+        value = F.cross_entropy(logits.float(), batch["labels"])
+        return value, {"loss": value.detach(), "acc": (logits.argmax(-1) == batch["labels"]).float().mean()}
+
+    def flops_per_item(self, model: nn.Module, data, trains_backbone: bool) -> float:
+        """Forward 2 and backward 4 FLOPs per parameter and token (forward only through a frozen backbone)."""
+        return (6.0 if trains_backbone else 2.0) * matmul_params(model) * self.tokens_per_item
