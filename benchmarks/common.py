@@ -57,3 +57,16 @@ def report(name: str, unit: str, items: int, seconds: dict[str, float], ours: st
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
     return result
+
+
+def hf_peer(cls, model: torch.nn.Module, heads: dict | None = None):
+    """transformers' `cls` carrying exactly `model`'s (and its heads') weights, made the way users
+    make one: `tfcli export`'s writer, then `from_pretrained`."""
+    import tempfile
+
+    from tfcli import hf
+    from tfcli.plugin import Backbone
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.export(Backbone(model, None, heads=dict(heads or {})), None, Path(tmp) / "hf")
+        return cls.from_pretrained(Path(tmp) / "hf")

@@ -9,9 +9,8 @@ import time
 
 import torch
 
-from benchmarks.common import interleaved, report, train_step
+from benchmarks.common import hf_peer, interleaved, report, train_step
 from tfcli.generate import generate_tokens
-from tfcli.hf.gpt2 import config_to_hf, state_to_hf
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.objectives.next_token import loss as next_token_loss
 
@@ -24,8 +23,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=CONTEXT, vocab_size=50257, dropout=0.0)
     ours = GPT(cfg).train()
-    peer = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(cfg))).train()
-    peer.load_state_dict(state_to_hf(ours.state_dict(), cfg.n_layer), strict=False)
+    peer = hf_peer(transformers.GPT2LMHeadModel, ours).train()
     block = torch.randint(0, cfg.vocab_size, (BATCH, CONTEXT + 1))
     batch = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)

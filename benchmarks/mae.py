@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import interleaved, report, train_step
-from tfcli.hf.vit import config_to_hf, to_hf
+from benchmarks.common import hf_peer, interleaved, report, train_step
 from tfcli.models.vit import MAEDecoder, ViT, ViTConfig
 from tfcli.objectives.mae import loss as mae_loss
 
@@ -24,8 +23,7 @@ def main() -> None:
     cfg = ViTConfig(image_size=32, patch_size=4, n_layer=6, n_head=3, d_model=192, d_ff=768, decoder_d_model=128,
                     decoder_n_layer=2, decoder_n_head=4, decoder_d_ff=512, mask_ratio=0.75, dropout=0.0)
     encoder, heads = ViT(cfg).train(), torch.nn.ModuleDict({"decoder": MAEDecoder(cfg)}).train()
-    peer = transformers.ViTMAEForPreTraining(config_to_hf(cfg)).train()
-    peer.load_state_dict(to_hf(encoder, decoder=heads["decoder"]))
+    peer = hf_peer(transformers.ViTMAEForPreTraining, encoder, heads.state_dict()).train()
     batch = {"pixels": torch.randn(BATCH, 3, 32, 32), "noise": torch.rand(BATCH, cfg.n_patches)}
     params = [p for p in [*encoder.parameters(), *heads.parameters()] if p.requires_grad]
     opt_ours = torch.optim.AdamW(params, lr=1e-4, fused=True)

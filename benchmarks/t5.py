@@ -12,12 +12,11 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved, report, train_step
-from tfcli.hf.t5 import config_to_hf, state_dict_to_hf
+from benchmarks.common import hf_peer, interleaved, report, train_step
+from tfcli.generate import generate_seq2seq
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
 from tfcli.objectives.losses import IGNORE
-from tfcli.seq2seq import generate_seq2seq
 
 BATCH, ENCODER_LEN, DECODER_LEN, VOCAB = 32, 114, 32, 32128
 
@@ -28,7 +27,7 @@ def span_batch() -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(0)
     raw = rng.integers(103, VOCAB - 100, size=(BATCH, raw_len))
     corruptor = sc.SpanCorruptor(np.arange(VOCAB - 1, VOCAB - 101, -1), eos_id=1, start_id=0)  # T5's sentinel ids
-    batch = corruptor(raw, rng)
+    batch = corruptor(raw, [rng] * BATCH)
     labels = torch.full((BATCH, DECODER_LEN), IGNORE, dtype=torch.long)
     labels[:, : batch["labels"].size(1)] = batch["labels"]
     return {"input_ids": batch["input_ids"], "labels": labels, "decoder_input_ids": sc.shift_right(labels, 0)}
@@ -41,8 +40,7 @@ def main() -> None:
     cfg = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
                    feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
     ours = T5(cfg).train()
-    peer = transformers.T5ForConditionalGeneration(transformers.T5Config(**config_to_hf(cfg))).train()
-    peer.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg), strict=False)
+    peer = hf_peer(transformers.T5ForConditionalGeneration, ours).train()
     batch = span_batch()
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
     opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)

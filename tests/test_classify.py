@@ -226,3 +226,25 @@ def test_every_pooling_has_the_right_width_and_ignores_padding():
         assert torch.allclose(mean[1], layers[-1][1, :5].mean(0), atol=1e-6)  # pads left out of the mean
     with pytest.raises(UserError, match="at least 4 layers"):
         check_pooling(BertConfig(n_layer=2, n_head=2, d_model=16, vocab_size=40), "last4-sum")
+
+
+def test_finetune_resume_is_bit_exact(tiny_hf_bert, mnli_dir, tmp_path):
+    """A finetuning run cut after its step-3 checkpoint and resumed logs the same losses as the whole run."""
+    from .conftest import train_losses
+
+    whole = tmp_path / "whole"
+    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 6, "--batch-size", 8,
+                    "--out", whole, "--quiet", "--set", "train.ckpt_interval=3", "--set", "train.eval_interval=3",
+                    "--set", "train.log_interval=1", "--set", "train.keep_checkpoints=5", "--set", "finetune.eval_limit=6")
+    assert result.exit_code == 0, result.output
+    cut = tmp_path / "cut"
+    shutil.copytree(whole, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-0000006")
+    (cut / "checkpoints" / "latest").write_text("step-0000003")
+    (cut / "checkpoints" / "best").write_text("step-0000003")
+    keep = [line for line in (cut / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 3]
+    (cut / "metrics.jsonl").write_text("\n".join(keep) + "\n")
+    result = invoke("finetune", "mnli", "--resume", cut, "--quiet")
+    assert result.exit_code == 0, result.output
+    a, b = train_losses(whole), train_losses(cut)
+    assert sorted(b) == list(range(1, 7)) and [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]

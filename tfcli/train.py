@@ -77,6 +77,7 @@ class Trainer:
             optimizer, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr))
         self.sampler = Sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
         self.step, self.best = 0, None
+        self.elapsed_before, self.started = 0.0, time.perf_counter()  # wall seconds of earlier sessions, this one's start
         self.quiet = quiet
         self.last: dict[str, float] = {}
 
@@ -89,11 +90,13 @@ class Trainer:
         self.sampler.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         self.step, self.best = int(checkpoint.read_meta(ckpt)["step"]), state.get("best")
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
 
     def fit(self) -> dict[str, float]:
         """Train to train.steps; log, evaluate and checkpoint on their intervals; return the last metrics."""
         if self.step == 0:  # a resumed run has its RNG state from the checkpoint
             torch.manual_seed(self.tc.seed)
+        self.started = time.perf_counter()
         self.wrapped = self.rt.strategy.wrap(self.module)
         peak = matmul_peak_flops(self.rt.device, torch.bfloat16 if self.tc.precision == "bf16" else torch.float32)
         window = _Window()
@@ -110,6 +113,10 @@ class Trainer:
                 if self._due(self.tc.ckpt_interval) or is_best:
                     self._save(is_best)
         return self.last
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds of training (evaluations included), continuing across resumes."""
+        return self.elapsed_before + time.perf_counter() - self.started
 
     def _due(self, interval: int) -> bool:
         return self.step % interval == 0 or self.step == self.tc.steps
@@ -140,7 +147,8 @@ class Trainer:
         rate = window.items / max(window.seconds, 1e-9)
         record = {"step": self.step, **{k: round(v, 6) for k, v in metrics.items()},
                   "lr": self.opt.param_groups[0]["lr"], f"{self.job.item_name}_per_s": round(rate, 1),
-                  "mfu": round(rate * self.job.flops_per_item / (peak * self.rt.world_size), 4)}
+                  "mfu": round(rate * self.job.flops_per_item / (peak * self.rt.world_size), 4),
+                  "elapsed_s": round(self.elapsed(), 2)}
         self._write(record)
         display.update(self.step, record, eta_s=(self.tc.steps - self.step) * window.seconds / window.steps)
         self.last.update(metrics)
@@ -168,7 +176,8 @@ class Trainer:
         weights = self.rt.strategy.state_dict(self.module)
         if self.rt.is_main:
             state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                     "data": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "best": self.best}
+                     "data": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
+                     "elapsed_s": self.elapsed()}
             meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family, **self.last}
             checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
                             best=is_best)

@@ -119,7 +119,15 @@ def _char_tokenizer(texts: Iterable[str], specials: list[str], lowercase: bool) 
 
 
 def load_tokenizer_files(path: str, specials: list[str]) -> TextTokenizer:
-    """tokenizer.json; or a directory holding one, or vocab.json + merges.txt (GPT-2), or vocab.txt (BERT)."""
+    """tokenizer.json; or a directory holding one, or vocab.json + merges.txt (GPT-2), or vocab.txt (BERT).
+    Padding and truncation a file may switch on are switched off: tfcli pads and cuts its own batches."""
+    tok = _load_files(path, specials)
+    tok.tok.no_padding()
+    tok.tok.no_truncation()
+    return tok
+
+
+def _load_files(path: str, specials: list[str]) -> TextTokenizer:
     p = Path(path)
     if not path or not p.exists():
         raise UserError(f"tokenizer.path: not found: {path or '(empty)'}")

@@ -1,0 +1,127 @@
+"""The seams hold: no import cycles, every registered plug-in is what its registry key says, short
+functions in the driver and the trainer, and `tfcli eval --checkpoint` works on every kind of run."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tfcli import recipe as recipes
+from tfcli import registry
+from tfcli.models import FAMILIES
+from tfcli.tasks.presets import PRESETS
+
+from .conftest import REPO, invoke, mae_overrides, pretrained_run, set_args, tiny_bert_recipe, tiny_npz
+
+PACKAGE = REPO / "tfcli"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """tfcli module -> the tfcli modules it imports, at module level or inside functions."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles():
+    graph, state, stack = import_graph(), {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+@pytest.mark.parametrize("kind,key", [("objective", k) for k in registry.OBJECTIVES] + [("task", k) for k in registry.TASKS])
+def test_every_registered_plugin_is_what_its_key_says(kind, key):
+    cls = registry.plugin_class(kind, key)
+    assert (cls.key, cls.kind) == (key, kind)
+    assert cls.families and set(cls.families) <= set(FAMILIES)
+    for family, name in cls.recipes.items():
+        rec = recipes.load(name)
+        assert rec.plugin == key and rec.model.family == family, name
+        assert family in cls.families
+
+
+def test_every_recipe_names_a_registered_plugin_and_presets_have_their_recipes():
+    for name in recipes.available():
+        raw = recipes.load_raw(name)
+        assert (raw.get("objective") in registry.OBJECTIVES) != (raw.get("task") in registry.TASKS), name
+    for preset in PRESETS.values():
+        for family, name in preset.recipes.items():
+            rec = recipes.load(name)
+            assert rec.task == preset.task and rec.settings.preset and rec.model.family == family
+
+
+@pytest.mark.parametrize("module", ["driver.py", "train.py"])
+def test_driver_and_trainer_functions_are_short(module):
+    tree = ast.parse((PACKAGE / module).read_text())
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50]
+    assert not long, long
+
+
+def _run(kind: str, tmp: Path, text: Path, mnli: Path) -> Path:
+    """A two-step run of each kind the tool makes."""
+    if kind in ("clm", "span"):
+        model = {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64} if kind == "clm" else \
+            {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64}
+        return pretrained_run(tmp, text, kind, model)
+    if kind in ("mlm", "electra"):
+        (tmp / "r.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(text, kind, train={"steps": 2, "eval_interval": 2,
+                                                                                     "ckpt_interval": 2})))
+        args = ["pretrain", "--recipe", tmp / "r.yaml"]
+    elif kind == "mae":
+        args = ["pretrain", "--objective", "mae", *set_args(mae_overrides(tiny_npz(tmp / "x.npz"), **{"train.steps": 2}))]
+    elif kind == "image-classify":
+        args = ["finetune", "image-classify", "--data", tiny_npz(tmp / "x.npz"), "--steps", 2,
+                *set_args({k: v for k, v in mae_overrides(tmp).items() if k.startswith("model.")})]
+    else:  # text classification of a GPT (text-to-text) or a BERT (classifier)
+        base = _run("clm" if kind == "classify-gpt" else "mlm", tmp / "base", text, mnli)
+        args = ["finetune", "mnli", "--from", base, "--data", mnli, "--steps", 2, "--batch-size", 4,
+                "--set", "finetune.eval_limit=6"]
+    result = invoke(*args, "--out", tmp / kind, "--quiet")
+    assert result.exit_code == 0, result.output
+    return tmp / kind
+
+
+@pytest.mark.parametrize("kind", ["clm", "span", "mlm", "electra", "mae", "image-classify", "classify-gpt",
+                                  "classify-bert"])
+def test_eval_works_on_every_kind_of_run(kind, tmp_path, small_text, mnli_dir):
+    (tmp_path / "base").mkdir()
+    run = _run(kind, tmp_path, small_text, mnli_dir)
+    result = invoke("eval", "--checkpoint", run, *(["--limit", 6] if kind.startswith(("classify", "image")) else []))
+    assert result.exit_code == 0, result.output
+    assert ("accuracy" if kind.startswith(("classify", "image")) else "loss") in result.output
