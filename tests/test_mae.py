@@ -91,7 +91,7 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
     assert result.exit_code == 0, result.output
     assert "tfcli eval mae --checkpoint" in result.output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "split" not in r]
+    train = [r for r in records if r.get("split") == "train"]
     assert [r["step"] for r in train] == [2, 4] and all(np.isfinite(r["loss"]) for r in train)
     assert "img_per_s" in train[0]
     assert sorted(p.name for p in (out / "recon").glob("*.png")) == ["eval-001.png", "eval-002.png"]

@@ -1,10 +1,28 @@
-"""What a training run shows: a live progress bar on a terminal, plain log lines everywhere."""
+"""What a run shows: a live progress bar that moves every step, labelled spinners for slow phases,
+and plain log lines everywhere (a file, a pipe, CI).
+
+`configure(enabled)` is called once by the driver: only rank 0 of a run that is not --quiet shows
+anything live, and only on a terminal; everything else prints plain lines or nothing.
+"""
 from __future__ import annotations
 
+import contextlib
+import time
+
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 console = Console(highlight=False, soft_wrap=True)
+_state = {"live": True, "progress": None}  # may phases and bars draw; the training bar, while it runs
+
+
+def configure(enabled: bool) -> None:
+    _state["live"] = enabled
+
+
+def live() -> bool:
+    return _state["live"] and console.is_terminal
 
 
 def _fmt(key: str, v) -> str:
@@ -19,35 +37,63 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
+@contextlib.contextmanager
+def phase(label: str):
+    """A labelled spinner with the elapsed time while a slow step runs (reading data, training a
+    tokenizer, tokenizing, evaluating...); a plain line instead when the output is not a terminal."""
+    if not live():
+        yield
+        return
+    training = _state["progress"]
+    if training is not None:  # one live display at a time: a row under the training bar
+        task = training.add_task(label, total=None, loss="")
+        try:
+            yield
+        finally:
+            training.remove_task(task)
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        progress.add_task(label, total=None)
+        yield
+
+
 class TrainDisplay:
-    """Rank 0's view of training: step, loss, lr, throughput, MFU, ETA."""
+    """Rank 0's view of training: a bar that moves every step (step, loss, ETA; fits 80 columns) and
+    a full log line (loss, lr, throughput, MFU, ...) at each log interval."""
 
     def __init__(self, total: int, start: int, enabled: bool = True):
         self.enabled = enabled
-        self.live = enabled and console.is_terminal
-        self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=False,
-        ) if self.live else None
         self.total, self.start = total, start
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+            TextColumn("eta"), TimeRemainingColumn(compact=True), console=console, transient=False,
+            speed_estimate_period=120) if enabled and live() else None
 
     def __enter__(self):
         if self.progress:
             self.progress.start()
-            self.task = self.progress.add_task("train", total=self.total, completed=self.start, status="")
+            self.task = self.progress.add_task("train", total=self.total, completed=self.start, loss="")
+            _state["progress"] = self.progress
+        self.t0, self.done = time.perf_counter(), 0
         return self
 
     def __exit__(self, *exc):
         if self.progress:
+            _state["progress"] = None
             self.progress.stop()
 
+    def step(self, step: int, loss: float) -> None:
+        """Every optimizer step: move the bar."""
+        if self.progress:
+            self.progress.update(self.task, completed=step, loss=f"loss {loss:.4f}")
+
     def update(self, step: int, record: dict, eta_s: float) -> None:
+        """At a log interval: the full line."""
         if not self.enabled:
             return
-        keys = [k for k in record if k not in ("step", "elapsed_s")]
+        keys = [k for k in record if k not in ("step", "elapsed_s", "split")]
         line = "  ".join(f"{k} {_fmt(k, record[k])}" for k in keys)
-        if self.progress:
-            self.progress.update(self.task, completed=step, status=line)
         console.print(f"step {step:>6}/{self.total}  {line}  eta {_eta(eta_s)}")
 
     def note(self, step: int, split: str, metrics: dict) -> None:

@@ -1,4 +1,15 @@
-"""The machine's measured matmul peak, the denominator of MFU (model FLOPs utilisation)."""
+"""The denominator of MFU (model FLOPs utilisation): the device's peak matmul FLOP/s for a dtype.
+
+GPUs: the dense peak from a table of known accelerators (the vendors' datasheet figures, without
+sparsity); others are measured. CPUs: measured once per CPU model, thread count and dtype, as the
+best of several timed rounds at two sizes (another program on the cores only ever makes a round
+slower, so the best round is the machine's), and cached. The peak is never below what a run
+achieves: MFU is at most 100%.
+
+What MFU counts: the training FLOPs of the model's matrix products per item (6 x matmul parameters
+per token: forward 2, backward 4; attention's 12 x layers x sequence x width; forward only, 2 x,
+through a frozen backbone), times items per second, over this peak x processes.
+"""
 from __future__ import annotations
 
 import json
@@ -9,41 +20,84 @@ import torch
 
 from .data.sources import cache_dir
 
+# dense TFLOP/s by (GPU name fragment, dtype); the first fragment that the device's name contains wins
+GPU_PEAKS = [
+    ("H200", {"bf16": 989.4, "fp32": 66.9}), ("H100 PCIe", {"bf16": 756.5, "fp32": 51.2}),
+    ("H100", {"bf16": 989.4, "fp32": 66.9}), ("A100", {"bf16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp32": 91.6}), ("L4", {"bf16": 121.0, "fp32": 30.3}),
+    ("A10G", {"bf16": 70.0, "fp32": 35.0}), ("A10", {"bf16": 125.0, "fp32": 31.2}),
+    ("RTX 4090", {"bf16": 165.2, "fp32": 82.6}), ("RTX 3090", {"bf16": 71.0, "fp32": 35.6}),
+    ("V100", {"bf16": 125.0, "fp32": 15.7}), ("T4", {"bf16": 65.0, "fp32": 8.1}),
+]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """Best FLOP/s of square matmuls on this device per device/threads/dtype.
-
-    Measured briefly at every start and cached as the best seen so far: a measurement taken while
-    other work shares the cores reads low, and keeping it would inflate MFU for good."""
-    key = f"{device.type}:{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}:" \
-          f"{torch.get_num_threads()}:{dtype}"
+    """Peak FLOP/s of `device` in `dtype`: a known accelerator's datasheet figure, else measured (cached)."""
+    name = device_name(device)
+    if device.type == "cuda":
+        for fragment, peaks in GPU_PEAKS:
+            if fragment in name:
+                return peaks[_dtype_name(dtype)] * 1e12
+    key = f"{device.type}:{name}:{torch.get_num_threads()}:{_dtype_name(dtype)}"
     path = cache_dir() / "matmul_peak.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
-    best = max(table.get(key, 0.0), _measure(device, dtype))
-    if best != table.get(key):
-        table[key] = best
+    if key not in table:
+        table[key] = _measure(device, dtype)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several ranks may write at once
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
-    return best
+    return table[key]
+
+
+def mfu(achieved_flops: float, peak: float) -> float:
+    """Achieved over peak, at most 1 (a peak below what a run achieves was measured low)."""
+    return min(1.0, achieved_flops / peak) if peak > 0 else 0.0
 
 
 def _measure(device: torch.device, dtype: torch.dtype) -> float:
-    n = 4096 if device.type == "cuda" else 1024
+    sizes = (4096, 8192) if device.type == "cuda" else (1024, 2048)
     g = torch.Generator(device=device).manual_seed(0)  # its own: the training RNG stream is left untouched
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     best = 0.0
-    for _ in range(3):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        _sync(device)
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+        a @ b  # warm up
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                a @ b
+            _sync(device)
+            best = max(best, 3 * 2 * n ** 3 / (time.perf_counter() - t0))
     return best
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The most memory this process has held: allocated CUDA memory on a GPU, resident set size on a
+    CPU (the whole process: weights, gradients, optimizer state, activations, data)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux

@@ -1,0 +1,129 @@
+"""Every `tfcli` command in the README's examples runs, from a directory outside the checkout with no
+../shared beside it: built-in data and packaged assets as shipped, tiny local stand-ins where the
+README names the user's own files (mnli/, my.csv, hf-bert/, ...), and a few steps instead of
+thousands. Placeholders such as runs/<bert run> become the runs the earlier commands made."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from .conftest import REPO, tiny_npz
+
+KINDS = {"clm": "gpt", "mlm": "bert", "span": "t5", "mae": "mae", "electra": "electra", "image-classify": "probe"}
+TINY_PRETRAIN = ["--steps", "2", "--set", "train.log_interval=1", "--set", "train.eval_interval=2",
+                 "--set", "train.ckpt_interval=2", "--set", "train.eval_batches=1",
+                 "--set", "tokenizer.train_chars=200000", "--set", "tokenizer.vocab_size=600", "--quiet"]
+TINY_FINETUNE = ["--steps", "2", "--batch-size", "4", "--set", "finetune.eval_limit=6", "--set", "train.eval_interval=2",
+                 "--quiet"]
+
+
+def readme_commands() -> list[str]:
+    """The tfcli (and torchrun) lines of the README's bash blocks, comments cut, each once."""
+    text = (REPO / "README.md").read_text()
+    lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.splitlines()]
+    out = [re.sub(r"^\.venv/bin/", "", line) for line in lines if line.startswith(("tfcli ", ".venv/bin/tfcli ", "torchrun "))]
+    return list(dict.fromkeys(out))
+
+
+def kind_of(run: Path) -> str:
+    raw = yaml.safe_load((run / "config.yaml").read_text())
+    if raw.get("objective"):
+        return KINDS[raw["objective"]]
+    if raw.get("task") == "classify":
+        return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
+    return KINDS[raw["task"]]
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory, shared_data) -> Path:
+    """A working directory far from the checkout, holding the user's files the README talks about."""
+    root = tmp_path_factory.mktemp("user")
+    assert not (root.parent / "shared").exists()
+    mnli = root / "mnli"
+    mnli.mkdir()
+    for split, n in (("train", 64), ("dev_matched", 12), ("dev_mismatched", 12)):
+        lines = (shared_data / "mnli" / f"{split}.jsonl").read_text().splitlines()[:n]
+        (mnli / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    rows = [("great stuff", "loved it", "pos"), ("awful", "broke at once", "neg")] * 12
+    (root / "my.csv").write_text("title,body,label\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows))
+    shutil.copy(root / "my.csv", root / "reviews.csv")
+    (root / "reviews.jsonl").write_text("".join(json.dumps({"text": f"{a} {b}", "label": c}) + "\n" for a, b, c in rows))
+    (root / "data_dir").mkdir()
+    for split in ("train", "dev"):
+        (root / "data_dir" / f"{split}.csv").write_text("question,label\n" + "".join(f"{a} {b}?,{c}\n" for a, b, c in rows))
+    (root / "other.txt").write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:20_000])
+    (root / "my_texts").mkdir()
+    (root / "my_texts" / "a.txt").write_text((shared_data / "text" / "war_and_peace.txt").read_text()[:60_000])
+    (root / "my_texts" / "b.txt").write_text((shared_data / "text" / "sherlock_holmes_complete.txt").read_text()[:60_000])
+    tiny_npz(root / "images.npz")
+    shutil.copy(root / "images.npz", root / "cifar10_subset.npz")
+    from PIL import Image
+
+    for c in ("red", "blue"):
+        (root / "my_images" / c).mkdir(parents=True)
+        for i in range(6):
+            pixel = (200, 20, 20) if c == "red" else (20, 20, 200)
+            Image.new("RGB", (20, 20), pixel).save(root / "my_images" / c / f"{i}.png")
+    import transformers
+
+    transformers.BertModel(transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=4,
+                                                   num_attention_heads=2, intermediate_size=64,
+                                                   max_position_embeddings=512)).save_pretrained(root / "hf-bert")
+    shutil.copy(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt", root / "hf-bert" / "vocab.txt")
+    return root
+
+
+def prepare(command: str, runs: dict[str, Path], n: int) -> list[str] | None:
+    """The command as argv with placeholders filled and tiny settings added; None if a run it names
+    does not exist yet."""
+    for name in set(re.findall(r"runs/<([^>]+)>", command)):
+        kind = {"run": "gpt", "any run": "gpt", "mnli run": "mnli", "probe run": "probe"}.get(name, name.split()[0])
+        if kind not in runs:
+            return None
+        command = command.replace(f"runs/<{name}>", str(runs[kind]))
+    argv = re.findall(r'"[^"]*"|\S+', command)
+    argv = [a[1:-1] if a.startswith('"') else a for a in argv]
+    argv = [f"out-{n}/" if a == "out/" else a for a in argv]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:argv.index("-m")], "-m", "tfcli",
+                *argv[argv.index("-m") + 2:], *TINY_PRETRAIN]
+    verb, extra = argv[1], []
+    if verb == "pretrain":
+        extra = ["--steps", "4", "--quiet"] if "--resume" in argv else TINY_PRETRAIN
+    elif verb == "finetune":
+        extra = ["--quiet"] if "--resume" in argv else TINY_FINETUNE
+    elif verb == "generate":
+        extra = ["--max-new-tokens", "5"]
+    return [sys.executable, "-m", "tfcli", *argv[1:], *extra]
+
+
+def test_every_readme_command_runs_outside_the_checkout(sandbox):
+    commands = readme_commands()
+    assert len(commands) > 35 and not [c for c in commands if "shared" in c]
+    env = {**os.environ, "TFCLI_CACHE": str(sandbox / ".cache"), "OMP_NUM_THREADS": "1"}
+    runs: dict[str, Path] = {}
+    pending = list(enumerate(commands))
+    for _ in range(3):  # a command naming a run that a later command makes waits for the next pass
+        waiting = []
+        for n, command in pending:
+            argv = prepare(command, runs, n)
+            if argv is None:
+                waiting.append((n, command))
+                continue
+            before = set((sandbox / "runs").glob("*")) if (sandbox / "runs").is_dir() else set()
+            result = subprocess.run(argv, cwd=sandbox, env=env, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            for run in sorted(set((sandbox / "runs").glob("*")) - before):
+                runs[kind_of(run)] = run
+        pending = waiting
+    assert not pending, f"never had the runs they name: {pending}"

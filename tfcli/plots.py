@@ -1,0 +1,84 @@
+"""Loss curves as PNG: one run's train and held-out loss with its learning rate (written at each
+evaluation as RUN/curves.png), or several runs overlaid (`tfcli plot`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import UserError
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl; is it a tfcli run?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(records: list[dict], split: str, metric: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in records if r.get("split", "train") == split and metric in r]
+    return [r["step"] for r in rows], [r[metric] for r in rows]
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
+    """One run: training and held-out `metric` against the step, the learning rate on a second axis."""
+    plt = _figure()
+    records = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for split, style in (("train", "-"), ("val", "o-")):
+        steps, values = _series(records, split, metric)
+        if steps:
+            ax.plot(steps, values, style, label=f"{split} {metric}", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    steps, lrs = _series(records, "train", "lr")
+    if steps:
+        lr_ax = ax.twinx()
+        lr_ax.plot(steps, lrs, color="0.6", linewidth=1, label="lr")
+        lr_ax.set_ylabel("learning rate", color="0.4")
+    ax.legend(loc="upper right")
+    ax.set_title(Path(run_dir).name, fontsize=10)
+    return _save(fig, plt, out)
+
+
+def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str = "val") -> Path:
+    """Several runs' `metric` on one split, overlaid (the train split when a run has no held-out rows)."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    drawn = 0
+    for run in runs:
+        records = read_metrics(run)
+        steps, values = _series(records, split, metric)
+        if not steps:
+            steps, values = _series(records, "train", metric)
+        if steps:
+            ax.plot(steps, values, "-", marker="o" if len(steps) < 30 else None, markersize=3, label=Path(run).name)
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise UserError(f"none of the runs logged {metric!r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{split} {metric}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, out)
+
+
+def _save(fig, plt, out: Path) -> Path:
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
