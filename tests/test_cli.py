@@ -84,7 +84,7 @@ def test_recipes_list_and_show():
     (["pretrain", "--set", "optim.lrr=1"], "error: optim.lrr: unknown key"),
     (["pretrain", "--set", "train.steps=ten"], "error: train.steps: expected an integer"),
     (["generate", "--checkpoint", "/no/such/run"], "error: checkpoint not found: /no/such/run"),
-    (["eval", "--checkpoint", "/no/such/run"], "error: checkpoint not found: /no/such/run"),
+    (["eval", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
     (["recipes", "show", "nope"], "error: unknown recipe 'nope'"),
     (["finetune", "no-such-task"], "error: unknown task 'no-such-task'"),
 ])
@@ -107,8 +107,7 @@ def test_console_script_usage_errors_are_one_line():
     result = subprocess.run([sys.executable, "-c", "from tfcli.cli import main; main()", "pretrain", "--bogus"],
                             capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: No such option: --bogus (Possible options: --out)" or \
-        result.stderr.strip().startswith("error: No such option: --bogus")
+    assert result.stderr.strip() == "error: no such option: --bogus (--help lists the options)"
     assert "Traceback" not in result.stderr
 
 

@@ -1,6 +1,6 @@
 """ViT runs to and from transformers through the CLI: an MAE run exported as ViTMAEForPreTraining
 (same outputs under the same noise), finetuning from a ViT-MAE directory, export as
-ViTForImageClassification (mean-pooled classifiers are refused with the reason)."""
+ViTForImageClassification ([CLS]) or Dinov2ForImageClassification (mean of the patches), same logits."""
 from __future__ import annotations
 
 import pytest
@@ -46,7 +46,14 @@ def test_finetune_from_a_hf_directory_and_export_as_vit_for_image_classification
                   "--steps", 1, "--batch-size", 8, "--out", mean_run, "--set", "schedule.warmup_steps=1",
                   "--quiet").exit_code == 0
     result = invoke("export", "--checkpoint", mean_run, "--hf", tmp_path / "hf-mean")
-    assert result.exit_code == 2 and "--pooling cls" in result.output
+    assert result.exit_code == 0 and "Dinov2ForImageClassification" in result.output, result.output
+    dinov2 = transformers.Dinov2ForImageClassification.from_pretrained(tmp_path / "hf-mean").eval()
+    mean_loaded = from_run(mean_run, which="best")
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():  # the mean-pooled classifier, read by transformers as Dinov2 with the same logits
+        ours = ViT.pool(mean_loaded.model.forward_features(x), "mean") @ mean_loaded.heads["classifier.weight"].t() \
+            + mean_loaded.heads["classifier.bias"]
+        assert (ours - dinov2(pixel_values=x).logits).abs().max() < TOL
     hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.id2label == {0: "a", 1: "b"}
     loaded = from_run(run, which="best")

@@ -14,7 +14,7 @@ def test_every_shipped_recipe_validates_and_pins_every_field(name):
     rec = recipes.load(name)
     raw = recipes.load_raw(name)  # the file with what it extends
     resolved = recipes.to_dict(rec)
-    for section in ("model", "optim", "schedule", "train", rec.plugin, "finetune"):
+    for section in ("model", "optim", "schedule", "train", rec.plugin, "finetune", "adapter"):
         if section in resolved:
             missing = set(resolved[section]) - set(raw.get(section, {}))
             assert not missing, f"{name}: {section} does not pin {sorted(missing)}"

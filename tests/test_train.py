@@ -8,6 +8,7 @@ import pytest
 from tfcli import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
+from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
 from tfcli.train import lr_multiplier
 
@@ -30,7 +31,7 @@ def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):
     assert val[1]["ppl"] == pytest.approx(2.718281828 ** val[1]["loss"], rel=1e-4)
     ckpt = checkpoint.find(run)
     assert ckpt.name == "step-0000040"
-    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "state.pt", "meta.json"}
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "state.safetensors", "state.json", "meta.json"}
     assert (run / "config.yaml").is_file() and (run / "tokenizer.json").is_file()
     assert recipes.load_resolved(run / "config.yaml").model.vocab_size > 0
 
@@ -77,15 +78,24 @@ def test_an_interrupted_checkpoint_write_never_becomes_latest(tmp_path, small_te
     original = checkpoint.save_file
 
     def failing_save(tensors, path):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the second checkpoint dies halfway through writing its weights
+        calls["n"] += path.endswith(checkpoint.WEIGHTS)
+        if calls["n"] == 2 and path.endswith(checkpoint.WEIGHTS):  # the second checkpoint dies halfway through its weights
             with open(path, "wb") as f:
                 f.write(b"partial")
             raise OSError("disk full")
         return original(tensors, path)
 
     monkeypatch.setattr(checkpoint, "save_file", failing_save)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match=r"could not write checkpoint step-0000020 .*disk full.*latest is still step-0000010"):
         pretrain(rec, out=tmp_path / "run", quiet=True)
     assert checkpoint.find(tmp_path / "run").name == "step-0000010"
     assert not (tmp_path / "run" / "checkpoints" / "step-0000020").exists()
+
+
+def test_a_time_limit_stops_the_run_evaluated_and_checkpointed(tmp_path, small_text):
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 500, "max_time": 1e-9, "log_interval": 50}))
+    run = pretrain(rec, out=tmp_path / "run", quiet=True)
+    rows = read_metrics(run)
+    assert [r["split"] for r in rows] == ["train", "val", "stopped"] and rows[-1]["step"] == 1
+    assert checkpoint.find(run).name == "step-0000001"
+    assert rows[0]["peak_mem_mb"] > 50  # a Python process with torch holds well over 50 MB

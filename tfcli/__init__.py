@@ -1,3 +1,3 @@
 """tfcli: pretrain and finetune transformers from the command line."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -13,6 +13,9 @@ Recipes are immutable: the driver derives a run's final recipe with `dataclasses
 from __future__ import annotations
 
 import dataclasses
+import glob
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +28,15 @@ from . import registry
 from .errors import UserError
 from .models import FAMILIES
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+PATH_FIELDS = (("data", "source"), ("data", "val_source"), ("tokenizer", "path"))
+
+
+def require(ok: bool, field: str, expected: str, value: Any) -> None:
+    """Raise the one-line error naming a field whose value is out of range (recipes call this from
+    their dataclasses' __post_init__, so a bad value never reaches a run)."""
+    if not ok:
+        raise ValueError(f"{field} must be {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,11 @@ class TokenizerConfig:
     lowercase: bool = False
     train_chars: int = 5_000_000  # characters of training text used to learn the vocabulary
 
+    def __post_init__(self):
+        require(self.vocab_size >= 0, "tokenizer.vocab_size", ">= 0", self.vocab_size)
+        require(self.train_chars >= 0, "tokenizer.train_chars", ">= 0", self.train_chars)
+        require(self.kind != "file" or bool(self.path), "tokenizer.path", "set when tokenizer.kind is file", self.path)
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -51,6 +67,10 @@ class DataConfig:
     seq_len: int = 256  # tokens per example (finetuning: the longest input)
     sampling: Literal["blocks", "windows"] = "blocks"  # shuffled non-overlapping blocks | random windows
 
+    def __post_init__(self):
+        require(0 <= self.val_fraction < 1, "data.val_fraction", "in [0, 1)", self.val_fraction)
+        require(self.seq_len >= 2, "data.seq_len", ">= 2", self.seq_len)
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -59,12 +79,22 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only, never to biases, norms or 1-D parameters
 
+    def __post_init__(self):
+        require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a positive number", self.lr)
+        require(all(0 <= b < 1 for b in self.betas), "optim.betas", "two numbers in [0, 1)", list(self.betas))
+        require(self.eps > 0, "optim.eps", "> 0", self.eps)
+        require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     warmup_steps: int = 100
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr: float = 0.0
+
+    def __post_init__(self):
+        require(self.warmup_steps >= 0, "schedule.warmup_steps", ">= 0", self.warmup_steps)
+        require(self.min_lr >= 0, "schedule.min_lr", ">= 0", self.min_lr)
 
 
 @dataclass(frozen=True)
@@ -83,19 +113,64 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     strategy: Literal["auto", "none", "ddp"] = "auto"  # auto: DDP under torchrun, else none
+    skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
+    loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
+    max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
+
+    def __post_init__(self):
+        require(self.steps >= 0, "train.steps", ">= 1 (0: a task's finetune.epochs decides)", self.steps)
+        for name in ("batch_size", "grad_accum", "log_interval", "eval_interval", "eval_batches", "ckpt_interval",
+                     "keep_checkpoints"):
+            require(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
+        require(self.clip_grad >= 0, "train.clip_grad", ">= 0 (0: no clipping)", self.clip_grad)
+        require(self.threads >= 0, "train.threads", ">= 0", self.threads)
+        require(self.skip_nonfinite >= 0, "train.skip_nonfinite", ">= 0", self.skip_nonfinite)
+        require(self.max_time >= 0, "train.max_time", ">= 0 minutes (0: no limit)", self.max_time)
+        require(set(self.loggers) <= {"csv", "tensorboard", "wandb"}, "train.loggers", "some of csv, tensorboard, wandb",
+                list(self.loggers))
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
+                "auto, cpu, cuda, cuda:N or mps", self.device)
 
 
 @dataclass(frozen=True)
 class FinetuneConfig:
     """What a task trains and for how long (task recipes only)."""
 
-    train: Literal["all", "head"] = "all"  # head: frozen backbone (linear probe)
-    pooling: Literal["cls", "mean", "last4-sum", "last4-concat"] = "cls"  # classifier features
+    # all | head (frozen backbone: a linear probe) | lora | ia3 | bitfit (tfcli.adapters)
+    train: Literal["all", "head", "lora", "ia3", "bitfit"] = "all"
+    head: Literal["auto", "classifier", "text"] = "auto"  # auto: a classifier on encoders, the label word as text on T5/GPT
+    # classifier features; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)
+    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = "auto"
     head_lr: float = 0.0  # 0 = optim.lr
     epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training examples
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
-    limit: int = 0  # use a seeded sample of N training examples (0 = all)
-    eval_limit: int = 0  # evaluate during training on N examples of each split (0 = all)
+    limit: int = 0  # use the first N training examples (0 = all)
+    eval_limit: int = 0  # evaluate during training on a balanced sample of N examples of each split (0 = all)
+
+    def __post_init__(self):
+        for name in ("head_lr", "epochs", "limit", "eval_limit"):
+            require(getattr(self, name) >= 0, f"finetune.{name}", ">= 0", getattr(self, name))
+        require(0 <= self.warmup_fraction < 1, "finetune.warmup_fraction", "in [0, 1)", self.warmup_fraction)
+
+
+PARTS = ("q", "k", "v", "o", "up", "gate", "down")  # the linears of the shared block an adapter may target
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Parameter-efficient finetuning (task recipes; used by finetune.train lora and ia3)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ("q", "v")  # lora's; ia3 scales k, v and the MLP's inner activations
+
+    def __post_init__(self):
+        require(self.rank >= 1, "adapter.rank", ">= 1", self.rank)
+        require(self.alpha > 0, "adapter.alpha", "> 0", self.alpha)
+        require(0 <= self.dropout < 1, "adapter.dropout", "in [0, 1)", self.dropout)
+        require(bool(self.targets) and set(self.targets) <= set(PARTS), "adapter.targets",
+                f"some of {', '.join(PARTS)}", list(self.targets))
 
 
 @dataclass(frozen=True)
@@ -110,6 +185,7 @@ class Recipe:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     finetune: Optional[FinetuneConfig] = None  # task recipes only
+    adapter: Optional[AdapterConfig] = None  # task recipes only
     settings: Any = None  # the plug-in's own section, written under its key (e.g. `mlm:`)
 
     @property
@@ -166,7 +242,27 @@ def load_raw(name_or_path: str, _depth: int = 0) -> dict:
         base_dir = path.parent / f"{base}.yaml"
         raw = _merge(load_raw(str(base_dir) if base_dir.is_file() else str(base), _depth + 1), raw)
     raw["name"] = own_name or path.stem
+    return _anchor_paths(raw, path.parent)
+
+
+def _anchor_paths(raw: dict, base: Path) -> dict:
+    """Relative paths in a recipe file mean the recipe's own folder when they exist there, else the
+    working directory (so a run's config.yaml finds its tokenizer.json, and a recipe kept beside
+    its data finds it from anywhere)."""
+    for section, key in PATH_FIELDS:
+        value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and value:
+            raw[section][key] = ",".join(_anchor(part.strip(), base) for part in value.split(","))
     return raw
+
+
+def _anchor(part: str, base: Path) -> str:
+    if part in ("builtin", "") or ":" in part.split("/")[0] or Path(part).is_absolute():
+        return part  # builtin, builtin:NAME, hf:NAME, absolute paths
+    beside = base / part
+    if any(c in part for c in "*?["):
+        return str(beside) if glob.glob(str(beside)) else part
+    return str(beside.resolve()) if beside.exists() else part
 
 
 def from_dict(raw: dict, overrides: Optional[dict[str, Any]] = None) -> Recipe:
@@ -198,6 +294,7 @@ def to_dict(recipe: Recipe) -> dict:
         out[recipe.plugin] = _plain(recipe.settings)
     if recipe.finetune is not None:
         out["finetune"] = _plain(recipe.finetune)
+        out["adapter"] = _plain(recipe.adapter or AdapterConfig())
     out.update(optim=_plain(recipe.optim), schedule=_plain(recipe.schedule), train=_plain(recipe.train))
     return out
 
@@ -238,17 +335,18 @@ def _build_recipe(raw: dict) -> Recipe:
         cls = registry.plugin_class(kind, key)
     except UserError as e:
         raise RecipeError(f"{kind}: {e}") from None
-    allowed = set(COMMON) | ({"finetune"} if task else set()) | ({key} if cls.Config else set())
+    allowed = set(COMMON) | ({"finetune", "adapter"} if task else set()) | ({key} if cls.Config else set())
     for k in raw:
         if k not in allowed:
             raise RecipeError(f"{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
     if "model" not in raw:
         raise RecipeError("model: missing section (it needs at least model.family)")
     kwargs = {f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
-              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune")}
+              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune", "adapter")}
     kwargs["model"] = _build_model(raw["model"], "model")
     if task:
         kwargs["finetune"] = _build(FinetuneConfig, raw.get("finetune", {}), "finetune")
+        kwargs["adapter"] = _build(AdapterConfig, raw.get("adapter", {}), "adapter")
     if cls.Config:
         kwargs["settings"] = _build(cls.Config, raw.get(key) or {}, key)
     return Recipe(**kwargs)
@@ -266,8 +364,9 @@ def _build(cls, raw: Any, path: str):
               for f in dataclasses.fields(cls) if f.name in raw}
     try:
         return cls(**kwargs)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
+    except ValueError as e:  # a section shared by several plug-ins names its fields without the section
+        message = str(e)
+        raise RecipeError(message if not path or message.startswith(f"{path}.") else f"{path}.{message}") from None
 
 
 def _build_model(raw: Any, path: str):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import UserError
 from ..sampler import Draw, Source
 from .images import ImageSet
 
@@ -28,6 +29,15 @@ class ImageConfig:
     hflip: bool = True
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    def __post_init__(self):
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_scale must be two numbers with 0 < low <= high <= 1, got {list(self.crop_scale)}")
+        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise ValueError(f"crop_ratio must be two numbers with 0 < low <= high, got {list(self.crop_ratio)}")
+        if not all(s > 0 for s in self.std):
+            raise ValueError(f"std must be positive, got {list(self.std)}")
 
 
 @dataclass
@@ -86,6 +96,14 @@ class ImageTransform:
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device)[:, None, None]
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device)[:, None, None]
         return (x * std + mean).clamp(0.0, 1.0)
+
+
+def check_images(images: ImageSet, patch_size: int, where: str) -> None:
+    """Images smaller than one patch cannot be seen by a ViT: say so instead of training on them."""
+    sides = [min(im.shape[:2]) for im in (images.images[:1000] if isinstance(images.images, list) else [images.images[0]])]
+    if sides and min(sides) < patch_size:
+        raise UserError(f"{where}: images as small as {min(sides)}x{min(sides)} pixels, smaller than one "
+                        f"{patch_size}x{patch_size} patch of the model")
 
 
 class ImageSource(Source):

@@ -131,6 +131,8 @@ def as_uint8_rgb(x: np.ndarray, where: str) -> np.ndarray:
     """Arrays of images in common layouts -> uint8 (N, H, W, 3): grayscale (N, H, W) or
     (N, H, W, 1), channels first (N, C, H, W), RGBA, floats in [0, 1] or [0, 255]."""
     x = np.asarray(x)
+    if x.dtype.kind not in "uif":
+        raise UserError(f"{where}: images must be numbers (uint8 or float), not {x.dtype}")
     if x.ndim == 3:
         x = x[..., None]
     if x.ndim != 4:

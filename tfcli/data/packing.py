@@ -12,6 +12,7 @@ import hashlib
 import numpy as np
 import torch
 
+from ..display import phase
 from ..errors import UserError
 from ..sampler import Draw, Source
 from .tokenizers import TextTokenizer
@@ -26,8 +27,9 @@ def tokenize(docs, tokenizer: TextTokenizer, *, append_eos: bool = True):
         return {"input_ids": [ids + tail for ids in tokenizer.encode_batch(batch["text"])]}
 
     fingerprint = hashlib.sha256(f"{docs._fingerprint}|{tokenizer.fingerprint()}|{eos}|v1".encode()).hexdigest()[:16]
-    return docs.map(encode, batched=True, batch_size=256, remove_columns=docs.column_names,
-                    new_fingerprint=fingerprint, desc="tokenizing")
+    with phase(f"tokenizing {len(docs):,} documents"):
+        return docs.map(encode, batched=True, batch_size=256, remove_columns=docs.column_names,
+                        new_fingerprint=fingerprint, desc="tokenizing")
 
 
 def token_stream(tokenized) -> np.ndarray:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..display import phase
 from .tokenizers import TextTokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
@@ -65,8 +66,9 @@ def tokenize_sentences(docs, tokenizer: TextTokenizer, paragraphs: bool = False)
         return {"sentences": [d for d in out if d]}
 
     key = f"{docs._fingerprint}|{tokenizer.fingerprint()}|{paragraphs}|sentences-v1"
-    ds = docs.map(encode, batched=True, batch_size=64, remove_columns=docs.column_names,
-                  new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16], desc="splitting sentences")
+    with phase(f"splitting {len(docs):,} documents into sentences"):
+        ds = docs.map(encode, batched=True, batch_size=64, remove_columns=docs.column_names,
+                      new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16], desc="splitting sentences")
     col = ds.data.column("sentences").combine_chunks()  # list<list<int>>
     sentences = col.flatten()
     return Corpus(tokens=sentences.flatten().to_numpy().astype(np.int64),

@@ -22,6 +22,18 @@ LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jso
                   ".csv": "csv", ".parquet": "parquet"}
 
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # files that ship inside the package
+
+
+def asset(name: str) -> Path:
+    """`builtin:NAME`: a data file or tokenizer directory that ships with tfcli (tfcli/assets/NAME)."""
+    path = ASSETS / name
+    if not name or not path.exists():
+        known = ", ".join(sorted(p.name for p in ASSETS.iterdir() if p.is_dir()))
+        raise UserError(f"builtin:{name}: no such built-in file (known: {known})")
+    return path
+
+
 def cache_dir() -> Path:
     """tfcli's own cache (built-in corpus, matmul peak); $TFCLI_CACHE overrides."""
     d = Path(os.environ.get("TFCLI_CACHE", Path.home() / ".cache" / "tfcli"))
@@ -29,11 +41,20 @@ def cache_dir() -> Path:
     return d
 
 
-def load_documents(source: str, text_field: str = "text"):
-    """'builtin', local paths (files, globs, directories; comma-separated), or 'hf:name[:config[:split]]'."""
+def quiet_datasets():
+    """The `datasets` module with its progress bars and log messages off: tfcli reports its own
+    progress, and turns datasets' errors into one line of its own."""
+    import logging
+
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    return datasets
+
+
+def load_documents(source: str, text_field: str = "text"):
+    """'builtin', local paths (files, globs, directories; comma-separated), or 'hf:name[:config[:split]]'."""
     if source == "builtin":
         return _load_local([builtin_corpus_file()], "text")  # JSON Lines, one document a row
     if source.startswith("hf:"):
@@ -46,8 +67,10 @@ def expand_paths(source: str) -> list[Path]:
     """Files named by a comma-separated list of files, globs and directories (searched recursively)."""
     files: list[Path] = []
     for part in (p.strip() for p in source.split(",") if p.strip()):
-        if part == "builtin":  # e.g. 'builtin,../shared/data/text': the built-in corpus plus files
+        if part == "builtin":  # e.g. 'builtin,my/texts/': the built-in corpus plus files
             files.append(builtin_corpus_file())
+        elif part.startswith("builtin:"):  # a text that ships with tfcli, e.g. builtin:tinyshakespeare
+            files += sorted(f for f in asset(part[len("builtin:"):]).glob("*.txt"))
         elif any(ch in part for ch in "*?["):
             matches = sorted(Path(m) for m in glob.glob(part, recursive=True) if Path(m).is_file())
             if not matches:
@@ -69,7 +92,7 @@ def expand_paths(source: str) -> list[Path]:
 
 
 def _load_local(files: list[Path], text_field: str):
-    import datasets
+    datasets = quiet_datasets()
 
     by_builder: dict[str, list[str]] = {}
     for f in files:
@@ -87,7 +110,10 @@ def _load_local(files: list[Path], text_field: str):
                             f"set data.text_field")
         parts.append(_text_column(ds, field))
     ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
+    ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
+    if len(ds) == 0:
+        raise UserError(f"{', '.join(str(f) for f in files)}: no text (every document is empty)")
+    return ds
 
 
 def _load_hub(spec: str, text_field: str):
@@ -102,7 +128,7 @@ def _load_hub(spec: str, text_field: str):
 def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str):
     """`datasets.load_dataset` for a hub dataset that fails with one line, and within seconds rather
     than after a minute of retries when the hub cannot be reached. `instead` says what to do then."""
-    import datasets
+    datasets = quiet_datasets()
 
     label = f"{name}:{config}" if config else name
     if not hub_offline() and not hub_reachable():
@@ -130,7 +156,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def _text_column(ds, field: str):
     """Keep only `field`, named `text`, as plain strings (so sources of several formats concatenate)."""
-    import datasets
+    datasets = quiet_datasets()
 
     ds = ds.select_columns([field])
     if field != "text":

@@ -1,5 +1,5 @@
 """Tokenizers: trained on the training text (byte-level BPE, WordPiece, Unigram, characters)
-or loaded from files (tokenizer.json, GPT-2 vocab.json + merges.txt, BERT vocab.txt).
+or loaded from files (tokenizer.json, GPT-2 vocab.json + merges.txt, BERT vocab.txt, T5 spiece.model).
 
 Everything is a `tokenizers.Tokenizer` underneath, so a run saves exactly one tokenizer.json.
 The objective decides the special tokens (GPT: <|endoftext|>; BERT: [CLS] [SEP] ...).
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from ..errors import UserError
 
@@ -60,7 +60,11 @@ class TextTokenizer:
 
     @classmethod
     def from_run(cls, directory: Path) -> "TextTokenizer":
-        return cls(Tokenizer.from_file(str(Path(directory) / TOKENIZER_FILE)))
+        path = Path(directory) / TOKENIZER_FILE
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise UserError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0][:150] if str(e) else e})") from None
 
 
 def build_tokenizer(kind: str, *, vocab_size: int, path: str, lowercase: bool,
@@ -128,6 +132,10 @@ def load_tokenizer_files(path: str, specials: list[str]) -> TextTokenizer:
 
 
 def _load_files(path: str, specials: list[str]) -> TextTokenizer:
+    if path.startswith("builtin:"):  # a vocabulary that ships with tfcli: builtin:gpt2, builtin:bert-base-uncased
+        from .sources import asset
+
+        path = str(asset(path[len("builtin:"):]))
     p = Path(path)
     if not path or not p.exists():
         raise UserError(f"tokenizer.path: not found: {path or '(empty)'}")
@@ -138,10 +146,14 @@ def _load_files(path: str, specials: list[str]) -> TextTokenizer:
             return _gpt2_files(p / "vocab.json", p / "merges.txt", specials)
         elif (p / "vocab.txt").is_file():
             return _wordpiece_vocab(p / "vocab.txt", p)
+        elif (p / "spiece.model").is_file():
+            return _sentencepiece(p / "spiece.model", specials)
         else:
-            raise UserError(f"tokenizer.path: {path} holds no tokenizer.json, vocab.json+merges.txt or vocab.txt")
+            raise UserError(f"tokenizer.path: {path} holds no tokenizer.json, vocab.json+merges.txt, vocab.txt or spiece.model")
     if p.name == "vocab.txt":
         return _wordpiece_vocab(p, p.parent)
+    if p.suffix == ".model":
+        return _sentencepiece(p, specials)
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:
@@ -167,3 +179,37 @@ def _wordpiece_vocab(vocab: Path, directory: Path) -> TextTokenizer:
 
     impl = BertWordPieceTokenizer(str(vocab), lowercase=lowercase)
     return TextTokenizer(impl._tokenizer)
+
+
+def _sentencepiece(path: Path, specials: list[str]) -> TextTokenizer:
+    """A SentencePiece Unigram model (T5's spiece.model), parsed as data with sentencepiece's protobuf
+    schema and rebuilt as a `tokenizers` Unigram exactly as transformers' converter does; a T5's 100
+    <extra_id_N> sentinels follow the pieces (<extra_id_0> last, as in T5's vocabulary)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+    except ImportError:
+        raise UserError(f"{path}: reading spiece.model needs the sentencepiece package "
+                        f"(pip install 'tfcli[spm]'), or give a tokenizer.json") from None
+    proto = spm_pb2.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception:
+        raise UserError(f"{path}: not a SentencePiece model") from None
+    if proto.trainer_spec.model_type != 1:
+        raise UserError(f"{path}: a SentencePiece {spm_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)} "
+                        f"model; tfcli reads Unigram models (T5's), or a tokenizer.json")
+    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+    known = {piece for piece, _ in vocab}
+    sentinels = [f"<extra_id_{i}>" for i in range(99, -1, -1)] \
+        if "<extra_id_0>" in specials and "<extra_id_0>" not in known else []
+    tok = Tokenizer(models.Unigram(vocab + [(t, 0.0) for t in sentinels], unk_id=proto.trainer_spec.unk_id,
+                                   byte_fallback=False))
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    tok.normalizer = normalizers.Sequence(([normalizers.Precompiled(charsmap)] if charsmap else []) + [
+        normalizers.Strip(left=False, right=True), normalizers.Replace(Regex(" {2,}"), "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_tokens([AddedToken(piece.piece, normalized=False, special=piece.type == 3)
+                    for piece in proto.pieces if piece.type in (3, 4)])  # control and user-defined pieces
+    tok.add_special_tokens(sentinels)
+    return TextTokenizer(tok)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from .. import adapters
 from ..errors import UserError
 from . import bert, gpt2, t5, vit
 from .convert import check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
@@ -51,8 +52,10 @@ def export(backbone, recipe, out: Path) -> str:
     if module is None:
         raise UserError(f"export to Hugging Face is not available for {backbone.family!r} models")
     check_writable(out)
+    adapters.merge(backbone.model)  # LoRA / IA3 folded in: transformers gets a plain model
     spec = module.export(backbone, recipe)
-    state = {**to_hf(tfcli_state(backbone), module.rules(backbone.cfg)), **spec.extra_tensors}
+    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
+    state = {**to_hf(tfcli_state(backbone), rules), **spec.extra_tensors}
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     write_dir(out, spec.config, state, {**files, **spec.files})
     return spec.config["architectures"][0]

@@ -74,13 +74,16 @@ def export(backbone, recipe) -> Export:
     heads, cfg = backbone.heads, backbone.cfg
     config, extra = config_to_hf(cfg), {}
     if "classifier.weight" in heads:
-        if recipe is not None and recipe.finetune is not None and recipe.finetune.pooling != "cls":
-            raise UserError(f"this run classifies from --pooling {recipe.finetune.pooling}; transformers' "
-                            f"BertForSequenceClassification uses the pooled [CLS] (finetune with --pooling cls)")
-        arch = "BertForSequenceClassification"
         labels = backbone.labels or [str(i) for i in range(heads["classifier.weight"].shape[0])]
         config.update(num_labels=len(labels), id2label=dict(enumerate(labels)),
                       label2id={n: i for i, n in enumerate(labels)})
+        pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "cls"
+        if pooling == "mean":
+            return _sentence_transformers(backbone, config)
+        if pooling != "cls":
+            raise UserError(f"this run classifies from --pooling {pooling}, which neither transformers nor "
+                            f"sentence-transformers can express; finetune with --pooling cls or mean to export")
+        arch = "BertForSequenceClassification"
     elif "mlm.bias" in heads:
         arch = "BertForPreTraining" if "nsp.weight" in heads else "BertForMaskedLM"
         extra = {"cls.predictions.decoder.weight": backbone.model.wte.weight,
@@ -88,6 +91,31 @@ def export(backbone, recipe) -> Export:
     else:
         arch = "BertModel"
     return Export({"architectures": [arch], **config}, extra_tensors=extra, files=_tokenizer_files(backbone))
+
+
+def _sentence_transformers(backbone, config: dict) -> Export:
+    """A mean-pooled classifier: the encoder as transformers' BertModel, and the sentence-transformers
+    layout on top (mean pooling, then a Dense layer with no activation holding the classifier), so
+    SentenceTransformer(dir).encode(texts) gives the logits."""
+    from safetensors.torch import save
+
+    cfg, heads = backbone.cfg, backbone.heads
+    n = heads["classifier.weight"].shape[0]
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    files = {"modules.json": json_text(modules),
+             "sentence_bert_config.json": json_text({"max_seq_length": cfg.max_seq_len, "do_lower_case": False}),
+             "1_Pooling/config.json": json_text({"word_embedding_dimension": cfg.d_model, "pooling_mode_cls_token": False,
+                                                 "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+                                                 "pooling_mode_mean_sqrt_len_tokens": False}),
+             "2_Dense/config.json": json_text({"in_features": cfg.d_model, "out_features": n, "bias": True,
+                                               "activation_function": "torch.nn.modules.linear.Identity"}),
+             "2_Dense/model.safetensors": save({"linear.weight": heads["classifier.weight"].contiguous(),
+                                                "linear.bias": heads["classifier.bias"].contiguous()}),
+             **_tokenizer_files(backbone)}
+    encoder = [r for r in rules(cfg) if r.ours.startswith("model.")]
+    return Export({"architectures": ["BertModel"], **config}, files=files, rules=encoder)
 
 
 def _tokenizer_files(backbone) -> dict[str, str]:

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -48,8 +48,8 @@ class Export:
 
     config: dict
     extra_tensors: dict[str, Tensor] = field(default_factory=dict)  # e.g. fixed sin-cos positions
-    files: dict[str, str] = field(default_factory=dict)  # file name -> text (tokenizer_config.json, ...)
-    drop: tuple[str, ...] = ()  # transformers names not to write (tied copies it recreates)
+    files: dict[str, Any] = field(default_factory=dict)  # file name -> text or bytes (tokenizer_config.json, ...)
+    rules: Optional[list[Rule]] = None  # another architecture's names than the family's table (e.g. Dinov2)
 
 
 def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
@@ -145,11 +145,11 @@ def write_dir(out: Path, config: dict, state: dict[str, Tensor], files: dict[str
     weights = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(config, indent=2))
-    for name, text in files.items():
-        (out / name).write_text(text)
-    for f in out.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o644)
+    for name, content in files.items():  # names may hold a folder (sentence-transformers' 1_Pooling/config.json)
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(content) if isinstance(content, bytes) else (out / name).write_text(content)
+    for f in out.rglob("*"):
+        os.chmod(f, 0o755 if f.is_dir() else 0o644)
 
 
 def json_text(obj: Any) -> str:

@@ -109,12 +109,11 @@ def export(backbone, recipe) -> Export:
     if cfg.pos_embed == "sincos":
         extra[_ENCODER] = sincos_2d(cfg.grid, cfg.d_model)
     if "classifier.weight" in heads:
-        if recipe is not None and recipe.finetune is not None and recipe.finetune.pooling != "cls":
-            raise UserError("this run classifies mean-pooled patches; transformers' ViTForImageClassification "
-                            "uses the [CLS] vector (finetune with --pooling cls to export)")
         labels = list(backbone.labels) or [str(i) for i in range(heads["classifier.weight"].shape[0])]
-        config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **_common(cfg),
-                  "id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
+        label_maps = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
+        if recipe is not None and recipe.finetune is not None and recipe.finetune.pooling == "mean":
+            return _dinov2(backbone, recipe, label_maps)
+        config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **_common(cfg), **label_maps}
     else:
         if cfg.pos_embed == "sincos":
             extra[_DECODER] = sincos_2d(cfg.grid, cfg.decoder_d_model)
@@ -122,9 +121,47 @@ def export(backbone, recipe) -> Export:
                   "decoder_hidden_size": cfg.decoder_d_model, "decoder_num_hidden_layers": cfg.decoder_n_layer,
                   "decoder_num_attention_heads": cfg.decoder_n_head, "decoder_intermediate_size": cfg.decoder_d_ff,
                   "mask_ratio": cfg.mask_ratio, "norm_pix_loss": cfg.norm_pix_loss}
+    return Export(config, extra_tensors=extra, files=_processor(cfg, recipe))
+
+
+def _processor(cfg: ViTConfig, recipe) -> dict[str, str]:
+    """preprocessor_config.json: resize to the model's size, scale to [0, 1], the run's mean and std."""
     images = recipe.settings if recipe is not None and hasattr(recipe.settings, "mean") else None
     mean, std = (list(images.mean), list(images.std)) if images else ([0.5] * 3, [0.5] * 3)
     processor = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "do_rescale": True,
                  "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": mean, "image_std": std,
                  "resample": 2, "size": {"height": cfg.image_size, "width": cfg.image_size}}
-    return Export(config, extra_tensors=extra, files={"preprocessor_config.json": json_text(processor)})
+    return {"preprocessor_config.json": json_text(processor)}
+
+
+def _dinov2(backbone, recipe, label_maps: dict) -> Export:
+    """A mean-pooled classifier as transformers' Dinov2ForImageClassification: its blocks are ViT's
+    with a layer scale (written as ones) and its classifier reads [CLS; mean of the patches], so the
+    head's weights go on the mean half and zeros on the [CLS] half: the same logits exactly."""
+    cfg, heads = backbone.cfg, backbone.heads
+    if cfg.d_ff % cfg.d_model:
+        raise UserError(f"a mean-pooled ViT exports as Dinov2, whose MLP width is a multiple of the width; "
+                        f"model.d_ff {cfg.d_ff} is not a multiple of model.d_model {cfg.d_model}")
+    rules = [rule("model.cls_token", "dinov2.embeddings.cls_token"), rule("model.norm.weight", "dinov2.layernorm.weight"),
+             rule("model.norm.bias", "dinov2.layernorm.bias")]
+    rules += [rule(f"model.patch_embed.{w}", f"dinov2.embeddings.patch_embeddings.projection.{w}") for w in ("weight", "bias")]
+    for i in range(cfg.n_layer):
+        a, b = f"model.blocks.{i}.", f"dinov2.encoder.layer.{i}."
+        for w in ("weight", "bias"):
+            rules.append(rule(f"{a}attn.qkv.{w}", *(f"{b}attention.attention.{p}.{w}" for p in ("query", "key", "value"))))
+            rules += [rule(f"{a}{o}.{w}", f"{b}{t}.{w}") for o, t in (("norm_attn", "norm1"), ("norm_mlp", "norm2"),
+                      ("attn.out", "attention.output.dense"), ("mlp.up", "mlp.fc1"), ("mlp.down", "mlp.fc2"))]
+    positions = "dinov2.embeddings.position_embeddings"
+    extra = {f"dinov2.encoder.layer.{i}.layer_scale{j}.lambda1": torch.ones(cfg.d_model)
+             for i in range(cfg.n_layer) for j in (1, 2)}
+    if cfg.pos_embed == "learned":
+        rules.append(rule("model.pos_embed", positions))
+    else:
+        extra[positions] = sincos_2d(cfg.grid, cfg.d_model)
+    w = heads["classifier.weight"]  # (n, D) on the mean of the patches
+    extra["classifier.weight"] = torch.cat([torch.zeros_like(w), w], dim=1)  # (n, 2D): [CLS; mean]
+    extra["classifier.bias"] = heads["classifier.bias"]
+    config = {"architectures": ["Dinov2ForImageClassification"], "model_type": "dinov2", **_common(cfg),
+              "mlp_ratio": cfg.d_ff // cfg.d_model, "layerscale_value": 1.0, "use_swiglu_ffn": False,
+              "use_mask_token": False, "drop_path_rate": 0.0, "apply_layernorm": True, **label_maps}
+    return Export(config, extra_tensors=extra, files=_processor(cfg, recipe), rules=rules)

@@ -11,7 +11,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import MLP, Attention, Block, init_normal_, make_norm, padding_mask
+from .blocks import Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class BertConfig:
     activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
 
     def __post_init__(self):
+        check_config(self)
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if self.type_vocab_size < 1:

@@ -14,6 +14,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+POSITIVE = ("n_layer", "n_head", "d_model", "max_seq_len", "image_size", "patch_size", "channels", "decoder_d_model",
+            "decoder_n_layer", "decoder_n_head", "type_vocab_size", "relative_attention_max_distance")
+NON_NEGATIVE = ("d_ff", "vocab_size", "n_decoder_layer", "d_kv", "decoder_d_ff")
+
+
+def check_config(cfg) -> None:
+    """The ranges every family's config shares (sizes >= 1, dropout in [0, 1), eps > 0), named by
+    their recipe path; each config's __post_init__ calls this before its own checks."""
+    for name in POSITIVE:
+        if hasattr(cfg, name) and getattr(cfg, name) < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {getattr(cfg, name)!r}")
+    for name in NON_NEGATIVE:
+        if hasattr(cfg, name) and getattr(cfg, name) < 0:
+            raise ValueError(f"model.{name} must be >= 0, got {getattr(cfg, name)!r}")
+    if not 0 <= cfg.dropout < 1:
+        raise ValueError(f"model.dropout must be in [0, 1), got {cfg.dropout!r}")
+    if not cfg.layer_norm_eps > 0:
+        raise ValueError(f"model.layer_norm_eps must be > 0, got {cfg.layer_norm_eps!r}")
+
+
 class KVCache:
     """Keys and values of one attention layer, kept across decoding steps.
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import MLP, Attention, Block, KVCache, init_normal_, make_norm, scale_residual_projections_
+from .blocks import Attention, Block, KVCache, MLP, check_config, init_normal_, make_norm, scale_residual_projections_
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self):
+        check_config(self)
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if not self.d_ff:
@@ -65,17 +66,20 @@ class GPT(nn.Module):
     def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
-    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None) -> Tensor:
-        """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones."""
+    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False):
+        """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
+        all_layers: every block's output, each through the final norm (features for a classifier)."""
         B, T = input_ids.shape
         start = caches[0].length if caches else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than the context ({self.cfg.max_seq_len})")
         pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
+        layers = []
         for i, block in enumerate(self.blocks):
             x = block(x, causal=True, cache=caches[i] if caches else None)
-        return self.ln_f(x)
+            layers.append(x)
+        return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""

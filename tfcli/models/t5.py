@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import MLP, Attention, Block, KVCache, causal_mask, make_norm, padding_mask
+from .blocks import Attention, Block, KVCache, MLP, causal_mask, check_config, make_norm, padding_mask
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class T5Config:
     vocab_size: int = 0
 
     def __post_init__(self):
+        check_config(self)
         if not self.n_decoder_layer:
             object.__setattr__(self, "n_decoder_layer", self.n_layer)
         if not self.d_kv:

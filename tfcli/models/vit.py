@@ -13,7 +13,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import MLP, Attention, Block, make_norm
+from .blocks import Attention, Block, MLP, check_config, make_norm
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ViTConfig:
     norm_pix_loss: bool = False
 
     def __post_init__(self):
+        check_config(self)
         if self.image_size % self.patch_size:
             raise ValueError(f"model.image_size ({self.image_size}) must be a multiple of "
                              f"model.patch_size ({self.patch_size})")

@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Iterator
 
-import torch
-
 from ..data.sources import load_documents
-from ..display import console
+from ..display import console, phase
 from ..errors import UserError
 from ..evaluate import held_out_metrics, metrics_table
 from ..plugin import EvalOptions, Plugin
@@ -31,10 +29,11 @@ class Objective(Plugin):
             recipe = replace(recipe, train=replace(recipe.train, eval_batches=options.batches))
         job = self.setup(recipe, backbone)
         job.heads.load_state_dict(backbone.heads)
-        module = ObjectiveModule(backbone.model, job.heads, job.loss)
+        module = ObjectiveModule(backbone.model, job.heads, job.loss).to(self.rt.device)
         t = recipe.train
         batches = sequential_batches(job.val, t.batch_size, t.seed, t.eval_batches) if job.val is not None else ()
-        metrics = held_out_metrics(module, batches, torch.device("cpu"))
+        with phase("evaluating"):
+            metrics = held_out_metrics(module, batches, self.rt.device, t.precision)
         if not metrics:
             raise UserError("no held-out batches to evaluate on (data shorter than one block?)")
         metrics = job.held_out_metrics(metrics)
@@ -50,10 +49,14 @@ class TextObjective(Objective):
         d = recipe.data
         key = (d.source, d.val_source, d.text_field)
         if getattr(self, "_docs_key", None) != key:
-            self._docs = {"train": load_documents(d.source, d.text_field),
-                          "val": load_documents(d.val_source, d.text_field) if d.val_source else None}
+            with phase(f"reading {d.source}"):
+                self._docs = {"train": load_documents(d.source, d.text_field),
+                              "val": load_documents(d.val_source, d.text_field) if d.val_source else None}
             self._docs_key = key
         return self._docs
+
+    def tokenizer_key(self, recipe) -> str:
+        return f"{self.documents(recipe)['train']._fingerprint}|{recipe.tokenizer.train_chars}"
 
     @staticmethod
     def check_length(recipe, backbone) -> None:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..models.bert import encoder_blocks, run_blocks
 from ..models.blocks import ACTIVATIONS, init_normal_
 from ..plugin import Job
+from ..recipe import require
 from .losses import IGNORE
 from .mlm_nsp import MaskedLM, MLMHead
 
@@ -36,8 +37,11 @@ class ElectraConfig:
     documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
 
     def __post_init__(self):
-        if not 0 < self.generator_size <= 1:
-            raise ValueError(f"electra.generator_size must be in (0, 1], got {self.generator_size}")
+        require(0 < self.generator_size <= 1, "electra.generator_size", "in (0, 1]", self.generator_size)
+        require(self.generator_layers >= 0, "electra.generator_layers", ">= 0", self.generator_layers)
+        require(self.disc_weight > 0, "electra.disc_weight", "> 0", self.disc_weight)
+        require(self.temperature > 0, "electra.temperature", "> 0", self.temperature)
+        require(0 < self.mask_prob < 1, "electra.mask_prob", "in (0, 1)", self.mask_prob)
 
 
 class Generator(nn.Module):

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..data.image_batches import ImageConfig, ImageSource, ImageTransform
+from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
-from ..display import console
+from ..display import console, phase
 from ..errors import UserError
 from ..evaluate import held_out_metrics, metrics_table
 from ..models.vit import MAEDecoder, n_visible, patchify, random_masking
@@ -92,7 +92,9 @@ class MaskedAutoencoder(Objective):
 
     def sources(self, recipe, backbone) -> tuple[ImageSource, ImageSource]:
         d, seed, size, n = recipe.data, recipe.train.seed, backbone.cfg.image_size, backbone.cfg.n_patches
-        splits = load_images(d.source, d.val_fraction, seed)
+        with phase(f"reading images from {d.source}"):
+            splits = load_images(d.source, d.val_fraction, seed)
+        check_images(splits.train, backbone.cfg.patch_size, d.source)
         if splits.skipped and self.rt.is_main and not self.quiet:
             console.print(f"[yellow]note:[/] skipped {splits.skipped} unreadable image file(s) in {d.source}")
         val = held_out(d, seed) if d.val_source else (splits.test or splits.train)
@@ -127,10 +129,12 @@ class MaskedAutoencoder(Objective):
                          data=replace(recipe.data, val_source=options.data or recipe.data.val_source))
         job = self.setup(recipe, backbone)
         job.heads.load_state_dict(backbone.heads)
-        module = ObjectiveModule(backbone.model, job.heads, loss)
+        module = ObjectiveModule(backbone.model, job.heads, loss).to(self.rt.device)
         val = job.val
         val.images = val.images.subset(options.limit)
-        metrics = held_out_metrics(module, sequential_batches(val, t.batch_size, recipe.train.seed), torch.device("cpu"))
+        with phase("evaluating"):
+            metrics = held_out_metrics(module, sequential_batches(val, t.batch_size, recipe.train.seed), self.rt.device,
+                                       recipe.train.precision)
         out = Path(options.out) if options.out else Path(backbone.checkpoint).parent.parent / "recon-eval.png"
         save_picture(module, picture_batch(val, recipe.train.seed), val.transform, out)
         metrics = {"recon_loss": metrics["loss"], "images": float(len(val.images)), "mask_ratio": backbone.cfg.mask_ratio}

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import segments
+from ..display import phase
 from ..errors import UserError
+from ..recipe import require
 from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
 from ..plugin import Job
 from ..sampler import Draw, Source
@@ -34,6 +36,10 @@ class MLMConfig:
     mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
     short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
     documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
+
+    def __post_init__(self):
+        require(0 < self.mask_prob < 1, "mlm.mask_prob", "in (0, 1)", self.mask_prob)
+        require(0 <= self.short_seq_prob <= 1, "mlm.short_seq_prob", "in [0, 1]", self.short_seq_prob)
 
 
 class MLMHead(nn.Module):
@@ -153,7 +159,8 @@ class PairSource(Source):
     def items(self, epoch: int) -> list:
         if epoch not in self._cache:
             self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}
-            self._cache[epoch] = self.build(np.random.default_rng([self.seed, epoch]))
+            with phase(f"drawing the segments of epoch {epoch}"):
+                self._cache[epoch] = self.build(np.random.default_rng([self.seed, epoch]))
         return self._cache[epoch]
 
     def epoch_size(self, epoch: int) -> int:
