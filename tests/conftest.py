@@ -93,7 +93,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def train_losses(run_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "split" not in m}
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if m.get("split") == "train"}
 
 
 def invoke(*args):
@@ -111,14 +111,15 @@ def set_args(overrides: dict) -> list[str]:
     return out
 
 
-def pretrained_run(tmp: Path, text: Path, objective: str, model: dict, tokenizer: dict = None, steps: int = 2) -> Path:
+def pretrained_run(tmp: Path, text: Path, objective: str, model: dict, tokenizer: dict = None, steps: int = 2,
+                   **sections) -> Path:
     """A few steps of pretraining of a tiny text model (byte-level BPE of 400 tokens by default)."""
     (tmp / "text.txt").write_text(text.read_text()[:30_000])
     raw = {"name": f"tiny-{objective}", "objective": objective, "model": model,
            "tokenizer": tokenizer or {"kind": "bpe", "vocab_size": 400, "train_chars": 30_000},
            "data": {"source": str(tmp / "text.txt"), "val_fraction": 0.1, "seq_len": 48},
            "train": {"steps": steps, "batch_size": 4, "log_interval": 1, "eval_interval": steps, "eval_batches": 1,
-                     "ckpt_interval": steps, "device": "cpu"}}
+                     "ckpt_interval": steps, "device": "cpu"}, **sections}
     (tmp / "r.yaml").write_text(yaml.safe_dump(raw))
     result = invoke("pretrain", "--recipe", tmp / "r.yaml", "--out", tmp / "run", "--quiet")
     assert result.exit_code == 0, result.output
@@ -156,3 +157,29 @@ def mae_overrides(npz: Path, **extra) -> dict:
               "schedule.warmup_steps": 1, "train.threads": 2, "mae.crop_scale": [0.5, 1.0]})
     o.update(extra)
     return o
+
+
+def save_hf_bert(path: Path, shared: Path, arch: str = "BertModel") -> Path:
+    """A tiny random transformers BERT (`arch`: BertModel, BertForMaskedLM, ...) with BERT's real
+    uncased vocabulary, saved as a Hugging Face directory."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=128)
+    getattr(transformers, arch)(config).save_pretrained(path)
+    shutil.copy(shared / "tokenizers" / "bert-base-uncased" / "vocab.txt", path / "vocab.txt")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_bert(tmp_path_factory, shared_data) -> Path:
+    """A tiny BertModel (no pretraining heads), as sentence-transformers models are saved."""
+    return save_hf_bert(tmp_path_factory.mktemp("hf-bert"), shared_data)
+
+
+@pytest.fixture(scope="session")
+def hf_bert_mlm(tmp_path_factory, shared_data) -> Path:
+    """A tiny BertForMaskedLM: a BERT with its masked-LM head."""
+    return save_hf_bert(tmp_path_factory.mktemp("hf-bert-mlm"), shared_data, "BertForMaskedLM")

@@ -290,3 +290,26 @@ def test_export_refuses_a_non_empty_directory(tmp_path):
     with pytest.raises(UserError, match="not an empty directory"):
         write(model, {}, tmp_path / "x")
     assert [p.name for p in (tmp_path / "x").iterdir()] == ["file"]
+
+
+def test_a_t5_spiece_model_tokenizes_as_transformers_does(tmp_path, shared_data):
+    """A SentencePiece Unigram model (T5's spiece.model) read without a tokenizer.json: the same ids as
+    transformers' T5 tokenizer, <extra_id_N> sentinels included."""
+    spm = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "corpus.txt"
+    text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:100_000] + "\nNaïve café ﬁne.\n")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "spiece"), vocab_size=300,
+                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   normalization_rule_name="nmt_nfkc", minloglevel=2)
+    d = tmp_path / "t5tok"
+    d.mkdir()
+    (tmp_path / "spiece.model").rename(d / "spiece.model")
+    from tfcli.data.tokenizers import load_tokenizer_files
+    from tfcli.objectives.span_corruption import SPECIAL_TOKENS
+
+    ours = load_tokenizer_files(str(d), SPECIAL_TOKENS)
+    theirs = transformers.T5Tokenizer.from_pretrained(d)  # converted from spiece.model by transformers
+    assert ours.vocab_size == len(theirs) == 300 + 100
+    for s in ["The cat sat.", "  two  spaces   here ", "Naïve café ﬁne <extra_id_0> and <extra_id_7>!", "ünïcödé 123"]:
+        assert ours.encode(s) + [ours.eos_id] == theirs(s)["input_ids"], s

@@ -37,8 +37,10 @@ def mae_run(tmp_path_factory):
 
 
 def _encoder_weights(run):
-    w = checkpoint.load_weights(checkpoint.find(run))
-    return {k: v for k, v in w.items() if k.startswith("model.")}
+    """The encoder a run holds (a head-only run's is its base's, read again)."""
+    from tfcli.backbone import from_run
+
+    return from_run(run).model.state_dict()
 
 
 @pytest.mark.parametrize("train,pooling", [("head", "cls"), ("all", "mean")])
@@ -50,6 +52,8 @@ def test_finetune_from_mae_run(mae_run, tmp_path, train, pooling):
     assert result.exit_code == 0, result.output
     before, after = _encoder_weights(run), _encoder_weights(out)
     assert before.keys() == after.keys()
+    saved = checkpoint.load_weights(checkpoint.find(out))
+    assert (train == "head") == all(k.startswith("heads.") for k in saved)  # a probe saves only its head
     same = all(torch.equal(before[k], after[k]) for k in before)
     assert same == (train == "head")  # a linear probe leaves the encoder exactly as pretrained
     report = json.loads((out / "eval.json").read_text())["test"]

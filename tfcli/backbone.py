@@ -5,22 +5,55 @@ tfcli.hf). Everything that reads weights for training, eval, generate or export 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer
 
-from . import checkpoint, hf
+from . import adapters, checkpoint, hf
 from . import recipe as recipes
+from .data.sources import cache_dir
 from .data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
+from .display import phase
 from .errors import UserError
 from .models import TEXT_FAMILIES, build_model
 from .plugin import Backbone
 from .runtime import Runtime
 
 LABELS_FILE = "labels.json"  # a classifier run's class names, in id order
+RUN_FILE = "run.json"  # provenance: the --from model (and checkpoint), commands, versions
+
+
+def recorded(run_dir: Optional[Path]) -> dict:
+    """A run's run.json ({} when it has none, as runs from before 0.2 do)."""
+    path = Path(run_dir) / RUN_FILE if run_dir else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+
+
+def base_model(run_dir: Path, recipe):
+    """The model a run that saves only what it trained (LoRA, IA3, BitFit, head) started from: its
+    --from model, read again from where run.json says, as PEFT adapters load onto their base."""
+    record = recorded(run_dir)
+    source = record.get("from_checkpoint") or record.get("from")
+    if not source or not Path(source).exists():
+        raise UserError(f"{run_dir} holds only the weights it trained; its base model "
+                        f"{source or '(unrecorded)'} is not found")
+    if is_run(Path(source)):
+        model = adapters.merge(from_run(Path(source)).model)  # a base that was itself adapted
+    else:
+        cfg, state = hf.read_pretrained(Path(source))
+        model = load_hf_weights(build_model(cfg), state, Path(source))
+    if model.cfg != recipe.model:
+        raise UserError(f"{run_dir}: its base model {source} is no longer the model the run trained on")
+    return model.train()
 
 
 def is_run(path: Path) -> bool:
@@ -28,6 +61,14 @@ def is_run(path: Path) -> bool:
     path = Path(path)
     return (checkpoint.run_dir_of(path) / "config.yaml").is_file() and \
         ((path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file())
+
+
+def looks_like_run(path: Path) -> bool:
+    """A tfcli run or checkpoint, whole or not (it has checkpoints/, or is a checkpoint): read as one,
+    so that what is wrong with it is named."""
+    path = Path(path)
+    return (path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file() and \
+        (path / checkpoint.META).is_file()
 
 
 def family_of(path: Optional[str]) -> Optional[str]:
@@ -50,12 +91,16 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
     if not (run / "config.yaml").is_file():
         raise UserError(f"{run} has no config.yaml; is it a tfcli run?")
     recipe = recipes.load_resolved(run / "config.yaml")
-    model = build_model(recipe.model)
+    partial = bool(checkpoint.read_meta(ckpt).get("partial"))
+    model = base_model(run, recipe) if partial else build_model(recipe.model)
+    if recipe.finetune is not None:
+        adapters.apply(model, recipe.finetune.train, recipe.adapter)
     weights = checkpoint.load_weights(ckpt)
     own = {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
-    missing, _ = model.load_state_dict(own, strict=False)
-    if missing:
-        raise UserError(f"{ckpt}: checkpoint lacks weights {missing[:3]}... for a {recipe.model.family} model")
+    missing, unexpected = model.load_state_dict(own, strict=False)
+    if unexpected or (missing and not partial):
+        raise UserError(f"{ckpt}: its weights do not fit a {recipe.model.family} model "
+                        f"({(unexpected or missing)[0]} {'unexpected' if unexpected else 'missing'})")
     heads = {k[len("heads."):]: v for k, v in weights.items() if k.startswith("heads.")}
     tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
     labels = tuple(json.loads((run / LABELS_FILE).read_text())) if (run / LABELS_FILE).is_file() else ()
@@ -64,26 +109,40 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
 
 def from_hf(path: Path, specials: list[str]) -> Backbone:
     """A local Hugging Face directory -> model (all its weights), head weights and tokenizer."""
-    cfg, state = hf.read_pretrained(Path(path))
-    model = build_model(cfg)
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    with phase(f"reading {path}"):
+        cfg, state = hf.read_pretrained(Path(path))
+    model = load_hf_weights(build_model(cfg), state, path)
     heads = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
     tok = load_tokenizer_files(str(path), specials) if cfg.family in TEXT_FAMILIES else None
     return Backbone(model, tok, str(path), heads)
 
 
-def fresh(recipe, texts: Iterable[str], specials: list[str], rt: Runtime) -> Backbone:
+def load_hf_weights(model, state: dict, path: Path):
+    """A Hugging Face model's weights into ours. A BERT saved without its pooler (BertForMaskedLM)
+    keeps a freshly initialised one, as transformers does; anything else missing is an error."""
+    own = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(own, strict=False)
+    bad = unexpected or [k for k in missing if not k.startswith("pooler.")]
+    if bad:
+        raise UserError(f"{path}: its weights do not fit the model its config.json describes ({bad[0]})")
+    return model
+
+
+def fresh(recipe, plugin, rt: Runtime) -> Backbone:
     """The recipe's model, randomly initialised (seeded), with the tokenizer the recipe describes."""
-    tok = shared_tokenizer(recipe.tokenizer, texts, specials, rt) if recipe.model.family in TEXT_FAMILIES else None
+    tok = shared_tokenizer(recipe, plugin, rt) if recipe.model.family in TEXT_FAMILIES else None
     cfg = with_vocab(recipe.model, tok)
     torch.manual_seed(recipe.train.seed)
     return Backbone(build_model(cfg), tok, "scratch")
 
 
-def for_resume(run_dir: Path, recipe) -> Backbone:
-    """A run being resumed: its model shape and tokenizer; the weights come from its checkpoint."""
+def for_resume(run_dir: Path, recipe, ckpt: Path) -> Backbone:
+    """A run being resumed: its model (the base's weights when it saves only what it trained) and its
+    tokenizer; its own weights come from the checkpoint."""
     tok = TextTokenizer.from_run(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
-    return Backbone(build_model(recipe.model), tok, str(run_dir))
+    partial = bool(checkpoint.read_meta(ckpt).get("partial"))
+    model = base_model(run_dir, recipe) if partial else build_model(recipe.model)
+    return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir))
 
 
 def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
@@ -99,7 +158,7 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
         raise UserError(f"{where} describes a {family!r} model; {plugin.kind} {plugin.key!r} trains "
                         f"{' or '.join(repr(f) for f in plugin.families)}")
     if source is None:
-        return fresh(recipe, plugin.tokenizer_texts(recipe), plugin.special_tokens(family), rt)
+        return fresh(recipe, plugin, rt)
     if is_run(Path(source)):
         backbone = from_run(Path(source), which="best")
         backbone.model.train()
@@ -118,12 +177,25 @@ def with_vocab(cfg, tokenizer: Optional[TextTokenizer]):
     return cfg
 
 
-def shared_tokenizer(cfg, texts: Iterable[str], specials: list[str], rt: Runtime) -> TextTokenizer:
-    """Rank 0 trains (or loads) the tokenizer; under DDP the others receive the same one."""
-    tok = None
+def shared_tokenizer(recipe, plugin, rt: Runtime) -> TextTokenizer:
+    """Rank 0 loads, or trains, the tokenizer the recipe describes; under DDP the others receive the
+    same one. A trained tokenizer is cached by the data's fingerprint and the tokenizer settings: the
+    same data gives the same vocabulary again (tokenizers' trainers break ties differently in every
+    process, huggingface/tokenizers#1794), and without training it again."""
+    cfg, specials, tok = recipe.tokenizer, plugin.special_tokens(recipe.model.family), None
     if rt.is_main:
-        tok = build_tokenizer(cfg.kind, vocab_size=cfg.vocab_size, path=cfg.path, lowercase=cfg.lowercase,
-                              texts=texts, specials=specials)
+        key = plugin.tokenizer_key(recipe) if cfg.kind != "file" else None
+        cached = cache_dir() / "tokenizers" / f"{hashlib.sha256(f'{key}|{cfg}|{specials}'.encode()).hexdigest()[:20]}.json"
+        if key and cached.is_file():
+            tok = TextTokenizer(Tokenizer.from_file(str(cached)))
+        else:
+            with phase(f"{'loading' if cfg.kind == 'file' else 'training a ' + cfg.kind} tokenizer"):
+                tok = build_tokenizer(cfg.kind, vocab_size=cfg.vocab_size, path=cfg.path, lowercase=cfg.lowercase,
+                                      texts=plugin.tokenizer_texts(recipe), specials=specials)
+            if key:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tok.tok.save(str(cached.with_suffix(".tmp")))
+                cached.with_suffix(".tmp").replace(cached)
     if rt.distributed:
         tok = TextTokenizer(Tokenizer.from_str(rt.broadcast(tok.tok.to_str() if tok else None)))
     return tok

@@ -1,11 +1,13 @@
 """The `tfcli` command: each subcommand resolves a recipe, applies overrides and calls the driver.
 
-Commands import the driver (and with it torch) when they run, not when the program starts, so
-that `--help` answers at once.
+One vocabulary of flags wherever a model runs: --seed, --device, --precision, --quiet; `--set
+key=value` or a bare `key=value` overrides any recipe field. Heavy modules (torch, the driver) are
+imported by the commands that need them, so that --help and shell completion answer at once.
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -13,21 +15,44 @@ from typing import List, Optional
 import typer
 from typer._click import exceptions as click_errors  # typer vendors click
 
+from . import __version__
 from . import recipe as recipes
 from . import registry
-from .errors import UserError
+from .errors import Interrupted, UserError
 from .tasks.presets import PRESETS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None, help="Pretrain, finetune, evaluate and sample transformers.")
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="Pretrain, finetune, evaluate and sample transformers.")
 recipes_app = typer.Typer(add_completion=False, rich_markup_mode=None, help="List or show recipes.")
 app.add_typer(recipes_app, name="recipes")
+TRAINING = {"allow_extra_args": True, "ignore_unknown_options": True}  # bare key=value overrides
 
-SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable)."
+SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable; a bare optim.lr=3e-4 works too)."
+SEED = typer.Option(None, help="Random seed [default: the recipe's train.seed; 0 for eval].")
+DEVICE = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: the recipe's train.device; auto].")
+PRECISION = typer.Option(None, help="fp32 | bf16 [default: the recipe's train.precision].")
+QUIET = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary.")
+CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
+
+
+def _version(value: bool) -> None:
+    if value:
+        import torch
+
+        typer.echo(f"tfcli {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                                     help="Print tfcli's version and exit.")):
+    """Pretrain, finetune, evaluate and sample transformers."""
 
 
 def user_errors(fn):
-    """Turn UserError into `error: <message>` on stderr and exit code 2."""
+    """One surface for errors: a UserError is `error: <message>` on stderr and exit code 2; a stop on
+    Ctrl-C after a checkpoint says how to resume (exit 130); anything else is one line naming where
+    the traceback was written (exit 1; TFCLI_DEBUG=1 prints it instead)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -35,29 +60,93 @@ def user_errors(fn):
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
+        except Interrupted as e:
+            typer.echo(f"interrupted at step {e.step}: a checkpoint was saved; resume with "
+                       f"tfcli {fn.__name__} --resume {e.run_dir}", err=True)
+            raise typer.Exit(130)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt, click_errors.ClickException):
+            raise
+        except Exception as e:
+            if os.environ.get("TFCLI_DEBUG", "0") not in ("0", ""):
+                raise
+            typer.echo(f"error: internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                       f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)", err=True)
+            raise typer.Exit(1)
     return wrapper
+
+
+def write_traceback() -> Path:
+    """The current exception's traceback, written where a bug report can pick it up."""
+    import traceback
+
+    from .data.sources import cache_dir
+
+    path = cache_dir() / "last-error.txt"
+    path.write_text(traceback.format_exc())
+    return path
+
+
+def overrides(sets: list[str], extra: list[str]) -> list[str]:
+    """--set values and bare key=value arguments (torchtune's form), which win in the order given."""
+    for arg in extra:
+        if arg.startswith("-"):
+            raise UserError(f"no such option: {arg.split('=')[0]} (--help lists the options)")
+        if "=" not in arg:
+            raise UserError(f"unexpected argument {arg!r} (overrides look like key.path=value)")
+    return [*sets, *extra]
 
 
 def resolve_recipe(name: str, sets: list[str], shortcuts: dict) -> recipes.Recipe:
     """Load a recipe and apply --set overrides, then the short flags (which win)."""
-    overrides = dict(recipes.parse_override(s) for s in sets)
-    overrides.update({k: v for k, v in shortcuts.items() if v is not None})
-    return recipes.load(name, overrides)
+    values = dict(recipes.parse_override(s) for s in sets)
+    values.update({k: v for k, v in shortcuts.items() if v is not None})
+    return recipes.load(name, values)
 
 
-def training_recipe(default: str, recipe: Optional[str], resume: Optional[Path], sets: list[str],
-                    shortcuts: dict) -> recipes.Recipe:
-    """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml)."""
+def training_recipe(default: str, recipe: Optional[str], resume: Optional[str], sets: list[str],
+                    shortcuts: dict) -> tuple[recipes.Recipe, Optional[Path]]:
+    """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml);
+    `--resume auto` is the newest unfinished run of that recipe under runs/."""
     if resume is None:
-        return resolve_recipe(recipe or default, sets, shortcuts)
+        return resolve_recipe(recipe or default, sets, shortcuts), None
+    if resume == "auto":
+        from .runs import newest_unfinished
+
+        resume = str(newest_unfinished(Path("runs"), recipes.load_raw(recipe or default)["name"]))
+        _note(f"resuming the newest unfinished run of this recipe: {resume}")
     config = Path(resume) / "config.yaml"
     if not config.is_file():
         raise UserError(f"--resume {resume}: no config.yaml there; is it a tfcli run?")
+    try:
+        recipes.load(str(config))
+    except UserError as e:
+        raise UserError(f"--resume {resume}: config.yaml is not a tfcli recipe ({e})") from None
     rec = resolve_recipe(str(config), sets, {k: v for k, v in shortcuts.items() if k not in ("objective", "task")})
-    if recipe and recipe != rec.name:
-        from .display import console
-        console.print(f"[yellow]note:[/] resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
-    return rec
+    if recipe and recipe not in (rec.name, "auto"):
+        _note(f"resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
+    return rec, Path(resume)
+
+
+def _note(text: str) -> None:
+    typer.echo(f"note: {text}", err=True)
+
+
+def newest(checkpoint: Optional[Path]) -> Path:
+    """--checkpoint, or the newest run under runs/, named so that nobody wonders which it was."""
+    if checkpoint is not None:
+        return checkpoint
+    from .checkpoint import newest_run
+
+    run = newest_run()
+    _note(f"using the newest run: {run}")
+    return run
+
+
+def check_device(device: Optional[str]) -> None:
+    import torch
+
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available here (use cpu)")
 
 
 def run_training(rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path],
@@ -66,36 +155,36 @@ def run_training(rec: recipes.Recipe, source: Optional[str], out: Optional[Path]
     from .driver import RunRequest, train
 
     run_dir, plugin = train(RunRequest(rec, source, out, resume, quiet))
-    console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))
+    if int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
+        console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))
 
 
-@app.command()
+@app.command(context_settings=TRAINING)
 @user_errors
 def pretrain(
+    ctx: typer.Context,
     objective: Optional[str] = typer.Option(None, help="clm (GPT next-token) | mlm | span | mae | electra [default: the recipe's; clm]."),
-    recipe: Optional[str] = typer.Option(None, help="Recipe name in recipes/ or a YAML path [default: the objective's]."),
-    data: Optional[str] = typer.Option(None, help="Training data: builtin, files/globs/dirs, or hf:name[:config] [default: the recipe's data.source]."),
+    recipe: Optional[str] = typer.Option(None, help="Recipe name or a YAML path [default: the objective's]."),
+    data: Optional[str] = typer.Option(None, help="Training data: builtin, builtin:NAME, files/globs/dirs, or hf:name[:config] [default: the recipe's data.source]."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps [default: the recipe's train.steps]."),
     batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe's train.batch_size]."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe's optim.lr]."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[Path] = typer.Option(None, help="Continue the run in this directory from its latest checkpoint [default: start a new run]."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe's train.device]."),
-    precision: Optional[str] = typer.Option(None, help="fp32 | bf16 [default: the recipe's train.precision]."),
+    resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
     no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
-    quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
+    seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP), quiet: bool = QUIET,
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE, ELECTRA)."""
     default = registry.plugin_class("objective", objective or "clm").default_recipe()
     shortcuts = {"objective": objective, "data.source": data, "train.steps": steps, "train.batch_size": batch_size,
-                 "optim.lr": lr, "train.device": device, "train.precision": precision}
-    rec = training_recipe(default, recipe, resume, set_, shortcuts)
+                 "optim.lr": lr, "train.device": device, "train.precision": precision, "train.seed": seed}
+    rec, resume_dir = training_recipe(default, recipe, resume, overrides(set_, ctx.args), shortcuts)
     if no_nsp:
         if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
         rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
-    run_training(rec, None, out, resume, quiet)
+    run_training(rec, None, out, resume_dir, quiet)
 
 
 def task_target(name: str) -> tuple[str, dict, dict]:
@@ -108,9 +197,10 @@ def task_target(name: str) -> tuple[str, dict, dict]:
     return name, {}, registry.plugin_class("task", name).recipes
 
 
-@app.command()
+@app.command(context_settings=TRAINING)
 @user_errors
 def finetune(
+    ctx: typer.Context,
     task: str = typer.Argument(..., help="Task: classify, image-classify, or a preset such as mnli."),
     from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
@@ -119,41 +209,43 @@ def finetune(
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training rows [default: the recipe's finetune.epochs]."),
     batch_size: Optional[int] = typer.Option(None, help="Per-process batch size [default: the recipe's train.batch_size]."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe's optim.lr]."),
-    pooling: Optional[str] = typer.Option(None, help="cls | mean | last4-sum | last4-concat [default: the recipe's finetune.pooling]."),
-    train: Optional[str] = typer.Option(None, help="all | head: finetune everything or only the head [default: the recipe's finetune.train]."),
+    train: Optional[str] = typer.Option(None, help="all | head | lora | ia3 | bitfit: what trains [default: the recipe's finetune.train]."),
+    head: Optional[str] = typer.Option(None, help="classifier | text: a classifier on pooled features, or the label word as text (T5, GPT) [default: the recipe's finetune.head]."),
+    pooling: Optional[str] = typer.Option(None, help="cls | mean | last | last4-sum | last4-concat | encoder-mean | decoder-first [default: the recipe's finetune.pooling]."),
     head_lr: Optional[float] = typer.Option(None, help="Learning rate of the head (finetune.head_lr; 0 = --lr)."),
     limit: Optional[int] = typer.Option(None, help="Use only the first N training rows [default: the recipe's finetune.limit]."),
     text_fields: Optional[str] = typer.Option(None, help="classify: the column(s) holding the text, e.g. title,body (classify.text_fields)."),
     label_field: Optional[str] = typer.Option(None, help="classify: the column holding the label (classify.label_field)."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[Path] = typer.Option(None, help="Continue the finetuning run in this directory from its latest checkpoint."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda [default: the recipe's train.device]."),
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
-    quiet: bool = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary."),
+    resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
+    seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP), quiet: bool = QUIET,
 ):
     """Finetune a pretrained model on a task."""
     from .backbone import family_of
+    from .hub import resolve
 
+    from_ = str(resolve(from_)) if from_ else None  # a hub id: its snapshot in the Hugging Face cache
     key, settings, defaults = task_target(task)
     family = family_of(from_)
     default = defaults.get(family or "", next(iter(defaults.values())))
     shortcuts = {"task": key, "data.source": data, "train.steps": steps, "finetune.epochs": epochs,
-                 "train.batch_size": batch_size, "optim.lr": lr, "finetune.pooling": pooling, "finetune.train": train,
+                 "train.batch_size": batch_size, "optim.lr": lr, "finetune.pooling": pooling, "finetune.train": train, "finetune.head": head,
                  "finetune.head_lr": head_lr, "finetune.limit": limit, "train.device": device,
-                 **{f"{key}.{k}": v for k, v in settings.items()}}
+                 "train.precision": precision, "train.seed": seed, **{f"{key}.{k}": v for k, v in settings.items()}}
     if steps is not None and epochs is None:
         shortcuts["finetune.epochs"] = 0.0  # --steps wins over the recipe's epochs
     if text_fields is not None or label_field is not None:
         shortcuts.update({f"{key}.text_fields": text_fields, f"{key}.label_field": label_field})
-    rec = training_recipe(default, recipe, resume, set_, shortcuts)
-    run_training(rec, from_, out, resume, quiet)
+    rec, resume_dir = training_recipe(default, recipe, resume, overrides(set_, ctx.args), shortcuts)
+    run_training(rec, from_, out, resume_dir, quiet)
 
 
 @app.command("eval")
 @user_errors
 def eval_(
     task: Optional[str] = typer.Argument(None, help="What to evaluate as (mnli, classify, image-classify, mae, ...); omit for the run's own objective or task."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
+    checkpoint: Optional[Path] = CHECKPOINT,
     data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's."),
     batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
     limit: int = typer.Option(0, help="A seeded, class-balanced sample of N examples of each split (0: all)."),
@@ -162,36 +254,40 @@ def eval_(
     hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the label probabilities."),
     input_: List[str] = typer.Option([], "--input", help="Classify this input (repeat for a pair's second text)."),
     few_shot: int = typer.Option(-1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."),
+    cloze: bool = typer.Option(False, "--cloze", help="Zero-shot BERT: label words scored at a [MASK] in a template by the MLM head."),
     seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
+    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
-    """Metrics of a run: held-out loss and perplexity, or a task's report."""
-    from .checkpoint import newest_run
+    """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, or a task's report."""
     from .driver import evaluate
     from .plugin import EvalOptions
 
     if (premise is None) != (hypothesis is None):
         raise UserError("give both --premise and --hypothesis, or neither")
+    check_device(device)
     inputs = tuple(input_) + ((premise, hypothesis) if premise is not None else ())
-    key, settings = None, {}
+    if cloze and few_shot >= 0:
+        raise UserError("--cloze and --few-shot are two ways of zero/few-shot scoring; give one")
+    key, settings, defaults = None, {}, {}
     if task is not None:
-        key, settings = (task, {}) if task in registry.OBJECTIVES else task_target(task)[:2]
-    evaluate(checkpoint or newest_run(), key, settings, EvalOptions(data=data, limit=limit, batches=batches, out=out,
-                                                                   inputs=inputs, few_shot=few_shot, seed=seed))
+        key, settings, defaults = (task, {}, {}) if task in registry.OBJECTIVES else task_target(task)
+    evaluate(newest(checkpoint), key, settings, EvalOptions(
+        data=data, limit=limit, batches=batches, out=out, inputs=inputs, few_shot=few_shot, cloze=cloze, seed=seed,
+        device=device or "auto", precision=precision, quiet=quiet), defaults)
 
 
 @app.command()
 @user_errors
 def export(
     hf: Path = typer.Option(..., "--hf", help="Write a Hugging Face transformers directory here."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
+    checkpoint: Optional[Path] = CHECKPOINT,
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load."""
     from . import hf as hf_interop
     from .backbone import from_run
-    from .checkpoint import newest_run
     from .display import console
 
-    backbone = from_run(checkpoint or newest_run(), which="best")
+    backbone = from_run(newest(checkpoint), which="best")
     arch = hf_interop.export(backbone, backbone.recipe, hf)
     console.print(f"wrote {arch} to {hf}")
 
@@ -200,46 +296,125 @@ def export(
 @user_errors
 def generate(
     prompt: str = typer.Option("", help="Text to continue."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Run or checkpoint directory [default: newest run]."),
+    checkpoint: Optional[Path] = CHECKPOINT,
     max_new_tokens: int = typer.Option(200, help="Most tokens to generate."),
     temperature: float = typer.Option(0.8, help="Sampling temperature; 0 is greedy."),
     top_k: int = typer.Option(50, help="Sample among the k most likely tokens (0: all)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling: smallest set with this much probability (1: off)."),
     greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token (same as --temperature 0)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible samples [default: unseeded]."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
-    device: str = typer.Option("cpu", help="cpu | cuda."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible samples [default: unseeded]."),
+    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
     from .backbone import from_run
-    from .checkpoint import newest_run
     from .generate import stream
+    from .runtime import autocast_context, pick_device
 
     if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    backbone = from_run(checkpoint or newest_run(), device=device)
+    check_device(device)
+    dev = pick_device(device or "auto")
+    backbone = from_run(newest(checkpoint), device=str(dev))
     if backbone.family not in ("gpt", "t5"):
         raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; "
                         f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
                     top_p=top_p, use_cache=not no_cache, seed=seed)
-    for text in stream(backbone, prompt, **sampling):
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    with autocast_context(precision or "fp32", dev):
+        for text in stream(backbone, prompt, **sampling):
+            sys.stdout.write(text)
+            sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+@app.command()
+@user_errors
+def compare(
+    task: Optional[str] = typer.Option(None, help="Task(s), comma-separated: mnli, classify, image-classify."),
+    from_: Optional[str] = typer.Option(None, "--from", help="The models, comma-separated: tfcli runs, Hugging Face directories or hub ids."),
+    train: Optional[str] = typer.Option(None, help="Strategies, comma-separated: all, head, lora, ia3, bitfit [default: all]."),
+    budget: Optional[str] = typer.Option(None, help="Each cell's budget: 500steps, 10000ex (one epoch over N rows), 10m / 1h (training time) or 1epoch [default: 1epoch]."),
+    data: Optional[str] = typer.Option(None, help="Task data for every cell [default: each recipe's]."),
+    lr: Optional[str] = typer.Option(None, help="Learning rate per strategy, e.g. all=5e-5,lora=5e-4 [default: the recipe's]."),
+    grid: Optional[Path] = typer.Option(None, help="A YAML file with tasks, from, train, budget, data, lr and set; flags win."),
+    out: Path = typer.Option(..., help="The study's directory: cells/, logs/, results.md, results.csv, results.png."),
+    set_: List[str] = typer.Option([], "--set", help="key.path=value for every cell (repeatable)."),
+    quiet: bool = QUIET,
+):
+    """Finetune every model with every strategy to the same budget and tabulate the results."""
+    from . import compare as study
+    from .display import configure, console
+
+    configure(not quiet)
+    spec = study.load_grid(grid, task, from_, train, budget, data, lr, set_)
+    if not quiet:
+        console.print(f"{len(spec.cells())} cells ({len(spec.tasks)} task(s) x {len(spec.backbones)} model(s) x "
+                      f"{len(spec.strategies)} strategies), {spec.budget} each, in {out}")
+    rows = study.run_grid(spec, out, quiet)
+    md, csv_path = study.write_tables(rows, out)
+    picture = study.chart(rows, out)
+    if not quiet:
+        study.show(rows)
+        console.print(f"wrote {md}, {csv_path}" + (f" and {picture}" if picture else ""))
+    failed = [r for r in rows if r.get("status") != "done"]
+    if failed:
+        raise UserError(f"{len(failed)} of {len(rows)} cells did not finish (see {out}/logs); run the same command again to retry them")
+
+
+@app.command()
+@user_errors
+def runs(root: Path = typer.Argument(Path("runs"), help="The directory holding the runs.")):
+    """List the runs: name, family, objective or task, steps done, best metric, when."""
+    from rich.table import Column, Table
+
+    from .display import console
+    from .runs import age, list_runs
+
+    table = Table(Column("run", no_wrap=True), "family", "objective / task", "steps", "best", "when")
+    for info in list_runs(root):
+        table.add_row(info.path.name, info.family, info.what, f"{info.step:,}/{info.steps:,}", info.best, age(info.when))
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def plot(
+    run: List[Path] = typer.Argument(..., help="One or more run directories."),
+    out: Path = typer.Option(Path("runs.png"), help="Where to write the PNG."),
+    metric: str = typer.Option("loss", help="The metric to draw (loss, mlm_loss, dev_matched_acc, ...)."),
+    split: str = typer.Option("val", help="val | train: which rows to draw (train when a run has no val rows)."),
+):
+    """Overlay the runs' loss curves (or another metric) in one PNG."""
+    from .display import console
+    from .plots import compare_runs, run_curves
+
+    path = run_curves(run[0], out, metric) if len(run) == 1 else compare_runs(run, out, metric, split)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+@user_errors
+def upgrade(run: Path = typer.Argument(..., help="A run directory whose checkpoints hold state.pt (tfcli before 0.2).")):
+    """Convert a run's pickled training state (state.pt) to state.safetensors + state.json, reading it
+    with torch's weights_only loader: a pickle that carries code is refused, not run."""
+    from .checkpoint import upgrade_legacy
+    from .display import console
+
+    done = upgrade_legacy(run)
+    console.print(f"converted {len(done)} checkpoint(s) of {run}" if done else f"{run}: nothing to convert")
 
 
 @recipes_app.callback(invoke_without_command=True)
 def recipes_list(ctx: typer.Context):
-    """List the recipes in recipes/."""
+    """List the shipped recipes."""
     if ctx.invoked_subcommand is not None:
         return
     from rich.table import Column, Table
 
     from .display import console
 
-    table = Table("objective / task", "model", "steps", "batch", "lr")
-    table.columns.insert(0, Column("recipe", no_wrap=True))
+    table = Table(Column("recipe", no_wrap=True), "objective / task", "model", "steps", "batch", "lr")
     for name in recipes.available():
         raw = recipes.load_raw(name)
         m, t, o = raw.get("model", {}), raw.get("train", {}), raw.get("optim", {})

@@ -10,6 +10,7 @@ warmup from its fraction) makes a new frozen Recipe, which is what the run saves
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -18,14 +19,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import backbone as backbones
-from . import checkpoint, registry
+from . import adapters, checkpoint, hub, registry
 from . import recipe as recipes
+from . import display
 from .display import console
 from .errors import UserError
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
 from .runtime import Runtime, setup_runtime, teardown
-from .train import ObjectiveModule, fit
+from .train import ObjectiveModule, Trainer, build_optimizer
 
 
 @dataclass
@@ -44,23 +46,37 @@ def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False) -> Plugin
 
 
 def train(req: RunRequest) -> tuple[Path, Plugin]:
-    """Run a training job end to end; return its run directory and plug-in (for its hints)."""
+    """Run a training job end to end; return its run directory and plug-in (for its hints). Every
+    input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
+    is created or touched."""
     t = req.recipe.train
     rt = setup_runtime(t.device, t.threads, t.strategy)
+    display.configure(rt.is_main and not req.quiet)
     try:
         plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
-        ckpt = checkpoint.find(req.resume) if req.resume else None
-        backbone = backbones.for_resume(req.resume, req.recipe) if req.resume else \
-            backbones.load(req.source, req.recipe, plugin, rt)
+        run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
+        ckpt = resume_point(req.resume)
+        source = str(hub.resolve(req.source)) if req.source else \
+            (backbones.recorded(req.resume).get("from") if req.resume else None)
+        backbone = backbones.for_resume(req.resume, req.recipe, ckpt) if ckpt else \
+            backbones.load(source, req.recipe, plugin, rt)
         recipe = plugin.resolve(req.recipe, backbone)
         with rt.main_first():  # rank 0 fills the tokenization caches first
             job = plugin.setup(recipe, backbone)
         recipe = resolve_schedule(recipe, job, rt)
-        run_dir = open_run_dir(recipe, req, rt, backbone, job)
-        if rt.is_main and not req.quiet:
-            console.print(banner(recipe, plugin, backbone, run_dir, ckpt))
+        if recipe.finetune is not None:
+            adapters.apply(backbone.model, recipe.finetune.train, recipe.adapter)
         module = ObjectiveModule(backbone.model, job.heads, job.loss)
-        fit(module, job, recipe, run_dir, rt, resume_from=ckpt, quiet=req.quiet)
+        trainer = Trainer(module, job, recipe, run_dir, rt, build_optimizer(module, recipe), req.quiet,
+                          partial=saves_partial(recipe, source))
+        if ckpt is not None:
+            trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
+        with run_lock(run_dir, rt):
+            write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module))
+            trainer.forget_after(trainer.step)
+            if rt.is_main and not req.quiet:
+                console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt))
+            trainer.fit()
     finally:
         teardown(rt)
     if rt.is_main:
@@ -68,36 +84,90 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     return run_dir, plugin
 
 
+def saves_partial(recipe: Recipe, source: Optional[str]) -> bool:
+    """A finetuning run that trains part of a model it read from somewhere saves only that part (and
+    the heads); loading it reads the base again (small checkpoints, as PEFT's)."""
+    return recipe.finetune is not None and recipe.finetune.train != "all" and bool(source)
+
+
+def resume_point(run: Optional[Path]) -> Optional[Path]:
+    """The checkpoint to resume from; None for a new run, or for a run stopped before its first
+    checkpoint (it starts again from step 0 in the same directory)."""
+    if run is None:
+        return None
+    if not (Path(run) / checkpoint.CHECKPOINTS / "latest").is_file():
+        console.print(f"[yellow]note:[/] {run} has no checkpoint yet; starting it again from step 0")
+        return None
+    return checkpoint.find(run)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, rt: Runtime):
+    """Rank 0 creates the run directory and holds its lock while the run writes into it."""
+    if not rt.is_main:
+        rt.barrier()
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with checkpoint.lock(run_dir):
+        rt.barrier()
+        yield
+
+
 def resolve_schedule(recipe: Recipe, job: Job, rt: Runtime) -> Recipe:
     """A task's steps from finetune.epochs and its warmup from finetune.warmup_fraction."""
     ft, t = recipe.finetune, recipe.train
-    if ft is None:
-        return recipe
-    if ft.epochs > 0:
+    if ft is not None and ft.epochs > 0:
         per_step = t.batch_size * t.grad_accum * rt.world_size
-        recipe = recipes.replace(recipe, train=recipes.replace(t, steps=max(1, math.ceil(ft.epochs * job.examples / per_step))))
-    if ft.warmup_fraction > 0:
+        steps = max(1, math.ceil(ft.epochs * job.examples / per_step))
+        recipe = recipes.replace(recipe, train=recipes.replace(t, steps=steps))
+    if ft is not None and ft.warmup_fraction > 0:
         warmup = max(1, round(ft.warmup_fraction * recipe.train.steps))
         recipe = recipes.replace(recipe, schedule=recipes.replace(recipe.schedule, warmup_steps=warmup))
     if recipe.train.steps <= 0:
-        raise UserError("train.steps is 0: give --steps, or finetune.epochs for a task")
+        raise UserError("train.steps is 0: give --steps (or, for a task, finetune.epochs)")
     return recipe
 
 
-def open_run_dir(recipe: Recipe, req: RunRequest, rt: Runtime, backbone: Backbone, job: Job) -> Path:
-    """Create the run directory (or reuse the one being resumed) and write the resolved recipe, the
-    tokenizer and the plug-in's files into it. Rank 0 writes; every rank gets the same path. Called
-    only once data, tokenizer and model are known to be good, so bad input leaves no directory."""
-    run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(recipe, req.out))))
+def parameter_counts(module: ObjectiveModule) -> dict[str, int]:
+    """Trained and total parameters of the model with its heads (the banner's and `compare`'s figures)."""
+    return {"trained": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "total": sum(p.numel() for p in module.parameters())}
+
+
+def write_run_files(recipe: Recipe, run_dir: Path, rt: Runtime, backbone: Backbone, job: Job,
+                    source: Optional[str], parameters: dict[str, int]) -> None:
+    """The resolved recipe, the tokenizer, the plug-in's files, and run.json: where the model came
+    from, the command line and the versions (rank 0)."""
     if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         recipes.save(recipe, run_dir / "config.yaml")
+        record = {**run_record(run_dir, source, backbone, rt), "parameters": parameters}
+        (run_dir / backbones.RUN_FILE).write_text(json.dumps(record, indent=1))
         if backbone.tokenizer is not None:
             backbone.tokenizer.save(run_dir)
         for name, data in job_files(job).items():
             (run_dir / name).write_text(data)
-    rt.barrier()
-    return run_dir
+
+
+def run_record(run_dir: Path, source: Optional[str], backbone: Backbone, rt: Runtime) -> dict:
+    """The provenance of a run: its --from (absolute, and the checkpoint read when it is a tfcli
+    run), command lines (one per session), versions, device."""
+    import sys
+
+    import torch
+
+    from . import __version__
+
+    previous = backbones.recorded(run_dir)
+    if "from" in previous:  # a resumed run keeps where it came from
+        origin = {k: previous[k] for k in ("from", "from_checkpoint") if k in previous}
+    else:
+        origin = {"from": str(Path(source).resolve()) if source else None}
+        if backbone.checkpoint is not None:
+            origin["from_checkpoint"] = str(Path(backbone.checkpoint).resolve())
+    return {**origin, "commands": previous.get("commands", []) + [" ".join(["tfcli", *sys.argv[1:]])],
+            "tfcli": __version__, "torch": torch.__version__, "device": str(rt.device),
+            "processes": rt.world_size}
 
 
 def job_files(job: Job) -> dict[str, str]:
@@ -106,39 +176,78 @@ def job_files(job: Job) -> dict[str, str]:
 
 
 def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:
+    """Where a new run goes: --out if it is absent or an empty directory, else runs/<recipe>-<time>."""
     if out is None:
         return Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory for the run")
-    if (out / checkpoint.CHECKPOINTS).exists():
+    if (out / checkpoint.CHECKPOINTS).exists() or (out / "config.yaml").exists():
         raise UserError(f"{out} already holds a run; use --resume {out} or another --out")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} is a directory with other files in it; give a new or empty directory")
     return out
 
 
-def banner(recipe: Recipe, plugin: Plugin, backbone: Backbone, run_dir: Path, ckpt: Optional[Path]) -> str:
+def banner(recipe: Recipe, plugin: Plugin, module: ObjectiveModule, backbone: Backbone, run_dir: Path,
+           ckpt: Optional[Path]) -> str:
     n = sum(p.numel() for p in backbone.model.parameters())
+    trained, total = parameter_counts(module).values()
+    how = f", training {trained:,} of {total:,} parameters ({100 * trained / max(total, 1):.2f}%" + \
+        (f", {recipe.finetune.train})" if recipe.finetune is not None else ")")
     source = "" if backbone.source in ("scratch", str(run_dir)) else f" from {backbone.source}"
-    return (f"[bold]{recipe.name}[/]: {plugin.title(recipe, backbone)} on a {n / 1e6:.2f}M-parameter {backbone.family}{source}, "
-            f"{recipe.train.steps:,} steps, run directory [green]{run_dir}[/]"
+    return (f"[bold]{recipe.name}[/]: {plugin.title(recipe, backbone)} on a {n / 1e6:.2f}M-parameter {backbone.family}{source}"
+            f"{how}, {recipe.train.steps:,} steps, run directory [green]{run_dir}[/]"
             + (f" (resuming from {ckpt.name})" if ckpt else ""))
 
 
 # --- evaluation ---------------------------------------------------------------------------------
 
-def evaluate(path: Path, key: Optional[str], settings: dict[str, Any], options: EvalOptions) -> dict[str, Any]:
+def evaluate(path: Path, key: Optional[str], settings: dict[str, Any], options: EvalOptions,
+             default_recipes: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """`tfcli eval [KEY] --checkpoint RUN`: the run's own plug-in's evaluation, or plug-in KEY's
-    (e.g. k-shot MNLI of a pretrained GPT); `settings` override the plug-in's recipe section."""
-    backbone = backbones.from_run(Path(path), which="best")
+    (e.g. k-shot MNLI of a pretrained GPT); `settings` override the plug-in's recipe section. A
+    Hugging Face directory or hub id is read with KEY's default recipe for its family
+    (`default_recipes`), e.g. zero-shot cloze of a BERT or k-shot prompting of a GPT-2."""
+    rt = setup_runtime(options.device)
+    display.configure(not options.quiet)
+    path = hub.resolve(str(path), "--checkpoint")
+    if not backbones.is_run(path) and not backbones.looks_like_run(path):
+        return evaluate_pretrained(path, key, settings, options, default_recipes or {}, rt)
+    backbone = backbones.from_run(path, which="best", device=str(rt.device))
     recipe = backbone.recipe
     key = key or recipe.plugin
     kind = "objective" if key in registry.OBJECTIVES else "task"
     recipe = as_plugin(recipe, kind, key, settings)
-    plugin = make_plugin(kind, key, setup_runtime("cpu"))
+    if options.precision:
+        recipe = recipes.replace(recipe, train=recipes.replace(recipe.train, precision=options.precision))
+    plugin = make_plugin(kind, key, rt, options.quiet)
     if backbone.family not in plugin.families:
         raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; `eval {key}` needs "
-                        f"{' or '.join(plugin.families)}")
+                        f"{' or '.join(repr(f) for f in plugin.families)}")
     return plugin.evaluate(recipe, backbone, options)
+
+
+def evaluate_pretrained(path: Path, key: Optional[str], settings: dict[str, Any], options: EvalOptions,
+                        default_recipes: dict[str, str], rt: Runtime) -> dict[str, Any]:
+    """A Hugging Face model evaluated as task KEY, with the task's recipe for its family."""
+    family = backbones.family_of(str(path))
+    if family is None:
+        raise UserError(f"--checkpoint {path}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+    if key is None or key in registry.OBJECTIVES:
+        raise UserError(f"--checkpoint {path} is a Hugging Face model: name the task to evaluate it on "
+                        f"(e.g. tfcli eval mnli --checkpoint {path} --cloze)")
+    if family not in default_recipes:
+        raise UserError(f"{key} has no recipe for a {family!r} model")
+    plugin = make_plugin("task", key, rt, options.quiet)
+    raw = recipes.load_raw(default_recipes[family])
+    recipe = recipes.from_dict({**raw, key: {**(raw.get(key) or {}), **settings}})
+    if options.precision:
+        recipe = recipes.replace(recipe, train=recipes.replace(recipe.train, precision=options.precision))
+    backbone = backbones.from_hf(path, plugin.special_tokens(family))
+    backbone.model.to(rt.device).eval()
+    backbone.checkpoint = path
+    return plugin.evaluate(plugin.resolve(recipe, backbone), backbone, options)
 
 
 def as_plugin(recipe: Recipe, kind: str, key: str, settings: dict[str, Any]) -> Recipe:
@@ -149,6 +258,8 @@ def as_plugin(recipe: Recipe, kind: str, key: str, settings: dict[str, Any]) -> 
         for k in (recipe.kind, recipe.plugin, "finetune"):
             raw.pop(k, None)
         raw[kind] = key
+        if kind == "task":  # the run's pretraining text is not the task's data: the task's default (or --data)
+            raw["data"] = {**raw.get("data", {}), "source": "", "val_source": ""}
     raw[key] = {**(raw.get(key) or {}), **settings}
     if not raw[key]:
         raw.pop(key)

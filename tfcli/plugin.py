@@ -36,7 +36,11 @@ class EvalOptions:
     out: Optional[Path] = None  # where to write a picture or report
     inputs: tuple[str, ...] = ()  # classify one input (e.g. premise and hypothesis) instead of a split
     few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
+    cloze: bool = False  # zero-shot: label words scored at a [MASK] by a BERT's MLM head
     seed: int = 0
+    device: str = "cpu"
+    precision: Optional[str] = None  # None: the run's own train.precision
+    quiet: bool = False
 
 
 @dataclass
@@ -85,6 +89,10 @@ class Plugin:
 
     def tokenizer_texts(self, recipe) -> Iterable[str]:
         return ()
+
+    def tokenizer_key(self, recipe) -> Optional[str]:
+        """A fingerprint of the text tokenizer_texts reads, to cache a trained tokenizer by (None: never)."""
+        return None
 
     def resolve(self, recipe, backbone):
         """The recipe this run saves, given its backbone: the backbone's own model shape, so that the

@@ -114,20 +114,26 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
+def pick_device(device: str = "auto", local_rank: int = 0, world: int = 1) -> torch.device:
+    """auto: CUDA when there is one, else the CPU; under torchrun each process takes its local GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r}: no CUDA device is available here")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank if world > 1 else (dev.index or 0))
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto") -> Runtime:
     """Pick the device; under torchrun (WORLD_SIZE > 1) join the process group (nccl on GPU, gloo on CPU)."""
     if threads > 0:
         torch.set_num_threads(threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device is {device!r} but no CUDA device is available")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local if world > 1 else (dev.index or 0))
-        torch.cuda.set_device(dev)
+    dev = pick_device(device, local, world)
     name = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
     if name == "none" and world > 1:
         raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp or auto")

@@ -4,8 +4,11 @@ strategy the runtime carries (it wraps, syncs, clips and gathers state; the loop
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -13,10 +16,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import checkpoint
-from .display import TrainDisplay
+from . import checkpoint, plots
+from .display import TrainDisplay, phase
+from .errors import Interrupted, UserError
 from .evaluate import held_out_metrics
-from .perf import matmul_peak_flops
+from .loggers import MetricsLog, check_available
+from .perf import matmul_peak_flops, mfu, peak_memory_mb
 from .plugin import Batch, Job, LossFn
 from .runtime import Runtime, autocast_context, to_device
 from .sampler import Sampler, sequential_batches
@@ -43,12 +48,10 @@ def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict
 
 
 def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.AdamW:
-    """AdamW, weight decay on matrices only. For a task: the head at finetune.head_lr (0: optim.lr),
-    and finetune.train=head freezes the backbone (a linear probe)."""
+    """AdamW over what trains (adapters.apply froze the rest), weight decay on matrices only; a task's
+    head at finetune.head_lr (0: optim.lr)."""
     o, ft = recipe.optim, recipe.finetune
     head_lr = ft.head_lr if ft is not None and ft.head_lr > 0 else o.lr
-    if ft is not None and ft.train == "head":
-        module.model.requires_grad_(False)
     groups = decay_groups(module.heads, o.weight_decay, head_lr) + decay_groups(module.model, o.weight_decay, o.lr)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
 
@@ -69,21 +72,40 @@ class Trainer:
     """The state of one run's training: module, optimizer, schedule, data position, best score."""
 
     def __init__(self, module: ObjectiveModule, job: Job, recipe, run_dir: Path, rt: Runtime,
-                 optimizer: torch.optim.Optimizer, quiet: bool = False):
+                 optimizer: torch.optim.Optimizer, quiet: bool = False, partial: bool = False):
         self.module, self.job, self.recipe, self.run_dir, self.rt = module.to(rt.device), job, recipe, Path(run_dir), rt
         self.tc = recipe.train
         self.opt = optimizer
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr))
         self.sampler = Sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
-        self.step, self.best = 0, None
+        self.step, self.best, self.skipped = 0, None, 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # wall seconds of earlier sessions, this one's start
-        self.quiet = quiet
+        self.quiet, self.partial = quiet, partial
+        # a partial run saves what trains and the heads; its base is read again on load
+        self.saved = {f"{n}" for n, p in module.named_parameters() if p.requires_grad or n.startswith("heads.")} \
+            if partial else None
         self.last: dict[str, float] = {}
+        check_available(self.tc.loggers)
+        self.log = MetricsLog(self.run_dir, self.tc.loggers, recipe.name) if rt.is_main else None
 
     def restore(self, ckpt: Path) -> None:
-        """Weights, optimizer, schedule, data position and RNG: training continues exactly."""
-        self.rt.strategy.load_state_dict(self.module, checkpoint.load_weights(ckpt))
+        """Weights, optimizer, schedule, data position and RNG: training continues exactly. A checkpoint
+        that does not fit this run's model is refused before anything is written."""
+        checkpoint.verify(ckpt)
+        weights = checkpoint.load_weights(ckpt)
+        mine = {k: v for k, v in self.module.state_dict().items() if self.saved is None or k in self.saved}
+        wrong = [k for k in mine if k not in weights or weights[k].shape != mine[k].shape] + \
+            [k for k in weights if k not in mine]
+        if wrong:
+            k = wrong[0]
+            have = tuple(weights[k].shape) if k in weights else "none"
+            raise UserError(f"{ckpt} does not fit this run's model: {k} is {have} in the checkpoint, "
+                            f"{tuple(mine[k].shape) if k in mine else 'absent'} in the model (was the recipe's model changed?)")
+        if self.saved is None:
+            self.rt.strategy.load_state_dict(self.module, weights)
+        else:
+            self.module.load_state_dict(weights, strict=False)  # the base's weights are in place already
         state = checkpoint.load_state(ckpt)
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -91,6 +113,14 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         self.step, self.best = int(checkpoint.read_meta(ckpt)["step"]), state.get("best")
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.skipped = int(state.get("skipped", 0))
+
+    def forget_after(self, step: int) -> None:
+        """Drop metrics a run logged after the checkpoint it is resumed from (it will log them again)."""
+        log = self.run_dir / "metrics.jsonl"
+        if self.rt.is_main and log.is_file():
+            keep = [line for line in log.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+            log.write_text("".join(line + "\n" for line in keep))
 
     def fit(self) -> dict[str, float]:
         """Train to train.steps; log, evaluate and checkpoint on their intervals; return the last metrics."""
@@ -100,18 +130,32 @@ class Trainer:
         self.wrapped = self.rt.strategy.wrap(self.module)
         peak = matmul_peak_flops(self.rt.device, torch.bfloat16 if self.tc.precision == "bf16" else torch.float32)
         window = _Window()
-        with TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display:
+        with TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display, \
+                _StopOnSignal() as stop, contextlib.closing(self):
             while self.step < self.tc.steps:
+                if self._agreed(stop.requested):
+                    self._save(False)
+                    raise Interrupted(self.step, self.run_dir)
                 t0 = time.perf_counter()
                 sums, items = self._train_step()
+                if sums is None:  # a non-finite batch skipped: the weights are as before it
+                    continue
                 self.step += 1
                 window.add(sums, items * self.rt.world_size, time.perf_counter() - t0)
+                display.step(self.step, sums.get("loss", float("nan")))
                 if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                     self._log(window, peak, display)
                     window = _Window()
-                is_best = self._evaluate(display) if self._due(self.tc.eval_interval) else False
-                if self._due(self.tc.ckpt_interval) or is_best:
+                out_of_time = self._agreed(self.tc.max_time > 0 and self.elapsed() >= 60 * self.tc.max_time)
+                if out_of_time and self.step % self.tc.log_interval:
+                    self._log(window, peak, display)
+                is_best = self._evaluate(display) if self._due(self.tc.eval_interval) or out_of_time else False
+                if self._due(self.tc.ckpt_interval) or is_best or out_of_time:
                     self._save(is_best)
+                if out_of_time:
+                    self._write({"step": self.step, "split": "stopped", "reason": f"train.max_time {self.tc.max_time:g} min"})
+                    display.note(self.step, "stopped", {"max_time_min": self.tc.max_time})
+                    break
         return self.last
 
     def elapsed(self) -> float:
@@ -121,8 +165,15 @@ class Trainer:
     def _due(self, interval: int) -> bool:
         return self.step % interval == 0 or self.step == self.tc.steps
 
-    def _train_step(self) -> tuple[dict[str, float], int]:
-        """One optimizer step over grad_accum micro-batches -> (metrics averaged over them, items)."""
+    def _agreed(self, flag: bool) -> bool:
+        """Whether any rank was asked to stop (every rank stops at the same step)."""
+        if not self.rt.distributed:
+            return flag
+        return any(v > 0 for v in self.rt.mean({"stop": float(flag)}).values())
+
+    def _train_step(self) -> tuple[Optional[dict[str, float]], int]:
+        """One optimizer step over grad_accum micro-batches -> (metrics averaged over them, items);
+        (None, 0) when a non-finite loss or gradient was skipped instead of stepping."""
         self.module.train()
         sums: dict[str, Tensor] = {}
         items = 0
@@ -135,35 +186,50 @@ class Trainer:
                 (loss / self.tc.grad_accum).backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float() / self.tc.grad_accum
-        if self.tc.clip_grad > 0:
-            sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, self.tc.clip_grad).detach().float()
+        max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
+        sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()
+        out = {k: float(v) for k, v in sums.items()}
+        if not all(math.isfinite(v) for v in out.values()):
+            self.opt.zero_grad(set_to_none=True)
+            self._non_finite(out)
+            return None, 0
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return {k: float(v) for k, v in sums.items()}, items
+        return out, items
+
+    def _non_finite(self, metrics: dict[str, float]) -> None:
+        """Skip the batch (train.skip_nonfinite times in all), then stop naming the step: the weights
+        never take a non-finite update, and `latest` stays the last good checkpoint."""
+        bad = ", ".join(f"{k} {v}" for k, v in metrics.items() if not math.isfinite(v))
+        self.skipped += 1
+        if self.skipped <= self.tc.skip_nonfinite:
+            if self.rt.is_main:
+                self._write({"step": self.step + 1, "split": "skipped", "reason": bad})
+            return
+        latest = checkpoint._read(self.run_dir / checkpoint.CHECKPOINTS / "latest")
+        raise UserError(f"step {self.step + 1}: {bad}; stopped before updating the weights "
+                        f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
+                        f"lower the learning rate, or set train.skip_nonfinite to skip such batches)")
 
     def _log(self, window: "_Window", peak: float, display: TrainDisplay) -> None:
         metrics = self.rt.mean(window.means())
         rate = window.items / max(window.seconds, 1e-9)
-        record = {"step": self.step, **{k: round(v, 6) for k, v in metrics.items()},
+        record = {"step": self.step, "split": "train", **{k: round(v, 6) for k, v in metrics.items()},
                   "lr": self.opt.param_groups[0]["lr"], f"{self.job.item_name}_per_s": round(rate, 1),
-                  "mfu": round(rate * self.job.flops_per_item / (peak * self.rt.world_size), 4),
-                  "elapsed_s": round(self.elapsed(), 2)}
+                  "mfu": round(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
+                  "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1), "elapsed_s": round(self.elapsed(), 2)}
         self._write(record)
         display.update(self.step, record, eta_s=(self.tc.steps - self.step) * window.seconds / window.steps)
         self.last.update(metrics)
 
     def _evaluate(self, display: TrainDisplay) -> bool:
         """Held-out loss (and the plug-in's evaluation); True when this is the best checkpoint so far."""
-        val = {}
-        if self.job.val is not None:
-            batches = sequential_batches(self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches,
-                                         self.rt.rank, self.rt.world_size)
-            val = self.job.held_out_metrics(self.rt.mean(held_out_metrics(self.module, batches, self.rt.device,
-                                                                          self.tc.precision)))
-        if self.job.evaluate is not None:
-            val.update(self.job.evaluate(self.module, self.run_dir))
+        with phase(f"evaluating at step {self.step}"):
+            val = self._held_out()
         self._write({"step": self.step, "split": "val", **{k: round(v, 6) for k, v in val.items()}})
+        if self.rt.is_main:
+            plots.run_curves(self.run_dir, self.run_dir / "curves.png")
         display.note(self.step, "val", val)
         self.last.update({f"val_{k}": v for k, v in val.items()})
         score = val.get(self.job.best_key) if self.job.best_key else None
@@ -172,21 +238,67 @@ class Trainer:
         self.best = score
         return True
 
+    def _held_out(self) -> dict[str, float]:
+        """The held-out loss of job.val (its first train.eval_batches batches) and job.evaluate's metrics."""
+        val = {}
+        if self.job.val is not None:
+            batches = sequential_batches(self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches,
+                                         self.rt.rank, self.rt.world_size)
+            val = self.job.held_out_metrics(self.rt.mean(held_out_metrics(self.module, batches, self.rt.device,
+                                                                          self.tc.precision)))
+        if self.job.evaluate is not None:
+            val.update(self.job.evaluate(self.module, self.run_dir))
+        return val
+
     def _save(self, is_best: bool) -> None:
         weights = self.rt.strategy.state_dict(self.module)
+        if self.saved is not None:
+            weights = {k: v for k, v in weights.items() if k in self.saved}
         if self.rt.is_main:
-            state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                     "data": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
-                     "elapsed_s": self.elapsed()}
-            meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family, **self.last}
-            checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
-                            best=is_best)
+            self._checkpoint(weights, is_best)
         self.rt.barrier()
 
+    def _checkpoint(self, weights: dict, is_best: bool) -> None:
+        with phase(f"writing checkpoint step-{self.step:07d}"):
+            state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                     "data": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
+                     "elapsed_s": self.elapsed(), "skipped": self.skipped}
+            meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family,
+                    "partial": self.saved is not None, **self.last}
+            checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
+                            best=is_best)
+
     def _write(self, record: dict) -> None:
-        if self.rt.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if self.log is not None:
+            self.log.write(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class _StopOnSignal:
+    """SIGINT / SIGTERM ask training to stop at the next step boundary (after a checkpoint) instead of
+    dying mid-step; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class _Window:
@@ -203,13 +315,3 @@ class _Window:
 
     def means(self) -> dict[str, float]:
         return {k: v / max(self.steps, 1) for k, v in self.sums.items()}
-
-
-def fit(module: ObjectiveModule, job: Job, recipe, run_dir: Path, rt: Runtime, *,
-        optimizer: Optional[torch.optim.Optimizer] = None, resume_from: Optional[Path] = None,
-        quiet: bool = False) -> dict[str, float]:
-    """Train `module` on `job` for recipe.train.steps optimizer steps; return the final metrics."""
-    trainer = Trainer(module, job, recipe, run_dir, rt, optimizer or build_optimizer(module, recipe), quiet)
-    if resume_from is not None:
-        trainer.restore(resume_from)
-    return trainer.fit()

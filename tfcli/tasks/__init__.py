@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backbone import from_run
-from ..display import console
+from ..display import console, phase
 from ..errors import UserError
 from ..plugin import Batch, EvalOptions, Job, Plugin
 from ..runtime import autocast_context, to_device
@@ -120,11 +120,12 @@ class ClassificationTask(Plugin):
         data = self.load(recipe, backbone, options.data, backbone.labels)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
-        module = ObjectiveModule(backbone.model, head.heads, head.loss)
+        module = ObjectiveModule(backbone.model, head.heads, head.loss).to(self.rt.device)
         results = {}
         for split, d in data.evals.items():
-            scores, gold = predict(module, head, head.source(self.sample(d, options.limit, options.seed), train=False),
-                                   recipe.train.batch_size, torch.device("cpu"))
+            with phase(f"scoring {split}"):
+                scores, gold = predict(module, head, head.source(self.sample(d, options.limit, options.seed), train=False),
+                                       recipe.train.batch_size, self.rt.device, recipe.train.precision)
             results[split] = {**metrics(scores.argmax(1), gold, data.labels), **head.notes()}
         return results
 
@@ -143,8 +144,13 @@ class ClassificationTask(Plugin):
             return self.classify_one(recipe, backbone, options)
         results = self.score(recipe, backbone, options)
         self.show(results)
-        out = Path(options.out) if options.out else \
-            Path(backbone.checkpoint).parent.parent / f"eval-{self.eval_name(recipe, options)}.json"
+        name = f"eval-{self.eval_name(recipe, options)}.json"
+        if options.out:
+            out = Path(options.out)
+        elif backbone.recipe is None:  # a Hugging Face model: the report goes to the working directory
+            out = Path(f"eval-{Path(backbone.source).name}-{name[len('eval-'):]}")
+        else:
+            out = Path(backbone.checkpoint).parent.parent / name
         out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, "limit": options.limit,
                                    **results}, indent=1))
         console.print(f"report: {out}")
@@ -159,7 +165,8 @@ class ClassificationTask(Plugin):
 
     def eval_name(self, recipe, options: EvalOptions) -> str:
         parts = [self.name(recipe)] + ([Path(options.data).stem] if options.data else []) + \
-            ([f"limit{options.limit}"] if options.limit else []) + ([f"{options.few_shot}shot"] if options.few_shot >= 0 else [])
+            ([f"limit{options.limit}"] if options.limit else []) + ([f"{options.few_shot}shot"] if options.few_shot >= 0 else []) + \
+            (["cloze"] if options.cloze else [])
         return "-".join(parts)
 
     def show(self, results: dict[str, dict]) -> None:

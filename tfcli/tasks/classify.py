@@ -16,19 +16,21 @@ import numpy as np
 import torch
 
 from ..data.labelled import TextSpec, balanced_sample, load_splits
-from ..display import console
+from ..display import console, phase
 from ..errors import UserError
 from ..objectives.mlm_nsp import SPECIAL_TOKENS as BERT_TOKENS
-from ..objectives.mlm_nsp import special_ids
+from ..objectives.mlm_nsp import build_heads, special_ids
 from ..objectives.span_corruption import SPECIAL_TOKENS as T5_TOKENS
 from ..plugin import EvalOptions
+from ..runtime import to_device
 from ..sampler import sequential_batches
 from ..recipe import FinetuneConfig
 from . import ClassificationTask, Head, TaskData, with_data
-from . import prompts
+from . import cloze, prompts
+from .cloze import ClozeHead
 from .heads import ClassifierHead, ExampleSource
 from .presets import PRESETS
-from .text_to_text import T5_PROMPT_TOKENS, TextHead
+from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 
 SPECIALS = {"bert": BERT_TOKENS, "t5": T5_TOKENS, "gpt": ["<|endoftext|>"]}
 
@@ -41,6 +43,9 @@ class ClassifyConfig:
     text_fields: tuple[str, ...] = ()  # the column(s) holding the text: one, or two for a pair
     label_field: str = ""  # the column holding the label ("" = the preset's, else "label")
     labels: tuple[str, ...] = ()  # label names in id order ("" = the preset's, else the training data's, sorted)
+    # zero-shot cloze (eval --cloze, BERT): the texts as {field}s around one [MASK]; "" = PET's pattern
+    cloze_template: str = ""
+    cloze_words: tuple[str, ...] = ()  # one word per label, in id order ("" = the preset's)
 
     def __post_init__(self):
         if self.preset and self.preset not in PRESETS:
@@ -75,6 +80,36 @@ def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int
         seq = [ids["cls"]] + [t for p in parts for t in (*p, ids["sep"])]
         out.append((np.array(seq, dtype=np.int64), len(parts[0]) + 2, label))
     return out
+
+
+def reads_as(recipe, backbone) -> str:
+    """classifier or text: finetune.head, where auto is a classifier for BERT and text for T5 and GPT."""
+    head = (recipe.finetune or FinetuneConfig()).head
+    if head == "auto":
+        return "classifier" if backbone.family == "bert" else "text"
+    if head == "text" and backbone.family == "bert":
+        raise UserError("a BERT cannot answer as text; --head classifier (or --cloze in eval for zero-shot)")
+    return head
+
+
+def text_encoder(backbone, spec: TextSpec, max_length: int):
+    """(encode rows, collate) for a GPT or T5 classifier: the task's text, right-padded; T5's ends in </s>
+    and its decoder starts from <pad>."""
+    tok, family = backbone.tokenizer, backbone.family
+    eos = [tok.eos_id] if family == "t5" and tok.eos_id is not None else []
+    pad = tok.token_id("<pad>") if family == "t5" else (tok.eos_id or 0)
+
+    def encode_rows(rows: list) -> list:
+        return [(np.array(fit_input(lambda t: tok.encode(prompts.input_text(spec.name, spec.text_fields, t)) + eos,
+                                    texts, max_length), dtype=np.int64), 0, y) for texts, y in rows]
+
+    def batch(examples: list) -> dict[str, torch.Tensor]:
+        out = collate(examples, pad)
+        del out["token_type_ids"]
+        if family == "t5":
+            out["decoder_input_ids"] = torch.full((len(examples), 1), pad, dtype=torch.long)
+        return out
+    return encode_rows, batch
 
 
 def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
@@ -116,7 +151,9 @@ class Classify(ClassificationTask):
         d, ft = with_data(recipe, data).data, recipe.finetune or FinetuneConfig()
         key = (spec, d.source, d.val_source, d.val_fraction)
         if getattr(self, "_loaded_key", None) != key:
-            self._loaded, self._loaded_key = load_splits(spec, d.source, d.val_source, d.val_fraction, recipe.train.seed), key
+            with phase(f"reading {spec.name} data"):
+                self._loaded = load_splits(spec, d.source, d.val_source, d.val_fraction, recipe.train.seed)
+            self._loaded_key = key
         splits, labels = self._loaded
         for name, split in splits.items():
             if not split.rows:
@@ -132,29 +169,62 @@ class Classify(ClassificationTask):
         return [rows[i] for i in balanced_sample(np.array([y for _, y in rows]), n, seed)]
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
-        if backbone.family == "bert":
-            return self.classifier(recipe, backbone, data)
-        return self.text_head(recipe, backbone, data, options)
+        if options is not None and options.cloze:
+            return self.cloze(recipe, backbone, data)
+        return self.classifier(recipe, backbone, data) if reads_as(recipe, backbone) == "classifier" \
+            else self.text_head(recipe, backbone, data, options)
 
     def classifier(self, recipe, backbone, data: TaskData) -> ClassifierHead:
-        pad, cfg = special_ids(backbone.tokenizer)["pad"], backbone.cfg
-        max_length = min(recipe.data.seq_len, cfg.max_seq_len)
+        """A linear classifier on pooled features, for any family: BERT reads [CLS] a [SEP] b [SEP], a
+        GPT or T5 the task's text ("mnli premise: ... hypothesis: ...")."""
+        cfg, tok, spec = backbone.cfg, backbone.tokenizer, text_spec(recipe.settings)
+        max_length = min(recipe.data.seq_len, getattr(cfg, "max_seq_len", recipe.data.seq_len))
+        if cfg.family == "bert":
+            pad = special_ids(tok)["pad"]
+            encode_rows, batch = (lambda rows: encode(tok, rows, max_length)), (lambda ex: collate(ex, pad))
+        else:
+            encode_rows, batch = text_encoder(backbone, spec, max_length)
 
         def make_source(rows: list, train: bool) -> ExampleSource:
-            examples = encode(backbone.tokenizer, rows, max_length)
-            return ExampleSource(examples, lambda ex: collate(ex, pad), np.array([len(e[0]) for e in examples]))
+            examples = encode_rows(rows)
+            return ExampleSource(examples, batch, np.array([len(e[0]) for e in examples]))
 
-        sample = encode(backbone.tokenizer, data.train[:2000], max_length) if data.train else []
+        sample = encode_rows(data.train[:2000]) if data.train else []
         mean_len = float(np.mean([len(e[0]) for e in sample])) if sample else float(max_length)
         ft = recipe.finetune or FinetuneConfig()
         return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout)
 
+    def cloze(self, recipe, backbone, data: TaskData) -> ClozeHead:
+        """Zero-shot: label words scored at the template's [MASK] by the BERT's MLM head."""
+        if backbone.family != "bert":
+            raise UserError(f"--cloze reads a BERT's masked-LM head; this is a {backbone.family} "
+                            f"(prompt it with --few-shot K instead)")
+        settings, spec, tok = recipe.settings, text_spec(recipe.settings), backbone.tokenizer
+        preset = PRESETS.get(settings.preset)
+        words = settings.cloze_words or (preset.cloze_words if preset else ())
+        if len(words) != len(data.labels):
+            raise UserError(f"classify.cloze_words: give one word per label ({', '.join(data.labels)}), "
+                            f"got {len(words)}")
+        pieces = cloze.parse_template(settings.cloze_template or cloze.default_template(spec.text_fields),
+                                      spec.text_fields)
+        ids, max_length = special_ids(tok), min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        mlm = build_heads(backbone.cfg, nsp=False) if "mlm.bias" in backbone.heads else None
+        if mlm is None and not self.quiet:
+            console.print(f"[yellow]note:[/] {backbone.source} has no masked-LM head; label words are scored by "
+                          f"the [MASK]'s hidden state against their embeddings (an untrained head)")
+
+        def make_source(rows: list, train: bool) -> ExampleSource:
+            examples = cloze.encode(tok, ids, pieces, spec.text_fields, rows, max_length)
+            return ExampleSource(examples, lambda ex: collate(ex, ids["pad"]), np.array([len(e[0]) for e in examples]))
+
+        return ClozeHead(make_source, ids["mask"], cloze.word_ids(tok, words), mlm, float(max_length))
+
     def text_head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions]) -> TextHead:
         """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""
         ft, spec = recipe.finetune or FinetuneConfig(), text_spec(recipe.settings)
-        if (ft.train, ft.pooling, ft.head_lr) != ("all", "cls", 0.0):
-            raise UserError(f"a {backbone.family} learns {spec.name} as text and trains the whole model; "
-                            f"--train head, --pooling and --head-lr apply to classifier heads (BERT)")
+        if ft.train == "head" or ft.pooling != "auto" or ft.head_lr:
+            raise UserError(f"the {backbone.family} reads {spec.name} as text (finetune.head text): there is no head "
+                            f"to pool for or train alone; use --head classifier, or --train all, lora, ia3 or bitfit")
         finetuned = backbone.recipe is not None and backbone.recipe.task == self.key
         k = options.few_shot if options is not None else -1
         if options is not None and k < 0 and not finetuned:
@@ -182,9 +252,10 @@ class Classify(ClassificationTask):
         data = self.load(recipe, backbone, options.data) if options.few_shot > 0 else TaskData([], {}, labels)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
-        batch = next(sequential_batches(head.source([(tuple(options.inputs), 0)], train=False), 1, seed=0))
+        batch = to_device(next(sequential_batches(head.source([(tuple(options.inputs), 0)], train=False), 1, seed=0)),
+                          self.rt.device)
         with torch.no_grad():
-            probs = torch.softmax(head.scores(backbone.model.eval(), head.heads, batch).float(), -1)[0]
+            probs = torch.softmax(head.scores(backbone.model.eval(), head.heads.to(self.rt.device), batch).float(), -1)[0]
         for name, p in zip(labels, probs.tolist()):
             console.print(f"{name:>14}  {p:.4f}")
         return dict(zip(labels, probs.tolist()))
@@ -193,5 +264,5 @@ class Classify(ClassificationTask):
         return text_spec(recipe.settings).name
 
     def title(self, recipe, backbone) -> str:
-        how = "classifier" if backbone.family == "bert" else "text-to-text"
+        how = "classifier" if reads_as(recipe, backbone) == "classifier" else "text-to-text"
         return f"{text_spec(recipe.settings).name} ({how})"

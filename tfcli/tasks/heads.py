@@ -19,7 +19,14 @@ from ..plugin import Batch
 from ..sampler import Draw, Source
 from . import Head
 
-POOLINGS = {"bert": ("cls", "mean", "last4-sum", "last4-concat"), "vit": ("cls", "mean")}
+POOLINGS = {"bert": ("cls", "mean", "last4-sum", "last4-concat"), "vit": ("cls", "mean"),
+            "gpt": ("last", "mean", "last4-sum", "last4-concat"), "t5": ("encoder-mean", "decoder-first")}
+
+
+def resolve_pooling(family: str, pooling: str) -> str:
+    """`auto`: the family's natural summary: [CLS] (BERT, ViT), the last token (GPT), the mean of the
+    encoder's outputs (T5)."""
+    return POOLINGS[family][0] if pooling == "auto" else pooling
 
 
 def check_pooling(cfg, pooling: str) -> None:
@@ -34,18 +41,47 @@ def feature_dim(cfg, pooling: str) -> int:
     return 4 * cfg.d_model if pooling == "last4-concat" else cfg.d_model
 
 
+def _masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
+    """(B, T, D), (B, T) of 1 = token -> (B, D): the mean over real tokens only."""
+    m = mask[..., None].to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def _last4(layers: list[Tensor], pick, pooling: str) -> Tensor:
+    picked = [pick(h) for h in layers[-4:]]  # 4 x (B, D)
+    return torch.stack(picked).sum(0) if pooling == "last4-sum" else torch.cat(picked, dim=-1)
+
+
+def decoder_features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
+    """GPT: the last real token (right padding: causal attention never sees it), the mean, or the last
+    token of the last four layers. T5: the mean of the encoder's outputs, or the decoder's first
+    position reading the encoder (as a span-corruption decoder fills its first sentinel)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if model.cfg.family == "t5":
+        encoded = model.encode(ids, mask)  # (B, S, D)
+        if pooling == "encoder-mean":
+            return _masked_mean(encoded, mask)
+        return model.decode(batch["decoder_input_ids"], encoded, mask)[:, 0]  # (B, D)
+    last = mask.sum(1) - 1  # (B,)
+    rows = torch.arange(ids.size(0), device=ids.device)
+    if pooling.startswith("last4"):
+        return _last4(model(ids, all_layers=True), lambda h: h[rows, last], pooling)
+    hidden = model(ids)  # (B, T, D)
+    return hidden[rows, last] if pooling == "last" else _masked_mean(hidden, mask)
+
+
 def features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
     """A batch's inputs -> (B, F) features for the classifier."""
     if model.cfg.family == "vit":
         return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)
+    if model.cfg.family in ("gpt", "t5"):
+        return decoder_features(model, batch, pooling)
     args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
     if pooling == "cls":
         return model.pool(model(*args))  # BERT's pooler: tanh(dense([CLS]))
     if pooling == "mean":
-        hidden, m = model(*args), batch["attention_mask"][..., None].to(torch.float32)  # (B, T, D), (B, T, 1)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-    cls = [h[:, 0] for h in model(*args, all_layers=True)[-4:]]  # 4 x (B, D)
-    return torch.stack(cls).sum(0) if pooling == "last4-sum" else torch.cat(cls, dim=-1)
+        return _masked_mean(model(*args), batch["attention_mask"])
+    return _last4(model(*args, all_layers=True), lambda h: h[:, 0], pooling)
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -72,6 +108,7 @@ class ClassifierHead(Head):
 
     def __init__(self, cfg, pooling: str, n_labels: int, make_source: Callable[[object, bool], Source],
                  tokens_per_item: float, dropout: float = 0.0, init_std: float = 0.02, item_name: str = "ex"):
+        pooling = resolve_pooling(cfg.family, pooling)
         check_pooling(cfg, pooling)
         self.item_name = item_name
         self.pooling, self.dropout, self.make_source, self.tokens_per_item = pooling, dropout, make_source, tokens_per_item

@@ -10,9 +10,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..data.image_batches import ImageConfig, ImageSource, ImageTransform
+from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
 from ..data.labelled import balanced_sample
+from ..display import phase
 from ..errors import UserError
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
@@ -31,10 +32,13 @@ class ImageClassify(ClassificationTask):
         """The images (data.source, or `data`); they must carry labels. Without a test split of their
         own a seeded data.val_fraction is held out."""
         source, ft = data or recipe.data.source, recipe.finetune or FinetuneConfig()
-        splits = load_images(source, recipe.data.val_fraction, recipe.train.seed)
+        with phase(f"reading images from {source}"):
+            splits = load_images(source, recipe.data.val_fraction, recipe.train.seed)
         if splits.train.labels is None:
             raise UserError(f"{source}: images without labels; image-classify needs class sub-folders, "
                             f"y_train/y_test in a .npz, or a labelled dataset")
+        if backbone is not None:
+            check_images(splits.train, backbone.cfg.patch_size, source)
         test = splits.test or splits.train
         n_classes = int(max(splits.train.labels.max(), test.labels.max())) + 1
         names = labels or tuple(splits.train.class_names) or tuple(str(i) for i in range(n_classes))

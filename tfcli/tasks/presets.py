@@ -17,6 +17,7 @@ class Preset:
     hub_splits: dict[str, str] = field(default_factory=dict)  # our split name -> the hub's
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> other names it has in files
     recipes: dict[str, str] = field(default_factory=dict)  # family -> default recipe
+    cloze_words: tuple[str, ...] = ()  # zero-shot cloze: one word per label, in id order
 
 
 PRESETS = {
@@ -26,5 +27,6 @@ PRESETS = {
         hub=("nyu-mll/glue", "mnli"),
         hub_splits={"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
         aliases={"premise": ("sentence1",), "hypothesis": ("sentence2",), "label": ("gold_label",)},
-        recipes={"bert": "mnli-bert-mini", "t5": "mnli-t5-mini", "gpt": "mnli-gpt-mini"}),
+        recipes={"bert": "mnli-bert-mini", "t5": "mnli-t5-mini", "gpt": "mnli-gpt-mini"},
+        cloze_words=("yes", "maybe", "no")),
 }

@@ -126,6 +126,19 @@ def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[T
 READERS = {"t5": Seq2SeqReader, "gpt": DecoderReader}
 
 
+def fit_input(encode, texts: tuple[str, ...], budget: int) -> list[int]:
+    """encode(texts) -> ids, with the longest text shortened word by word until they fit `budget`
+    tokens (the end of the input, where a prompt's cue is, is kept)."""
+    texts = list(texts)
+    while True:
+        ids = encode(tuple(texts))
+        words = [t.split() for t in texts]
+        longest = max(range(len(texts)), key=lambda i: len(words[i]))
+        if len(ids) <= budget or len(words[longest]) <= 1:
+            return ids[-budget:]
+        texts[longest] = " ".join(words[longest][: max(1, len(words[longest]) - max(1, len(ids) - budget))])
+
+
 class TextHead(Head):
     """Label words scored by a T5 or GPT: no trainable head; the whole model learns (or, k-shot, nothing).
 
@@ -157,16 +170,8 @@ class TextHead(Head):
         return ids
 
     def fit(self, texts: tuple[str, ...], budget: int) -> list[int]:
-        """The question's ids, its longest text shortened word by word until it fits `budget` tokens."""
-        texts = list(texts)
         make = prompts.question if self.cue else prompts.input_text
-        while True:
-            ids = self.reader.query(make(self.task, self.fields, tuple(texts)))
-            words = [t.split() for t in texts]
-            longest = max(range(len(texts)), key=lambda i: len(words[i]))
-            if len(ids) <= budget or len(words[longest]) <= 1:
-                return ids[-budget:]
-            texts[longest] = " ".join(words[longest][: max(1, len(words[longest]) - max(1, len(ids) - budget))])
+        return fit_input(lambda t: self.reader.query(make(self.task, self.fields, t)), texts, budget)
 
     def source(self, rows: list, train: bool) -> ExampleSource:
         examples = [(self.prompt(texts), y) for texts, y in rows]

@@ -1,0 +1,71 @@
+"""`tfcli compare`: budgets and cell names; a grid of two strategies writes its table, CSV and chart;
+run again, a half-finished grid runs only what is missing (a finished cell is not run again, an
+interrupted one resumes from its checkpoint)."""
+from __future__ import annotations
+
+import csv
+import shutil
+
+import pytest
+
+from tfcli import compare
+from tfcli.errors import UserError
+
+from .conftest import invoke
+
+
+@pytest.mark.parametrize("text, kind, amount", [("500steps", "steps", 500), ("10000ex", "examples", 10000),
+                                                ("10m", "minutes", 10), ("1.5h", "minutes", 90), ("2epochs", "epochs", 2)])
+def test_budgets(text, kind, amount):
+    assert compare.parse_budget(text) == compare.Budget(kind, amount)
+
+
+@pytest.mark.parametrize("text", ["10", "fast", "0steps", "-3m"])
+def test_a_bad_budget_is_one_line(text):
+    with pytest.raises(UserError, match="--budget"):
+        compare.parse_budget(text)
+
+
+def test_cell_names_are_unique_and_readable():
+    names = compare.unique_slugs(["runs/a/bert", "runs/b/bert", "hf/minilm"])
+    assert names == {"runs/a/bert": "a-bert", "runs/b/bert": "b-bert", "hf/minilm": "hf-minilm"}
+
+
+def test_unknown_strategies_and_missing_tasks_are_refused():
+    with pytest.raises(UserError, match="unknown strategy 'prefix'"):
+        compare.load_grid(None, "mnli", "x", "all,prefix", None, None, None, [])
+    with pytest.raises(UserError, match="name the task"):
+        compare.load_grid(None, None, "x", "all", None, None, None, [])
+
+
+def study(hf_bert, mnli_dir, out):
+    return invoke("compare", "--task", "mnli", "--from", hf_bert, "--train", "head,lora", "--budget", "4steps",
+                  "--data", mnli_dir, "--lr", "head=1e-3", "--out", out, "--set", "train.batch_size=4",
+                  "--set", "train.ckpt_interval=2", "--set", "train.keep_checkpoints=5", "--set", "finetune.eval_limit=6")
+
+
+def test_compare_tabulates_a_grid_and_finishes_a_half_finished_one(hf_bert, mnli_dir, tmp_path):
+    out = tmp_path / "study"
+    result = study(hf_bert, mnli_dir, out)
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["train"] for r in rows] == ["head", "lora"] and all(r["status"] == "done" for r in rows)
+    head, lora = rows
+    assert 0 < int(head["trained_params"]) < int(lora["trained_params"]) < int(lora["total_params"])
+    assert float(head["peak_mem_mb"]) > 0 and float(lora["dev_matched_acc"]) >= 0
+    assert (out / "results.png").stat().st_size > 0 and "| lora |" in (out / "results.md").read_text()
+
+    # half-finished: the lora cell interrupted after its step-2 checkpoint; the head cell done
+    lora_run = next((out / "cells").glob("*-lora"))
+    (lora_run / "eval.json").unlink()
+    shutil.rmtree(lora_run / "checkpoints" / "step-0000004")
+    (lora_run / "checkpoints" / "latest").write_text("step-0000002")
+    (lora_run / "checkpoints" / "best").write_text("step-0000002")
+    head_eval = next((out / "cells").glob("*-head")) / "eval.json"
+    before = head_eval.stat().st_mtime_ns
+    result = study(hf_bert, mnli_dir, out)
+    assert result.exit_code == 0, result.output
+    assert head_eval.stat().st_mtime_ns == before  # not run again
+    commands = [line for line in (out / "logs" / f"{lora_run.name}.log").read_text().splitlines() if line.startswith("$ ")]
+    assert len(commands) == 2 and "--resume" not in commands[0] and "--resume" in commands[1]
+    assert (lora_run / "eval.json").is_file() and (lora_run / "checkpoints" / "step-0000004").is_dir()

@@ -1,0 +1,59 @@
+"""Hub ids for --from and --checkpoint: read from the local Hugging Face cache when offline, refused
+in one line naming the cache when neither the cache nor the hub has them."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tfcli import hub
+from tfcli.errors import UserError
+
+from .conftest import invoke
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch, hf_bert):
+    """A Hugging Face cache holding acme/tiny-bert (as snapshot_download lays it out), offline."""
+    constants = pytest.importorskip("huggingface_hub").constants
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-bert"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(hf_bert, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repo / "snapshots" / commit
+
+
+def test_a_hub_id_resolves_from_the_cache_offline(hf_cache):
+    assert hub.resolve("acme/tiny-bert") == hf_cache
+
+
+def test_an_uncached_hub_id_offline_is_one_line_naming_the_cache(hf_cache):
+    with pytest.raises(UserError, match=r"--from acme/absent: not a local path, and not in the Hugging Face cache .*hub"):
+        hub.resolve("acme/absent")
+
+
+def test_an_unreachable_hub_is_one_line(hf_cache, monkeypatch):
+    constants = pytest.importorskip("huggingface_hub").constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(UserError, match="the hub did not give it"):
+        hub.resolve("acme/absent")
+
+
+def test_local_paths_win_and_missing_ones_are_named(tmp_path):
+    assert hub.resolve(str(tmp_path)) == tmp_path
+    with pytest.raises(UserError, match="not found"):
+        hub.resolve(str(tmp_path / "nothing" / "here"))
+
+
+def test_finetune_from_a_cached_hub_id(hf_cache, mnli_dir, tmp_path):
+    result = invoke("finetune", "mnli", "--from", "acme/tiny-bert", "--data", mnli_dir, "--steps", 2, "--batch-size", 4,
+                    "--out", tmp_path / "run", "--set", "finetune.eval_limit=6", "--quiet")
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["from"] == str(hf_cache.resolve())

@@ -1,0 +1,159 @@
+"""What a finetuning run trains: everything, the head only, or a parameter-efficient subset, for every
+family and task through one module.
+
+`--train` (finetune.train):
+  all     every parameter
+  head    the task's head only (the backbone frozen: a linear probe)
+  lora    low-rank updates of named linears (Hu et al. 2021): y = W x + (alpha / r) B A dropout(x)
+  ia3     learned scales of keys, values and the MLP's inner activations (Liu et al. 2022), init 1
+  bitfit  biases and norms only (Ben Zaken et al. 2021; T5 has no biases: its norms)
+
+Targets name the parts of the shared transformer block, the same in every family: q, k, v (the
+fused self-attention projection `attn.qkv` and cross-attention's `q` / fused `kv` are split into
+their parts, as litgpt's LoRAQKVLinear does), o (the attention output), up, gate, down (the MLP).
+At initialisation an adapted model computes exactly what the base model does; `merge` folds the
+adapters back into plain linears (export writes a plain transformers model).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import UserError
+from .recipe import AdapterConfig
+
+def linear_parts(name: str, module: nn.Linear) -> Optional[tuple[str, ...]]:
+    """The parts a block's linear holds, in output order (None for a linear outside the blocks)."""
+    leaf, parent = name.rsplit(".", 1)[-1], name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if parent in ("attn", "cross_attn"):
+        return {"qkv": ("q", "k", "v"), "kv": ("k", "v"), "q": ("q",), "out": ("o",)}.get(leaf)
+    if parent == "mlp":
+        return {"up": ("up",), "gate": ("gate",), "down": ("down",)}.get(leaf)
+    return None
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear plus rank-r updates of the chosen parts of its output (zero at init: B = 0)."""
+
+    def __init__(self, base: nn.Linear, parts: tuple[str, ...], targets: tuple[str, ...], cfg: AdapterConfig):
+        super().__init__()
+        self.base, self.parts = base, parts
+        self.width = base.out_features // len(parts)
+        self.enabled = [p in targets for p in parts]
+        self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
+        n = sum(self.enabled)
+        self.lora_a = nn.Parameter(torch.empty(n, cfg.rank, base.in_features))  # (parts, r, D_in)
+        self.lora_b = nn.Parameter(torch.zeros(n, self.width, cfg.rank))  # (parts, W, r)
+        nn.init.kaiming_uniform_(self.lora_a.view(-1, base.in_features), a=math.sqrt(5))
+
+    def delta_weight(self) -> Tensor:
+        """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
+        updates = iter(self.scale * torch.bmm(self.lora_b, self.lora_a))  # (parts, W, D_in)
+        zeros = self.base.weight.new_zeros(self.width, self.base.in_features)
+        return torch.cat([next(updates) if on else zeros for on in self.enabled], dim=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base(x)  # (..., out)
+        h = torch.einsum("...i,pri->...pr", self.drop(x), self.lora_a)  # (..., parts, r)
+        d = torch.einsum("...pr,pwr->...pw", h, self.lora_b) * self.scale  # (..., parts, W)
+        rows = iter(d.unbind(-2))
+        return out + torch.cat([next(rows) if on else out.new_zeros(*out.shape[:-1], self.width)
+                                for on in self.enabled], dim=-1)
+
+    def merged(self) -> nn.Linear:
+        with torch.no_grad():
+            self.base.weight += self.delta_weight().to(self.base.weight.dtype)
+        return self.base
+
+
+class IA3Linear(nn.Module):
+    """A frozen linear whose chosen output parts (keys, values) or inputs (the MLP's `down`) are
+    scaled by learned vectors, ones at init."""
+
+    def __init__(self, base: nn.Linear, parts: tuple[str, ...], on_input: bool):
+        super().__init__()
+        self.base, self.on_input = base, on_input
+        if on_input:
+            self.ia3 = nn.Parameter(torch.ones(base.in_features))
+        else:
+            self.width = base.out_features // len(parts)
+            self.enabled = [p in ("k", "v") for p in parts]
+            self.ia3 = nn.Parameter(torch.ones(sum(self.enabled), self.width))
+
+    def scale_vector(self) -> Tensor:
+        if self.on_input:
+            return self.ia3
+        rows = iter(self.ia3)
+        ones = self.ia3.new_ones(self.width)
+        return torch.cat([next(rows) if on else ones for on in self.enabled])  # (out,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.on_input:
+            return self.base(x * self.ia3)
+        s = self.scale_vector()
+        bias = self.base.bias
+        return F.linear(x, self.base.weight * s[:, None], bias * s if bias is not None else None)
+
+    def merged(self) -> nn.Linear:
+        with torch.no_grad():
+            if self.on_input:
+                self.base.weight *= self.ia3[None, :]
+            else:
+                s = self.scale_vector()
+                self.base.weight *= s[:, None]
+                if self.base.bias is not None:
+                    self.base.bias *= s
+        return self.base
+
+
+def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
+    """Swap adapters into the model's block linears (lora, ia3) and freeze what the method does not
+    train; return how many linears were adapted. The caller keeps the task's heads trainable."""
+    if method == "all":
+        return 0
+    model.requires_grad_(False)
+    if method == "head":
+        return 0
+    if method == "bitfit":
+        for m in model.modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                m.requires_grad_(True)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.requires_grad_(True)
+        return 0
+    cfg = cfg or AdapterConfig()
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = linear_parts(name, module)
+        if parts is None:
+            continue
+        if method == "lora" and set(parts) & set(cfg.targets):
+            _replace(model, name, LoRALinear(module, parts, cfg.targets, cfg))
+            count += 1
+        elif method == "ia3" and (set(parts) & {"k", "v"} or parts == ("down",)):
+            _replace(model, name, IA3Linear(module, parts, on_input=parts == ("down",)))
+            count += 1
+    if not count:
+        raise UserError(f"--train {method}: no {', '.join(cfg.targets)} projections in this model to adapt")
+    return count
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its linear, leaving a plain model (for export)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (LoRALinear, IA3Linear)):
+            _replace(model, name, module.merged())
+    return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    new.train(model.training)  # an adapter swapped into a model in eval mode is in eval mode (no dropout)
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
