@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-data clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ test: install
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+bench-data: install
+	$(BIN)/python -m benchmarks data
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,4 +1,5 @@
-"""Data: sources, tokenizers, cached tokenization, packing and the resumable sampler."""
+"""Data: sources read as streams, tokenizers, token stores (cached, memory-mapped, made by worker
+processes), the held-out split on the mapped stream, and document-aware packing."""
 from __future__ import annotations
 
 import json
@@ -6,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from tfcli.data import packing
-from tfcli.data.sources import builtin_documents, load_documents
+from tfcli.data import documents, packing, store, tokenize_worker
+from tfcli.data.documents import open_source
+from tfcli.data.sources import builtin_documents
 from tfcli.data.tokenizers import TextTokenizer, build_tokenizer, load_tokenizer_files
 from tfcli.errors import UserError
 
@@ -27,14 +29,14 @@ def test_local_formats_globs_and_directories(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": ["parquet row"]}), tmp_path / "d.parquet")
-    texts = sorted(load_documents(str(tmp_path / "a.txt"))["text"])
+    texts = list(open_source(str(tmp_path / "a.txt")).documents())
     assert texts == ["first document\nwith two lines"]  # a text file is one document, newlines kept
-    texts = sorted(load_documents(f"{tmp_path}/*.jsonl,{tmp_path}/c.csv,{tmp_path}/d.parquet", "body")["text"])
+    texts = sorted(open_source(f"{tmp_path}/*.jsonl,{tmp_path}/c.csv,{tmp_path}/d.parquet", "body").documents())
     assert texts == ["csv row", "json row one", "parquet row", "two"]
     sub = tmp_path / "dir" / "nested"
     sub.mkdir(parents=True)
     (sub / "x.txt").write_text("nested text")
-    assert load_documents(str(tmp_path / "dir"))["text"] == ["nested text"]
+    assert list(open_source(str(tmp_path / "dir")).documents()) == ["nested text"]
 
 
 @pytest.mark.parametrize("source,message", [
@@ -43,20 +45,20 @@ def test_local_formats_globs_and_directories(tmp_path):
 ])
 def test_missing_data_is_a_user_error(source, message):
     with pytest.raises(UserError, match=message):
-        load_documents(source)
+        open_source(source)
 
 
 def test_missing_text_field_names_the_columns(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(UserError, match="no 'text' field \\(columns: body\\)"):
-        load_documents(str(tmp_path / "a.jsonl"))
+        list(open_source(str(tmp_path / "a.jsonl")).documents())
 
 
 def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match="could not load Hugging Face dataset 'surely-not/here'"):
-        load_documents("hf:surely-not/here")
+        list(open_source("hf:surely-not/here").documents())
 
 
 def test_char_tokenizer_round_trips_text_with_newlines():
@@ -86,25 +88,65 @@ def test_bert_vocab_txt_loads(shared_data):
     assert tok.token_id("[CLS]") == 101 and tok.encode("the") == [1996]
 
 
-def test_tokenization_is_cached_between_runs(tmp_path, small_text, monkeypatch):
-    docs = load_documents(str(small_text))
-    tok = build_tokenizer("char", vocab_size=0, path="", lowercase=False, texts=docs["text"],
-                          specials=["<|endoftext|>"])
-    first = packing.token_stream(packing.tokenize(docs, tok))
+def char_tokenizer(text: str) -> TextTokenizer:
+    return build_tokenizer("char", vocab_size=0, path="", lowercase=False, texts=[text], specials=["<|endoftext|>"])
+
+
+def test_a_store_is_made_once_memory_mapped_and_holds_every_document(tmp_path, small_text, monkeypatch):
+    monkeypatch.setenv("TFCLI_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "docs").mkdir()
+    texts = [small_text.read_text()[:5000], "second document.", small_text.read_text()[5000:9000]]
+    for i, t in enumerate(texts):
+        (tmp_path / "docs" / f"{i}.txt").write_text(t)
+    source, tok = open_source(str(tmp_path / "docs")), char_tokenizer(small_text.read_text())
+    first = store.cached_store(source, tok, workers=1, quiet=True)
+    assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.uint16
+    expected = np.concatenate([tok.encode(t) + [tok.eos_id] for t in texts])
+    assert np.array_equal(first.tokens, expected) and first.n_docs == 3
+    assert first.doc_ends.tolist() == np.cumsum([len(t) + 1 for t in texts]).tolist()
     calls = []
-    original = TextTokenizer.encode_batch
-    monkeypatch.setattr(TextTokenizer, "encode_batch", lambda self, t: calls.append(1) or original(self, t))
-    again = packing.token_stream(packing.tokenize(load_documents(str(small_text)), tok))
-    assert calls == [] and np.array_equal(first, again)
-    assert first[-1] == tok.eos_id and len(first) == len(small_text.read_text()) + 1
+    monkeypatch.setattr(tokenize_worker, "encode", lambda batch: calls.append(1))
+    again = store.cached_store(open_source(str(tmp_path / "docs")), tok, workers=1, quiet=True)
+    assert calls == [] and again.root == first.root  # the same data and tokenizer: read from the cache
 
 
-def test_split_holds_out_the_tail():
-    stream = np.arange(1000)
-    train, val = packing.split_stream(stream, 0.1, seq_len=16)
-    assert np.array_equal(np.concatenate([train, val]), stream) and len(val) == 100
+def test_two_workers_make_the_same_store_as_one(tmp_path, small_text, monkeypatch):
+    monkeypatch.setattr(store, "BATCH_CHARS", 4000)  # many tasks, so both processes work
+    monkeypatch.setattr(documents, "PIECE_CHARS", 1500)  # a text file read in pieces
+    source, tok = open_source(str(small_text)), char_tokenizer(small_text.read_text())
+    one = store.prepare(source, tok, tmp_path / "one", workers=1, quiet=True)
+    two = store.prepare(source, tok, tmp_path / "two", workers=2, quiet=True)
+    assert np.array_equal(one.tokens, two.tokens) and np.array_equal(one.doc_ends, two.doc_ends)
+    whole = tok.encode(small_text.read_text()) + [tok.eos_id]  # pieces tokenize as the whole file
+    assert np.array_equal(one.tokens, whole) and one.n_docs == 1
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_sentence_store_keeps_sentence_and_document_boundaries(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "One two. Three four five!"}) + "\n" +
+                                      json.dumps({"text": "   "}) + "\n" + json.dumps({"text": "Six."}) + "\n")
+    tok = char_tokenizer("One two. Three four five! Six.")
+    s = store.prepare(open_source(str(tmp_path / "a.jsonl")), tok, tmp_path / "s", mode="sentences", eos=False,
+                      workers=1, quiet=True)
+    assert s.n_docs == 2 and s.sent_ends.tolist() == [8, 24, 28] and s.doc_sents.tolist() == [2, 3]
+    assert tok.decode(s.tokens[8:24].tolist()) == "Three four five!"
+
+
+def test_an_empty_corpus_leaves_no_store(tmp_path):
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(UserError, match="no text"):
+        store.prepare(open_source(str(tmp_path / "e.jsonl")), char_tokenizer("ab"), tmp_path / "s", workers=1, quiet=True)
+    assert not list(tmp_path.glob("*s*")) or not (tmp_path / "s").exists()
+
+
+def test_the_held_out_split_is_the_tail_of_the_mapped_stream(tmp_path, small_text):
+    tok = char_tokenizer(small_text.read_text())
+    s = store.prepare(open_source(str(small_text)), tok, tmp_path / "s", workers=1, quiet=True)
+    train, val = packing.split_stores(s, None, 0.1, block=16)
+    assert len(val) == int(len(s) * 0.1) and len(train) + len(val) == len(s)
+    assert np.array_equal(np.concatenate([train.tokens, val.tokens]), s.tokens)
     with pytest.raises(UserError, match="fewer than one block"):
-        packing.split_stream(np.arange(20), 0.1, seq_len=16)
+        packing.split_stores(s, None, 0.1, block=len(s))
 
 
 def test_unreachable_hub_fails_fast_in_one_line(monkeypatch):
@@ -115,5 +157,23 @@ def test_unreachable_hub_fails_fast_in_one_line(monkeypatch):
     monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(UserError, match="^could not load Hugging Face dataset 'wikitext:wikitext-2-raw-v1': "
                                         "the hub is unreachable from here; use local files instead") as e:
-        load_documents("hf:wikitext:wikitext-2-raw-v1")
+        list(open_source("hf:wikitext:wikitext-2-raw-v1").documents())
     assert "\n" not in str(e.value)
+
+
+def test_prepare_then_pretrain_on_the_store(tmp_path, small_text):
+    from .conftest import invoke, read_metrics
+
+    out = tmp_path / "owt"
+    result = invoke("prepare", "--data", small_text, "--tokenizer", "gpt2", "--out", out, "--workers", 2, "--quiet")
+    assert result.exit_code == 0, result.output
+    prepared = store.TokenStore.open(out)
+    assert prepared.tokens.dtype == np.uint16 and prepared.index["vocab_size"] == 50257 and (out / "tokenizer.json").is_file()
+    result = invoke("pretrain", "--data", out, "--steps", 2, "--out", tmp_path / "run", "--quiet",
+                    "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+                    "--set", "data.seq_len=32", "--set", "model.max_seq_len=32", "--set", "train.batch_size=2",
+                    "--set", "train.eval_batches=1")
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r.get("split") == "train"][-1] == 2
+    result = invoke("pretrain", "--objective", "mlm", "--data", out, "--steps", 1, "--out", tmp_path / "bert", "--quiet")
+    assert result.exit_code == 2 and "which BERT needs" in result.output  # a GPT-2 store cannot feed a BERT

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import yaml
+from pathlib import Path
 
 from .conftest import read_metrics, tiny_gpt_recipe
 
@@ -32,3 +33,86 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path, 
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     assert two.stdout.count("step      8/8") == 1  # and rank 0 alone prints
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["latest", "step-0000008"]
+
+
+def small_recipe(tmp_path, small_text, steps: int = 8, **train) -> "Path":
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": steps, "eval_interval": 4,
+                                                                        "ckpt_interval": 4, "keep_checkpoints": 5,
+                                                                        **train})))
+    return recipe
+
+
+def train_rows(run) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "train"}
+
+
+def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tmp_path, small_text):
+    """FSDP2 on 2 processes (gloo) at the global batch of one process: the same losses; its step-4
+    checkpoint resumed by one process, and a one-process checkpoint resumed under FSDP, continue them."""
+    import shutil
+
+    recipe = small_recipe(tmp_path, small_text)
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", "--batch-size", 4, "--quiet",
+               "--set", "train.strategy=fsdp", "--set", "train.activation_checkpointing=true"], nproc=2)
+    one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
+    assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    for name, source, nproc, extra in (("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
+                                       ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"])):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / source, run)
+        shutil.rmtree(run / "checkpoints" / "step-0000008")
+        (run / "checkpoints" / "latest").write_text("step-0000004")
+        run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
+        resumed = train_rows(run)
+        assert all(abs(resumed[s] - one[s]) < 1e-5 for s in range(5, 9)), (name, resumed, one)
+
+
+def cut_back(run, step: int) -> None:
+    """The run as if it had stopped right after its checkpoint at `step`."""
+    import shutil
+
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    (run / "checkpoints" / "latest").write_text(f"step-{step:07d}")
+
+
+def test_resume_on_another_number_of_processes_continues_the_same_global_batches(tmp_path, small_text):
+    """2 processes to step 4, then 1 process (grad_accum 2 keeps the global batch of 8) to step 8,
+    then 2 processes again to step 12: the losses of one uninterrupted process."""
+    recipe = small_recipe(tmp_path, small_text, steps=12)
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
+    run = tmp_path / "moving"
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", run, "--batch-size", 4, "--quiet"], nproc=2)
+    cut_back(run, 4)
+    result = run_tfcli(["pretrain", "--resume", run], nproc=1)
+    assert "train.grad_accum 1 -> 2 keeps the global batch of 8" in " ".join(result.stdout.split())
+    cut_back(run, 8)
+    run_tfcli(["pretrain", "--resume", run, "--quiet"], nproc=2)
+    one, moved = train_rows(tmp_path / "one"), train_rows(run)
+    assert sorted(moved) == list(range(1, 13))
+    assert all(abs(one[s] - moved[s]) < 1e-5 for s in one), (one, moved)
+
+
+def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
+    """Multi-node as torchrun does it: two 'nodes' of one process each meet at a c10d rendezvous on
+    127.0.0.1 and train like one process at the same global batch."""
+    import socket
+
+    recipe = small_recipe(tmp_path, small_text, steps=4)
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=tfcli-test",
+                               "-m", "tfcli", "pretrain", "--recipe", str(recipe), "--out", str(tmp_path / "two-nodes"),
+                               "--batch-size", "4", "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outputs
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two-nodes")
+    assert sorted(one) == sorted(two) and all(abs(one[s] - two[s]) < 1e-5 for s in one)

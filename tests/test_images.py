@@ -6,7 +6,6 @@ import pytest
 import torch
 from PIL import Image
 
-from tfcli.data import images as images_mod
 from tfcli.data import sources
 from tfcli.data.image_batches import ImageTransform
 from tfcli.data.images import ImageSet, as_uint8_rgb, load_images
@@ -70,10 +69,13 @@ def test_flat_folder_and_train_test_folders(tmp_path):
     flat = tmp_path / "flat"
     flat.mkdir()
     for i in range(10):
-        _write(flat / f"{i}.png", "RGB", size=(8 + i, 8))  # different sizes: kept as a list
+        _write(flat / f"{i}.png", "RGB", size=(8 + i, 8))  # different sizes
     s = load_images(str(flat), val_fraction=0.2, seed=1)
     assert s.train.labels is None and len(s.train) == 8 and len(s.test) == 2
-    assert isinstance(s.train.images, list)
+    from tfcli.data.images import LazyImages
+
+    assert isinstance(s.train.images, LazyImages)  # decoded when a batch asks, sizes known from the headers
+    assert [im.shape[:2] for im in s.train.images] == [tuple(hw) for hw in s.train.images.sizes]
     split = tmp_path / "split"
     for part in ("train", "test"):
         for c in ("a", "b"):

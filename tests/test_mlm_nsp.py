@@ -2,14 +2,15 @@
 statistics: test_sampler)."""
 import json
 
-import datasets
 import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from tfcli.cli import app
-from tfcli.data import segments
+from tfcli.data import segments, store
+from tfcli.data.documents import open_source
+from tfcli.data.tokenize_worker import split_sentences
 from tfcli.data.tokenizers import build_tokenizer
 from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS
 
@@ -17,25 +18,30 @@ from .conftest import read_metrics, tiny_bert_recipe
 
 
 @pytest.fixture(scope="module")
-def corpus(small_text):
+def corpus(small_text, tmp_path_factory):
+    """The first 400 paragraphs of the text, each a document, in a sentence store."""
     text = small_text.read_text()
-    docs = datasets.Dataset.from_dict({"text": [p for p in text.split("\n\n") if p.strip()][:400]})
+    root = tmp_path_factory.mktemp("corpus")
+    paragraphs = [p for p in text.split("\n\n") if p.strip()][:400]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     tok = build_tokenizer("wordpiece", vocab_size=600, path="", lowercase=True, texts=[text], specials=SPECIAL_TOKENS)
-    return segments.tokenize_sentences(docs, tok)
+    s = store.prepare(open_source(str(root / "docs.jsonl")), tok, root / "store", mode="sentences", eos=False,
+                      workers=1, quiet=True)
+    return segments.Corpus(s, 0, s.n_docs)
 
 
 def test_sentence_splitting():
-    assert segments.split_sentences("One. Two!  Three?\n\nFour\nstill four.") == ["One.", "Two!", "Three?",
-                                                                                "Four\nstill four."]
+    assert split_sentences("One. Two!  Three?\n\nFour\nstill four.") == ["One.", "Two!", "Three?", "Four\nstill four."]
 
 
 def test_nsp_is_balanced_and_isnext_pairs_are_truly_consecutive(corpus):
-    pairs = segments.sentence_pairs(corpus, 61, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    pairs = [segments.pair_at(corpus, at, 61, np.random.default_rng([0, at])) for at in
+             rng.integers(0, corpus.n_tokens, size=600)]
     labels = np.array([p[2] for p in pairs])
-    assert len(pairs) > 300
     assert abs(labels.mean() - 0.5) < 0.06
-    docs = [corpus.tokens[corpus.sent_start[r.start]: corpus.sent_start[r.stop]].tobytes()
-            for r in (corpus.doc_sentences(d) for d in range(corpus.n_docs))]
+    docs = [np.asarray(corpus.store.tokens[corpus.sentence_start(r.start): corpus.sentence_start(r.stop)],
+                       dtype=np.int64).tobytes() for r in (corpus.doc_sentences(d) for d in range(corpus.n_docs))]
     for a, b, label in pairs:
         assert len(a) >= 1 and len(b) >= 1 and len(a) + len(b) <= 61
         joined = np.concatenate([a, b]).tobytes()
@@ -46,12 +52,15 @@ def test_nsp_is_balanced_and_isnext_pairs_are_truly_consecutive(corpus):
     assert sum(any(j in d for d in docs) for j in not_next) < 0.02 * len(not_next)
 
 
-def test_full_segments_pack_whole_sentences(corpus):
-    segs = segments.full_segments(corpus, 40, sep_id=3)
-    assert all(len(s) <= 40 for s in segs)
-    assert np.mean([len(s) for s in segs]) > 25  # packed, not one sentence each
-    stream = np.concatenate(segs)
-    assert (stream != 3).sum() == len(corpus.tokens)  # every token used exactly once
+def test_full_segments_pack_whole_sentences_from_a_sentence_start(corpus):
+    starts = [corpus.sentence_start(s) for s in range(corpus.first_sentence, corpus.last_sentence)]
+    for at in np.random.default_rng(1).integers(0, corpus.n_tokens, size=200):
+        seg = segments.segment_at(corpus, int(at), 40, sep_id=3)
+        assert 0 < len(seg) <= 40
+        first = corpus.sentence_at(int(at))
+        assert np.array_equal(seg[: len(corpus.sentence(first))], corpus.sentence(first)[:40])  # begins a sentence
+    lengths = [len(segments.segment_at(corpus, int(at), 40, 3)) for at in range(0, corpus.n_tokens, 40)]
+    assert np.mean(lengths) > 25 and len(starts) > 100  # packed, not one sentence each
 
 
 def _tiny_bert_recipe(data, nsp=True) -> dict:

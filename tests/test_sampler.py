@@ -16,10 +16,16 @@ IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 
 def pair_source(seed=0) -> PairSource:
-    """MLM segments of random lengths (a new draw each epoch), masked per example."""
-    def build(rng):
-        return [rng.integers(5, 300, size=int(rng.integers(5, 30))) for _ in range(50)]
-    return PairSource(build, IDS, Masker(4, [0, 1, 2, 3, 4], 300), seed)
+    """MLM+NSP pairs from a store of 40 documents of random sentences, masked per example."""
+    from types import SimpleNamespace
+
+    from tfcli.data.segments import Corpus
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 15, size=400)  # 400 sentences, 10 to a document
+    tokens = rng.integers(5, 300, size=int(lengths.sum())).astype(np.uint16)
+    fake = SimpleNamespace(tokens=tokens, sent_ends=np.cumsum(lengths), doc_sents=np.arange(10, 401, 10), n_docs=40)
+    return PairSource(Corpus(fake, 0, 40), 30, True, 0.1, IDS, Masker(4, [0, 1, 2, 3, 4], 300), seed)
 
 
 def images() -> ImageSource:

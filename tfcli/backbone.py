@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from . import adapters, checkpoint, hf
 from . import recipe as recipes
 from .data.sources import cache_dir
+from .data.store import is_store
 from .data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
 from .display import phase
 from .errors import UserError
@@ -183,6 +184,8 @@ def shared_tokenizer(recipe, plugin, rt: Runtime) -> TextTokenizer:
     same data gives the same vocabulary again (tokenizers' trainers break ties differently in every
     process, huggingface/tokenizers#1794), and without training it again."""
     cfg, specials, tok = recipe.tokenizer, plugin.special_tokens(recipe.model.family), None
+    if is_store(recipe.data.source):  # a prepared store brings the tokenizer it was made with
+        cfg = recipes.replace(cfg, kind="file", path=str(Path(recipe.data.source) / TOKENIZER_FILE))
     if rt.is_main:
         key = plugin.tokenizer_key(recipe) if cfg.kind != "file" else None
         cached = cache_dir() / "tokenizers" / f"{hashlib.sha256(f'{key}|{cfg}|{specials}'.encode()).hexdigest()[:20]}.json"

@@ -30,7 +30,7 @@ TRAINING = {"allow_extra_args": True, "ignore_unknown_options": True}  # bare ke
 SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable; a bare optim.lr=3e-4 works too)."
 SEED = typer.Option(None, help="Random seed [default: the recipe's train.seed; 0 for eval].")
 DEVICE = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: the recipe's train.device; auto].")
-PRECISION = typer.Option(None, help="fp32 | bf16 [default: the recipe's train.precision].")
+PRECISION = typer.Option(None, help="auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 [default: the recipe's train.precision].")
 QUIET = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary.")
 CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
 
@@ -185,6 +185,45 @@ def pretrain(
             raise UserError("--no-nsp applies to --objective mlm only")
         rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
     run_training(rec, None, out, resume_dir, quiet)
+
+
+@app.command()
+@user_errors
+def prepare(
+    data: str = typer.Option(..., help="Documents: builtin, files/globs/dirs (comma-separated), or hf:name[:config[:split]]."),
+    tokenizer: str = typer.Option(..., help="gpt2 or bert-base-uncased (shipped), a tokenizer.json or a directory of tokenizer files, or a tfcli run."),
+    out: Path = typer.Option(..., help="The store's directory (new or empty)."),
+    objective: str = typer.Option("clm", help="What it is for: clm and span store a token stream; mlm and electra store sentences."),
+    workers: int = typer.Option(0, help="Tokenizing processes [default: one per core, at most 8]."),
+    text_field: str = typer.Option("text", help="The column holding the text in JSON Lines, CSV and parquet files."),
+    paragraphs: bool = typer.Option(False, "--paragraphs", help="mlm/electra: every blank-line paragraph is a document."),
+    quiet: bool = QUIET,
+):
+    """Tokenize a corpus once, in parallel, to a memory-mapped store; `pretrain --data OUT` trains on it."""
+    from .data.documents import open_source
+    from .data.store import prepare as prepare_store
+    from .data.tokenizers import load_tokenizer_files
+    from .display import configure, console
+    from .driver import new_run_dir
+
+    import torch
+
+    from .runtime import Runtime
+
+    configure(not quiet)
+    plugin = registry.plugin_class("objective", objective)(Runtime(torch.device("cpu")), quiet)
+    if "vit" in plugin.families:
+        raise UserError(f"--objective {objective}: images are read as they are; prepare is for text")
+    specials = plugin.special_tokens(plugin.families[0])
+    out = new_run_dir(recipes.load(plugin.default_recipe()), out)
+    source = tokenizer if "/" in tokenizer or Path(tokenizer).exists() else f"builtin:{tokenizer}"
+    tok = load_tokenizer_files(source, specials)
+    sentences = objective in ("mlm", "electra")
+    store = prepare_store(open_source(data, text_field), tok, out, workers=workers, quiet=quiet,
+                          mode=("paragraphs" if paragraphs else "sentences") if sentences else "text", eos=not sentences)
+    if not quiet:
+        console.print(f"train on it:  tfcli pretrain --objective {objective} --data {out}"
+                      f"  ({len(store):,} tokens, {store.index['dtype']})")
 
 
 def task_target(name: str) -> tuple[str, dict, dict]:

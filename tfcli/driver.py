@@ -26,8 +26,8 @@ from .display import console
 from .errors import UserError
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
-from .runtime import Runtime, setup_runtime, teardown
-from .train import ObjectiveModule, Trainer, build_optimizer
+from .runtime import Runtime, resolve_precision, setup_runtime, teardown
+from .train import ObjectiveModule, Trainer
 
 
 @dataclass
@@ -52,8 +52,12 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     t = req.recipe.train
     rt = setup_runtime(t.device, t.threads, t.strategy)
     display.configure(rt.is_main and not req.quiet)
+    req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
     try:
         plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
+        if req.recipe.data.streaming and not plugin.streaming:
+            raise UserError(f"data.streaming: {plugin.kind} {plugin.key!r} reads its data whole; streaming is for "
+                            f"clm and span (for a large corpus, tfcli prepare it once and train on the store)")
         run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
         ckpt = resume_point(req.resume)
         source = str(hub.resolve(req.source)) if req.source else \
@@ -67,8 +71,9 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         if recipe.finetune is not None:
             adapters.apply(backbone.model, recipe.finetune.train, recipe.adapter)
         module = ObjectiveModule(backbone.model, job.heads, job.loss)
-        trainer = Trainer(module, job, recipe, run_dir, rt, build_optimizer(module, recipe), req.quiet,
-                          partial=saves_partial(recipe, source))
+        if ckpt is not None:
+            recipe = keep_global_batch(recipe, ckpt, rt)
+        trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
         if ckpt is not None:
             trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
         with run_lock(run_dir, rt):
@@ -82,6 +87,31 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     if rt.is_main:
         plugin.report(recipe, run_dir)
     return run_dir, plugin
+
+
+def keep_global_batch(recipe: Recipe, ckpt: Path, rt: Runtime) -> Recipe:
+    """A run resumed on another number of processes keeps its global batch (batch_size x grad_accum x
+    processes) by changing grad_accum when it can, so the same data order gives the same steps."""
+    meta = checkpoint.read_meta(ckpt)
+    before, processes, t = meta.get("global_batch"), meta.get("processes"), recipe.train
+    now = t.batch_size * t.grad_accum * rt.world_size
+    if before is None or processes == rt.world_size or before == now:
+        return recipe
+    per_step = t.batch_size * rt.world_size
+    if before % per_step == 0:
+        accum = before // per_step
+        if rt.is_main:
+            console.print(f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): "
+                          f"train.grad_accum {t.grad_accum} -> {accum} keeps the global batch of {before}")
+        return recipe_with(recipe, "train", grad_accum=accum)
+    if rt.is_main:
+        console.print(f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): the global batch "
+                      f"changes from {before} to {now} (not a multiple of batch_size x processes); the data order continues")
+    return recipe
+
+
+def recipe_with(recipe: Recipe, section: str, **values) -> Recipe:
+    return recipes.replace(recipe, **{section: recipes.replace(getattr(recipe, section), **values)})
 
 
 def saves_partial(recipe: Recipe, source: Optional[str]) -> bool:
@@ -120,7 +150,7 @@ def resolve_schedule(recipe: Recipe, job: Job, rt: Runtime) -> Recipe:
     if ft is not None and ft.epochs > 0:
         per_step = t.batch_size * t.grad_accum * rt.world_size
         steps = max(1, math.ceil(ft.epochs * job.examples / per_step))
-        recipe = recipes.replace(recipe, train=recipes.replace(t, steps=steps))
+        recipe = recipe_with(recipe, "train", steps=steps)
     if ft is not None and ft.warmup_fraction > 0:
         warmup = max(1, round(ft.warmup_fraction * recipe.train.steps))
         recipe = recipes.replace(recipe, schedule=recipes.replace(recipe.schedule, warmup_steps=warmup))
@@ -220,7 +250,7 @@ def evaluate(path: Path, key: Optional[str], settings: dict[str, Any], options: 
     kind = "objective" if key in registry.OBJECTIVES else "task"
     recipe = as_plugin(recipe, kind, key, settings)
     if options.precision:
-        recipe = recipes.replace(recipe, train=recipes.replace(recipe.train, precision=options.precision))
+        recipe = recipe_with(recipe, "train", precision=options.precision)
     plugin = make_plugin(kind, key, rt, options.quiet)
     if backbone.family not in plugin.families:
         raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; `eval {key}` needs "
@@ -243,7 +273,7 @@ def evaluate_pretrained(path: Path, key: Optional[str], settings: dict[str, Any]
     raw = recipes.load_raw(default_recipes[family])
     recipe = recipes.from_dict({**raw, key: {**(raw.get(key) or {}), **settings}})
     if options.precision:
-        recipe = recipes.replace(recipe, train=recipes.replace(recipe.train, precision=options.precision))
+        recipe = recipe_with(recipe, "train", precision=options.precision)
     backbone = backbones.from_hf(path, plugin.special_tokens(family))
     backbone.model.to(rt.device).eval()
     backbone.checkpoint = path

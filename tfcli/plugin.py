@@ -72,6 +72,7 @@ class Plugin:
     Config: ClassVar[Optional[type]] = None  # its recipe section (named like the key), if any
     recipes: ClassVar[dict[str, str]] = {}  # family -> its default recipe (the first: the plug-in's)
     describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
+    streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
 
     def __init__(self, rt: Runtime, quiet: bool = False):
         self.rt, self.quiet = rt, quiet

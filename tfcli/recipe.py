@@ -66,10 +66,16 @@ class DataConfig:
     val_source: str = ""  # optional separate held-out data instead of val_fraction
     seq_len: int = 256  # tokens per example (finetuning: the longest input)
     sampling: Literal["blocks", "windows"] = "blocks"  # shuffled non-overlapping blocks | random windows
+    document_mask: bool = False  # packed blocks: attend within a document only, positions restart per document
+    workers: int = 0  # tokenizing processes (0: one per core, at most 8)
+    streaming: bool = False  # read the documents as a stream (no store), shuffled through a buffer
+    shuffle_buffer: int = 10_000  # examples in the streaming shuffle buffer
 
     def __post_init__(self):
         require(0 <= self.val_fraction < 1, "data.val_fraction", "in [0, 1)", self.val_fraction)
         require(self.seq_len >= 2, "data.seq_len", ">= 2", self.seq_len)
+        require(self.workers >= 0, "data.workers", ">= 0 (0: one per core)", self.workers)
+        require(self.shuffle_buffer >= 1, "data.shuffle_buffer", ">= 1", self.shuffle_buffer)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class TrainConfig:
     batch_size: int = 16  # per process; the global batch is batch_size * grad_accum * processes
     grad_accum: int = 1
     clip_grad: float = 1.0  # 0 disables clipping
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPUs that have it, else fp32
     seed: int = 1337
     log_interval: int = 10
     eval_interval: int = 250
@@ -112,7 +118,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    strategy: Literal["auto", "none", "ddp"] = "auto"  # auto: DDP under torchrun, else none
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: DDP under torchrun, else none; fsdp: FSDP2
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    prefetch: int = 2  # batches built ahead in a background thread (0: on the main thread, between steps)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of model + loss; auto: on CUDA only
     skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
     loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
     max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
@@ -126,6 +135,7 @@ class TrainConfig:
         require(self.threads >= 0, "train.threads", ">= 0", self.threads)
         require(self.skip_nonfinite >= 0, "train.skip_nonfinite", ">= 0", self.skip_nonfinite)
         require(self.max_time >= 0, "train.max_time", ">= 0 minutes (0: no limit)", self.max_time)
+        require(self.prefetch >= 0, "train.prefetch", ">= 0 (0: no prefetching)", self.prefetch)
         require(set(self.loggers) <= {"csv", "tensorboard", "wandb"}, "train.loggers", "some of csv, tensorboard, wandb",
                 list(self.loggers))
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",

@@ -1,8 +1,13 @@
 """Where a run executes: the device, this process's rank, and the distribution strategy.
 
-The trainer never names DDP itself: it asks the strategy to wrap the module, to say whether a
-micro-batch synchronises gradients, to clip, and for the state dict to save. `none` (one process)
-and `ddp` are here; another strategy is one more class with the same five methods.
+The trainer never names DDP or FSDP itself: it asks the strategy to wrap the module, to say whether
+a micro-batch synchronises gradients, to clip, and for the weights and optimizer state to save or
+load. `none` (one process), `ddp` and `fsdp` (FSDP2's fully_shard) are here; another strategy is
+one more class with the same methods.
+
+Every strategy saves the same thing: the full weights and the optimizer state keyed by parameter
+name (torch.distributed.checkpoint's full state dicts), so a checkpoint written by one process,
+by DDP or by FSDP resumes under any of them, on any number of processes.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from .errors import UserError
 
@@ -22,7 +29,7 @@ class Strategy:
 
     name = "none"
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         return module
 
     def sync_gradients(self, wrapped: nn.Module, sync: bool):
@@ -36,8 +43,19 @@ class Strategy:
         """The full (unsharded) weights, as every rank's copy of the module holds them."""
         return module.state_dict()
 
-    def load_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
-        module.load_state_dict(state)
+    def load_state_dict(self, module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+        module.load_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state keyed by parameter name (the same for every strategy)."""
+        return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if any(isinstance(k, int) for k in state.get("state", {})) or \
+                any(isinstance(p, int) for g in state.get("param_groups", []) for p in g["params"]):
+            optimizer.load_state_dict(state)  # a checkpoint from before 0.3: keyed by position
+            return
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 class DDPStrategy(Strategy):
@@ -45,14 +63,61 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         return nn.parallel.DistributedDataParallel(module)
 
     def sync_gradients(self, wrapped: nn.Module, sync: bool):
         return contextlib.nullcontext() if sync else wrapped.no_sync()
 
 
-STRATEGIES = {"none": Strategy, "ddp": DDPStrategy}
+class FSDPStrategy(Strategy):
+    """FSDP2 (fully_shard): every transformer block, then the whole module, sharded over the
+    processes; parameters gathered for each block's forward and backward, gradients reduce-scattered.
+    With bf16 on a GPU, blocks compute in bf16 and reduce gradients in fp32 (MixedPrecisionPolicy).
+    Checkpoints hold the full weights and optimizer state, gathered to rank 0."""
+
+    name = "fsdp"
+    FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from .models.blocks import Block
+
+        cuda = next(module.parameters()).device.type == "cuda"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16" and cuda else MixedPrecisionPolicy()
+        for block in [m for m in module.modules() if isinstance(m, Block)]:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        return module
+
+    @contextlib.contextmanager
+    def sync_gradients(self, wrapped: nn.Module, sync: bool):
+        wrapped.set_requires_gradient_sync(sync)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> Tensor:
+        norm = nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        return get_model_state_dict(module, options=self.FULL)  # full on rank 0, empty elsewhere
+
+    def load_state_dict(self, module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return get_optimizer_state_dict(module, optimizer, options=self.FULL)
+
+    def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy}
 
 
 @dataclass
@@ -70,7 +135,7 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or dist.is_initialized()
 
     def barrier(self) -> None:
         if self.distributed:
@@ -103,9 +168,17 @@ class Runtime:
             dist.barrier()
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """auto: bf16 autocast on a GPU that supports it (fp32 master weights), fp32 everywhere else
+    (a CPU without bf16 hardware only gets slower with it)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def autocast_context(precision: str, device: torch.device):
     """bf16 autocast (fp32 master weights) or nothing."""
-    if precision == "bf16":
+    if resolve_precision(precision, device) == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -124,6 +197,8 @@ def pick_device(device: str = "auto", local_rank: int = 0, world: int = 1) -> to
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank if world > 1 else (dev.index or 0))
         torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
+        torch.backends.cudnn.allow_tf32 = True
     return dev
 
 
@@ -136,8 +211,11 @@ def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto"
     dev = pick_device(device, local, world)
     name = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
     if name == "none" and world > 1:
-        raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp or auto")
-    if world > 1 and not dist.is_initialized():
+        raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp, fsdp or auto")
+    if name == "fsdp" and "MASTER_ADDR" not in os.environ:
+        raise UserError("train.strategy fsdp runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
+                        "to continue in one process, add --set train.strategy=auto")
+    if (world > 1 or name == "fsdp") and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return Runtime(dev, rank, world, STRATEGIES[name]())
 

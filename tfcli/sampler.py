@@ -117,7 +117,62 @@ class Sampler:
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
+        if "epoch" not in state:
+            raise UserError("this checkpoint was written by a run that streamed its data; resume it with data.streaming true")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class Stream:
+    """A source read in order rather than indexed (a streamed dataset): it hands out the next examples
+    of the global stream, builds batches from them, and saves its own position."""
+
+    def next_examples(self, n: int) -> list:
+        raise NotImplementedError
+
+    def batch(self, examples: list, rngs: list) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+STREAM_EPOCH = 2**30  # the epoch number in streamed examples' random streams
+
+
+class StreamSampler:
+    """The Sampler's counterpart for a Stream: every rank reads the global batch of batch_size x
+    processes and keeps its slice; example k of the stream draws from (seed, STREAM_EPOCH, k)."""
+
+    def __init__(self, stream: Stream, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.stream, self.batch_size, self.seed, self.rank, self.world_size = stream, batch_size, seed, rank, world_size
+        self.consumed = 0
+
+    def next_batch(self) -> dict[str, Tensor]:
+        examples = self.stream.next_examples(self.batch_size * self.world_size)
+        first = self.consumed + self.rank * self.batch_size
+        self.consumed += len(examples)
+        mine = examples[self.rank * self.batch_size: (self.rank + 1) * self.batch_size]
+        rngs = [np.random.default_rng([self.seed, STREAM_EPOCH, first + i]) for i in range(len(mine))]
+        return self.stream.batch(mine, rngs)
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "stream" not in state:
+            raise UserError("this checkpoint was written by a run that did not stream its data; "
+                            "resume it with data.streaming false")
+        self.consumed = int(state["consumed"])
+        self.stream.load_state_dict(state["stream"])
+
+
+def make_sampler(source, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    """The sampler for a plug-in's training data: indexed Sources and Streams alike."""
+    cls = StreamSampler if isinstance(source, Stream) else Sampler
+    return cls(source, batch_size, seed, rank, world_size)
 
 
 def sequential_batches(source: Source, batch_size: int, seed: int, max_batches: int = 0, rank: int = 0,

@@ -100,9 +100,9 @@ class ImageTransform:
 
 def check_images(images: ImageSet, patch_size: int, where: str) -> None:
     """Images smaller than one patch cannot be seen by a ViT: say so instead of training on them."""
-    sides = [min(im.shape[:2]) for im in (images.images[:1000] if isinstance(images.images, list) else [images.images[0]])]
-    if sides and min(sides) < patch_size:
-        raise UserError(f"{where}: images as small as {min(sides)}x{min(sides)} pixels, smaller than one "
+    side = images.min_side()
+    if len(images) and side < patch_size:
+        raise UserError(f"{where}: images as small as {side}x{side} pixels, smaller than one "
                         f"{patch_size}x{patch_size} patch of the model")
 
 

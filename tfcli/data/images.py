@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import UserError
-from .sources import load_hub_dataset
+from .sources import load_hub_dataset, quiet_datasets
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MAX_SIDE = 512  # larger images are shrunk on load (keeps memory bounded; crops are small anyway)
@@ -25,11 +25,31 @@ BUILTIN_PHOTOS = ["astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "m
 BUILTIN_TILE = 64
 
 
+class LazyImages:
+    """Images decoded when a batch asks for them (an image folder or a Hugging Face split): only the
+    file list (or the dataset's memory-mapped Arrow table) is held, whatever the number of images.
+    `sizes` are (height, width) read from the files' headers, for checks that need no pixels."""
+
+    def __init__(self, read, count: int, sizes: np.ndarray, ids: Optional[np.ndarray] = None):
+        self.read, self.count, self.sizes = read, count, sizes  # read(i) -> uint8 (H, W, 3)
+        self.ids = np.arange(count) if ids is None else ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.read(int(self.ids[i]))
+
+    def take(self, idx: np.ndarray) -> "LazyImages":
+        return LazyImages(self.read, self.count, self.sizes[idx], self.ids[idx])
+
+
 @dataclass
 class ImageSet:
-    """Images as uint8 (H, W, 3) arrays (one stacked array when all share a size) and labels."""
+    """Images as uint8 (H, W, 3) arrays (one stacked array when all share a size, or LazyImages
+    decoded per batch) and labels."""
 
-    images: list | np.ndarray
+    images: list | np.ndarray | LazyImages
     labels: Optional[np.ndarray] = None  # int64 (N,)
     class_names: list[str] = field(default_factory=list)
 
@@ -38,9 +58,20 @@ class ImageSet:
 
     def take(self, idx) -> "ImageSet":
         idx = np.asarray(idx, dtype=np.int64)
-        images = self.images[idx] if isinstance(self.images, np.ndarray) else [self.images[i] for i in idx]
+        if isinstance(self.images, (np.ndarray, LazyImages)):
+            images = self.images[idx] if isinstance(self.images, np.ndarray) else self.images.take(idx)
+        else:
+            images = [self.images[i] for i in idx]
         labels = self.labels[idx] if self.labels is not None else None
         return ImageSet(images, labels, self.class_names)
+
+    def min_side(self) -> int:
+        """The smallest height or width among (the first thousand of) the images."""
+        if isinstance(self.images, LazyImages):
+            return int(self.images.sizes.min()) if len(self.images) else 0
+        if isinstance(self.images, np.ndarray):
+            return min(self.images.shape[1:3]) if len(self.images) else 0
+        return min((min(im.shape[:2]) for im in self.images[:1000]), default=0)
 
     def subset(self, n: int, seed: int = 0) -> "ImageSet":
         """A seeded random n of the images, in their order (files are often sorted by class, so
@@ -194,21 +225,45 @@ def _from_folder(root: Path) -> ImageSplits:
 
 
 def _read_folder(root: Path, class_names: Optional[list[str]]) -> tuple[ImageSet, int]:
+    """The folder's images, checked now (headers and integrity, never pixels) and decoded per batch;
+    unreadable files are left out and counted."""
     classes = class_names or sorted(p.name for p in root.iterdir() if p.is_dir() and _has_images(p))
     if classes:
         files = [(f, i) for i, c in enumerate(classes) for f in _image_files(root / c)]
     else:
         files = [(f, -1) for f in _image_files(root)]
-    images, labels, skipped = [], [], 0
+    kept, labels, sizes = [], [], []
     for f, label in files:
-        img = read_image(f)
-        if img is None:
-            skipped += 1
+        size = image_size(f)
+        if size is None:
             continue
-        images.append(img)
+        kept.append(f)
         labels.append(label)
-    return ImageSet(_stack_if_same(images), np.array(labels, dtype=np.int64) if classes else None,
-                    list(classes)), skipped
+        sizes.append(size)
+
+    def read(i: int) -> np.ndarray:
+        image = read_image(kept[i])
+        if image is None:
+            raise UserError(f"{kept[i]}: could not be decoded (it passed the check when the run started)")
+        return image
+
+    images = LazyImages(read, len(kept), np.array(sizes, dtype=np.int64).reshape(-1, 2))
+    return ImageSet(images, np.array(labels, dtype=np.int64) if classes else None, list(classes)), len(files) - len(kept)
+
+
+def image_size(path: Path) -> Optional[tuple[int, int]]:
+    """(height, width) after the shrink to MAX_SIDE, from the header; None for a file that is not a
+    readable image (Pillow's integrity check, which decodes no pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            im.verify()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return None
+    scale = min(1.0, MAX_SIDE / max(w, h))
+    return max(1, round(h * scale)), max(1, round(w * scale))
 
 
 def _image_files(folder: Path) -> list[Path]:
@@ -219,13 +274,6 @@ def _image_files(folder: Path) -> list[Path]:
 
 def _has_images(folder: Path) -> bool:
     return any(f.suffix.lower() in EXTENSIONS for f in folder.iterdir() if f.is_file())
-
-
-def _stack_if_same(images: list[np.ndarray]):
-    """One (N, H, W, 3) array when every image has the same size (faster batching), else the list."""
-    if images and all(im.shape == images[0].shape for im in images):
-        return np.stack(images)
-    return images
 
 
 def _from_hub(spec: str) -> ImageSplits:
@@ -239,14 +287,19 @@ def _from_hub(spec: str) -> ImageSplits:
 
 
 def _hub_split(split, spec: str) -> ImageSet:
-    import datasets
+    """A dataset split's images decoded per batch from its Arrow table (memory-mapped, not loaded)."""
+    datasets = quiet_datasets()
 
     feats = split.features
     image_col = next((k for k, f in feats.items() if isinstance(f, datasets.Image)), None)
     if image_col is None:
         raise UserError(f"hf:{spec}: no image column (columns: {', '.join(feats)})")
     label_col = next((k for k, f in feats.items() if isinstance(f, datasets.ClassLabel)), None)
-    images = _stack_if_same([to_rgb(im) for im in split[image_col]])
+    column = split.select_columns([image_col])
+    first = to_rgb(column[0][image_col]) if len(column) else np.zeros((1, 1, 3), np.uint8)
+    # the first image's size stands for all (hub image sets are uniform); read(i) decodes one
+    sizes = np.tile(np.array(first.shape[:2], dtype=np.int64), (len(column), 1))
+    images = LazyImages(lambda i: to_rgb(column[i][image_col]), len(column), sizes)
     labels = np.asarray(split[label_col], dtype=np.int64) if label_col else None
     return ImageSet(images, labels, list(feats[label_col].names) if label_col else [])
 

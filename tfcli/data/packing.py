@@ -1,72 +1,76 @@
-"""From documents to fixed-length blocks: cached tokenization, one token stream, block sources.
+"""From a token store to fixed-length blocks: the held-out split on the mapped stream, and block
+sources the one sampler shuffles, slices per rank and resumes.
 
-Tokenization goes through `datasets.map` with a fingerprint made of the data's fingerprint and
-the tokenizer's, so a second run over the same data with the same tokenizer loads the cached
-Arrow file instead of tokenizing again. Blocks are `sampler.Source`s: the one sampler shuffles,
-slices per rank and resumes them.
+Blocks are read from the memory-mapped store per batch (only the pages a batch touches are ever
+resident). With `document_mask`, each block also carries its tokens' document numbers: the model
+then attends within a document only (block-diagonal causal attention), learned positions restart
+at each document, and the target that would cross into the next document is not scored, so a
+packed block's loss is the loss of its documents run alone.
 """
 from __future__ import annotations
 
-import hashlib
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
-from ..display import phase
 from ..errors import UserError
+from ..objectives.losses import IGNORE
 from ..sampler import Draw, Source
-from .tokenizers import TextTokenizer
+from .store import TokenStore
 
 
-def tokenize(docs, tokenizer: TextTokenizer, *, append_eos: bool = True):
-    """Dataset of `text` -> Dataset of `input_ids` (one row per document), cached by fingerprint."""
-    eos = tokenizer.eos_id if append_eos else None
-    tail = [eos] if eos is not None else []
+@dataclass(frozen=True)
+class TokenSpan:
+    """A contiguous run of a store's tokens (the training part or the held-out part)."""
 
-    def encode(batch):
-        return {"input_ids": [ids + tail for ids in tokenizer.encode_batch(batch["text"])]}
+    store: TokenStore
+    start: int
+    stop: int
 
-    fingerprint = hashlib.sha256(f"{docs._fingerprint}|{tokenizer.fingerprint()}|{eos}|v1".encode()).hexdigest()[:16]
-    with phase(f"tokenizing {len(docs):,} documents"):
-        return docs.map(encode, batched=True, batch_size=256, remove_columns=docs.column_names,
-                        new_fingerprint=fingerprint, desc="tokenizing")
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.store.tokens[self.start: self.stop]  # a view of the memory map, no copy
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def documents(self, positions: np.ndarray) -> np.ndarray:
+        """The document number of each position (relative to this span)."""
+        return np.searchsorted(self.store.doc_ends, self.start + positions, side="right")
 
 
-def token_stream(tokenized) -> np.ndarray:
-    """All documents' ids end to end, as one int64 array (read straight from Arrow, no Python lists)."""
-    column = tokenized.data.column("input_ids").combine_chunks()
-    return column.flatten().to_numpy().astype(np.int64)
-
-
-def split_stream(stream: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hold out the last `val_fraction` of the stream (contiguous, so no block straddles the split)."""
-    n_val = int(len(stream) * val_fraction)
-    train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val:]
-    if len(train) < seq_len + 1:
-        raise UserError(f"training data has {len(train)} tokens, fewer than one block of {seq_len + 1}")
-    if val_fraction > 0 and len(val) < seq_len + 1:
-        raise UserError(f"held-out data has {len(val)} tokens, fewer than one block of {seq_len + 1}; "
+def split_stores(train: TokenStore, val: Optional[TokenStore], val_fraction: float, block: int) -> tuple[TokenSpan, TokenSpan]:
+    """The training span and the held-out span: a separate store (data.val_source), or the last
+    `val_fraction` of the training stream (contiguous, so no block straddles the split)."""
+    if val is not None:
+        train_span, val_span = TokenSpan(train, 0, len(train)), TokenSpan(val, 0, len(val))
+    else:
+        n_val = int(len(train) * val_fraction)
+        cut = len(train) - n_val
+        train_span, val_span = TokenSpan(train, 0, cut), TokenSpan(train, cut, len(train))
+    if len(train_span) < block + 1:
+        raise UserError(f"training data has {len(train_span)} tokens, fewer than one block of {block + 1}")
+    if val is None and val_fraction > 0 and len(val_span) < block + 1:
+        raise UserError(f"held-out data has {len(val_span)} tokens, fewer than one block of {block + 1}; "
                         f"raise data.val_fraction or give data.val_source")
-    return train, val
-
-
-def train_and_val_streams(docs: dict, tokenizer: TextTokenizer, data, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token streams of the training documents and of the held-out ones (data.val_source), or the
-    training stream's tail (data.val_fraction) when there are none."""
-    stream = token_stream(tokenize(docs["train"], tokenizer))
-    if docs.get("val") is not None:
-        return stream, token_stream(tokenize(docs["val"], tokenizer))
-    return split_stream(stream, data.val_fraction, block)
+    return train_span, val_span
 
 
 class BlockSource(Source):
     """Hugging Face's group_texts: non-overlapping blocks of seq_len + 1 tokens (inputs and the
     targets one to the right). With shift=True each epoch starts the grid at an offset drawn from
-    (seed, epoch), so every epoch sees new block boundaries."""
+    (seed, epoch), so every epoch sees new block boundaries. `span` may be a TokenSpan (a store)
+    or a plain array of ids."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shift: bool = True):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.shift = shift and len(tokens) > 2 * (seq_len + 1)
+    def __init__(self, span, seq_len: int, seed: int = 0, shift: bool = True, document_mask: bool = False):
+        self.span, self.seq_len, self.seed = span, seq_len, seed
+        self.tokens = span.tokens if isinstance(span, TokenSpan) else np.asarray(span)
+        self.shift = shift and len(self.tokens) > 2 * (seq_len + 1)
+        if document_mask and not isinstance(span, TokenSpan):
+            raise ValueError("document_mask needs a token store (document boundaries)")
+        self.document_mask = document_mask
 
     def offset(self, epoch: int) -> int:
         return int(np.random.default_rng([self.seed, epoch, 7]).integers(0, self.seq_len)) if self.shift else 0
@@ -78,12 +82,19 @@ class BlockSource(Source):
         return [self.offset(int(e)) + int(i) * self.seq_len for e, i in zip(draw.epochs, draw.indices)]
 
     def blocks(self, starts: list[int]) -> torch.Tensor:
-        """(B, seq_len + 1) token blocks beginning at `starts`."""
-        return torch.from_numpy(np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts]))
+        """(B, seq_len + 1) int64 token blocks beginning at `starts` (read from the map now)."""
+        rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        return torch.from_numpy(rows)
 
     def batch(self, draw: Draw) -> dict[str, torch.Tensor]:
-        block = self.blocks(self.starts(draw))
-        return {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+        starts = self.starts(draw)
+        block = self.blocks(starts)
+        out = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+        if self.document_mask:
+            docs = torch.from_numpy(np.stack([self.span.documents(np.arange(s, s + self.seq_len + 1)) for s in starts]))
+            out["doc_ids"] = docs[:, :-1]  # (B, T)
+            out["targets"] = out["targets"].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE)
+        return out
 
 
 class WindowSource(BlockSource):
@@ -92,8 +103,8 @@ class WindowSource(BlockSource):
 
     shuffle = False
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        super().__init__(tokens, seq_len, shift=False)
+    def __init__(self, span, seq_len: int, document_mask: bool = False):
+        super().__init__(span, seq_len, shift=False, document_mask=document_mask)
 
     def starts(self, draw: Draw) -> list[int]:
         last = len(self.tokens) - self.seq_len - 1

@@ -1,102 +1,106 @@
-"""Documents -> sentences -> BERT segment pairs (MLM + NSP) or RoBERTa full segments (MLM only).
+"""BERT segment pairs (MLM + NSP) and RoBERTa full segments, built example by example from a
+sentence store (tfcli.data.store, mode 'sentences' or 'paragraphs').
 
 A document is a row of the data (a whole file for plain text) or, with documents='paragraphs',
-each blank-line-separated paragraph of a row. Documents are split into sentences, the sentences
-tokenized (cached through `datasets.map`), and kept as flat numpy arrays:
-    tokens      all sentence ids end to end
-    sent_start  (n_sent + 1,) offsets of each sentence in `tokens`
-    doc_start   (n_doc + 1,)  index of each document's first sentence
-Pair building follows BERT's create_pretraining_data.py, with two changes that the spec asks for:
-IsNext/NotNext is exactly a coin flip (a one-sentence chunk is split inside the sentence), and A is
-trimmed from its front and B from its back, so an IsNext pair is always truly consecutive text.
+each blank-line-separated paragraph. The store keeps every sentence's ids end to end with the
+sentence and document boundaries, memory-mapped; nothing here holds the corpus or an epoch of
+pairs in memory. Example i of an epoch starts at the sentence holding token offset(epoch) +
+i x max_tokens of the corpus (the grid shifts every epoch), and is built from there:
+
+  pair     sentences from that one on, within its document, until a target length (max_tokens, or
+           with short_seq_prob a random shorter one); A ends at a random sentence boundary; B is the
+           rest (IsNext) or, exactly half the time, text from a random other document (NotNext).
+           A one-sentence chunk is split inside the sentence. A is trimmed from its front and B
+           from its back, so an IsNext pair is always truly consecutive text (BERT's
+           create_pretraining_data.py, with the coin flip exact).
+  segment  whole sentences from that one on, crossing documents with an extra [SEP], up to
+           max_tokens (RoBERTa's FULL-SENTENCES); a longer sentence is cut.
 """
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..display import phase
-from .tokenizers import TextTokenizer
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
-_PARAGRAPH = re.compile(r"\n\s*\n")
+from ..errors import UserError
+from .store import TokenStore
 
 
-def split_sentences(text: str) -> list[str]:
-    """Sentence-ending punctuation followed by space, or a blank line, ends a sentence."""
-    return [s for s in (p.strip() for p in _SENTENCE_END.split(text)) if s]
-
-
-@dataclass
+@dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray
-    sent_start: np.ndarray
-    doc_start: np.ndarray
+    """Documents [first_doc, last_doc) of a sentence store."""
+
+    store: TokenStore
+    first_doc: int
+    last_doc: int
 
     @property
     def n_docs(self) -> int:
-        return len(self.doc_start) - 1
-
-    def sentence(self, i: int) -> np.ndarray:
-        return self.tokens[self.sent_start[i]: self.sent_start[i + 1]]
+        return self.last_doc - self.first_doc
 
     def doc_sentences(self, d: int) -> range:
-        return range(int(self.doc_start[d]), int(self.doc_start[d + 1]))
+        """The store's sentence numbers of document d (counted within this corpus)."""
+        g = self.first_doc + d
+        return range(int(self.store.doc_sents[g - 1]) if g > 0 else 0, int(self.store.doc_sents[g]))
 
-    def subset(self, docs: range) -> "Corpus":
-        """Documents [docs.start, docs.stop) as a Corpus of their own (for a held-out split)."""
-        s0, s1 = int(self.doc_start[docs.start]), int(self.doc_start[docs.stop])
-        t0, t1 = int(self.sent_start[s0]), int(self.sent_start[s1])
-        return Corpus(self.tokens[t0:t1], self.sent_start[s0: s1 + 1] - t0, self.doc_start[docs.start: docs.stop + 1] - s0)
+    def sentence_start(self, s: int) -> int:
+        return int(self.store.sent_ends[s - 1]) if s > 0 else 0
+
+    def sentence(self, s: int) -> np.ndarray:
+        return np.asarray(self.store.tokens[self.sentence_start(s): int(self.store.sent_ends[s])], dtype=np.int64)
+
+    @property
+    def first_sentence(self) -> int:
+        return self.doc_sentences(0).start
+
+    @property
+    def last_sentence(self) -> int:  # exclusive
+        return self.doc_sentences(self.n_docs - 1).stop
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        return self.sentence_start(self.first_sentence), int(self.store.sent_ends[self.last_sentence - 1])
+
+    @property
+    def n_tokens(self) -> int:
+        a, b = self.token_range
+        return b - a
+
+    def sentence_at(self, offset: int) -> int:
+        """The sentence holding token `offset` (counted from this corpus's first token)."""
+        s = int(np.searchsorted(self.store.sent_ends, self.token_range[0] + offset, side="right"))
+        return min(max(s, self.first_sentence), self.last_sentence - 1)
+
+    def doc_of_sentence(self, s: int) -> int:
+        return int(np.searchsorted(self.store.doc_sents, s, side="right")) - self.first_doc
 
 
-def tokenize_sentences(docs, tokenizer: TextTokenizer, paragraphs: bool = False) -> Corpus:
-    """Dataset of `text` -> Corpus. Tokenization is cached by (data, tokenizer) fingerprint."""
-    def encode(batch):
-        out = []
-        for text in batch["text"]:
-            parts = _PARAGRAPH.split(text) if paragraphs else [text]
-            for part in parts:
-                sents = split_sentences(part)
-                if sents:
-                    out.append([s for s in tokenizer.encode_batch(sents) if s])
-        return {"sentences": [d for d in out if d]}
-
-    key = f"{docs._fingerprint}|{tokenizer.fingerprint()}|{paragraphs}|sentences-v1"
-    with phase(f"splitting {len(docs):,} documents into sentences"):
-        ds = docs.map(encode, batched=True, batch_size=64, remove_columns=docs.column_names,
-                      new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16], desc="splitting sentences")
-    col = ds.data.column("sentences").combine_chunks()  # list<list<int>>
-    sentences = col.flatten()
-    return Corpus(tokens=sentences.flatten().to_numpy().astype(np.int64),
-                  sent_start=sentences.offsets.to_numpy().astype(np.int64) - int(sentences.offsets[0].as_py()),
-                  doc_start=col.offsets.to_numpy().astype(np.int64) - int(col.offsets[0].as_py()))
+def split_corpus(store: TokenStore, val_fraction: float) -> tuple[Corpus, Corpus]:
+    """The training documents and the last `val_fraction` of them, held out."""
+    n = store.n_docs
+    n_val = int(n * val_fraction) if val_fraction > 0 else 0
+    return Corpus(store, 0, n - n_val), Corpus(store, n - n_val, n)
 
 
-def sentence_pairs(corpus: Corpus, max_tokens: int, rng: np.random.Generator,
-                   short_seq_prob: float = 0.1) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """(A, B, label) triples, label 0 = IsNext, 1 = NotNext; len(A) + len(B) <= max_tokens."""
-    pairs = []
-    for d in range(corpus.n_docs):
-        sents = list(corpus.doc_sentences(d))
-        target = max_tokens if rng.random() >= short_seq_prob else int(rng.integers(2, max_tokens + 1))
-        chunk, length, i = [], 0, 0
-        while i < len(sents):
-            chunk.append(sents[i])
-            length += corpus.sent_start[sents[i] + 1] - corpus.sent_start[sents[i]]
-            if i == len(sents) - 1 or length >= target:
-                pair = _make_pair(corpus, d, chunk, target, rng)
-                if pair is not None:
-                    a, b, label, unused = pair
-                    pairs.append((a, b, label))
-                    i -= unused  # sentences not used by a NotNext pair go back into the document
-                chunk, length = [], 0
-                target = max_tokens if rng.random() >= short_seq_prob else int(rng.integers(2, max_tokens + 1))
-            i += 1
-    return pairs
+def pair_at(corpus: Corpus, offset: int, max_tokens: int, rng: np.random.Generator,
+            short_seq_prob: float = 0.1) -> tuple[np.ndarray, np.ndarray, int]:
+    """(A, B, label) for the example at token `offset`: label 0 = IsNext, 1 = NotNext;
+    len(A) + len(B) <= max_tokens."""
+    target = max_tokens if rng.random() >= short_seq_prob else int(rng.integers(2, max_tokens + 1))
+    s = corpus.sentence_at(offset)
+    for _ in range(corpus.last_sentence - corpus.first_sentence):
+        d = corpus.doc_of_sentence(s)
+        chunk, length = [], 0
+        for t in range(s, corpus.doc_sentences(d).stop):
+            chunk.append(t)
+            length += int(corpus.store.sent_ends[t]) - corpus.sentence_start(t)
+            if length >= target:
+                break
+        pair = _make_pair(corpus, d, chunk, target, rng)
+        if pair is not None:
+            return pair
+        s = s + 1 if s + 1 < corpus.last_sentence else corpus.first_sentence  # too short: the next sentence
+    raise UserError("no sentence pair can be made: every document is shorter than two tokens")
 
 
 def _make_pair(corpus: Corpus, doc: int, chunk: list[int], target: int, rng: np.random.Generator):
@@ -106,18 +110,13 @@ def _make_pair(corpus: Corpus, doc: int, chunk: list[int], target: int, rng: np.
         return None
     if len(chunk) >= 2:
         a_end = int(rng.integers(1, len(chunk)))
-        cut = int(corpus.sent_start[chunk[a_end]] - corpus.sent_start[chunk[0]])
+        cut = corpus.sentence_start(chunk[a_end]) - corpus.sentence_start(chunk[0])
     else:
-        a_end, cut = 1, int(rng.integers(1, len(text)))  # one long sentence: split inside it
+        cut = int(rng.integers(1, len(text)))  # one long sentence: split inside it
     a = text[:cut] if is_next or len(chunk) >= 2 else text
-    unused = 0
-    if is_next:
-        b = text[cut:]
-    else:
-        b = _random_segment(corpus, doc, max(1, target - len(a)), rng)
-        unused = len(chunk) - a_end
+    b = text[cut:] if is_next else _random_segment(corpus, doc, max(1, target - len(a)), rng)
     a, b = _truncate(a, b, target)
-    return a, b, 0 if is_next else 1, unused
+    return a, b, 0 if is_next else 1
 
 
 def _random_segment(corpus: Corpus, doc: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -125,9 +124,9 @@ def _random_segment(corpus: Corpus, doc: int, length: int, rng: np.random.Genera
     other = int(rng.integers(0, corpus.n_docs - 1))
     other += other >= doc  # never the same document
     sents = corpus.doc_sentences(other)
-    start = int(corpus.sent_start[int(rng.integers(sents.start, sents.stop))])
-    end = int(corpus.sent_start[sents.stop])
-    return corpus.tokens[start: min(end, start + length)]
+    start = corpus.sentence_start(int(rng.integers(sents.start, sents.stop)))
+    end = corpus.sentence_start(sents.stop)
+    return np.asarray(corpus.store.tokens[start: min(end, start + length)], dtype=np.int64)
 
 
 def _truncate(a: np.ndarray, b: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -141,21 +140,21 @@ def _truncate(a: np.ndarray, b: np.ndarray, max_tokens: int) -> tuple[np.ndarray
     return a[len(a) - la:], b[:lb]
 
 
-def full_segments(corpus: Corpus, max_tokens: int, sep_id: int) -> list[np.ndarray]:
-    """RoBERTa FULL-SENTENCES: whole sentences packed contiguously up to max_tokens, crossing
-    document boundaries with an extra separator; a sentence longer than max_tokens is cut in pieces."""
-    out, cur = [], []
-    for d in range(corpus.n_docs):
-        for s in corpus.doc_sentences(d):
-            sent = corpus.sentence(s)
-            for k in range(0, len(sent), max_tokens):
-                piece = sent[k: k + max_tokens]
-                if sum(map(len, cur)) + len(piece) > max_tokens and cur:
-                    out.append(np.concatenate(cur))
-                    cur = []
-                cur.append(piece)
-        if cur and sum(map(len, cur)) < max_tokens:
-            cur.append(np.array([sep_id], dtype=np.int64))  # document boundary
-    if cur:
-        out.append(np.concatenate(cur))
-    return out
+def segment_at(corpus: Corpus, offset: int, max_tokens: int, sep_id: int) -> np.ndarray:
+    """RoBERTa FULL-SENTENCES from the sentence at token `offset`: whole sentences up to max_tokens,
+    an extra separator at each document boundary; a sentence longer than max_tokens is cut."""
+    s = corpus.sentence_at(offset)
+    parts, n = [], 0
+    while s < corpus.last_sentence and n < max_tokens:
+        sent = corpus.sentence(s)
+        if n + len(sent) > max_tokens:
+            if not parts:
+                parts.append(sent[:max_tokens])
+            break
+        parts.append(sent)
+        n += len(sent)
+        if s == corpus.doc_sentences(corpus.doc_of_sentence(s)).stop - 1 and 0 < n < max_tokens:
+            parts.append(np.array([sep_id], dtype=np.int64))  # document boundary
+            n += 1
+        s += 1
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

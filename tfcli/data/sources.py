@@ -1,7 +1,6 @@
-"""Where text comes from: the built-in offline corpus, local files, or the Hugging Face hub.
-
-Every source becomes a `datasets.Dataset` with one document per row in a `text` column,
-loaded through `datasets.load_dataset` so that Arrow files and later `map` results are cached.
+"""Where data comes from: the built-in offline corpus and packaged assets, local paths (files, globs,
+directories), and the Hugging Face hub (one-line errors when it cannot be reached). Reading the
+documents themselves is tfcli.data.documents; labelled tables, tfcli.data.labelled.
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from urllib.parse import urlparse
 
 from ..errors import UserError
 
-LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-                  ".csv": "csv", ".parquet": "parquet"}
+DATA_SUFFIXES = (".csv", ".json", ".jsonl", ".md", ".parquet", ".text", ".txt")  # documents (tfcli.data.documents)
 
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # files that ship inside the package
@@ -53,16 +51,6 @@ def quiet_datasets():
     return datasets
 
 
-def load_documents(source: str, text_field: str = "text"):
-    """'builtin', local paths (files, globs, directories; comma-separated), or 'hf:name[:config[:split]]'."""
-    if source == "builtin":
-        return _load_local([builtin_corpus_file()], "text")  # JSON Lines, one document a row
-    if source.startswith("hf:"):
-        return _load_hub(source[3:], text_field)
-    files = expand_paths(source)
-    return _load_local(files, text_field)
-
-
 def expand_paths(source: str) -> list[Path]:
     """Files named by a comma-separated list of files, globs and directories (searched recursively)."""
     files: list[Path] = []
@@ -77,55 +65,22 @@ def expand_paths(source: str) -> list[Path]:
                 raise UserError(f"no files match {part!r}")
             files += matches
         elif Path(part).is_dir():
-            found = sorted(p for p in Path(part).rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_BUILDERS)
+            found = sorted(p for p in Path(part).rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
             if not found:
-                raise UserError(f"no data files ({', '.join(sorted(LOCAL_BUILDERS))}) in directory {part}")
+                raise UserError(f"no data files ({', '.join(sorted(DATA_SUFFIXES))}) in directory {part}")
             files += found
         elif Path(part).is_file():
             files.append(Path(part))
         else:
             raise UserError(f"data not found: {part}")
     for f in files:
-        if f.suffix.lower() not in LOCAL_BUILDERS:
-            raise UserError(f"unsupported data file {f} (use {', '.join(sorted(LOCAL_BUILDERS))})")
+        if f.suffix.lower() not in DATA_SUFFIXES:
+            raise UserError(f"unsupported data file {f} (use {', '.join(sorted(DATA_SUFFIXES))})")
     return files
 
 
-def _load_local(files: list[Path], text_field: str):
-    datasets = quiet_datasets()
-
-    by_builder: dict[str, list[str]] = {}
-    for f in files:
-        by_builder.setdefault(LOCAL_BUILDERS[f.suffix.lower()], []).append(str(f.resolve()))
-    parts = []
-    for builder, paths in by_builder.items():
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        try:
-            ds = datasets.load_dataset(builder, data_files=paths, split="train", **kwargs)
-        except Exception as e:  # malformed JSON/CSV/Parquet
-            raise UserError(f"could not read {', '.join(paths)}: {_first_line(e)}") from None
-        field = "text" if builder == "text" else text_field
-        if field not in ds.column_names:
-            raise UserError(f"{paths[0]}: no {field!r} field (columns: {', '.join(ds.column_names)}); "
-                            f"set data.text_field")
-        parts.append(_text_column(ds, field))
-    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    ds = ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
-    if len(ds) == 0:
-        raise UserError(f"{', '.join(str(f) for f in files)}: no text (every document is empty)")
-    return ds
-
-
-def _load_hub(spec: str, text_field: str):
-    name, _, rest = spec.partition(":")
-    config, _, split = rest.partition(":")
-    ds = load_hub_dataset(name, config or None, split or "train", instead="use local files instead")
-    if text_field not in ds.column_names:
-        raise UserError(f"hf:{spec}: no {text_field!r} column (columns: {', '.join(ds.column_names)})")
-    return _text_column(ds, text_field)
-
-
-def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str):
+def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str,
+                     streaming: bool = False):
     """`datasets.load_dataset` for a hub dataset that fails with one line, and within seconds rather
     than after a minute of retries when the hub cannot be reached. `instead` says what to do then."""
     datasets = quiet_datasets()
@@ -135,7 +90,7 @@ def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[st
         raise UserError(f"could not load Hugging Face dataset {label!r}: the hub is unreachable from here; "
                         f"{instead} (or set HF_HUB_OFFLINE=1 to use a cached copy)")
     try:
-        return datasets.load_dataset(name, config, split=split)
+        return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as e:  # unknown name, offline without a cache, ...
         raise UserError(f"could not load Hugging Face dataset {label!r} ({_first_line(e)}); {instead}") from None
 
@@ -152,18 +107,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return True
     except OSError:
         return False
-
-
-def _text_column(ds, field: str):
-    """Keep only `field`, named `text`, as plain strings (so sources of several formats concatenate)."""
-    datasets = quiet_datasets()
-
-    ds = ds.select_columns([field])
-    if field != "text":
-        ds = ds.rename_column(field, "text")
-    if ds.features["text"] != datasets.Value("string"):
-        ds = ds.cast_column("text", datasets.Value("string"))
-    return ds
 
 
 def _first_line(e: Exception) -> str:

@@ -66,21 +66,38 @@ class GPT(nn.Module):
     def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
-    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False):
+    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False,
+                doc_ids: Optional[Tensor] = None):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
-        all_layers: every block's output, each through the final norm (features for a classifier)."""
+        all_layers: every block's output, each through the final norm (features for a classifier).
+        doc_ids (B, T): packed documents; a token attends within its own document only and its
+        position counts from its document's first token in the block."""
         B, T = input_ids.shape
         start = caches[0].length if caches else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than the context ({self.cfg.max_seq_len})")
-        pos = torch.arange(start, start + T, device=input_ids.device)
+        mask = None
+        if doc_ids is None:
+            pos = torch.arange(start, start + T, device=input_ids.device)
+        else:
+            pos, mask = document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
         layers = []
         for i, block in enumerate(self.blocks):
-            x = block(x, causal=True, cache=caches[i] if caches else None)
+            x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None)
             layers.append(x)
         return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""
         return hidden @ self.lm_head_weight.t()
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """(B, T) document numbers -> (B, T) positions counted from each document's first token."""
+    T = doc_ids.size(1)
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - starts

@@ -1,15 +1,18 @@
 """Pretraining objectives: plug-ins (tfcli.plugin) registered in tfcli.registry.OBJECTIVES.
 
 `Objective` gives every objective the held-out evaluation of `tfcli eval`; `TextObjective` adds
-what the text objectives share: their documents, read once, and a sample of them for training a
-tokenizer. An objective module then defines only its data source, heads and loss.
+what the text objectives share: their documents' sources, the token stores made from them, and a
+sample of the text for training a tokenizer. An objective module then defines only its data
+source, heads and loss.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Iterator
 
-from ..data.sources import load_documents
+from ..data.documents import open_source
+from ..data.store import TokenStore, cached_store, is_store
 from ..display import console, phase
 from ..errors import UserError
 from ..evaluate import held_out_metrics, metrics_table
@@ -42,21 +45,35 @@ class Objective(Plugin):
 
 
 class TextObjective(Objective):
-    """An objective over documents of text (data.source, data.val_source)."""
+    """An objective over documents of text (data.source, data.val_source), tokenized once into a
+    memory-mapped store (tfcli.data.store) that every run over the same data and tokenizer shares."""
 
-    def documents(self, recipe) -> dict:
-        """{'train': Dataset of `text`, 'val': Dataset or None}, read once per plug-in."""
+    def sources(self, recipe) -> dict:
+        """{'train': DocumentSource or a prepared store's path, 'val': the same or None}."""
         d = recipe.data
-        key = (d.source, d.val_source, d.text_field)
-        if getattr(self, "_docs_key", None) != key:
-            with phase(f"reading {d.source}"):
-                self._docs = {"train": load_documents(d.source, d.text_field),
-                              "val": load_documents(d.val_source, d.text_field) if d.val_source else None}
-            self._docs_key = key
-        return self._docs
+        return {"train": _source(d.source, d.text_field), "val": _source(d.val_source, d.text_field) if d.val_source else None}
+
+    def stores(self, recipe, tokenizer, mode: str = "text", eos: bool = True) -> tuple:
+        """(training store, held-out store or None) of the recipe's data through `tokenizer`."""
+        src = self.sources(recipe)
+        quiet = self.quiet or not self.rt.is_main
+        return tuple(None if s is None else open_store(s, tokenizer, mode, eos, recipe.data.workers, quiet)
+                     for s in (src["train"], src["val"]))
+
+    def streams(self, recipe, backbone, block_len: int, make_batch) -> tuple:
+        """(training stream, held-out blocks) of the documents read as a stream (data.streaming)."""
+        from ..data.streaming import stream_sources
+
+        train = self.sources(recipe)["train"]
+        if isinstance(train, str):
+            raise UserError(f"data.streaming: {train} is a prepared store; train on it without streaming")
+        if recipe.data.document_mask:
+            raise UserError("data.document_mask needs a token store (document boundaries); not with data.streaming")
+        return stream_sources(train, backbone.tokenizer, block_len, recipe.data, recipe.train, make_batch)
 
     def tokenizer_key(self, recipe) -> str:
-        return f"{self.documents(recipe)['train']._fingerprint}|{recipe.tokenizer.train_chars}"
+        train = self.sources(recipe)["train"]
+        return f"{train if isinstance(train, str) else train.fingerprint()}|{recipe.tokenizer.train_chars}"
 
     @staticmethod
     def check_length(recipe, backbone) -> None:
@@ -65,11 +82,35 @@ class TextObjective(Objective):
             raise UserError(f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len ({backbone.cfg.max_seq_len})")
 
     def tokenizer_texts(self, recipe) -> Iterator[str]:
-        """The first tokenizer.train_chars characters of the training documents."""
+        """The first tokenizer.train_chars characters of the training documents (streamed)."""
+        train = self.sources(recipe)["train"]
+        if isinstance(train, str):
+            raise UserError(f"{train} is a prepared token store: its tokenizer comes with it (tokenizer.kind file)")
         total, limit = 0, recipe.tokenizer.train_chars
-        for row in self.documents(recipe)["train"]:
+        for text, _ in train.pieces():
             if total >= limit:
                 return
-            text = row["text"][: limit - total]
+            text = text[: limit - total]
             total += len(text)
             yield text
+        if total == 0:
+            raise UserError(f"{train.spec}: no text (every document is empty)")
+
+
+def _source(spec: str, text_field: str):
+    """A prepared store's directory as it is; anything else as a DocumentSource (files checked now)."""
+    return spec if is_store(spec) else open_source(spec, text_field)
+
+
+def open_store(source, tokenizer, mode: str, eos: bool, workers: int, quiet: bool):
+    """A prepared store (checked to be of `tokenizer` and `mode`), or the cached store of a source."""
+    if isinstance(source, str):
+        store = TokenStore.open(Path(source))
+        if store.tokenizer_fingerprint() != tokenizer.fingerprint():
+            raise UserError(f"{source} was tokenized with another tokenizer than this model's; prepare it with "
+                            f"the model's (tfcli prepare --tokenizer RUN_OR_TOKENIZER)")
+        if (store.index["mode"] == "text") != (mode == "text"):
+            raise UserError(f"{source} was prepared as {store.index['mode']!r}; this objective needs {mode!r} "
+                            f"(tfcli prepare --objective ...)")
+        return store
+    return cached_store(source, tokenizer, mode=mode, eos=eos, workers=workers, quiet=quiet)

@@ -111,7 +111,7 @@ class Electra(MaskedLM):
 
     def setup(self, recipe, backbone) -> Job:
         s, cfg, T = recipe.settings, backbone.cfg, recipe.data.seq_len
-        train, val = self.sources(recipe, backbone, nsp=False)
+        train, val = self.example_sources(recipe, backbone, nsp=False)
         heads = nn.ModuleDict({"generator": Generator(cfg, s.generator_size, s.generator_layers),
                                "discriminator": DiscriminatorHead(cfg)})
         gen = heads["generator"].cfg

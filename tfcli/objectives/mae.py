@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images

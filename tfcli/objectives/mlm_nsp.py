@@ -8,7 +8,7 @@ projection + cross-entropy), not at all T positions as in transformers' BertForP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import segments
-from ..display import phase
 from ..errors import UserError
 from ..recipe import require
 from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
@@ -149,26 +148,30 @@ def collate(items: list, ids: dict[str, int], masker: Masker, rngs: list[np.rand
 
 
 class PairSource(Source):
-    """MLM(+NSP) examples: each epoch's pairs (or full segments) are drawn afresh from (seed, epoch),
-    as BERT's dupe_factor does; each example is masked from its own random stream."""
+    """MLM(+NSP) examples built per batch from a sentence store: example i of an epoch is the pair
+    (or full segment) at token offset(epoch) + i x max_tokens, so each epoch draws new pairs from
+    (seed, epoch) as BERT's dupe_factor does; pairing and masking draw from the example's own
+    random stream."""
 
-    def __init__(self, build: Callable[[np.random.Generator], list], ids: dict[str, int], masker: Masker, seed: int):
-        self.build, self.ids, self.masker, self.seed = build, ids, masker, seed
-        self._cache: dict[int, list] = {}
+    def __init__(self, corpus: segments.Corpus, max_tokens: int, nsp: bool, short_seq_prob: float,
+                 ids: dict[str, int], masker: Masker, seed: int, shift: bool = True):
+        self.corpus, self.max_tokens, self.nsp, self.short_seq_prob = corpus, max_tokens, nsp, short_seq_prob
+        self.ids, self.masker, self.seed, self.shift = ids, masker, seed, shift
 
-    def items(self, epoch: int) -> list:
-        if epoch not in self._cache:
-            self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}
-            with phase(f"drawing the segments of epoch {epoch}"):
-                self._cache[epoch] = self.build(np.random.default_rng([self.seed, epoch]))
-        return self._cache[epoch]
+    def offset(self, epoch: int) -> int:
+        return int(np.random.default_rng([self.seed, epoch, 11]).integers(0, self.max_tokens)) if self.shift else 0
 
     def epoch_size(self, epoch: int) -> int:
-        return len(self.items(epoch))
+        return max(1, (self.corpus.n_tokens - self.offset(epoch)) // self.max_tokens)
 
     def batch(self, draw: Draw) -> dict[str, Tensor]:
-        items = [self.items(int(e))[int(i)] for e, i in zip(draw.epochs, draw.indices)]
-        return collate(items, self.ids, self.masker, [draw.rng(i) for i in range(len(draw))])
+        rngs = [draw.rng(i) for i in range(len(draw))]
+        items = []
+        for e, i, rng in zip(draw.epochs, draw.indices, rngs):
+            at = self.offset(int(e)) + int(i) * self.max_tokens
+            items.append(segments.pair_at(self.corpus, at, self.max_tokens, rng, self.short_seq_prob) if self.nsp
+                         else segments.segment_at(self.corpus, at, self.max_tokens, self.ids["sep"]))
+        return collate(items, self.ids, self.masker, rngs)
 
 
 def special_ids(tokenizer) -> dict[str, int]:
@@ -191,33 +194,29 @@ class MaskedLM(TextObjective):
     def special_tokens(self, family: str) -> list[str]:
         return SPECIAL_TOKENS
 
-    def sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, PairSource]:
-        """Sentences (cached), held-out documents, and training/held-out sources of pairs (NSP) or
-        full segments, masked with this objective's shares."""
+    def example_sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, Optional[PairSource]]:
+        """A sentence store of the data (cached), held-out documents, and the training and held-out
+        sources of pairs (NSP) or full segments, masked with this objective's shares."""
         s, d, seed = recipe.settings, recipe.data, recipe.train.seed
         self.check_length(recipe, backbone)
         ids = special_ids(backbone.tokenizer)
         masker = Masker(ids["mask"], sorted(set(ids.values())), backbone.cfg.vocab_size, s.mask_prob, self.replace)
-        docs, paragraphs = self.documents(recipe), s.documents == "paragraphs"
-        corpus = segments.tokenize_sentences(docs["train"], backbone.tokenizer, paragraphs)
-        if docs["val"] is not None:
-            train_c, val_c = corpus, segments.tokenize_sentences(docs["val"], backbone.tokenizer, paragraphs)
+        mode = "paragraphs" if s.documents == "paragraphs" else "sentences"
+        train_store, val_store = self.stores(recipe, backbone.tokenizer, mode=mode, eos=False)
+        if val_store is not None:
+            train_c, val_c = segments.Corpus(train_store, 0, train_store.n_docs), segments.Corpus(val_store, 0, val_store.n_docs)
         else:
-            n_val = int(corpus.n_docs * d.val_fraction) if d.val_fraction > 0 else 0
-            if corpus.n_docs - n_val < (2 if nsp else 1):
-                raise UserError(f"MLM needs at least 2 training documents, the data has {corpus.n_docs - n_val}")
-            train_c, val_c = corpus.subset(range(0, corpus.n_docs - n_val)), corpus.subset(range(corpus.n_docs - n_val, corpus.n_docs))
-
-        def builder(c):
-            if nsp:
-                return lambda rng: segments.sentence_pairs(c, d.seq_len - 3, rng, s.short_seq_prob)
-            return lambda rng: segments.full_segments(c, d.seq_len - 2, ids["sep"])
-
-        val = PairSource(builder(val_c), ids, masker, seed + 10**6) if val_c.n_docs > (1 if nsp else 0) else None
-        return PairSource(builder(train_c), ids, masker, seed), val
+            train_c, val_c = segments.split_corpus(train_store, d.val_fraction)
+        if train_c.n_docs < (2 if nsp else 1):
+            raise UserError(f"MLM needs at least 2 training documents, the data has {train_c.n_docs}")
+        max_tokens = d.seq_len - (3 if nsp else 2)
+        short = getattr(s, "short_seq_prob", 0.0)  # ELECTRA packs full segments: no short pairs
+        make = lambda c, seed, shift: PairSource(c, max_tokens, nsp, short, ids, masker, seed, shift)  # noqa: E731
+        val = make(val_c, seed + 10**6, False) if val_c.n_docs > (1 if nsp else 0) else None
+        return make(train_c, seed, True), val
 
     def setup(self, recipe, backbone) -> Job:
-        train, val = self.sources(recipe, backbone, recipe.settings.nsp)
+        train, val = self.example_sources(recipe, backbone, recipe.settings.nsp)
         cfg = backbone.cfg
         n_params = sum(p.numel() for p in backbone.model.parameters()) - backbone.model.wpe.weight.numel()
         return Job(heads=build_heads(cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,

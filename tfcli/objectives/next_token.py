@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor, nn
 
-from ..data.packing import BlockSource, WindowSource, train_and_val_streams
+from ..data.packing import BlockSource, WindowSource, split_stores
 from ..plugin import Job
 from . import TextObjective
 from .losses import linear_cross_entropy
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean next-token cross-entropy; `targets` are the inputs shifted left by one."""
-    hidden = model(batch["input_ids"])  # (B, T, D)
+    """Mean next-token cross-entropy; `targets` are the inputs shifted left by one (IGNORE where a
+    packed block crosses into the next document, with data.document_mask)."""
+    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
     value, _ = linear_cross_entropy(hidden, model.lm_head_weight, batch["targets"])
     return value, {"loss": value.detach()}
 
@@ -29,8 +31,15 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
 
 
+def shifted_pairs(blocks, rngs) -> dict[str, Tensor]:
+    """(B, T + 1) blocks -> inputs and the targets one to the right."""
+    t = torch.from_numpy(blocks)
+    return {"input_ids": t[:, :-1], "targets": t[:, 1:]}
+
+
 class NextToken(TextObjective):
     key = "clm"
+    streaming = True  # reads data.streaming sources
     families = ("gpt",)
     recipes = {"gpt": "gpt-mini"}
     describe = "GPT next-token"
@@ -39,14 +48,18 @@ class NextToken(TextObjective):
         return ["<|endoftext|>"]
 
     def setup(self, recipe, backbone) -> Job:
-        """Tokenize (cached), hold out the tail of the stream, sample shuffled blocks or random windows."""
-        d = recipe.data
+        """Tokenize into a store (cached), hold out the tail of the stream, sample shuffled blocks or
+        random windows from the memory map."""
+        d, mask = recipe.data, recipe.data.document_mask
         self.check_length(recipe, backbone)
-        train, val = train_and_val_streams(self.documents(recipe), backbone.tokenizer, d, d.seq_len)
-        source = WindowSource(train, d.seq_len) if d.sampling == "windows" else \
-            BlockSource(train, d.seq_len, recipe.train.seed)
-        return Job(heads=nn.ModuleDict(), loss=loss, train=source,
-                   val=BlockSource(val, d.seq_len, shift=False) if len(val) > d.seq_len else None,
+        if d.streaming:
+            source, held_out = self.streams(recipe, backbone, d.seq_len + 1, shifted_pairs)
+        else:
+            train, val = split_stores(*self.stores(recipe, backbone.tokenizer), d.val_fraction, d.seq_len)
+            source = WindowSource(train, d.seq_len, mask) if d.sampling == "windows" else \
+                BlockSource(train, d.seq_len, recipe.train.seed, document_mask=mask)
+            held_out = BlockSource(val, d.seq_len, shift=False, document_mask=mask) if len(val) > d.seq_len else None
+        return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
                    flops_per_item=flops_per_token(backbone.model, d.seq_len),
                    count_items=lambda b: b["input_ids"].numel(), held_out_metrics=with_perplexity)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..data.packing import BlockSource, train_and_val_streams
+from ..data.packing import BlockSource, split_stores
 from ..errors import UserError
 from ..plugin import Job
 from ..sampler import Draw
@@ -127,8 +127,8 @@ class SpanCorruptor:
 class CorruptedBlocks(BlockSource):
     """Raw blocks of `raw_len` tokens, each corrupted with noise from its own random stream."""
 
-    def __init__(self, tokens: np.ndarray, raw_len: int, corruptor: SpanCorruptor, seed: int = 0, shift: bool = True):
-        super().__init__(tokens, raw_len - 1, seed, shift)
+    def __init__(self, span, raw_len: int, corruptor: SpanCorruptor, seed: int = 0, shift: bool = True):
+        super().__init__(span, raw_len - 1, seed, shift)
         self.corruptor = corruptor
 
     def batch(self, draw: Draw) -> dict[str, Tensor]:
@@ -176,6 +176,7 @@ def make_corruptor(tokenizer) -> SpanCorruptor:
 
 class SpanCorruption(TextObjective):
     key = "span"
+    streaming = True  # reads data.streaming sources
     families = ("t5",)
     recipes = {"t5": "t5-mini"}
     describe = "T5 span corruption"
@@ -184,15 +185,22 @@ class SpanCorruption(TextObjective):
         return SPECIAL_TOKENS  # T5's ids: pad 0, eos 1, unk 2, then the sentinels
 
     def setup(self, recipe, backbone) -> Job:
-        """Tokenize (cached), cut raw blocks long enough to fill the encoder after noising, corrupt them."""
+        """Tokenize into a store (cached), cut raw blocks long enough to fill the encoder after noising,
+        corrupt each as its batch is made."""
         d = recipe.data
         raw_len, targets_len = compute_input_and_target_lengths(d.seq_len)
         if targets_len > backbone.cfg.max_seq_len:
             raise UserError(f"targets of {targets_len} tokens exceed model.max_seq_len ({backbone.cfg.max_seq_len})")
         corruptor = make_corruptor(backbone.tokenizer)
-        train, val = train_and_val_streams(self.documents(recipe), backbone.tokenizer, d, raw_len - 1)
-        return Job(heads=nn.ModuleDict(), loss=loss, train=CorruptedBlocks(train, raw_len, corruptor, recipe.train.seed),
-                   val=CorruptedBlocks(val, raw_len, corruptor, shift=False) if len(val) >= raw_len else None,
+        if d.document_mask:
+            raise UserError("data.document_mask applies to next-token blocks (--objective clm)")
+        if d.streaming:
+            source, held_out = self.streams(recipe, backbone, raw_len, corruptor)
+        else:
+            train, val = split_stores(*self.stores(recipe, backbone.tokenizer), d.val_fraction, raw_len - 1)
+            source = CorruptedBlocks(train, raw_len, corruptor, recipe.train.seed)
+            held_out = CorruptedBlocks(val, raw_len, corruptor, shift=False) if len(val) >= raw_len else None
+        return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
                    flops_per_item=flops_per_token(backbone.model, d.seq_len, targets_len),
                    count_items=lambda b: b["input_ids"].numel() + b["labels"].numel())
 

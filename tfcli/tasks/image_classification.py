@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-import numpy as np
 
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
