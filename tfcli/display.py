@@ -83,10 +83,11 @@ class TrainDisplay:
             _state["progress"] = None
             self.progress.stop()
 
-    def step(self, step: int, loss: float) -> None:
-        """Every optimizer step: move the bar."""
+    def step(self, step: int) -> None:
+        """Every optimizer step: move the bar (the loss beside it is the last logged one: reading it
+        every step would make the host wait for the device)."""
         if self.progress:
-            self.progress.update(self.task, completed=step, loss=f"loss {loss:.4f}")
+            self.progress.update(self.task, completed=step)
 
     def update(self, step: int, record: dict, eta_s: float) -> None:
         """At a log interval: the full line."""
@@ -95,6 +96,8 @@ class TrainDisplay:
         keys = [k for k in record if k not in ("step", "elapsed_s", "split")]
         line = "  ".join(f"{k} {_fmt(k, record[k])}" for k in keys)
         console.print(f"step {step:>6}/{self.total}  {line}  eta {_eta(eta_s)}")
+        if self.progress and "loss" in record:
+            self.progress.update(self.task, loss=f"loss {record['loss']:.4f}")
 
     def note(self, step: int, split: str, metrics: dict) -> None:
         if self.enabled:

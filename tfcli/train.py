@@ -24,7 +24,8 @@ from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
 from .plugin import Batch, Job, LossFn
 from .runtime import Runtime, autocast_context, to_device
-from .sampler import Sampler, sequential_batches
+from .prefetch import Prefetcher
+from .sampler import StreamSampler, make_sampler, sequential_batches
 
 
 class ObjectiveModule(nn.Module):
@@ -48,12 +49,31 @@ def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict
 
 
 def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.AdamW:
-    """AdamW over what trains (adapters.apply froze the rest), weight decay on matrices only; a task's
-    head at finetune.head_lr (0: optim.lr)."""
+    """Fused AdamW over what trains (adapters.apply froze the rest), weight decay on matrices only; a
+    task's head at finetune.head_lr (0: optim.lr). The fused kernel can skip a step on the device
+    (found_inf), which is how a non-finite step is skipped without reading anything back."""
     o, ft = recipe.optim, recipe.finetune
     head_lr = ft.head_lr if ft is not None and ft.head_lr > 0 else o.lr
     groups = decay_groups(module.heads, o.weight_decay, head_lr) + decay_groups(module.model, o.weight_decay, o.lr)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+
+
+def compiled(module: nn.Module, setting: str, device: torch.device):
+    """train.compile: torch.compile of the model and its loss (auto: on CUDA only; on the CPU it has
+    not paid for itself in tfcli's benchmarks)."""
+    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+        return module
+    return torch.compile(module)
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """train.activation_checkpointing: every transformer block keeps only its input for the backward
+    pass and recomputes the rest (less memory, about a third more compute)."""
+    from .models.blocks import Block
+
+    for block in module.modules():
+        if isinstance(block, Block):
+            block.checkpointing = True
 
 
 def lr_multiplier(step: int, sched, total: int, base_lr: float) -> float:
@@ -71,14 +91,22 @@ def lr_multiplier(step: int, sched, total: int, base_lr: float) -> float:
 class Trainer:
     """The state of one run's training: module, optimizer, schedule, data position, best score."""
 
-    def __init__(self, module: ObjectiveModule, job: Job, recipe, run_dir: Path, rt: Runtime,
-                 optimizer: torch.optim.Optimizer, quiet: bool = False, partial: bool = False):
+    def __init__(self, module: ObjectiveModule, job: Job, recipe, run_dir: Path, rt: Runtime, quiet: bool = False,
+                 partial: bool = False):
         self.module, self.job, self.recipe, self.run_dir, self.rt = module.to(rt.device), job, recipe, Path(run_dir), rt
         self.tc = recipe.train
-        self.opt = optimizer
+        if self.tc.activation_checkpointing:
+            checkpoint_activations(module)
+        # wrapped before the optimizer is built: FSDP replaces the parameters with their shards
+        self.wrapped = rt.strategy.wrap(module, self.tc.precision)
+        self.opt = build_optimizer(module, recipe)
+        self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr))
-        self.sampler = Sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
+            self.opt, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr))
+        self.sampler = make_sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
+        # batches built ahead in a thread (not for streams: their position is the whole shuffle buffer)
+        self.batches = Prefetcher(self.sampler, self.tc.prefetch, rt.device.type == "cuda") \
+            if self.tc.prefetch > 0 and not isinstance(self.sampler, StreamSampler) else self.sampler
         self.step, self.best, self.skipped = 0, None, 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # wall seconds of earlier sessions, this one's start
         self.quiet, self.partial = quiet, partial
@@ -102,14 +130,12 @@ class Trainer:
             have = tuple(weights[k].shape) if k in weights else "none"
             raise UserError(f"{ckpt} does not fit this run's model: {k} is {have} in the checkpoint, "
                             f"{tuple(mine[k].shape) if k in mine else 'absent'} in the model (was the recipe's model changed?)")
-        if self.saved is None:
-            self.rt.strategy.load_state_dict(self.module, weights)
-        else:
-            self.module.load_state_dict(weights, strict=False)  # the base's weights are in place already
+        # a partial run's base weights are in place already: only what it trained is loaded
+        self.rt.strategy.load_state_dict(self.module, weights, strict=self.saved is None)
         state = checkpoint.load_state(ckpt)
-        self.opt.load_state_dict(state["optimizer"])
+        self.rt.strategy.load_optimizer_state_dict(self.module, self.opt, state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["data"])
+        self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         self.step, self.best = int(checkpoint.read_meta(ckpt)["step"]), state.get("best")
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -127,7 +153,6 @@ class Trainer:
         if self.step == 0:  # a resumed run has its RNG state from the checkpoint
             torch.manual_seed(self.tc.seed)
         self.started = time.perf_counter()
-        self.wrapped = self.rt.strategy.wrap(self.module)
         peak = matmul_peak_flops(self.rt.device, torch.bfloat16 if self.tc.precision == "bf16" else torch.float32)
         window = _Window()
         with TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display, \
@@ -136,22 +161,22 @@ class Trainer:
                 if self._agreed(stop.requested):
                     self._save(False)
                     raise Interrupted(self.step, self.run_dir)
-                t0 = time.perf_counter()
-                sums, items = self._train_step()
-                if sums is None:  # a non-finite batch skipped: the weights are as before it
-                    continue
+                window.begin()
+                metrics, items = self._train_step()
                 self.step += 1
-                window.add(sums, items * self.rt.world_size, time.perf_counter() - t0)
-                display.step(self.step, sums.get("loss", float("nan")))
+                window.add(self.step, metrics, items * self.rt.world_size)
+                display.step(self.step)
                 if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                     self._log(window, peak, display)
                     window = _Window()
                 out_of_time = self._agreed(self.tc.max_time > 0 and self.elapsed() >= 60 * self.tc.max_time)
-                if out_of_time and self.step % self.tc.log_interval:
+                if out_of_time and window.steps:
                     self._log(window, peak, display)
-                is_best = self._evaluate(display) if self._due(self.tc.eval_interval) or out_of_time else False
-                if self._due(self.tc.ckpt_interval) or is_best or out_of_time:
-                    self._save(is_best)
+                    window = _Window()
+                with window.excluding():  # evaluation and checkpoints are not training throughput
+                    is_best = self._evaluate(display) if self._due(self.tc.eval_interval) or out_of_time else False
+                    if self._due(self.tc.ckpt_interval) or is_best or out_of_time:
+                        self._save(is_best)
                 if out_of_time:
                     self._write({"step": self.step, "split": "stopped", "reason": f"train.max_time {self.tc.max_time:g} min"})
                     display.note(self.step, "stopped", {"max_time_min": self.tc.max_time})
@@ -171,56 +196,59 @@ class Trainer:
             return flag
         return any(v > 0 for v in self.rt.mean({"stop": float(flag)}).values())
 
-    def _train_step(self) -> tuple[Optional[dict[str, float]], int]:
-        """One optimizer step over grad_accum micro-batches -> (metrics averaged over them, items);
-        (None, 0) when a non-finite loss or gradient was skipped instead of stepping."""
+    def _train_step(self) -> tuple[dict[str, Tensor], int]:
+        """One optimizer step over grad_accum micro-batches -> (its metrics, averaged over them, still on
+        the device; items). Nothing is read back to the host: a step whose loss or gradient is not
+        finite is skipped inside the fused optimizer (found_inf), and noticed at the next log line."""
         self.module.train()
         sums: dict[str, Tensor] = {}
         items = 0
         for micro in range(self.tc.grad_accum):
-            batch = to_device(self.sampler.next_batch(), self.rt.device)
+            batch = to_device(self.batches.next_batch(), self.rt.device)
             items += self.job.count_items(batch)
             with self.rt.strategy.sync_gradients(self.wrapped, micro == self.tc.grad_accum - 1):
                 with autocast_context(self.tc.precision, self.rt.device):
-                    loss, metrics = self.wrapped(batch)
+                    loss, metrics = self.forward(batch)
                 (loss / self.tc.grad_accum).backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().float() / self.tc.grad_accum
         max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
         sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()
-        out = {k: float(v) for k, v in sums.items()}
-        if not all(math.isfinite(v) for v in out.values()):
-            self.opt.zero_grad(set_to_none=True)
-            self._non_finite(out)
-            return None, 0
+        self.opt.found_inf = (~torch.stack(list(sums.values())).isfinite().all()).float()  # 1.0: skip this step
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return out, items
+        return sums, items
 
-    def _non_finite(self, metrics: dict[str, float]) -> None:
-        """Skip the batch (train.skip_nonfinite times in all), then stop naming the step: the weights
-        never take a non-finite update, and `latest` stays the last good checkpoint."""
-        bad = ", ".join(f"{k} {v}" for k, v in metrics.items() if not math.isfinite(v))
-        self.skipped += 1
-        if self.skipped <= self.tc.skip_nonfinite:
-            if self.rt.is_main:
-                self._write({"step": self.step + 1, "split": "skipped", "reason": bad})
-            return
-        latest = checkpoint._read(self.run_dir / checkpoint.CHECKPOINTS / "latest")
-        raise UserError(f"step {self.step + 1}: {bad}; stopped before updating the weights "
-                        f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
-                        f"lower the learning rate, or set train.skip_nonfinite to skip such batches)")
+    def _non_finite(self, bad: list[tuple[int, dict[str, float]]]) -> None:
+        """Steps whose update was skipped for a non-finite loss or gradient: logged (train.skip_nonfinite
+        of them in all), then the run stops naming the first; the weights never took such an update,
+        and `latest` is the last checkpoint before it."""
+        for step, metrics in bad:
+            what = ", ".join(f"{k} {v}" for k, v in metrics.items() if not math.isfinite(v))
+            self.skipped += 1
+            if self.skipped <= self.tc.skip_nonfinite:
+                self._write({"step": step, "split": "skipped", "reason": what})
+                continue
+            latest = checkpoint._read(self.run_dir / checkpoint.CHECKPOINTS / "latest")
+            raise UserError(f"step {step}: {what}; stopped before updating the weights "
+                            f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
+                            f"lower the learning rate, or set train.skip_nonfinite to skip such batches)")
 
     def _log(self, window: "_Window", peak: float, display: TrainDisplay) -> None:
-        metrics = self.rt.mean(window.means())
-        rate = window.items / max(window.seconds, 1e-9)
+        """The window's metrics, read from the device once: skipped steps reported, the rest averaged."""
+        steps = window.read()
+        self._non_finite([(s, m) for s, m in steps if not all(math.isfinite(v) for v in m.values())])
+        good = [m for _, m in steps if all(math.isfinite(v) for v in m.values())]
+        metrics = self.rt.mean({k: sum(m[k] for m in good) / len(good) for k in good[0]} if good else {})
+        seconds = window.seconds()
+        rate = window.items / max(seconds, 1e-9)
         record = {"step": self.step, "split": "train", **{k: round(v, 6) for k, v in metrics.items()},
                   "lr": self.opt.param_groups[0]["lr"], f"{self.job.item_name}_per_s": round(rate, 1),
                   "mfu": round(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
                   "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1), "elapsed_s": round(self.elapsed(), 2)}
         self._write(record)
-        display.update(self.step, record, eta_s=(self.tc.steps - self.step) * window.seconds / window.steps)
+        display.update(self.step, record, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
         self.last.update(metrics)
 
     def _evaluate(self, display: TrainDisplay) -> bool:
@@ -251,20 +279,22 @@ class Trainer:
         return val
 
     def _save(self, is_best: bool) -> None:
-        weights = self.rt.strategy.state_dict(self.module)
+        weights = self.rt.strategy.state_dict(self.module)  # every rank takes part (FSDP gathers)
+        optimizer = self.rt.strategy.optimizer_state_dict(self.module, self.opt)
         if self.saved is not None:
             weights = {k: v for k, v in weights.items() if k in self.saved}
         if self.rt.is_main:
-            self._checkpoint(weights, is_best)
+            self._checkpoint(weights, optimizer, is_best)
         self.rt.barrier()
 
-    def _checkpoint(self, weights: dict, is_best: bool) -> None:
+    def _checkpoint(self, weights: dict, optimizer: dict, is_best: bool) -> None:
         with phase(f"writing checkpoint step-{self.step:07d}"):
-            state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                     "data": self.sampler.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
+            state = {"optimizer": optimizer, "scheduler": self.sched.state_dict(),
+                     "data": self.batches.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
                      "elapsed_s": self.elapsed(), "skipped": self.skipped}
             meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family,
-                    "partial": self.saved is not None, **self.last}
+                    "partial": self.saved is not None, "processes": self.rt.world_size,
+                    "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size, **self.last}
             checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
                             best=is_best)
 
@@ -273,6 +303,8 @@ class Trainer:
             self.log.write(record)
 
     def close(self) -> None:
+        if isinstance(self.batches, Prefetcher):
+            self.batches.close()
         if self.log is not None:
             self.log.close()
 
@@ -302,16 +334,39 @@ class _StopOnSignal:
 
 
 class _Window:
-    """Metrics and throughput accumulated between two log lines."""
+    """The steps between two log lines: each step's metrics (device tensors until read), items, and
+    the wall time of training (evaluations and checkpoints excluded)."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.items, self.seconds, self.steps = 0, 0.0, 0
+        self.metrics: list[tuple[int, dict[str, Tensor]]] = []
+        self.items, self.started, self.excluded = 0, None, 0.0
 
-    def add(self, metrics: dict[str, float], items: int, seconds: float) -> None:
-        for k, v in metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.items, self.seconds, self.steps = self.items + items, self.seconds + seconds, self.steps + 1
+    @property
+    def steps(self) -> int:
+        return len(self.metrics)
 
-    def means(self) -> dict[str, float]:
-        return {k: v / max(self.steps, 1) for k, v in self.sums.items()}
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def add(self, step: int, metrics: dict[str, Tensor], items: int) -> None:
+        self.metrics.append((step, metrics))
+        self.items += items
+
+    @contextlib.contextmanager
+    def excluding(self):
+        t0 = time.perf_counter()
+        yield
+        self.excluded += time.perf_counter() - t0
+
+    def read(self) -> list[tuple[int, dict[str, float]]]:
+        """Every step's metrics as numbers: one transfer from the device for the whole window."""
+        if not self.metrics:
+            return []
+        keys = list(self.metrics[0][1])
+        values = torch.stack([m[k].reshape(()) for _, m in self.metrics for k in keys]).tolist()
+        return [(step, dict(zip(keys, values[i * len(keys): (i + 1) * len(keys)])))
+                for i, (step, _) in enumerate(self.metrics)]
+
+    def seconds(self) -> float:
+        return time.perf_counter() - (self.started or time.perf_counter()) - self.excluded

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 
@@ -205,6 +206,7 @@ class Block(nn.Module):
         self.cross_attn, self.norm_cross = cross_attn, norm_cross
         self.prenorm = prenorm
         self.drop = nn.Dropout(dropout)
+        self.checkpointing = False  # recompute activations in the backward pass (train.activation_checkpointing)
 
     def _residual(self, x: Tensor, norm: nn.Module, f) -> Tensor:
         if self.prenorm:
@@ -214,6 +216,14 @@ class Block(nn.Module):
     def forward(self, x: Tensor, *, mask: Optional[Tensor] = None, causal: bool = False,
                 cache: Optional[KVCache] = None, context: Optional[Tensor] = None,
                 context_mask: Optional[Tensor] = None, cross_cache: Optional[KVCache] = None) -> Tensor:
+        kwargs = dict(mask=mask, causal=causal, cache=cache, context=context, context_mask=context_mask,
+                      cross_cache=cross_cache)
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **kwargs)
+        return self._forward(x, **kwargs)
+
+    def _forward(self, x: Tensor, *, mask: Optional[Tensor], causal: bool, cache: Optional[KVCache],
+                 context: Optional[Tensor], context_mask: Optional[Tensor], cross_cache: Optional[KVCache]) -> Tensor:
         x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache))
         if self.cross_attn is not None:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
