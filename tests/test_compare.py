@@ -69,3 +69,10 @@ def test_compare_tabulates_a_grid_and_finishes_a_half_finished_one(hf_bert, mnli
     commands = [line for line in (out / "logs" / f"{lora_run.name}.log").read_text().splitlines() if line.startswith("$ ")]
     assert len(commands) == 2 and "--resume" not in commands[0] and "--resume" in commands[1]
     assert (lora_run / "eval.json").is_file() and (lora_run / "checkpoints" / "step-0000004").is_dir()
+
+
+def test_parameter_counts_and_times_read_as_people_write_them():
+    assert compare.params_text({"trained_params": 99, "total_params": 1_030_000}) == "99 (0.00961%)"
+    assert compare.params_text({"trained_params": 4_190, "total_params": 1_030_000}) == "4.19K (0.407%)"
+    assert compare.params_text({"trained_params": 1_030_000, "total_params": 1_030_000}) == "1.03M (100%)"
+    assert (compare.seconds(42.4), compare.seconds(709)) == ("42 s", "11.8 min")

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 from tfcli.data import store
 from tfcli.data.documents import open_source
-from tfcli.data.packing import BlockSource, TokenSpan
+from tfcli.data.packing import BlockSource, TokenSpan, documents_from_eos
 from tfcli.data.tokenizers import build_tokenizer
 from tfcli.models.gpt import GPT, GPTConfig, document_positions
 from tfcli.objectives.losses import IGNORE
+from tfcli.objectives.next_token import shifted_pairs
 from tfcli.sampler import Draw
 
 from .conftest import invoke, read_metrics, tiny_gpt_recipe
@@ -59,9 +60,24 @@ def test_a_packed_block_scores_as_its_documents_alone(packed):
     assert not torch.allclose(unmasked_sum, alone_sum, atol=1e-2)  # without the mask the documents mix
 
 
-def test_pretraining_with_document_mask(tmp_path, small_text, write_recipe):
+def test_a_stream_tells_documents_apart_by_their_end_of_text_token(packed):
+    """Streamed blocks carry no document offsets: the masks come from the EOS ids, and equal the store's."""
+    s, tok = packed
+    T = len(s) - 1
+    from_store = BlockSource(TokenSpan(s, 0, len(s)), T, shift=False, document_mask=True).batch(
+        Draw(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 3), np.int64)))
+    block = np.asarray(s.tokens[: T + 1], dtype=np.int64)[None]
+    streamed = shifted_pairs(block, None, eos=tok.eos_id)
+    assert set(streamed) == set(from_store)
+    for key in from_store:
+        assert torch.equal(streamed[key], from_store[key]), key
+    assert documents_from_eos(np.array([[5, 0, 7, 0, 0, 9]]), eos=0).tolist() == [[0, 0, 1, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["store", "stream"])
+def test_pretraining_with_document_mask(tmp_path, small_text, write_recipe, streaming):
     raw = tiny_gpt_recipe(small_text, train={"steps": 4})
-    raw["data"]["document_mask"] = True
+    raw["data"].update(document_mask=True, streaming=streaming, shuffle_buffer=8)
     path = write_recipe(raw)
     result = invoke("pretrain", "--recipe", path, "--out", tmp_path / "run", "--quiet")
     assert result.exit_code == 0, result.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from tfcli import checkpoint
 from tfcli import recipe as recipes
@@ -12,7 +13,7 @@ from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
 from tfcli.train import lr_multiplier
 
-from .conftest import read_metrics, tiny_gpt_recipe, train_losses
+from .conftest import read_metrics, tiny_bert_recipe, tiny_gpt_recipe, train_losses
 
 
 def pretrain(recipe, out=None, resume=None, quiet=True):
@@ -36,8 +37,10 @@ def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):
     assert recipes.load_resolved(run / "config.yaml").model.vocab_size > 0
 
 
-def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_text):
-    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10}))
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_text, prefetch):
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10,
+                                                               "prefetch": prefetch}))
     whole = pretrain(rec, out=tmp_path / "whole", quiet=True)
     # a run that died right after its step-10 checkpoint: same directory, nothing after step 10
     crashed = tmp_path / "crashed"
@@ -52,6 +55,31 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_te
     a, b = train_losses(whole), train_losses(crashed)
     assert sorted(b) == list(range(1, 21))
     assert [b[s] for s in range(11, 21)] == [a[s] for s in range(11, 21)]  # bit for bit
+
+
+@pytest.mark.parametrize("make", [tiny_gpt_recipe, tiny_bert_recipe], ids=["clm", "mlm"])
+def test_batches_built_ahead_are_the_batches_built_in_line(tmp_path, small_text, make):
+    """train.prefetch builds batches in a thread; MLM masking included, they are the same batches."""
+    runs = {}
+    for prefetch in (0, 2):
+        raw = make(small_text)
+        raw["train"].update(steps=12, log_interval=1, prefetch=prefetch)
+        runs[prefetch] = train_losses(pretrain(recipes.from_dict(raw), out=tmp_path / f"p{prefetch}"))
+    assert len(runs[0]) == 12 and runs[0] == runs[2]  # bit for bit
+
+
+def test_compiled_and_eager_losses_agree(tmp_path, small_text):
+    try:
+        torch.compile(lambda x: x * 2)(torch.ones(2))
+    except Exception as e:  # no C compiler, unsupported Python: compile is unavailable here
+        pytest.skip(f"torch.compile unavailable: {e}")
+    losses = {}
+    for setting in ("off", "on"):
+        raw = tiny_gpt_recipe(small_text, train={"steps": 4, "compile": setting, "eval_interval": 4,
+                                                 "ckpt_interval": 4})
+        losses[setting] = train_losses(pretrain(recipes.from_dict(raw), out=tmp_path / setting))
+    assert len(losses["on"]) == 4
+    assert all(abs(losses["on"][s] - losses["off"][s]) < 1e-5 for s in losses["off"]), losses
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, small_text):

@@ -288,12 +288,22 @@ def mb(v) -> str:
 
 
 def seconds(v) -> str:
-    return f"{v / 60:.1f} min" if v else "-"
+    if not v:
+        return "-"
+    return f"{v:.0f} s" if v < 90 else f"{v / 60:.1f} min"
+
+
+def count(n: float) -> str:
+    """99, 4.19K, 1.03M: a parameter count as people write it."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def params_text(r: dict) -> str:
     t, n = r.get("trained_params"), r.get("total_params")
-    return f"{t / 1e6:.3g}M ({100 * t / n:.2g}%)" if t and n else "-"
+    return f"{count(t)} ({100 * t / n:.3g}%)" if t and n else "-"
 
 
 def chart(rows: list[dict], out: Path) -> Optional[Path]:

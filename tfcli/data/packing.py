@@ -91,10 +91,23 @@ class BlockSource(Source):
         block = self.blocks(starts)
         out = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
         if self.document_mask:
-            docs = torch.from_numpy(np.stack([self.span.documents(np.arange(s, s + self.seq_len + 1)) for s in starts]))
-            out["doc_ids"] = docs[:, :-1]  # (B, T)
-            out["targets"] = out["targets"].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE)
+            docs = np.stack([self.span.documents(np.arange(s, s + self.seq_len + 1)) for s in starts])
+            out = within_documents(out, torch.from_numpy(docs))
         return out
+
+
+def within_documents(pair: dict[str, torch.Tensor], docs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """data.document_mask for a shifted pair: `docs` (B, T + 1) numbers each token's document; the
+    inputs get their doc_ids (B, T) and a target in another document than its input is ignored."""
+    return {**pair, "doc_ids": docs[:, :-1],
+            "targets": pair["targets"].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE)}
+
+
+def documents_from_eos(blocks: np.ndarray, eos: int) -> np.ndarray:
+    """(B, L) blocks of a stream whose documents each end with `eos` -> (B, L) document numbers
+    (an end-of-text token belongs to the document it ends; numbers restart in every block)."""
+    ends = blocks[:, :-1] == eos
+    return np.concatenate([np.zeros((len(blocks), 1), dtype=np.int64), np.cumsum(ends, axis=1)], axis=1)
 
 
 class WindowSource(BlockSource):

@@ -67,8 +67,6 @@ class TextObjective(Objective):
         train = self.sources(recipe)["train"]
         if isinstance(train, str):
             raise UserError(f"data.streaming: {train} is a prepared store; train on it without streaming")
-        if recipe.data.document_mask:
-            raise UserError("data.document_mask needs a token store (document boundaries); not with data.streaming")
         return stream_sources(train, backbone.tokenizer, block_len, recipe.data, recipe.train, make_batch)
 
     def tokenizer_key(self, recipe) -> str:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..data.packing import BlockSource, WindowSource, split_stores
+from ..data.packing import BlockSource, WindowSource, documents_from_eos, split_stores, within_documents
+from ..errors import UserError
 from ..plugin import Job
 from . import TextObjective
 from .losses import linear_cross_entropy
@@ -31,10 +34,12 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
 
 
-def shifted_pairs(blocks, rngs) -> dict[str, Tensor]:
-    """(B, T + 1) blocks -> inputs and the targets one to the right."""
+def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:
+    """(B, T + 1) blocks -> inputs and the targets one to the right; given the end-of-text id (a
+    stream with data.document_mask), attention and targets also stay inside each document."""
     t = torch.from_numpy(blocks)
-    return {"input_ids": t[:, :-1], "targets": t[:, 1:]}
+    pair = {"input_ids": t[:, :-1], "targets": t[:, 1:]}
+    return pair if eos is None else within_documents(pair, torch.from_numpy(documents_from_eos(blocks, eos)))
 
 
 class NextToken(TextObjective):
@@ -53,7 +58,11 @@ class NextToken(TextObjective):
         d, mask = recipe.data, recipe.data.document_mask
         self.check_length(recipe, backbone)
         if d.streaming:
-            source, held_out = self.streams(recipe, backbone, d.seq_len + 1, shifted_pairs)
+            eos = backbone.tokenizer.eos_id if mask else None
+            if mask and eos is None:
+                raise UserError("data.document_mask: a stream's documents are told apart by the end-of-text "
+                                "token, and this tokenizer has none")
+            source, held_out = self.streams(recipe, backbone, d.seq_len + 1, partial(shifted_pairs, eos=eos))
         else:
             train, val = split_stores(*self.stores(recipe, backbone.tokenizer), d.val_fraction, d.seq_len)
             source = WindowSource(train, d.seq_len, mask) if d.sampling == "windows" else \
