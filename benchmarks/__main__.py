@@ -1,4 +1,5 @@
-"""`make bench`: every family's training step against its Hugging Face peer, same run, same config.
+"""`make bench`: every family's training step against its Hugging Face peer, same run, same config;
+the loop's overhead over the bare step; greedy generation against transformers' generate.
 
     python -m benchmarks            # all
     python -m benchmarks gpt bert   # some
@@ -8,7 +9,7 @@ import sys
 
 import torch
 
-ALL = ["gpt", "bert", "t5", "mae"]
+ALL = ["gpt", "bert", "t5", "mae", "loop", "generation"]
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
