@@ -4,9 +4,11 @@ interrupted one resumes from its checkpoint)."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 
 import pytest
+import yaml
 
 from tfcli import compare
 from tfcli.errors import UserError
@@ -76,3 +78,17 @@ def test_parameter_counts_and_times_read_as_people_write_them():
     assert compare.params_text({"trained_params": 4_190, "total_params": 1_030_000}) == "4.19K (0.407%)"
     assert compare.params_text({"trained_params": 1_030_000, "total_params": 1_030_000}) == "1.03M (100%)"
     assert (compare.seconds(42.4), compare.seconds(709)) == ("42 s", "11.8 min")
+
+
+def test_a_text_head_cell_reports_examples_per_second_not_tokens(tmp_path):
+    """T5 and GPT text heads log tok_per_s; the table's ex/s counts examples for every cell alike."""
+    run = tmp_path / "cells" / "mnli-t5-lora"
+    run.mkdir(parents=True)
+    (run / "eval.json").write_text(json.dumps({"dev_matched": {"acc": 0.5, "majority": 0.37}}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"family": "t5"},
+                                                     "train": {"batch_size": 32, "grad_accum": 1}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
+        {"step": 10, "split": "train", "tok_per_s": 3000.0, "elapsed_s": 8.0},
+        {"step": 20, "split": "train", "tok_per_s": 3100.0, "elapsed_s": 16.0}]))
+    row = compare.collect(compare.Cell("mnli", "runs/t5", "lora", "mnli-t5-lora"), tmp_path)
+    assert row["ex_per_s"] == 40.0  # 20 steps x 32 examples in 16 s

@@ -244,7 +244,10 @@ def collect(cell: Cell, out: Path) -> dict:
     record = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [m for m in metrics if m.get("split") == "train"]
-    rates = [v for m in train for k, v in m.items() if k.endswith("_per_s")]
+    rates = [m["ex_per_s"] for m in train if "ex_per_s" in m]
+    if not rates and train and train[-1].get("elapsed_s"):  # a text head logs tokens/s: count examples instead
+        t = config["train"]
+        rates = [train[-1]["step"] * t["batch_size"] * t.get("grad_accum", 1) / train[-1]["elapsed_s"]]
     params = record.get("parameters", {})
     row.update({"status": "done", "family": config["model"]["family"], "steps": train[-1]["step"] if train else 0})
     splits = [k for k, v in report.items() if isinstance(v, dict) and "acc" in v]
