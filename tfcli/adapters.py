@@ -50,19 +50,21 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(n, self.width, cfg.rank))  # (parts, W, r)
         nn.init.kaiming_uniform_(self.lora_a.view(-1, base.in_features), a=math.sqrt(5))
 
+    def scaled_b(self) -> Tensor:
+        """(out, parts * r): each adapted part's B, times alpha / r, on a block diagonal; zero rows for
+        the parts left alone. One matrix, so the update is two plain linears with no output-sized
+        concatenation kept for the backward pass."""
+        blocks = iter(self.lora_b * self.scale)  # (parts, W, r)
+        untouched = self.lora_b.new_zeros(self.width, 0)
+        return torch.block_diag(*[next(blocks) if on else untouched for on in self.enabled])
+
     def delta_weight(self) -> Tensor:
         """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
-        updates = iter(self.scale * torch.bmm(self.lora_b, self.lora_a))  # (parts, W, D_in)
-        zeros = self.base.weight.new_zeros(self.width, self.base.in_features)
-        return torch.cat([next(updates) if on else zeros for on in self.enabled], dim=0)
+        return self.scaled_b() @ self.lora_a.flatten(0, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base(x)  # (..., out)
-        h = torch.einsum("...i,pri->...pr", self.drop(x), self.lora_a)  # (..., parts, r)
-        d = torch.einsum("...pr,pwr->...pw", h, self.lora_b) * self.scale  # (..., parts, W)
-        rows = iter(d.unbind(-2))
-        return out + torch.cat([next(rows) if on else out.new_zeros(*out.shape[:-1], self.width)
-                                for on in self.enabled], dim=-1)
+        h = F.linear(self.drop(x), self.lora_a.flatten(0, 1))  # (..., parts * r)
+        return self.base(x) + F.linear(h, self.scaled_b())  # (..., out)
 
     def merged(self) -> nn.Linear:
         with torch.no_grad():

@@ -172,7 +172,7 @@ class AdapterConfig:
 
     rank: int = 8
     alpha: float = 16.0
-    dropout: float = 0.05
+    dropout: float = 0.0  # as PEFT; > 0 keeps a dropped-out copy of every adapted input for backward
     targets: tuple[str, ...] = ("q", "v")  # lora's; ia3 scales k, v and the MLP's inner activations
 
     def __post_init__(self):
