@@ -1,4 +1,4 @@
-"""Data: sources read as streams, tokenizers, token stores (cached, memory-mapped, made by worker
+"""Data: sources read as streams, tokenizers, token stores (cached, read from disk, made by worker
 processes), the held-out split on the mapped stream, and document-aware packing."""
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def char_tokenizer(text: str) -> TextTokenizer:
     return build_tokenizer("char", vocab_size=0, path="", lowercase=False, texts=[text], specials=["<|endoftext|>"])
 
 
-def test_a_store_is_made_once_memory_mapped_and_holds_every_document(tmp_path, small_text, monkeypatch):
+def test_a_store_is_made_once_read_from_disk_and_holds_every_document(tmp_path, small_text, monkeypatch):
     monkeypatch.setenv("TFCLI_CACHE", str(tmp_path / "cache"))
     (tmp_path / "docs").mkdir()
     texts = [small_text.read_text()[:5000], "second document.", small_text.read_text()[5000:9000]]
@@ -100,9 +100,10 @@ def test_a_store_is_made_once_memory_mapped_and_holds_every_document(tmp_path, s
         (tmp_path / "docs" / f"{i}.txt").write_text(t)
     source, tok = open_source(str(tmp_path / "docs")), char_tokenizer(small_text.read_text())
     first = store.cached_store(source, tok, workers=1, quiet=True)
-    assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.uint16
+    assert isinstance(first.tokens, store.DiskArray) and first.tokens.dtype == np.uint16
     expected = np.concatenate([tok.encode(t) + [tok.eos_id] for t in texts])
-    assert np.array_equal(first.tokens, expected) and first.n_docs == 3
+    assert np.array_equal(first.tokens[:], expected) and first.n_docs == 3
+    assert first.tokens[-1] == tok.eos_id and np.array_equal(first.tokens.view(3, 10)[2:5], expected[5:8])
     assert first.doc_ends.tolist() == np.cumsum([len(t) + 1 for t in texts]).tolist()
     calls = []
     monkeypatch.setattr(tokenize_worker, "encode", lambda batch: calls.append(1))

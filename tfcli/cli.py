@@ -199,7 +199,7 @@ def prepare(
     paragraphs: bool = typer.Option(False, "--paragraphs", help="mlm/electra: every blank-line paragraph is a document."),
     quiet: bool = QUIET,
 ):
-    """Tokenize a corpus once, in parallel, to a memory-mapped store; `pretrain --data OUT` trains on it."""
+    """Tokenize a corpus once, in parallel, to a token store on disk; `pretrain --data OUT` trains on it."""
     from .data.documents import open_source
     from .data.store import prepare as prepare_store
     from .data.tokenizers import load_tokenizer_files

@@ -1,8 +1,7 @@
 """From a token store to fixed-length blocks: the held-out split on the mapped stream, and block
 sources the one sampler shuffles, slices per rank and resumes.
 
-Blocks are read from the memory-mapped store per batch (only the pages a batch touches are ever
-resident). With `document_mask`, each block also carries its tokens' document numbers: the model
+Blocks are read from the store per batch (only the tokens of a batch are ever read). With `document_mask`, each block also carries its tokens' document numbers: the model
 then attends within a document only (block-diagonal causal attention), learned positions restart
 at each document, and the target that would cross into the next document is not scored, so a
 packed block's loss is the loss of its documents run alone.
@@ -30,8 +29,8 @@ class TokenSpan:
     stop: int
 
     @property
-    def tokens(self) -> np.ndarray:
-        return self.store.tokens[self.start: self.stop]  # a view of the memory map, no copy
+    def tokens(self):
+        return self.store.tokens.view(self.start, self.stop)  # nothing read yet
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -82,7 +81,7 @@ class BlockSource(Source):
         return [self.offset(int(e)) + int(i) * self.seq_len for e, i in zip(draw.epochs, draw.indices)]
 
     def blocks(self, starts: list[int]) -> torch.Tensor:
-        """(B, seq_len + 1) int64 token blocks beginning at `starts` (read from the map now)."""
+        """(B, seq_len + 1) int64 token blocks beginning at `starts` (read from the store now)."""
         rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts]).astype(np.int64)
         return torch.from_numpy(rows)
 

@@ -3,7 +3,7 @@ sentence store (tfcli.data.store, mode 'sentences' or 'paragraphs').
 
 A document is a row of the data (a whole file for plain text) or, with documents='paragraphs',
 each blank-line-separated paragraph. The store keeps every sentence's ids end to end with the
-sentence and document boundaries, memory-mapped; nothing here holds the corpus or an epoch of
+sentence and document boundaries, read from disk per example; nothing here holds the corpus or an epoch of
 pairs in memory. Example i of an epoch starts at the sentence holding token offset(epoch) +
 i x max_tokens of the corpus (the grid shifts every epoch), and is built from there:
 

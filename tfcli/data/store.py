@@ -8,8 +8,8 @@ A store is a directory:
     tokenizer.json  the tokenizer that made it
     index.json      format, counts, dtype, what the ids mean
 Documents stream from their source through a bounded window of batches, so neither tokenizing
-nor training ever holds the corpus in memory: training reads blocks through np.memmap, and the
-pages it touches are the only ones resident. Stores made for a run live in the cache, named by
+nor training ever holds the corpus in memory: training reads the blocks of a batch from
+tokens.bin with pread (DiskArray), and memory-maps only the boundary offsets it binary-searches. Stores made for a run live in the cache, named by
 the source's fingerprint and the tokenizer's (the same data and tokenizer are never tokenized
 twice); `tfcli prepare` writes one anywhere, and `--data` accepts it.
 """
@@ -41,12 +41,53 @@ BATCH_CHARS = 1 << 21  # characters of text per task sent to a worker
 MODES = ("text", "sentences", "paragraphs")  # what a segment is (tokenize_worker.segments)
 
 
+class DiskArray:
+    """A 1-D array in a file, read a slice at a time with pread. Not a memory map on purpose: the
+    page-cache pages of a mapped file count towards the process's RSS, and a kernel that caches
+    files in large folios maps up to megabytes per randomly read block, so a mapped corpus's
+    training RSS would grow with the corpus. A slice is a copy of just those values."""
+
+    def __init__(self, path: Path, dtype, n: int, start: int = 0, file=None):
+        self.path, self.dtype, self.n, self.start = Path(path), np.dtype(dtype), n, start
+        self._file = file or open(self.path, "rb", buffering=0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def view(self, start: int, stop: int) -> "DiskArray":
+        """Values [start, stop) as a DiskArray on the same open file (nothing read)."""
+        start, stop, _ = slice(start, stop).indices(self.n)
+        return DiskArray(self.path, self.dtype, max(0, stop - start), self.start + start, self._file)
+
+    def __getitem__(self, key) -> np.ndarray:
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (self.n if key < 0 else 0)
+            if not 0 <= i < self.n:
+                raise IndexError(f"index {int(key)} out of range for {self.n} values")
+            return self[i: i + 1][0]
+        start, stop, step = key.indices(self.n)
+        if step != 1:
+            raise IndexError("a DiskArray reads contiguous slices only")
+        count, size = max(0, stop - start), self.dtype.itemsize
+        raw = os.pread(self._file.fileno(), count * size, (self.start + start) * size)
+        if len(raw) != count * size:
+            raise UserError(f"{self.path}: truncated while reading; prepare the data again")
+        return np.frombuffer(raw, dtype=self.dtype)  # (count,) read-only
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_file"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._file = open(self.path, "rb", buffering=0)
+
+
 @dataclass
 class TokenStore:
-    """A store opened for reading: memory-mapped arrays, nothing loaded."""
+    """A store opened for reading: tokens read per slice from disk, offsets memory-mapped."""
 
     root: Path
-    tokens: np.ndarray  # (N,) uint16 | uint32
+    tokens: DiskArray  # (N,) uint16 | uint32
     doc_ends: np.ndarray  # (D,) int64
     sent_ends: Optional[np.ndarray]  # (S,) int64, sentence stores only
     doc_sents: Optional[np.ndarray]  # (D,) int64, sentence stores only
@@ -62,16 +103,17 @@ class TokenStore:
         if index.get("format") != FORMAT:
             raise UserError(f"{root}: a token store of format {index.get('format')!r}; this tfcli reads {FORMAT}")
 
-        def mapped(name: str, dtype, n: int) -> np.ndarray:
-            if n == 0:
-                return np.zeros(0, dtype=dtype)
+        def checked(name: str, dtype, n: int) -> Path:
             path = root / name
             if not path.is_file() or path.stat().st_size != n * np.dtype(dtype).itemsize:
                 raise UserError(f"{path}: missing or truncated (expected {n:,} values); prepare the data again")
-            return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+            return path
+
+        def mapped(name: str, dtype, n: int) -> np.ndarray:
+            return np.memmap(checked(name, dtype, n), dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
         sentences = index["mode"] != "text"
-        return cls(root, mapped("tokens.bin", index["dtype"], index["tokens"]),
+        return cls(root, DiskArray(checked("tokens.bin", index["dtype"], index["tokens"]), index["dtype"], index["tokens"]),
                    mapped("docs.bin", np.int64, index["documents"]),
                    mapped("sents.bin", np.int64, index["sentences"]) if sentences else None,
                    mapped("doc_sents.bin", np.int64, index["documents"]) if sentences else None, index)

@@ -46,7 +46,7 @@ class Objective(Plugin):
 
 class TextObjective(Objective):
     """An objective over documents of text (data.source, data.val_source), tokenized once into a
-    memory-mapped store (tfcli.data.store) that every run over the same data and tokenizer shares."""
+    store on disk (tfcli.data.store) that every run over the same data and tokenizer shares."""
 
     def sources(self, recipe) -> dict:
         """{'train': DocumentSource or a prepared store's path, 'val': the same or None}."""

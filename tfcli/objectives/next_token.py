@@ -54,7 +54,7 @@ class NextToken(TextObjective):
 
     def setup(self, recipe, backbone) -> Job:
         """Tokenize into a store (cached), hold out the tail of the stream, sample shuffled blocks or
-        random windows from the memory map."""
+        random windows, read from the store per batch."""
         d, mask = recipe.data, recipe.data.document_mask
         self.check_length(recipe, backbone)
         if d.streaming:
