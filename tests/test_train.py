@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
-from tfcli.train import lr_multiplier
+from tfcli.train import _Window, lr_multiplier
 
 from .conftest import read_metrics, tiny_bert_recipe, tiny_gpt_recipe, train_losses
 
@@ -35,6 +36,20 @@ def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):
     assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "state.safetensors", "state.json", "meta.json"}
     assert (run / "config.yaml").is_file() and (run / "tokenizer.json").is_file()
     assert recipes.load_resolved(run / "config.yaml").model.vocab_size > 0
+
+
+def test_throughput_leaves_out_evaluations_but_not_training_time():
+    after_log = _Window()
+    with after_log.excluding():  # an evaluation right after a log line, before the window's first step
+        time.sleep(0.05)
+    after_log.begin()
+    time.sleep(0.02)
+    assert after_log.seconds() >= 0.02  # the evaluation was not subtracted from the steps' time
+    within = _Window()
+    within.begin()
+    with within.excluding():
+        time.sleep(0.05)
+    assert within.seconds() < 0.05
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])

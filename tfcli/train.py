@@ -355,9 +355,12 @@ class _Window:
 
     @contextlib.contextmanager
     def excluding(self):
+        """Leave this block's time out of the window's (only if the window has begun: an evaluation
+        right after a log line comes before the next window's first step)."""
         t0 = time.perf_counter()
         yield
-        self.excluded += time.perf_counter() - t0
+        if self.started is not None:
+            self.excluded += time.perf_counter() - t0
 
     def read(self) -> list[tuple[int, dict[str, float]]]:
         """Every step's metrics as numbers: one transfer from the device for the whole window."""
