@@ -64,7 +64,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = F.linear(self.drop(x), self.lora_a.flatten(0, 1))  # (..., parts * r)
-        return self.base(x) + F.linear(h, self.scaled_b())  # (..., out)
+        out = self.base(x)  # (..., out); a frozen linear keeps nothing of it for backward
+        # the update added in place: no output-sized temporaries (they fragment CPU memory)
+        out.view(-1, out.size(-1)).addmm_(h.reshape(-1, h.size(-1)).to(out.dtype), self.scaled_b().t().to(out.dtype))
+        return out
 
     def merged(self) -> nn.Linear:
         with torch.no_grad():
