@@ -1,4 +1,4 @@
-"""From a token store to fixed-length blocks: the held-out split on the mapped stream, and block
+"""From a token store to fixed-length blocks: the held-out split on the stored stream, and block
 sources the one sampler shuffles, slices per rank and resumes.
 
 Blocks are read from the store per batch (only the tokens of a batch are ever read). With `document_mask`, each block also carries its tokens' document numbers: the model

@@ -1,4 +1,4 @@
-"""Tokenized corpora on disk: tokenized once, in worker processes, then memory-mapped by every run.
+"""Tokenized corpora on disk: tokenized once, in worker processes, then read by every run.
 
 A store is a directory:
     tokens.bin      every document's ids end to end (uint16 when the vocabulary fits, else uint32)
@@ -9,9 +9,10 @@ A store is a directory:
     index.json      format, counts, dtype, what the ids mean
 Documents stream from their source through a bounded window of batches, so neither tokenizing
 nor training ever holds the corpus in memory: training reads the blocks of a batch from
-tokens.bin with pread (DiskArray), and memory-maps only the boundary offsets it binary-searches. Stores made for a run live in the cache, named by
-the source's fingerprint and the tokenizer's (the same data and tokenizer are never tokenized
-twice); `tfcli prepare` writes one anywhere, and `--data` accepts it.
+tokens.bin with pread (DiskArray), and memory-maps only the boundary offsets it binary-searches.
+Stores made for a run live in the cache, named by the source's fingerprint and the tokenizer's
+(the same data and tokenizer are never tokenized twice); `tfcli prepare` writes one anywhere, and
+`--data` accepts it.
 """
 from __future__ import annotations
 
