@@ -33,3 +33,25 @@ def test_loss_gradients_and_accuracy_match_materialised_logits(monkeypatch, chun
     assert torch.allclose(fused[1], weight.grad, atol=1e-6)
     assert fused[0][0, :3].abs().max() == 0
     assert int(correct) == int(((logits.argmax(-1) == targets) & valid).sum())
+
+
+def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monkeypatch):
+    """The CPU path writes each chunk's logits into one buffer kept between calls: calls of other
+    shapes (the buffer grown, then partly used) still match the materialised logits exactly, and a
+    later call never changes what an earlier one returned."""
+    monkeypatch.setattr(losses, "_chunk_rows", lambda vocab: 5)
+    monkeypatch.setattr(losses, "_cpu_chunks", {})
+    torch.manual_seed(0)
+    results = []
+    for rows, vocab in ((12, 40), (7, 90), (12, 40)):
+        hidden = torch.randn(rows, 8, requires_grad=True)
+        weight = torch.randn(vocab, 8, requires_grad=True)
+        targets = torch.randint(0, vocab, (rows,))
+        loss, _ = linear_cross_entropy(hidden, weight, targets)
+        loss.backward()
+        reference = F.cross_entropy(hidden.detach() @ weight.detach().t(), targets)
+        assert torch.allclose(loss, reference, atol=1e-6)
+        results.append((loss.detach().clone(), hidden.grad, hidden.grad.clone()))
+    assert losses._cpu_chunks[torch.float32].numel() == 5 * 90  # grown once, reused after
+    for _, grad, copy in results:
+        assert torch.equal(grad, copy)
