@@ -85,3 +85,18 @@ def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_
         assert (ours.logits(ours(ids)) - hf(ids).logits).abs().max().item() < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("ROMEO:")["input_ids"] == load_run(tmp_path / "run").tokenizer.encode("ROMEO:")
+
+
+def test_the_cpu_decoding_head_gives_the_models_logits():
+    """Generation on the CPU reads the LM head through a (D, V) copy (faster for one position at a
+    time): the logits are the model's own, for a tied GPT and both kinds of T5 head."""
+    from tfcli.generate import decode_logits
+    from tfcli.models.t5 import T5, T5Config
+
+    torch.manual_seed(0)
+    models = [GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=8, vocab_size=97))] + \
+        [T5(T5Config(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=97, tie_word_embeddings=tied))
+         for tied in (True, False)]
+    for model in models:
+        hidden = torch.randn(3, 16)
+        assert torch.allclose(decode_logits(model, torch.device("cpu"))(hidden), model.logits(hidden), atol=1e-6)

