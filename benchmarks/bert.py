@@ -1,5 +1,6 @@
 """BERT: MLM+NSP training step vs transformers' BertForPreTraining, and MNLI finetuning examples/s
-vs BertForSequenceClassification, same weights, same data, same run (interleaved).
+vs BertForSequenceClassification, same weights, same data, same run (each side timed in a process
+of its own: common.isolated).
 
 MLM+NSP config (issue 3): 4 layers, width 256, 4 heads, FFN 1024, sequence 128, batch 32,
 vocab 30522, fp32, 2 threads, BERT's dropout 0.1 on both sides, torch's fused AdamW on both.
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import hf_peer, interleaved, report, train_step
+from benchmarks.common import Contenders, hf_peer, isolated, report, train_step
 from tfcli import hf
 from tfcli.data.labelled import load_splits
 from tfcli.data.tokenizers import load_tokenizer_files
@@ -29,30 +30,32 @@ MNLI = ROOT.parent / "shared" / "data" / "mnli"
 BATCH, SEQ = 32, 128
 
 
-def pretraining() -> None:
-    import transformers
-
+def pretraining() -> Contenders:
     torch.manual_seed(0)
     cfg = BertConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=30522, dropout=0.1)
     ours, heads = Bert(cfg).train(), mlm_nsp.build_heads(cfg)
-    peer = hf_peer(transformers.BertForPreTraining, ours, heads.state_dict()).train()
     ids = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
     masker = mlm_nsp.Masker(103, sorted(ids.values()), cfg.vocab_size)
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(1000, 30000, 62), rng.integers(1000, 30000, 63), int(rng.integers(0, 2)))
              for _ in range(BATCH)]
     batch = mlm_nsp.collate(pairs, ids, masker, [rng] * BATCH)  # (32, 128) full rows
-    module = torch.nn.ModuleDict({"model": ours, "heads": heads})
-    opt_ours = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
-    opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
-    seconds = interleaved({
-        "tfcli": train_step(lambda: mlm_nsp.loss(ours, heads, batch)[0], opt_ours),
-        "transformers": train_step(lambda: peer(
+
+    def tfcli():
+        module = torch.nn.ModuleDict({"model": ours, "heads": heads})
+        return train_step(lambda: mlm_nsp.loss(ours, heads, batch)[0],
+                          torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True))
+
+    def transformers():
+        import transformers
+
+        peer = hf_peer(transformers.BertForPreTraining, ours, heads.state_dict()).train()
+        return train_step(lambda: peer(
             input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
             attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
-            next_sentence_label=batch["nsp_labels"]).loss, opt_peer),
-    }, rounds=5, warmup=1)
-    report("bert mlm+nsp train step (L4 d256 h4 ff1024 seq128 b32 V30522 fp32)", "tok", BATCH * SEQ, seconds)
+            next_sentence_label=batch["nsp_labels"]).loss, torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+
+    return {"tfcli": tfcli, "transformers": transformers}
 
 
 def _minilm() -> Bert:
@@ -67,14 +70,8 @@ def _minilm() -> Bert:
     return model
 
 
-def finetuning(n_batches: int = 2) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    ours = _minilm().train()
-    cfg = ours.cfg
-    head = ClassifierHead(cfg, "cls", 3, None, SEQ, dropout=cfg.dropout)
-    peer = hf_peer(transformers.BertForSequenceClassification, ours, head.heads.state_dict()).train()
+def mnli_batches(n_batches: int = 2) -> tuple[list, list, list]:
+    """Real MNLI rows: (examples, tfcli's length-grouped batches, batches padded to 128 as run_glue does)."""
     tok = load_tokenizer_files(str(VOCAB), mlm_nsp.SPECIAL_TOKENS)
     rows = load_splits(text_spec(ClassifyConfig(preset="mnli")), str(MNLI))[0]["train"].rows[: BATCH * n_batches]
     examples = encode(tok, rows, SEQ)
@@ -85,26 +82,42 @@ def finetuning(n_batches: int = 2) -> None:
         pad = SEQ - b["input_ids"].shape[1]
         for k in ("input_ids", "token_type_ids", "attention_mask"):
             b[k] = torch.nn.functional.pad(b[k], (0, pad))
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=5e-5, fused=True)
-            for k, m in (("ours", torch.nn.ModuleDict({"m": ours, "h": head.heads})), ("peer", peer))}
+    return examples, grouped, fixed
 
-    def peer_pass(batches):
-        return lambda: sum(peer(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
-                                attention_mask=b["attention_mask"], labels=b["labels"]).loss for b in batches)
 
-    seconds = interleaved({
-        "tfcli": train_step(lambda: sum(head.loss(ours, head.heads, b)[0] for b in grouped), opts["ours"]),
-        "transformers": train_step(peer_pass(fixed), opts["peer"]),
-        "transformers, tfcli's length-grouped batches": train_step(peer_pass(grouped), opts["peer"]),
-    }, rounds=3, warmup=1)
-    mean_len = np.mean([len(e[0]) for e in examples])
-    report(f"mnli finetuning (MiniLM-L6 shape, b32, max len 128, mean len {mean_len:.0f})", "ex",
-           len(examples), seconds)
+def finetuning() -> Contenders:
+    """One step = a pass over the same MNLI rows (two batches of 32)."""
+    torch.manual_seed(0)
+    ours = _minilm().train()
+    head = ClassifierHead(ours.cfg, "cls", 3, None, SEQ, dropout=ours.cfg.dropout)
+    _, grouped, fixed = mnli_batches()
+
+    def tfcli():
+        params = torch.nn.ModuleDict({"m": ours, "h": head.heads}).parameters()
+        return train_step(lambda: sum(head.loss(ours, head.heads, b)[0] for b in grouped),
+                          torch.optim.AdamW(params, lr=5e-5, fused=True))
+
+    def peer_on(batches):
+        def build():
+            import transformers
+
+            peer = hf_peer(transformers.BertForSequenceClassification, ours, head.heads.state_dict()).train()
+            return train_step(lambda: sum(peer(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
+                                               attention_mask=b["attention_mask"], labels=b["labels"]).loss
+                                          for b in batches), torch.optim.AdamW(peer.parameters(), lr=5e-5, fused=True))
+        return build
+
+    return {"tfcli": tfcli, "transformers": peer_on(fixed), "transformers, tfcli's length-grouped batches": peer_on(grouped)}
 
 
 def main() -> None:
-    pretraining()
-    finetuning()
+    seconds = isolated("bert:pretraining", ["tfcli", "transformers"])
+    report("bert mlm+nsp train step (L4 d256 h4 ff1024 seq128 b32 V30522 fp32)", "tok", BATCH * SEQ, seconds)
+    examples = mnli_batches()[0]
+    seconds = isolated("bert:finetuning", ["tfcli", "transformers", "transformers, tfcli's length-grouped batches"],
+                       warmup=3, steps=5)
+    report(f"mnli finetuning (MiniLM-L6 shape, b32, max len 128, mean len {np.mean([len(e[0]) for e in examples]):.0f})",
+           "ex", len(examples), seconds)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
-"""Side-by-side timing: tfcli and the Hugging Face peer measured in the same run, interleaved.
+"""Side-by-side timing: tfcli and the Hugging Face peer measured in the same run.
 
-The machines are noisy (+-25% between runs), so only same-run ratios mean anything: each
-round times one step of every contender in turn, and the median of the rounds is reported.
+Each contender is timed in a fresh process of its own, as a user runs it (`isolated`): warm-up
+steps first (transformers' T5 step took ~10 steps to settle), then the median step. The
+processes alternate (tfcli, peer, tfcli, peer) so that a drift of the machine hits both sides; the
+machines are noisy (+-25% between runs), so only same-run ratios mean anything.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,6 +19,25 @@ from typing import Callable
 import torch
 
 RESULTS = Path("bench-results")
+ROOT = Path(__file__).resolve().parents[1]
+
+Step = Callable[[], None]
+Contenders = dict[str, Callable[[], Step]]  # name -> builds that contender's step (models, optimizer, batch)
+
+
+def isolated(target: str, names: list[str], *, warmup: int = 5, steps: int = 10, repeats: int = 2) -> dict[str, float]:
+    """Median seconds per step of each contender of `target` ("module:function" returning
+    Contenders), each timed in fresh processes of its own, alternating, `repeats` processes each."""
+    times: dict[str, list[float]] = {k: [] for k in names}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for _ in range(repeats):
+        for name in names:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.contender", target, name, str(warmup), str(steps)],
+                                 capture_output=True, text=True, env=env, cwd=ROOT)
+            if out.returncode:
+                raise SystemExit(f"{target} {name} failed:\n{out.stderr[-3000:]}")
+            times[name] += json.loads(out.stdout.strip().splitlines()[-1])
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def interleaved(contenders: dict[str, Callable[[], None]], rounds: int = 5, warmup: int = 2) -> dict[str, float]:

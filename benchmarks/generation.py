@@ -2,78 +2,83 @@
 
 A decoder (the GPT benchmark's config: 4 layers, width 256, vocab 50,257) and an encoder-decoder
 (the T5 benchmark's config), batch 1, fp32, 2 threads. Both sides decode exactly `NEW` tokens
-(no EOS stop) and must produce the same ids, which is checked before anything is timed.
+(no EOS stop) and must produce the same ids, which is checked before anything is timed; then each
+side is timed in a process of its own (common.isolated), one step = one whole generation.
 """
 from __future__ import annotations
 
 import torch
 
-from benchmarks.common import hf_peer, interleaved, report
+from benchmarks.common import Contenders, hf_peer, isolated, report
 from tfcli.generate import generate_seq2seq, generate_tokens
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
 
 NEW, PROMPT = 128, 32
+GPT_CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=50257, dropout=0.0)
+T5_CONFIG = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
+                     feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=32128)
 
 
-def same_ids(name: str, ours: list[int], theirs: list[int]) -> None:
+def decoder() -> Contenders:
+    torch.manual_seed(0)
+    ours = GPT(GPT_CONFIG).eval()
+    prompt = torch.randint(0, GPT_CONFIG.vocab_size, (1, PROMPT))
+
+    def tfcli():
+        return lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0))
+
+    def transformers():
+        import transformers
+
+        peer = hf_peer(transformers.GPT2LMHeadModel, ours).eval()
+
+        @torch.no_grad()
+        def ids():
+            out = peer.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
+                                min_new_tokens=NEW, use_cache=True, pad_token_id=0)
+            return out[0, PROMPT:].tolist()
+        return ids
+
+    return {"tfcli": tfcli, "transformers": transformers}
+
+
+def encoder_decoder() -> Contenders:
+    torch.manual_seed(0)
+    ours = T5(T5_CONFIG).eval()
+    source = torch.randint(100, T5_CONFIG.vocab_size - 100, (1, 114))
+
+    def tfcli():
+        return lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW, temperature=0.0))
+
+    def transformers():
+        import transformers
+
+        peer = hf_peer(transformers.T5ForConditionalGeneration, ours).eval()
+
+        @torch.no_grad()
+        def ids():
+            out = peer.generate(source, attention_mask=torch.ones_like(source), do_sample=False, max_new_tokens=NEW,
+                                min_new_tokens=NEW, use_cache=True, decoder_start_token_id=0, pad_token_id=0)
+            return out[0, 1:].tolist()
+        return ids
+
+    return {"tfcli": tfcli, "transformers": transformers}
+
+
+def same_ids(name: str, contenders: Contenders) -> None:
+    ours, theirs = contenders["tfcli"]()(), contenders["transformers"]()()
     if ours != theirs:
         raise SystemExit(f"{name}: greedy ids differ at position "
                          f"{next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}")
 
 
-def decoder() -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=50257, dropout=0.0)
-    ours = GPT(cfg).eval()
-    peer = hf_peer(transformers.GPT2LMHeadModel, ours).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT))
-
-    def tfcli_ids():
-        return list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0))
-
-    @torch.no_grad()
-    def hf_ids():
-        out = peer.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
-                            min_new_tokens=NEW, use_cache=True, pad_token_id=0)
-        return out[0, PROMPT:].tolist()
-
-    same_ids("gpt", tfcli_ids(), hf_ids())
-    seconds = interleaved({"tfcli": tfcli_ids, "transformers": hf_ids}, rounds=5, warmup=1)
-    report(f"gpt greedy generation ({PROMPT} prompt + {NEW} new tokens, batch 1, KV cache, fp32)", "tok", NEW,
-           seconds, target=1.5)
-
-
-def encoder_decoder() -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
-                   feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=32128)
-    ours = T5(cfg).eval()
-    peer = hf_peer(transformers.T5ForConditionalGeneration, ours).eval()
-    source = torch.randint(100, cfg.vocab_size - 100, (1, 114))
-
-    def tfcli_ids():
-        return list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW, temperature=0.0))
-
-    @torch.no_grad()
-    def hf_ids():
-        out = peer.generate(source, attention_mask=torch.ones_like(source), do_sample=False, max_new_tokens=NEW,
-                            min_new_tokens=NEW, use_cache=True, decoder_start_token_id=0, pad_token_id=0)
-        return out[0, 1:].tolist()
-
-    same_ids("t5", tfcli_ids(), hf_ids())
-    seconds = interleaved({"tfcli": tfcli_ids, "transformers": hf_ids}, rounds=5, warmup=1)
-    report(f"t5 greedy generation (114 source + {NEW} new tokens, batch 1, KV cache, fp32)", "tok", NEW,
-           seconds, target=1.5)
-
-
 def main() -> None:
-    decoder()
-    encoder_decoder()
+    for name, builders, what in (("gpt", "decoder", f"{PROMPT} prompt"), ("t5", "encoder_decoder", "114 source")):
+        same_ids(name, globals()[builders]())
+        seconds = isolated(f"generation:{builders}", ["tfcli", "transformers"], warmup=1, steps=5)
+        report(f"{name} greedy generation ({what} + {NEW} new tokens, batch 1, KV cache, fp32)", "tok", NEW, seconds,
+               target=1.5)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """GPT training step vs transformers' GPT2LMHeadModel at the same config, and generation speed.
 
 Config (issue 2): 4 layers, width 256, 4 heads, context 256, batch 16, vocab 50257, fp32,
-2 threads, no dropout. Both sides use the same weights and torch's fused AdamW.
+2 threads, no dropout. Both sides use the same weights and torch's fused AdamW; each is timed in
+a process of its own (common.isolated).
 """
 from __future__ import annotations
 
@@ -9,32 +10,42 @@ import time
 
 import torch
 
-from benchmarks.common import hf_peer, interleaved, report, train_step
+from benchmarks.common import Contenders, hf_peer, isolated, report, train_step
 from tfcli.generate import generate_tokens
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.objectives.next_token import loss as next_token_loss
 
 BATCH, CONTEXT = 16, 256
+CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=CONTEXT, vocab_size=50257, dropout=0.0)
+
+
+def training() -> Contenders:
+    torch.manual_seed(0)
+    block = torch.randint(0, CONFIG.vocab_size, (BATCH, CONTEXT + 1))
+    batch = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+
+    def tfcli():
+        torch.manual_seed(1)
+        ours = GPT(CONFIG).train()
+        return train_step(lambda: next_token_loss(ours, None, batch)[0],
+                          torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True))
+
+    def transformers():
+        import transformers
+
+        torch.manual_seed(1)
+        peer = hf_peer(transformers.GPT2LMHeadModel, GPT(CONFIG)).train()
+        return train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
+                          torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+
+    return {"tfcli": tfcli, "transformers": transformers}
 
 
 def main() -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=CONTEXT, vocab_size=50257, dropout=0.0)
-    ours = GPT(cfg).train()
-    peer = hf_peer(transformers.GPT2LMHeadModel, ours).train()
-    block = torch.randint(0, cfg.vocab_size, (BATCH, CONTEXT + 1))
-    batch = {"input_ids": block[:, :-1], "targets": block[:, 1:]}
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
-    opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
-    seconds = interleaved({
-        "tfcli": train_step(lambda: next_token_loss(ours, None, batch)[0], opt_ours),
-        "transformers": train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
-                                   opt_peer),
-    }, rounds=5, warmup=1)
+    seconds = isolated("gpt:training", ["tfcli", "transformers"], warmup=3, steps=8)
     report("gpt train step (L4 d256 h4 ctx256 b16 V50257 fp32)", "tok", BATCH * CONTEXT, seconds)
-    generation(ours.eval())
+    torch.manual_seed(0)
+    generation(GPT(CONFIG).eval())
 
 
 def generation(model: GPT, new_tokens: int = 200) -> None:

@@ -3,7 +3,8 @@
 Config (issue 4): d_model 256, FFN 1024 (gated-GELU, T5 v1.1), 4+4 layers, 4 heads of 64,
 vocabulary 32,128, encoder length 114, decoder length 32, batch 32, fp32, 2 threads, no dropout.
 Batches are real span corruption of random token blocks (114 input tokens fill the encoder
-exactly; the 26 target tokens are padded to 32 with ignored labels). Same weights, fused AdamW.
+exactly; the 26 target tokens are padded to 32 with ignored labels). Same weights, fused AdamW;
+each side timed in a process of its own (common.isolated).
 """
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import hf_peer, interleaved, report, train_step
+from benchmarks.common import Contenders, hf_peer, isolated, report, train_step
 from tfcli.generate import generate_seq2seq
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
 from tfcli.objectives.losses import IGNORE
 
 BATCH, ENCODER_LEN, DECODER_LEN, VOCAB = 32, 114, 32, 32128
+CONFIG = dict(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024, feed_forward="gated-gelu",
+              dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
 
 
 def span_batch() -> dict[str, torch.Tensor]:
@@ -33,26 +36,39 @@ def span_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "labels": labels, "decoder_input_ids": sc.shift_right(labels, 0)}
 
 
-def main() -> None:
+def models() -> tuple[T5, torch.nn.Module]:
+    """tfcli's T5 (seed 0) and transformers' T5ForConditionalGeneration with its weights."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
-                   feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
-    ours = T5(cfg).train()
-    peer = hf_peer(transformers.T5ForConditionalGeneration, ours).train()
+    ours = T5(T5Config(**CONFIG)).train()
+    return ours, hf_peer(transformers.T5ForConditionalGeneration, ours).train()
+
+
+def training() -> Contenders:
     batch = span_batch()
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
-    opt_peer = torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True)
+
+    def tfcli():
+        torch.manual_seed(0)
+        model = T5(T5Config(**CONFIG)).train()
+        return train_step(lambda: sc.loss(model, None, batch)[0], torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+
+    def transformers():
+        peer = models()[1]
+        return train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
+                          torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+
+    return {"tfcli": tfcli, "transformers": transformers}
+
+
+def main() -> None:
+    ours, peer = models()
+    batch = span_batch()
     with torch.no_grad():  # same weights, same batch: the same loss
         a = sc.loss(ours, None, batch)[0]
         b = peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     print(f"t5 loss check: tfcli {float(a):.5f}, transformers {float(b):.5f}")
-    seconds = interleaved({
-        "tfcli": train_step(lambda: sc.loss(ours, None, batch)[0], opt_ours),
-        "transformers": train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
-                                   opt_peer),
-    }, rounds=5, warmup=1)
+    seconds = isolated("t5:training", ["tfcli", "transformers"])
     report(f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} "
            f"V{VOCAB} fp32)", "tok", BATCH * (ENCODER_LEN + DECODER_LEN), seconds)
     generation(ours.eval(), batch["input_ids"][:1])
