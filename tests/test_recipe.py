@@ -101,6 +101,19 @@ def test_overrides_apply_and_are_validated(tmp_path):
         recipes.parse_override("optim.lr")
 
 
+def test_on_and_off_are_words_not_yaml_booleans(tmp_path):
+    """YAML 1.1 reads `off` as false: `train.compile: off` (file or --set) still means "off", and the
+    saved config.yaml reads back the same; a boolean where no such word is allowed stays an error."""
+    raw = tiny_gpt_recipe(tmp_path, train={"compile": False})
+    assert recipes.from_dict(raw).train.compile == "off"
+    rec = recipes.from_dict(tiny_gpt_recipe(tmp_path), dict([recipes.parse_override("train.compile=on")]))
+    assert rec.train.compile == "on"
+    recipes.save(rec, tmp_path / "config.yaml")
+    assert recipes.load_resolved(tmp_path / "config.yaml").train.compile == "on"
+    with pytest.raises(RecipeError, match=r"^train\.precision: True is not one of"):
+        recipes.from_dict(tiny_gpt_recipe(tmp_path, train={"precision": True}))
+
+
 def test_model_shape_errors_are_user_errors(tmp_path):
     with pytest.raises(RecipeError, match="divisible"):
         recipes.from_dict(tiny_gpt_recipe(tmp_path, model={"d_model": 30, "n_head": 4}))

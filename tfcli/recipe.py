@@ -388,6 +388,9 @@ def _build_model(raw: Any, path: str):
     return _build(FAMILIES[family][0], raw, path)
 
 
+YAML_BOOLEAN_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+
+
 def _coerce(tp, value: Any, path: str):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -397,6 +400,8 @@ def _coerce(tp, value: Any, path: str):
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, path)
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans: take the word back
+            value = next((w for w in YAML_BOOLEAN_WORDS[value] if w in args), value)
         if value not in args:
             raise RecipeError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
