@@ -63,6 +63,14 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     return table[key]
 
 
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of a GPT or BERT: 6 N (forward 2 + backward 4 per parameter, N without
+    the learned positions, a lookup) plus attention's 12 L T D (PaLM appendix B)."""
+    cfg = model.cfg
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
+
+
 def mfu(achieved_flops: float, peak: float) -> float:
     """Achieved over peak, at most 1 (a peak below what a run achieves was measured low)."""
     return min(1.0, achieved_flops / peak) if peak > 0 else 0.0

@@ -19,6 +19,7 @@ from ..data import segments
 from ..errors import UserError
 from ..recipe import require
 from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
+from ..perf import flops_per_token
 from ..plugin import Job
 from ..sampler import Draw, Source
 from . import TextObjective
@@ -217,10 +218,8 @@ class MaskedLM(TextObjective):
 
     def setup(self, recipe, backbone) -> Job:
         train, val = self.example_sources(recipe, backbone, recipe.settings.nsp)
-        cfg = backbone.cfg
-        n_params = sum(p.numel() for p in backbone.model.parameters()) - backbone.model.wpe.weight.numel()
-        return Job(heads=build_heads(cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
-                   flops_per_item=6.0 * n_params + 12.0 * cfg.n_layer * recipe.data.seq_len * cfg.d_model,
+        return Job(heads=build_heads(backbone.cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
+                   flops_per_item=flops_per_token(backbone.model, recipe.data.seq_len),
                    count_items=lambda b: int(b["attention_mask"].sum()))
 
     def hints(self, run_dir) -> list[str]:

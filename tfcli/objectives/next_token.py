@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..data.packing import BlockSource, WindowSource, documents_from_eos, split_stores, within_documents
 from ..errors import UserError
+from ..perf import flops_per_token
 from ..plugin import Job
 from . import TextObjective
 from .losses import linear_cross_entropy
@@ -25,13 +26,6 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
 
 def with_perplexity(metrics: dict[str, float]) -> dict[str, float]:
     return {**metrics, "ppl": math.exp(min(metrics["loss"], 50.0))}
-
-
-def flops_per_token(model, seq_len: int) -> float:
-    """6 N (forward 2 + backward 4 per parameter) plus attention's 12 L T D (PaLM appendix B)."""
-    cfg = model.cfg
-    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
 
 
 def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ..objectives import next_token, span_corruption
 from ..objectives.losses import IGNORE
+from ..perf import flops_per_token
 from ..plugin import Batch
 from . import Head
 from . import prompts
@@ -199,4 +200,4 @@ class TextHead(Head):
         answer = int(np.mean([len(a) for a in self.reader.answers]))
         if self.family == "t5":
             return span_corruption.flops_per_token(model, prompt, answer)
-        return next_token.flops_per_token(model, prompt + answer)
+        return flops_per_token(model, prompt + answer)
