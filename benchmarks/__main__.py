@@ -1,5 +1,6 @@
 """`make bench`: every family's training step against its Hugging Face peer, same run, same config;
-the loop's overhead over the bare step; greedy generation against transformers' generate.
+the loop's overhead over the bare step; greedy generation against transformers' generate; on a
+machine with a CUDA device, whole `tfcli pretrain` steps against transformers and nanoGPT (gpu).
 
     python -m benchmarks            # all
     python -m benchmarks gpt bert   # some
@@ -9,7 +10,7 @@ import sys
 
 import torch
 
-ALL = ["gpt", "bert", "t5", "mae", "loop", "generation"]
+ALL = ["gpt", "bert", "t5", "mae", "loop", "generation", "gpu"]
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

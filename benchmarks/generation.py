@@ -1,9 +1,10 @@
 """Greedy generation with a KV cache: tfcli against transformers' `generate` on the same weights.
 
 A decoder (the GPT benchmark's config: 4 layers, width 256, vocab 50,257) and an encoder-decoder
-(the T5 benchmark's config), batch 1, fp32, 2 threads. Both sides decode exactly `NEW` tokens
-(no EOS stop) and must produce the same ids, which is checked before anything is timed; then each
-side is timed in a process of its own (common.isolated), one step = one whole generation.
+(the T5 benchmark's config), batch 1, fp32, 2 threads; on a CUDA device as well when there is one.
+Both sides decode exactly `NEW` tokens (no EOS stop) and must produce the same ids, which is checked
+before anything is timed; then each side is timed in a process of its own (common.isolated), one
+step = one whole generation.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ T5_CONFIG = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=6
                      feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=32128)
 
 
-def decoder() -> Contenders:
+def decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
-    ours = GPT(GPT_CONFIG).eval()
-    prompt = torch.randint(0, GPT_CONFIG.vocab_size, (1, PROMPT))
+    ours = GPT(GPT_CONFIG).eval().to(device)
+    prompt = torch.randint(0, GPT_CONFIG.vocab_size, (1, PROMPT)).to(device)
 
     def tfcli():
         return lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0))
@@ -31,7 +32,8 @@ def decoder() -> Contenders:
     def transformers():
         import transformers
 
-        peer = hf_peer(transformers.GPT2LMHeadModel, ours).eval()
+        peer = hf_peer(transformers.GPT2LMHeadModel, ours.cpu()).eval().to(device)
+        ours.to(device)
 
         @torch.no_grad()
         def ids():
@@ -43,10 +45,10 @@ def decoder() -> Contenders:
     return {"tfcli": tfcli, "transformers": transformers}
 
 
-def encoder_decoder() -> Contenders:
+def encoder_decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
-    ours = T5(T5_CONFIG).eval()
-    source = torch.randint(100, T5_CONFIG.vocab_size - 100, (1, 114))
+    ours = T5(T5_CONFIG).eval().to(device)
+    source = torch.randint(100, T5_CONFIG.vocab_size - 100, (1, 114)).to(device)
 
     def tfcli():
         return lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW, temperature=0.0))
@@ -54,7 +56,8 @@ def encoder_decoder() -> Contenders:
     def transformers():
         import transformers
 
-        peer = hf_peer(transformers.T5ForConditionalGeneration, ours).eval()
+        peer = hf_peer(transformers.T5ForConditionalGeneration, ours.cpu()).eval().to(device)
+        ours.to(device)
 
         @torch.no_grad()
         def ids():
@@ -66,6 +69,14 @@ def encoder_decoder() -> Contenders:
     return {"tfcli": tfcli, "transformers": transformers}
 
 
+def decoder_cuda() -> Contenders:
+    return decoder("cuda")
+
+
+def encoder_decoder_cuda() -> Contenders:
+    return encoder_decoder("cuda")
+
+
 def same_ids(name: str, contenders: Contenders) -> None:
     ours, theirs = contenders["tfcli"]()(), contenders["transformers"]()()
     if ours != theirs:
@@ -74,11 +85,15 @@ def same_ids(name: str, contenders: Contenders) -> None:
 
 
 def main() -> None:
-    for name, builders, what in (("gpt", "decoder", f"{PROMPT} prompt"), ("t5", "encoder_decoder", "114 source")):
-        same_ids(name, globals()[builders]())
-        seconds = isolated(f"generation:{builders}", ["tfcli", "transformers"], warmup=1, steps=5)
-        report(f"{name} greedy generation ({what} + {NEW} new tokens, batch 1, KV cache, fp32)", "tok", NEW, seconds,
-               target=1.5)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        where = "" if device == "cpu" else f", {torch.cuda.get_device_name()}"
+        suffix = "" if device == "cpu" else "_cuda"
+        for name, builders, what in (("gpt", "decoder", f"{PROMPT} prompt"), ("t5", "encoder_decoder", "114 source")):
+            same_ids(f"{name} on {device}", globals()[builders + suffix]())
+            seconds = isolated(f"generation:{builders}{suffix}", ["tfcli", "transformers"], warmup=1, steps=5)
+            report(f"{name} greedy generation ({what} + {NEW} new tokens, batch 1, KV cache, fp32{where})", "tok", NEW,
+                   seconds, target=1.5)
 
 
 if __name__ == "__main__":
