@@ -88,9 +88,10 @@ def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_
 
 
 def test_the_cpu_decoding_head_gives_the_models_logits():
-    """Generation on the CPU reads the LM head through a (D, V) copy (faster for one position at a
-    time): the logits are the model's own, for a tied GPT and both kinds of T5 head."""
-    from tfcli.generate import decode_logits
+    """Generation on the CPU reads the LM head as (D, V) column blocks, one per thread (faster for one
+    position at a time): the logits are the model's own, for a tied GPT and both kinds of T5 head,
+    whether or not the blocks divide the vocabulary, for one row or several."""
+    from tfcli.generate import ColumnSplitHead, decode_logits
     from tfcli.models.t5 import T5, T5Config
 
     torch.manual_seed(0)
@@ -98,5 +99,9 @@ def test_the_cpu_decoding_head_gives_the_models_logits():
         [T5(T5Config(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=97, tie_word_embeddings=tied))
          for tied in (True, False)]
     for model in models:
-        hidden = torch.randn(3, 16)
-        assert torch.allclose(decode_logits(model, torch.device("cpu"))(hidden), model.logits(hidden), atol=1e-6)
+        for rows in (1, 3):
+            hidden = torch.randn(rows, 16)
+            expected = model.logits(hidden)
+            assert torch.allclose(decode_logits(model, torch.device("cpu"))(hidden), expected, atol=1e-5)
+            for parts in (1, 2, 3, 4, 97):
+                assert torch.allclose(ColumnSplitHead(model.lm_head_weight, parts)(hidden), expected, atol=1e-5)
