@@ -12,7 +12,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -37,20 +36,6 @@ def isolated(target: str, names: list[str], *, warmup: int = 5, steps: int = 10,
             if out.returncode:
                 raise SystemExit(f"{target} {name} failed:\n{out.stderr[-3000:]}")
             times[name] += json.loads(out.stdout.strip().splitlines()[-1])
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def interleaved(contenders: dict[str, Callable[[], None]], rounds: int = 5, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each contender, calls interleaved round by round."""
-    for _ in range(warmup):
-        for fn in contenders.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -21,52 +21,37 @@ T5_CONFIG = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=6
                      feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=32128)
 
 
+def hf_generate(class_name: str, ours: torch.nn.Module, inputs: torch.Tensor, keep_from: int, **extra):
+    """transformers' generate on `ours`' weights: exactly NEW greedy tokens with its cache -> their ids."""
+    import transformers
+
+    device = inputs.device
+    peer = hf_peer(getattr(transformers, class_name), ours.cpu()).eval().to(device)
+    ours.to(device)
+
+    @torch.no_grad()
+    def ids():
+        out = peer.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=NEW,
+                            min_new_tokens=NEW, use_cache=True, pad_token_id=0, **extra)
+        return out[0, keep_from:].tolist()
+    return ids
+
+
 def decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
     ours = GPT(GPT_CONFIG).eval().to(device)
     prompt = torch.randint(0, GPT_CONFIG.vocab_size, (1, PROMPT)).to(device)
-
-    def tfcli():
-        return lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0))
-
-    def transformers():
-        import transformers
-
-        peer = hf_peer(transformers.GPT2LMHeadModel, ours.cpu()).eval().to(device)
-        ours.to(device)
-
-        @torch.no_grad()
-        def ids():
-            out = peer.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
-                                min_new_tokens=NEW, use_cache=True, pad_token_id=0)
-            return out[0, PROMPT:].tolist()
-        return ids
-
-    return {"tfcli": tfcli, "transformers": transformers}
+    return {"tfcli": lambda: lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0)),
+            "transformers": lambda: hf_generate("GPT2LMHeadModel", ours, prompt, PROMPT)}
 
 
 def encoder_decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
     ours = T5(T5_CONFIG).eval().to(device)
     source = torch.randint(100, T5_CONFIG.vocab_size - 100, (1, 114)).to(device)
-
-    def tfcli():
-        return lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW, temperature=0.0))
-
-    def transformers():
-        import transformers
-
-        peer = hf_peer(transformers.T5ForConditionalGeneration, ours.cpu()).eval().to(device)
-        ours.to(device)
-
-        @torch.no_grad()
-        def ids():
-            out = peer.generate(source, attention_mask=torch.ones_like(source), do_sample=False, max_new_tokens=NEW,
-                                min_new_tokens=NEW, use_cache=True, decoder_start_token_id=0, pad_token_id=0)
-            return out[0, 1:].tolist()
-        return ids
-
-    return {"tfcli": tfcli, "transformers": transformers}
+    return {"tfcli": lambda: lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW,
+                                                           temperature=0.0)),
+            "transformers": lambda: hf_generate("T5ForConditionalGeneration", ours, source, 1, decoder_start_token_id=0)}
 
 
 def decoder_cuda() -> Contenders:
