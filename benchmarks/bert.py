@@ -30,16 +30,28 @@ MNLI = ROOT.parent / "shared" / "data" / "mnli"
 BATCH, SEQ = 32, 128
 
 
+def pretraining_batch(batch_size: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    """An MLM+NSP batch of full rows (batch_size, seq): random sentence pairs, BERT's masking."""
+    ids = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
+    masker = mlm_nsp.Masker(103, sorted(ids.values()), vocab)
+    rng, half, high = np.random.default_rng(0), (seq - 3) // 2, min(vocab, 30000)
+    pairs = [(rng.integers(1000, high, half), rng.integers(1000, high, seq - 3 - half), int(rng.integers(0, 2)))
+             for _ in range(batch_size)]
+    return mlm_nsp.collate(pairs, ids, masker, [rng] * batch_size)
+
+
+def peer_loss(peer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """BertForPreTraining's MLM + NSP loss on a pretraining_batch."""
+    return peer(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
+                next_sentence_label=batch["nsp_labels"]).loss
+
+
 def pretraining() -> Contenders:
     torch.manual_seed(0)
     cfg = BertConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=30522, dropout=0.1)
     ours, heads = Bert(cfg).train(), mlm_nsp.build_heads(cfg)
-    ids = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
-    masker = mlm_nsp.Masker(103, sorted(ids.values()), cfg.vocab_size)
-    rng = np.random.default_rng(0)
-    pairs = [(rng.integers(1000, 30000, 62), rng.integers(1000, 30000, 63), int(rng.integers(0, 2)))
-             for _ in range(BATCH)]
-    batch = mlm_nsp.collate(pairs, ids, masker, [rng] * BATCH)  # (32, 128) full rows
+    batch = pretraining_batch(BATCH, SEQ, cfg.vocab_size)  # (32, 128) full rows
 
     def tfcli():
         module = torch.nn.ModuleDict({"model": ours, "heads": heads})
@@ -50,10 +62,7 @@ def pretraining() -> Contenders:
         import transformers
 
         peer = hf_peer(transformers.BertForPreTraining, ours, heads.state_dict()).train()
-        return train_step(lambda: peer(
-            input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-            attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
-            next_sentence_label=batch["nsp_labels"]).loss, torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+        return train_step(lambda: peer_loss(peer, batch), torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
 
     return {"tfcli": tfcli, "transformers": transformers}
 

@@ -24,18 +24,24 @@ Step = Callable[[], None]
 Contenders = dict[str, Callable[[], Step]]  # name -> builds that contender's step (models, optimizer, batch)
 
 
+def in_fresh_process(module: str, *args: str):
+    """Run `python -m module args` from the checkout, in a new interpreter; its last line of output,
+    read as JSON. A failure raises RuntimeError with the last line it printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    if out.returncode:
+        lines = (out.stderr or out.stdout).strip().splitlines() or ["(no output)"]
+        raise RuntimeError(f"{module} {' '.join(args)}: {lines[-1][:300]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def isolated(target: str, names: list[str], *, warmup: int = 5, steps: int = 10, repeats: int = 2) -> dict[str, float]:
     """Median seconds per step of each contender of `target` ("module:function" returning
     Contenders), each timed in fresh processes of its own, alternating, `repeats` processes each."""
     times: dict[str, list[float]] = {k: [] for k in names}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for _ in range(repeats):
         for name in names:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.contender", target, name, str(warmup), str(steps)],
-                                 capture_output=True, text=True, env=env, cwd=ROOT)
-            if out.returncode:
-                raise SystemExit(f"{target} {name} failed:\n{out.stderr[-3000:]}")
-            times[name] += json.loads(out.stdout.strip().splitlines()[-1])
+            times[name] += in_fresh_process("benchmarks.contender", target, name, str(warmup), str(steps))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

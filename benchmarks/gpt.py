@@ -19,6 +19,11 @@ BATCH, CONTEXT = 16, 256
 CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=CONTEXT, vocab_size=50257, dropout=0.0)
 
 
+def peer_loss(peer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """GPT2LMHeadModel's next-token loss (it shifts the labels itself)."""
+    return peer(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
 def training() -> Contenders:
     torch.manual_seed(0)
     block = torch.randint(0, CONFIG.vocab_size, (BATCH, CONTEXT + 1))
@@ -35,8 +40,7 @@ def training() -> Contenders:
 
         torch.manual_seed(1)
         peer = hf_peer(transformers.GPT2LMHeadModel, GPT(CONFIG)).train()
-        return train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss,
-                          torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+        return train_step(lambda: peer_loss(peer, batch), torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
 
     return {"tfcli": tfcli, "transformers": transformers}
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, ROOT, hf_peer
+from benchmarks.common import RESULTS, ROOT, hf_peer, in_fresh_process
 from tfcli import recipe as recipes
 from tfcli.perf import _measure, device_name, flops_per_token, peak_memory_mb
 
@@ -157,45 +157,30 @@ def run_transformers(name: str, settings: Settings, smoke: bool) -> dict:
 
 
 def _peer(name: str, cfg, recipe, transformers):
-    """(transformers model with tfcli's weights, a batch of the run's shape, loss(model, batch), items per step)."""
+    """(transformers model with tfcli's weights, a batch of the run's shape, loss(model, batch), items per
+    step); the batches and losses are the CPU benchmarks' own, at the recipe's shape."""
+    from benchmarks import bert, gpt, mae, t5
     from tfcli.models.bert import Bert
     from tfcli.models.gpt import GPT
     from tfcli.models.t5 import T5
     from tfcli.models.vit import MAEDecoder, ViT
-    from tfcli.objectives import mlm_nsp, span_corruption as sc
-    from tfcli.objectives.losses import IGNORE
+    from tfcli.objectives import mlm_nsp
 
-    b, seq, rng = recipe.train.batch_size, recipe.data.seq_len, np.random.default_rng(0)
+    b, seq = recipe.train.batch_size, recipe.data.seq_len
     torch.manual_seed(0)
     if name == "gpt":
-        ids = torch.randint(0, cfg.vocab_size, (b, seq))
         peer = hf_peer(transformers.GPT2LMHeadModel, GPT(cfg))
-        return peer, {"input_ids": ids}, lambda m, x: m(input_ids=x["input_ids"], labels=x["input_ids"]).loss, b * seq
+        return peer, {"input_ids": torch.randint(0, cfg.vocab_size, (b, seq))}, gpt.peer_loss, b * seq
     if name == "bert":
-        ids = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
-        masker = mlm_nsp.Masker(103, sorted(ids.values()), cfg.vocab_size)
-        half = (seq - 3) // 2
-        pairs = [(rng.integers(1000, cfg.vocab_size, half), rng.integers(1000, cfg.vocab_size, seq - 3 - half),
-                  int(rng.integers(0, 2))) for _ in range(b)]
-        batch = mlm_nsp.collate(pairs, ids, masker, [rng] * b)
         peer = hf_peer(transformers.BertForPreTraining, Bert(cfg), mlm_nsp.build_heads(cfg).state_dict())
-        keys = ("input_ids", "token_type_ids", "attention_mask", "mlm_labels", "nsp_labels")
-        return peer, {k: batch[k] for k in keys}, \
-            lambda m, x: m(input_ids=x["input_ids"], token_type_ids=x["token_type_ids"], attention_mask=x["attention_mask"],
-                           labels=x["mlm_labels"], next_sentence_label=x["nsp_labels"]).loss, b * seq
+        return peer, bert.pretraining_batch(b, seq, cfg.vocab_size), bert.peer_loss, b * seq
     if name == "t5":
-        raw_len, targets = sc.compute_input_and_target_lengths(seq)
-        v = cfg.vocab_size
-        corrupted = sc.SpanCorruptor(np.arange(v - 1, v - 101, -1), eos_id=1, start_id=0)(
-            rng.integers(103, v - 100, size=(b, raw_len)), [rng] * b)
-        labels = torch.full((b, targets), IGNORE, dtype=torch.long)
-        labels[:, : corrupted["labels"].size(1)] = corrupted["labels"]
+        batch = t5.span_batch(b, seq, 0, cfg.vocab_size)
         peer = hf_peer(transformers.T5ForConditionalGeneration, T5(cfg))
-        return peer, {"input_ids": corrupted["input_ids"], "labels": labels}, \
-            lambda m, x: m(input_ids=x["input_ids"], labels=x["labels"]).loss, b * (seq + targets)
+        return peer, batch, t5.peer_loss, batch["input_ids"].numel() + batch["labels"].numel()
     pixels = torch.randn(b, cfg.channels, cfg.image_size, cfg.image_size)
     peer = hf_peer(transformers.ViTMAEForPreTraining, ViT(cfg), torch.nn.ModuleDict({"decoder": MAEDecoder(cfg)}).state_dict())
-    return peer, {"pixels": pixels}, lambda m, x: m(pixel_values=x["pixels"]).loss, b
+    return peer, {"pixels": pixels}, mae.peer_loss, b
 
 
 def run_nanogpt(settings: Settings, smoke: bool) -> dict:
@@ -251,14 +236,13 @@ def _sync(device: torch.device) -> None:
 
 # ---- the benchmark -------------------------------------------------------------------------------------
 
-def contender(name: str, who: str, settings: Settings, smoke: bool) -> dict:
-    """One contender in a fresh process (so peak memory and compiled code are its own)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--one", name, who] + (["--smoke"] if smoke else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if out.returncode:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1][:300]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def contender(name: str, who: str, smoke: bool) -> dict:
+    """One contender in a fresh process (so peak memory and compiled code are its own); a failure
+    becomes the row's error."""
+    try:
+        return in_fresh_process("benchmarks.gpu", "--one", name, who, *(["--smoke"] if smoke else []))
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def main(smoke: bool = False, names: tuple[str, ...] = tuple(FAMILIES)) -> list[dict]:
@@ -275,10 +259,10 @@ def main(smoke: bool = False, names: tuple[str, ...] = tuple(FAMILIES)) -> list[
         family = FAMILIES[name]
         over = overrides(family, settings, smoke)
         flops = flops_per_item(name, model_config(family, over), recipes.load(family.recipe, over))
-        rows = {w: contender(name, w, settings, smoke) for w in ("tfcli", "transformers")}
+        rows = {w: contender(name, w, smoke) for w in ("tfcli", "transformers")}
         if name == "gpt":
             found = (nanogpt_dir() / "train.py").is_file()
-            rows["nanoGPT"] = contender(name, "nanoGPT", settings, smoke) if found else \
+            rows["nanoGPT"] = contender(name, "nanoGPT", smoke) if found else \
                 {"error": f"not found at {nanogpt_dir()} (git clone https://github.com/karpathy/nanoGPT there, or set NANOGPT)"}
         results.append(report(name, family, rows, flops, peak, device_name(device), settings))
     return results

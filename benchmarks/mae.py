@@ -18,6 +18,11 @@ CONFIG = ViTConfig(image_size=32, patch_size=4, n_layer=6, n_head=3, d_model=192
                    decoder_n_layer=2, decoder_n_head=4, decoder_d_ff=512, mask_ratio=0.75, dropout=0.0)
 
 
+def peer_loss(peer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ViTMAEForPreTraining's loss; with the batch's noise (if any) the same patches are masked."""
+    return peer(pixel_values=batch["pixels"], noise=batch.get("noise")).loss
+
+
 def training() -> Contenders:
     torch.manual_seed(0)
     encoder, heads = ViT(CONFIG).train(), torch.nn.ModuleDict({"decoder": MAEDecoder(CONFIG)}).train()
@@ -31,7 +36,7 @@ def training() -> Contenders:
         import transformers
 
         peer = hf_peer(transformers.ViTMAEForPreTraining, encoder, heads.state_dict()).train()
-        return train_step(lambda: peer(pixel_values=batch["pixels"], noise=batch["noise"]).loss,
+        return train_step(lambda: peer_loss(peer, batch),
                           torch.optim.AdamW([p for p in peer.parameters() if p.requires_grad], lr=1e-4, fused=True))
 
     return {"tfcli": tfcli, "transformers": transformers}

@@ -24,16 +24,23 @@ CONFIG = dict(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff
               dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
 
 
-def span_batch() -> dict[str, torch.Tensor]:
-    """A span-corruption batch: input_ids (B, 114), labels and decoder_input_ids (B, 32)."""
-    raw_len, _ = sc.compute_input_and_target_lengths(ENCODER_LEN)
+def span_batch(batch_size: int = BATCH, encoder_len: int = ENCODER_LEN, decoder_len: int = DECODER_LEN,
+               vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """Span corruption of random token blocks: input_ids (B, encoder_len), labels and decoder_input_ids
+    (B, decoder_len), the targets padded with ignored labels (0: exactly the targets' length)."""
+    raw_len, targets_len = sc.compute_input_and_target_lengths(encoder_len)
     rng = np.random.default_rng(0)
-    raw = rng.integers(103, VOCAB - 100, size=(BATCH, raw_len))
-    corruptor = sc.SpanCorruptor(np.arange(VOCAB - 1, VOCAB - 101, -1), eos_id=1, start_id=0)  # T5's sentinel ids
-    batch = corruptor(raw, [rng] * BATCH)
-    labels = torch.full((BATCH, DECODER_LEN), IGNORE, dtype=torch.long)
+    raw = rng.integers(103, vocab - 100, size=(batch_size, raw_len))
+    corruptor = sc.SpanCorruptor(np.arange(vocab - 1, vocab - 101, -1), eos_id=1, start_id=0)  # T5's sentinel ids
+    batch = corruptor(raw, [rng] * batch_size)
+    labels = torch.full((batch_size, decoder_len or targets_len), IGNORE, dtype=torch.long)
     labels[:, : batch["labels"].size(1)] = batch["labels"]
     return {"input_ids": batch["input_ids"], "labels": labels, "decoder_input_ids": sc.shift_right(labels, 0)}
+
+
+def peer_loss(peer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """T5ForConditionalGeneration's loss on a span_batch (it shifts the labels right itself)."""
+    return peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 def models() -> tuple[T5, torch.nn.Module]:
@@ -55,8 +62,7 @@ def training() -> Contenders:
 
     def transformers():
         peer = models()[1]
-        return train_step(lambda: peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss,
-                          torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
+        return train_step(lambda: peer_loss(peer, batch), torch.optim.AdamW(peer.parameters(), lr=1e-4, fused=True))
 
     return {"tfcli": tfcli, "transformers": transformers}
 
@@ -66,7 +72,7 @@ def main() -> None:
     batch = span_batch()
     with torch.no_grad():  # same weights, same batch: the same loss
         a = sc.loss(ours, None, batch)[0]
-        b = peer(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        b = peer_loss(peer, batch)
     print(f"t5 loss check: tfcli {float(a):.5f}, transformers {float(b):.5f}")
     seconds = isolated("t5:training", ["tfcli", "transformers"])
     report(f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} "

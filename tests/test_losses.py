@@ -40,7 +40,7 @@ def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monke
     shapes (the buffer grown, then partly used) still match the materialised logits exactly, and a
     later call never changes what an earlier one returned."""
     monkeypatch.setattr(losses, "_chunk_rows", lambda vocab: 5)
-    monkeypatch.setattr(losses, "_cpu_chunks", {})
+    monkeypatch.setattr(losses, "_cpu_chunk", {"logits": torch.empty(0)})
     torch.manual_seed(0)
     results = []
     for rows, vocab in ((12, 40), (7, 90), (12, 40)):
@@ -52,6 +52,6 @@ def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monke
         reference = F.cross_entropy(hidden.detach() @ weight.detach().t(), targets)
         assert torch.allclose(loss, reference, atol=1e-6)
         results.append((loss.detach().clone(), hidden.grad, hidden.grad.clone()))
-    assert losses._cpu_chunks[torch.float32].numel() == 5 * 90  # grown once, reused after
+    assert losses._cpu_chunk["logits"].numel() == 5 * 90  # grown once, reused after
     for _, grad, copy in results:
         assert torch.equal(grad, copy)
