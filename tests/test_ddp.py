@@ -52,12 +52,17 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
     checkpoint resumed by one process, and a one-process checkpoint resumed under FSDP, continue them."""
     import shutil
 
-    recipe = small_recipe(tmp_path, small_text)
+    recipe = small_recipe(tmp_path, small_text, eval_batches=1000)  # every held-out block: an uneven split
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", "--batch-size", 4, "--quiet",
-               "--set", "train.strategy=fsdp", "--set", "train.activation_checkpointing=true"], nproc=2)
+               "--set", "train.strategy=fsdp", "--set", "train.activation_checkpointing=true",
+               "--set", "train.collective_timeout=0.5"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    # the held-out blocks do not split evenly over 2 ranks x 4, yet every evaluation ran and agrees
+    val_one, val_fsdp = ({m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "val"}
+                         for run in (tmp_path / "one", tmp_path / "fsdp"))
+    assert sorted(val_fsdp) == [4, 8] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (val_one, val_fsdp)
     for name, source, nproc, extra in (("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
                                        ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"])):
         run = tmp_path / name
@@ -116,3 +121,28 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
     assert all(n.returncode == 0 for n in nodes), outputs
     one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two-nodes")
     assert sorted(one) == sorted(two) and all(abs(one[s] - two[s]) < 1e-5 for s in one)
+
+
+def test_a_collective_that_times_out_ends_the_run_in_one_line_naming_the_rank(tmp_path):
+    """Ranks that disagree on their collectives stop after train.collective_timeout with exit 2 and one
+    line naming the rank and what it was doing, instead of waiting forever."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from tfcli.runtime import abort_on_collective_failure, setup_runtime\n"
+        "rt = setup_runtime('cpu', 1, 'ddp', collective_timeout_min=0.05)\n"
+        "try:\n"
+        "    dist.all_reduce(torch.ones(2))\n"
+        "    if rt.rank == 0:\n"
+        "        dist.broadcast(torch.ones(2), 0)\n"
+        "    else:\n"
+        "        dist.all_reduce(torch.ones(2))\n"
+        "except Exception as e:\n"
+        "    abort_on_collective_failure(rt, 'a test', e)\n"
+        "    raise\n")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(script)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: rank")]
+    assert result.returncode != 0 and errors, result.stderr[-2000:]
+    assert all("a collective failed during a test (Timed out" in line for line in errors), errors

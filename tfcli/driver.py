@@ -26,7 +26,7 @@ from .display import console
 from .errors import UserError
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
-from .runtime import Runtime, resolve_precision, setup_runtime, teardown
+from .runtime import Runtime, abort_on_collective_failure, resolve_precision, setup_runtime, teardown
 from .train import ObjectiveModule, Trainer
 
 
@@ -50,7 +50,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
     is created or touched."""
     t = req.recipe.train
-    rt = setup_runtime(t.device, t.threads, t.strategy)
+    rt = setup_runtime(t.device, t.threads, t.strategy, t.collective_timeout)
     display.configure(rt.is_main and not req.quiet)
     req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
     try:
@@ -80,8 +80,12 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
             write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module))
             trainer.forget_after(trainer.step)
             if rt.is_main and not req.quiet:
-                console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt))
-            trainer.fit()
+                console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt, rt))
+            try:
+                trainer.fit()
+            except Exception as e:
+                abort_on_collective_failure(rt, trainer.doing, e)
+                raise
     finally:
         teardown(rt)
     if rt.is_main:
@@ -220,14 +224,19 @@ def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:
 
 
 def banner(recipe: Recipe, plugin: Plugin, module: ObjectiveModule, backbone: Backbone, run_dir: Path,
-           ckpt: Optional[Path]) -> str:
+           ckpt: Optional[Path], rt: Runtime) -> str:
     n = sum(p.numel() for p in backbone.model.parameters())
     trained, total = parameter_counts(module).values()
     how = f", training {trained:,} of {total:,} parameters ({100 * trained / max(total, 1):.2f}%" + \
         (f", {recipe.finetune.train})" if recipe.finetune is not None else ")")
     source = "" if backbone.source in ("scratch", str(run_dir)) else f" from {backbone.source}"
+    processes = f", {rt.world_size} processes" if rt.world_size > 1 else ""
+    where = f"{rt.device}{processes}" + (f", {rt.threads} CPU thread{'s' if rt.threads > 1 else ''}"
+                                         + ("" if recipe.train.threads else " (train.threads=0: this process's share of "
+                                            "the usable cores)") + (" per process" if processes else "")
+                                         if rt.device.type == "cpu" else "")
     return (f"[bold]{recipe.name}[/]: {plugin.title(recipe, backbone)} on a {n / 1e6:.2f}M-parameter {backbone.family}{source}"
-            f"{how}, {recipe.train.steps:,} steps, run directory [green]{run_dir}[/]"
+            f"{how}, {recipe.train.steps:,} steps on {where}, run directory [green]{run_dir}[/]"
             + (f" (resuming from {ckpt.name})" if ckpt else ""))
 
 

@@ -8,12 +8,14 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from .runtime import autocast_context, to_device
+from .sampler import PaddingBatch
 
 
 @torch.no_grad()
-def held_out_metrics(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
-                     precision: str = "fp32") -> dict[str, float]:
-    """Mean of the loss's metrics over held-out batches (module: model + heads + loss, train.ObjectiveModule)."""
+def held_out_sums(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
+                  precision: str = "fp32") -> tuple[dict[str, float], int]:
+    """(Sums of the loss's metrics, number of batches) over held-out batches (module: model + heads +
+    loss, train.ObjectiveModule); a PaddingBatch runs (its forward may be a collective) but is not counted."""
     was_training = module.training
     module.eval()
     sums: dict[str, float] = {}
@@ -21,10 +23,20 @@ def held_out_metrics(module: nn.Module, batches: Iterable[dict[str, Tensor]], de
     for batch in batches:
         with autocast_context(precision, device):
             _, metrics = module(to_device(batch, device))
+        if isinstance(batch, PaddingBatch):  # the same keys on every rank, nothing added
+            sums.update({k: sums.get(k, 0.0) for k in metrics})
+            continue
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         n += 1
     module.train(was_training)
+    return sums, n
+
+
+def held_out_metrics(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
+                     precision: str = "fp32") -> dict[str, float]:
+    """Mean of the loss's metrics over held-out batches (one process)."""
+    sums, n = held_out_sums(module, batches, device, precision)
     return {k: v / n for k, v in sums.items()} if n else {}
 
 

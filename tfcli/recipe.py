@@ -117,7 +117,7 @@ class TrainConfig:
     ckpt_interval: int = 500
     keep_checkpoints: int = 2
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    threads: int = 0  # torch CPU threads; 0: the cores this process may use, shared by the processes on this node
     strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: DDP under torchrun, else none; fsdp: FSDP2
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     prefetch: int = 2  # batches built ahead in a background thread (0: on the main thread, between steps)
@@ -125,6 +125,7 @@ class TrainConfig:
     skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
     loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
     max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
+    collective_timeout: float = 10.0  # minutes a collective (torchrun) may wait before the run stops with an error
 
     def __post_init__(self):
         require(self.steps >= 0, "train.steps", ">= 1 (0: a task's finetune.epochs decides)", self.steps)
@@ -135,6 +136,7 @@ class TrainConfig:
         require(self.threads >= 0, "train.threads", ">= 0", self.threads)
         require(self.skip_nonfinite >= 0, "train.skip_nonfinite", ">= 0", self.skip_nonfinite)
         require(self.max_time >= 0, "train.max_time", ">= 0 minutes (0: no limit)", self.max_time)
+        require(self.collective_timeout > 0, "train.collective_timeout", "> 0 minutes", self.collective_timeout)
         require(self.prefetch >= 0, "train.prefetch", ">= 0 (0: no prefetching)", self.prefetch)
         require(set(self.loggers) <= {"csv", "tensorboard", "wandb"}, "train.loggers", "some of csv, tensorboard, wandb",
                 list(self.loggers))

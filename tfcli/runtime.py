@@ -12,7 +12,10 @@ by DDP or by FSDP resumes under any of them, on any number of processes.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +131,8 @@ class Runtime:
     rank: int = 0
     world_size: int = 1
     strategy: Strategy = field(default_factory=Strategy)
+    threads: int = 1  # torch's CPU threads in this process
+    collective_timeout_min: float = 10.0  # how long a collective waits for the other ranks
 
     @property
     def is_main(self) -> bool:
@@ -157,6 +162,16 @@ class Runtime:
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist())}
+
+    def pooled_mean(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        """sum / count, each added up over the ranks first: every rank's batches weigh the same."""
+        if self.distributed:
+            keys = sorted(sums)
+            t = torch.tensor([sums[k] for k in keys] + [count], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            *values, count = t.tolist()
+            sums = dict(zip(keys, values))
+        return {k: v / count for k, v in sums.items()} if count else {}
 
     @contextlib.contextmanager
     def main_first(self):
@@ -202,10 +217,34 @@ def pick_device(device: str = "auto", local_rank: int = 0, world: int = 1) -> to
     return dev
 
 
-def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto") -> Runtime:
-    """Pick the device; under torchrun (WORLD_SIZE > 1) join the process group (nccl on GPU, gloo on CPU)."""
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
+    started with --cpus=2 sees every core of the host, but gets two cores' time)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def choose_threads(threads: int) -> int:
+    """train.threads, or (0) this process's share of the usable cores: under torchrun the processes on
+    this node split them (N processes x all cores each oversubscribe the machine and crawl)."""
     if threads > 0:
-        torch.set_num_threads(threads)
+        return threads
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, usable_cores() // max(1, local_world))
+
+
+def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto",
+                  collective_timeout_min: float = 10.0) -> Runtime:
+    """Pick the device and this process's CPU threads; under torchrun (WORLD_SIZE > 1) join the process
+    group (nccl on GPU, gloo on CPU) with a timeout on every collective, so that ranks that disagree
+    on what to run stop with an error instead of waiting forever."""
+    torch.set_num_threads(choose_threads(threads))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local, world)
@@ -216,8 +255,30 @@ def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto"
         raise UserError("train.strategy fsdp runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
                         "to continue in one process, add --set train.strategy=auto")
     if (world > 1 or name == "fsdp") and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Runtime(dev, rank, world, STRATEGIES[name]())
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=collective_timeout_min))
+    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min)
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether an error is a collective that timed out or lost its peer (gloo raises RuntimeError,
+    NCCL DistBackendError): the ranks no longer agree, and the process group cannot be torn down."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and (
+        "Timed out waiting" in text or "Connection closed by peer" in text or "Connection reset by peer" in text))
+
+
+def abort_on_collective_failure(rt: Runtime, doing: str, error: BaseException) -> None:
+    """A collective that timed out leaves the process group unusable (tearing it down can hang or
+    abort): print one line naming this rank, what it was doing and the operation, and exit 2 now."""
+    if not (rt.distributed and collective_failure(error)):
+        return
+    detail = str(error).splitlines()[0].split("] ", 1)[-1][:160] if str(error) else type(error).__name__
+    sys.stderr.write(f"error: rank {rt.rank} of {rt.world_size}: a collective failed during {doing} ({detail}); "
+                     f"the processes no longer run the same collectives (train.collective_timeout is "
+                     f"{rt.collective_timeout_min:g} min)\n")
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def teardown(rt: Runtime) -> None:

@@ -175,10 +175,17 @@ def make_sampler(source, batch_size: int, seed: int, rank: int = 0, world_size: 
     return cls(source, batch_size, seed, rank, world_size)
 
 
+class PaddingBatch(dict):
+    """A held-out batch that only keeps a rank in step with the others: under FSDP every forward is a
+    collective, so every rank runs as many held-out batches as rank 0; its metrics are not counted."""
+
+
 def sequential_batches(source: Source, batch_size: int, seed: int, max_batches: int = 0, rank: int = 0,
                        world_size: int = 1) -> Iterator[dict[str, Tensor]]:
     """Held-out batches: examples 0, 1, 2, ... of epoch 0 in order, each with the same random
-    stream every time, so evaluations compare (max_batches 0: every example once)."""
+    stream every time, so evaluations compare (max_batches 0: every example once). Every rank gets
+    the same number of batches: a rank whose share of the last global batch is empty gets a
+    PaddingBatch (the first examples again) to run and not count."""
     n = source.epoch_size(0)
     per_step = batch_size * world_size
     n_batches = math.ceil(n / per_step)
@@ -187,7 +194,9 @@ def sequential_batches(source: Source, batch_size: int, seed: int, max_batches: 
     for b in range(n_batches):
         first = b * per_step + rank * batch_size
         idx = np.arange(first, min(first + batch_size, n))
-        if not len(idx):
-            return
+        padding = not len(idx)
+        if padding:
+            idx = np.arange(min(batch_size, n))
         keys = np.stack([np.full_like(idx, seed), np.full_like(idx, HELD_OUT), idx], axis=1)
-        yield source.batch(Draw(np.zeros_like(idx), idx, keys))
+        batch = source.batch(Draw(np.zeros_like(idx), idx, keys))
+        yield PaddingBatch(batch) if padding else batch

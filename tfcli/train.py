@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from . import checkpoint, plots
 from .display import TrainDisplay, phase
 from .errors import Interrupted, UserError
-from .evaluate import held_out_metrics
+from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
 from .plugin import Batch, Job, LossFn
@@ -114,6 +114,7 @@ class Trainer:
         self.saved = {f"{n}" for n, p in module.named_parameters() if p.requires_grad or n.startswith("heads.")} \
             if partial else None
         self.last: dict[str, float] = {}
+        self.doing = "setup"  # what the loop is doing, for an error that stops it (e.g. a collective timeout)
         check_available(self.tc.loggers)
         self.log = MetricsLog(self.run_dir, self.tc.loggers, recipe.name) if rt.is_main else None
 
@@ -162,6 +163,7 @@ class Trainer:
                     self._save(False)
                     raise Interrupted(self.step, self.run_dir)
                 window.begin()
+                self.doing = f"training step {self.step + 1}"
                 metrics, items = self._train_step()
                 self.step += 1
                 window.add(self.step, metrics, items * self.rt.world_size)
@@ -253,6 +255,7 @@ class Trainer:
 
     def _evaluate(self, display: TrainDisplay) -> bool:
         """Held-out loss (and the plug-in's evaluation); True when this is the best checkpoint so far."""
+        self.doing = f"the held-out evaluation at step {self.step}"
         with phase(f"evaluating at step {self.step}"):
             val = self._held_out()
         self._write({"step": self.step, "split": "val", **{k: round(v, 6) for k, v in val.items()}})
@@ -272,13 +275,14 @@ class Trainer:
         if self.job.val is not None:
             batches = sequential_batches(self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches,
                                          self.rt.rank, self.rt.world_size)
-            val = self.job.held_out_metrics(self.rt.mean(held_out_metrics(self.module, batches, self.rt.device,
-                                                                          self.tc.precision)))
+            sums, count = held_out_sums(self.module, batches, self.rt.device, self.tc.precision)
+            val = self.job.held_out_metrics(self.rt.pooled_mean(sums, count))
         if self.job.evaluate is not None:
             val.update(self.job.evaluate(self.module, self.run_dir))
         return val
 
     def _save(self, is_best: bool) -> None:
+        self.doing = f"the checkpoint at step {self.step}"
         weights = self.rt.strategy.state_dict(self.module)  # every rank takes part (FSDP gathers)
         optimizer = self.rt.strategy.optimizer_state_dict(self.module, self.opt)
         if self.saved is not None:
