@@ -78,11 +78,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
+@torch.compiler.disable
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
                          with_accuracy: bool = False) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy of softmax(hidden @ weight.T) against targets, and the number of argmax
     hits (0 unless with_accuracy: it costs a pass over the logits). hidden (..., D), weight (V, D),
-    targets (...) with -100 marking ignored positions."""
+    targets (...) with -100 marking ignored positions.
+
+    Kept out of torch.compile's graph (the model before it compiles; this runs eagerly): dynamo
+    cannot trace the chunk loop's in-place gradient accumulation inside an autograd.Function
+    ("an intermediate tensor ... aliases an input or output"), and the chunks are already a few
+    large matmuls that compiling would not speed up."""
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
