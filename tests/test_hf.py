@@ -43,7 +43,7 @@ def read(directory):
 
 
 def write(model, heads: dict, out, labels=()):
-    return hf.export(Backbone(model, None, heads=heads, labels=tuple(labels)), None, out)
+    return hf.export(Backbone(model, None, heads=heads, labels=tuple(labels)), None, out)[0]
 
 
 # --- GPT-2 ------------------------------------------------------------------------------------------

@@ -327,8 +327,8 @@ def export(
     from .display import console
 
     backbone = from_run(newest(checkpoint), which="best")
-    arch = hf_interop.export(backbone, backbone.recipe, hf)
-    console.print(f"wrote {arch} to {hf}")
+    arch, loads_with = hf_interop.export(backbone, backbone.recipe, hf)
+    console.print(f"wrote {arch} to {hf}\nload it with:  {loads_with}", soft_wrap=True)
 
 
 @app.command()

@@ -11,7 +11,7 @@ from torch import Tensor
 from .. import adapters
 from ..errors import UserError
 from . import bert, gpt2, t5, vit
-from .convert import check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
+from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
 FAMILIES = {"gpt": gpt2, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
 
@@ -46,8 +46,9 @@ def tfcli_state(backbone) -> dict[str, Tensor]:
             **{f"heads.{k}": v for k, v in backbone.heads.items()}}
 
 
-def export(backbone, recipe, out: Path) -> str:
-    """Write a backbone (model, heads, tokenizer) as a transformers directory; return the architecture."""
+def export(backbone, recipe, out: Path) -> tuple[str, str]:
+    """Write a backbone (model, heads, tokenizer) as a transformers directory; return (its
+    architecture, how to load it)."""
     module = FAMILIES.get(backbone.family)
     if module is None:
         raise UserError(f"export to Hugging Face is not available for {backbone.family!r} models")
@@ -58,4 +59,5 @@ def export(backbone, recipe, out: Path) -> str:
     state = {**to_hf(tfcli_state(backbone), rules), **spec.extra_tensors}
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     write_dir(out, spec.config, state, {**files, **spec.files})
-    return spec.config["architectures"][0]
+    arch = spec.config["architectures"][0]
+    return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"

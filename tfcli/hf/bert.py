@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.bert import BertConfig
-from .convert import Export, Rule, json_text, rule
+from .convert import Export, Rule, json_text, refuse_classifier, rule
 
 MODEL_TYPES = ("bert",)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -79,10 +79,10 @@ def export(backbone, recipe) -> Export:
                       label2id={n: i for i, n in enumerate(labels)})
         pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "cls"
         if pooling == "mean":
-            return _sentence_transformers(backbone, config)
-        if pooling != "cls":
-            raise UserError(f"this run classifies from --pooling {pooling}, which neither transformers nor "
-                            f"sentence-transformers can express; finetune with --pooling cls or mean to export")
+            return _sentence_transformers(backbone, config_to_hf(cfg), labels)
+        if pooling not in ("cls", "auto"):
+            refuse_classifier("bert", pooling, "finetune with --pooling cls (BertForSequenceClassification) or mean "
+                                               "(sentence-transformers) to export")
         arch = "BertForSequenceClassification"
     elif "mlm.bias" in heads:
         arch = "BertForPreTraining" if "nsp.weight" in heads else "BertForMaskedLM"
@@ -93,10 +93,11 @@ def export(backbone, recipe) -> Export:
     return Export({"architectures": [arch], **config}, extra_tensors=extra, files=_tokenizer_files(backbone))
 
 
-def _sentence_transformers(backbone, config: dict) -> Export:
+def _sentence_transformers(backbone, config: dict, labels: list[str]) -> Export:
     """A mean-pooled classifier: the encoder as transformers' BertModel, and the sentence-transformers
     layout on top (mean pooling, then a Dense layer with no activation holding the classifier), so
-    SentenceTransformer(dir).encode(texts) gives the logits."""
+    SentenceTransformer(dir).encode(texts) gives the logits. config.json names no labels: with them,
+    AutoModelForSequenceClassification would load it with a random [CLS] classifier, silently."""
     from safetensors.torch import save
 
     cfg, heads = backbone.cfg, backbone.heads
@@ -113,9 +114,11 @@ def _sentence_transformers(backbone, config: dict) -> Export:
                                                "activation_function": "torch.nn.modules.linear.Identity"}),
              "2_Dense/model.safetensors": save({"linear.weight": heads["classifier.weight"].contiguous(),
                                                 "linear.bias": heads["classifier.bias"].contiguous()}),
-             **_tokenizer_files(backbone)}
+             "labels.json": json_text(list(labels)), **_tokenizer_files(backbone)}
     encoder = [r for r in rules(cfg) if r.ours.startswith("model.")]
-    return Export({"architectures": ["BertModel"], **config}, files=files, rules=encoder)
+    how = ("sentence_transformers.SentenceTransformer(dir).encode(texts) gives the logits (labels.json names them); "
+           "transformers.AutoModel loads the encoder alone")
+    return Export({"architectures": ["BertModel"], **config}, files=files, rules=encoder, loads_with=how)
 
 
 def _tokenizer_files(backbone) -> dict[str, str]:

@@ -50,6 +50,25 @@ class Export:
     extra_tensors: dict[str, Tensor] = field(default_factory=dict)  # e.g. fixed sin-cos positions
     files: dict[str, Any] = field(default_factory=dict)  # file name -> text or bytes (tokenizer_config.json, ...)
     rules: Optional[list[Rule]] = None  # another architecture's names than the family's table (e.g. Dinov2)
+    loads_with: str = ""  # how to load it, printed by `tfcli export` ("" : the Auto class of its architecture)
+
+
+AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassification",
+                "ForImageClassification": "AutoModelForImageClassification", "LMHeadModel": "AutoModelForCausalLM",
+                "ForConditionalGeneration": "AutoModelForSeq2SeqLM", "ForMaskedLM": "AutoModelForMaskedLM",
+                "ForPreTraining": "AutoModelForPreTraining"}
+
+
+def auto_class(architecture: str) -> str:
+    """The transformers Auto class that loads `architecture` whole (AutoModel for a bare encoder)."""
+    return next((auto for suffix, auto in AUTO_CLASSES.items() if architecture.endswith(suffix)), "AutoModel")
+
+
+def refuse_classifier(family: str, pooling: str, exportable: str) -> None:
+    """One line for a classifier whose pooling no transformers class computes: an export that loaded
+    would carry a random head, so none is written."""
+    raise UserError(f"this {family} run classifies from --pooling {pooling}, which no transformers class computes "
+                    f"(an export would load with a random classifier); {exportable}")
 
 
 def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.gpt import GPTConfig
-from .convert import Export, Rule, json_text, rule
+from .convert import Export, Rule, json_text, refuse_classifier, rule
 
 MODEL_TYPES = ("gpt2",)
 _LAYER = [("norm_attn", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.out", "attn.c_proj", True),
@@ -46,12 +46,38 @@ def normalize(state: dict) -> dict:
 
 
 def export(backbone, recipe) -> Export:
+    """GPT2LMHeadModel (a pretrained or text-to-text run), or GPT2ForSequenceClassification for a
+    classifier on the last token."""
     eos = backbone.tokenizer.eos_id if backbone.tokenizer is not None else None
     config = {"architectures": ["GPT2LMHeadModel"], **config_to_hf(backbone.cfg), "bos_token_id": eos,
               "eos_token_id": eos}
+    extra, rules_ = {}, None
+    if "classifier.weight" in backbone.heads:
+        config, extra, rules_ = _sequence_classifier(backbone, recipe, config, eos)
     files = {}
     if backbone.tokenizer is not None:
         files["tokenizer_config.json"] = json_text({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
             "bos_token": "<|endoftext|>", "model_max_length": backbone.cfg.max_seq_len})
-    return Export(config, files=files)
+    return Export(config, extra_tensors=extra, files=files, rules=rules_)
+
+
+def _sequence_classifier(backbone, recipe, config: dict, pad: int):
+    """GPT2ForSequenceClassification reads the last token that is not padding (tfcli's `last` pooling:
+    tfcli pads with end-of-text too) through `score`, a linear layer without a bias. tfcli's classifier
+    has one; it goes into the final LayerNorm's bias, which feeds only the classifier: ln_f.bias + d with
+    W d = b (least squares; exact while the labels are fewer than the width), so the logits match."""
+    import torch
+
+    pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "last"
+    if pooling not in ("last", "auto"):
+        refuse_classifier("gpt", pooling, "finetune with --pooling last (GPT2ForSequenceClassification) to export")
+    w, b = backbone.heads["classifier.weight"].float(), backbone.heads["classifier.bias"].float()  # (n, D), (n,)
+    shift = torch.linalg.lstsq(w.double(), b.double()[:, None]).solution[:, 0].float()  # (D,)
+    labels = backbone.labels or [str(i) for i in range(w.shape[0])]
+    config = {**config, "architectures": ["GPT2ForSequenceClassification"], "pad_token_id": pad,
+              "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+              "label2id": {n: i for i, n in enumerate(labels)}}
+    table = [r for r in rules(backbone.cfg) if r.ours != "model.ln_f.bias"]
+    extra = {"score.weight": w, "transformer.ln_f.bias": backbone.model.ln_f.bias.detach().float() + shift}
+    return config, extra, table

@@ -11,7 +11,7 @@ from tokenizers.processors import TemplateProcessing
 
 from ..errors import UserError
 from ..models.t5 import T5Config
-from .convert import Export, Rule, json_text, rule
+from .convert import Export, Rule, json_text, refuse_classifier, rule
 
 MODEL_TYPES = ("t5",)
 _MLP = {"gated-gelu": {"gate": "wi_0", "up": "wi_1", "down": "wo"}, "relu": {"up": "wi", "down": "wo"}}
@@ -90,6 +90,11 @@ def normalize(state: dict) -> dict:
 
 
 def export(backbone, recipe) -> Export:
+    """T5ForConditionalGeneration: a pretrained or text-to-text run (a classifier on T5 features has no
+    transformers class: T5ForSequenceClassification pools the decoder's end-of-text through a dense layer)."""
+    if "classifier.weight" in backbone.heads:
+        pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "encoder-mean"
+        refuse_classifier("t5", pooling, "finetune with --head text (T5ForConditionalGeneration) to export")
     tok = backbone.tokenizer
     if tok is None:  # a model without its tokenizer: T5's own ids
         return Export({"architectures": ["T5ForConditionalGeneration"], **config_to_hf(backbone.cfg)})
