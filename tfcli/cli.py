@@ -222,8 +222,8 @@ def prepare(
     store = prepare_store(open_source(data, text_field), tok, out, workers=workers, quiet=quiet,
                           mode=("paragraphs" if paragraphs else "sentences") if sentences else "text", eos=not sentences)
     if not quiet:
-        console.print(f"train on it:  tfcli pretrain --objective {objective} --data {out}"
-                      f"  ({len(store):,} tokens, {store.index['dtype']})")
+        console.print(f"{out}: {len(store):,} tokens ({store.index['dtype']})\n"
+                      f"train on it:  tfcli pretrain --objective {objective} --data {out}")
 
 
 def task_target(name: str) -> tuple[str, dict, dict]:
@@ -236,11 +236,22 @@ def task_target(name: str) -> tuple[str, dict, dict]:
     return name, {}, registry.plugin_class("task", name).recipes
 
 
+def run_task(run: Path) -> str:
+    """The task a finetuning run trains (`finetune --resume RUN` needs no task argument)."""
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise UserError(f"--resume {run}: no config.yaml there; is it a tfcli run?")
+    task = recipes.load_raw(str(config)).get("task")
+    if not task:
+        raise UserError(f"--resume {run} is a pretraining run; continue it with tfcli pretrain --resume {run}")
+    return task
+
+
 @app.command(context_settings=TRAINING)
 @user_errors
 def finetune(
     ctx: typer.Context,
-    task: str = typer.Argument(..., help="Task: classify, image-classify, or a preset such as mnli."),
+    task: Optional[str] = typer.Argument(None, help="Task: classify, image-classify, or a preset such as mnli [default with --resume: the run's]."),
     from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
     data: Optional[str] = typer.Option(None, help="Task data: a file, a directory of split files, or hf:name [default: the recipe's data.source]."),
@@ -265,9 +276,11 @@ def finetune(
     from .hub import resolve
 
     from_ = str(resolve(from_)) if from_ else None  # a hub id: its snapshot in the Hugging Face cache
-    key, settings, defaults = task_target(task)
+    if task is None and resume in (None, "auto"):
+        raise UserError("name the task to finetune on (e.g. tfcli finetune mnli --from RUN), or give --resume RUN")
+    key, settings, defaults = task_target(task) if task is not None else (run_task(Path(resume)), {}, {})
     family = family_of(from_)
-    default = defaults.get(family or "", next(iter(defaults.values())))
+    default = defaults.get(family or "", next(iter(defaults.values()), ""))
     shortcuts = {"task": key, "data.source": data, "train.steps": steps, "finetune.epochs": epochs,
                  "train.batch_size": batch_size, "optim.lr": lr, "finetune.pooling": pooling, "finetune.train": train, "finetune.head": head,
                  "finetune.head_lr": head_lr, "finetune.limit": limit, "train.device": device,

@@ -147,4 +147,4 @@ class MaskedAutoencoder(Objective):
     def hints(self, run_dir) -> list[str]:
         return [f"reconstructions: {run_dir}/recon.png",
                 f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png",
-                f"probe it:     tfcli finetune image-classify --from {run_dir} --data ... --train head"]
+                f"probe it on the built-in photos:  tfcli finetune image-classify --from {run_dir} --train head"]

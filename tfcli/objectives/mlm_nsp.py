@@ -224,4 +224,4 @@ class MaskedLM(TextObjective):
 
     def hints(self, run_dir) -> list[str]:
         return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
-                f"finetune it:  tfcli finetune mnli --from {run_dir} --data DIR"]
+                f"finetune it:  tfcli finetune mnli --from {run_dir} --data <MNLI directory>"]
