@@ -122,9 +122,23 @@ def training_recipe(default: str, recipe: Optional[str], resume: Optional[str], 
     except UserError as e:
         raise UserError(f"--resume {resume}: config.yaml is not a tfcli recipe ({e})") from None
     rec = resolve_recipe(str(config), sets, {k: v for k, v in shortcuts.items() if k not in ("objective", "task")})
+    refuse_retroactive_changes(recipes.load(str(config)), rec, resume)
     if recipe and recipe not in (rec.name, "auto"):
         _note(f"resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
     return rec, Path(resume)
+
+
+def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run: str) -> None:
+    """A resumed run continues what it saved (optimizer state, schedule, data order, model): an
+    override of those would be written to config.yaml without being what ran. Only how long and how
+    it runs may change (recipes.RESUMABLE_CHANGES)."""
+    wrong = [c for c in recipes.changes(saved, asked) if c[0] not in recipes.RESUMABLE_CHANGES]
+    if wrong:
+        field, old, new = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise UserError(f"--resume {run}: {field} was {old!r} and cannot change when resuming{more}; a resumed run "
+                        f"continues its saved optimizer, schedule and data (it may change train.steps, intervals, "
+                        f"device and threads); start a new run for {field}={new!r}")
 
 
 def _note(text: str) -> None:

@@ -311,6 +311,24 @@ def to_dict(recipe: Recipe) -> dict:
     return out
 
 
+# what a resumed run may change: how long it trains and how it runs, never what it has trained with
+RESUMABLE_CHANGES = {f"train.{k}" for k in (
+    "steps", "batch_size", "log_interval", "eval_interval", "eval_batches", "ckpt_interval", "keep_checkpoints", "device", "threads",
+    "strategy", "prefetch", "compile", "skip_nonfinite", "loggers", "max_time", "collective_timeout", "precision",
+    "activation_checkpointing", "grad_accum")} | {"finetune.epochs", "finetune.eval_limit"}
+
+
+def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
+    """(dotted field, old value, new value) for every field that differs."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    a, b = flat(to_dict(before)), flat(to_dict(after))
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
 def save(recipe: Recipe, path: Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
 
