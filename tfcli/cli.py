@@ -303,7 +303,14 @@ def finetune(
         shortcuts["finetune.epochs"] = 0.0  # --steps wins over the recipe's epochs
     if text_fields is not None or label_field is not None:
         shortcuts.update({f"{key}.text_fields": text_fields, f"{key}.label_field": label_field})
-    rec, resume_dir = training_recipe(default, recipe, resume, overrides(set_, ctx.args), shortcuts)
+    sets = overrides(set_, ctx.args)
+    rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
+    if resume_dir is None and not quiet:
+        given = {recipes.parse_override(s)[0] for s in sets} | {k for k, v in shortcuts.items() if v is not None}
+        applied = {k: v for k, v in rec.strategies.get(rec.finetune.train, {}).items() if k not in given}
+        if applied:
+            _note(f"--train {rec.finetune.train} uses its defaults " + ", ".join(f"{k}={v}" for k, v in applied.items())
+                  + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)")
     run_training(rec, from_, out, resume_dir, quiet)
 
 

@@ -292,7 +292,7 @@ def evaluate_pretrained(path: Path, key: Optional[str], settings: dict[str, Any]
 def as_plugin(recipe: Recipe, kind: str, key: str, settings: dict[str, Any]) -> Recipe:
     """The run's recipe, seen by plug-in `key` with `settings` over its section (its own when it is
     the run's plug-in; defaults otherwise)."""
-    raw = recipes.to_dict(recipe)
+    raw = recipes.to_dict(recipe, strategies=False)
     if key != recipe.plugin:
         for k in (recipe.kind, recipe.plugin, "finetune"):
             raw.pop(k, None)

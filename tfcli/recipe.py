@@ -199,6 +199,9 @@ class Recipe:
     finetune: Optional[FinetuneConfig] = None  # task recipes only
     adapter: Optional[AdapterConfig] = None  # task recipes only
     settings: Any = None  # the plug-in's own section, written under its key (e.g. `mlm:`)
+    # task recipes: per finetune.train, the fields it changes (`lora: {optim.lr: 1.0e-3, ...}`), applied
+    # when the recipe is read unless an override sets them; a run's saved config.yaml has them applied
+    strategies: dict = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -281,7 +284,28 @@ def from_dict(raw: dict, overrides: Optional[dict[str, Any]] = None) -> Recipe:
     raw = _deepcopy(raw)
     for key, value in (overrides or {}).items():
         _set_path(raw, key, value)
+    for key, value in strategy_defaults(raw, set(overrides or {})).items():
+        _set_path(raw, key, value)
     return _build_recipe(raw)
+
+
+STRATEGIES = typing.get_args(typing.get_type_hints(FinetuneConfig)["train"])
+
+
+def strategy_defaults(raw: dict, overridden: set[str]) -> dict[str, Any]:
+    """The fields the recipe's `strategies` entry for its finetune.train sets, but for those an
+    override names (peft and litgpt ship per-method defaults: a LoRA wants another learning rate than
+    full finetuning)."""
+    table = raw.get("strategies") or {}
+    if not isinstance(table, dict):
+        raise RecipeError(f"strategies: expected a mapping of {', '.join(STRATEGIES)} to fields")
+    for name, fields in table.items():
+        if name not in STRATEGIES:
+            raise RecipeError(f"strategies.{name}: unknown strategy (one of {', '.join(STRATEGIES)})")
+        if not isinstance(fields, dict):
+            raise RecipeError(f"strategies.{name}: expected a mapping of fields, e.g. {{optim.lr: 1.0e-3}}")
+    train = (raw.get("finetune") or {}).get("train", "all")
+    return {k: v for k, v in (table.get(train) or {}).items() if k not in overridden}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -298,8 +322,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def to_dict(recipe: Recipe) -> dict:
-    """Plain data for YAML, in reading order; the plug-in section under its key."""
+def to_dict(recipe: Recipe, strategies: bool = True) -> dict:
+    """Plain data for YAML, in reading order; the plug-in section under its key (and, unless
+    strategies=False, as for a run's config.yaml where they are applied, the strategies table)."""
     out = {"name": recipe.name, recipe.kind: recipe.plugin, "model": _plain(recipe.model),
            "tokenizer": _plain(recipe.tokenizer), "data": _plain(recipe.data)}
     if recipe.settings is not None:
@@ -308,6 +333,8 @@ def to_dict(recipe: Recipe) -> dict:
         out["finetune"] = _plain(recipe.finetune)
         out["adapter"] = _plain(recipe.adapter or AdapterConfig())
     out.update(optim=_plain(recipe.optim), schedule=_plain(recipe.schedule), train=_plain(recipe.train))
+    if strategies and recipe.strategies:
+        out["strategies"] = recipe.strategies
     return out
 
 
@@ -325,12 +352,13 @@ def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
-    a, b = flat(to_dict(before)), flat(to_dict(after))
+    a, b = flat(to_dict(before, strategies=False)), flat(to_dict(after, strategies=False))
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def save(recipe: Recipe, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    """A run's resolved recipe (its strategy's fields applied, the table left out)."""
+    path.write_text(yaml.safe_dump(to_dict(recipe, strategies=False), sort_keys=False))
 
 
 def load_resolved(path: Path) -> Recipe:
@@ -365,14 +393,15 @@ def _build_recipe(raw: dict) -> Recipe:
         cls = registry.plugin_class(kind, key)
     except UserError as e:
         raise RecipeError(f"{kind}: {e}") from None
-    allowed = set(COMMON) | ({"finetune", "adapter"} if task else set()) | ({key} if cls.Config else set())
+    allowed = set(COMMON) | ({"finetune", "adapter", "strategies"} if task else set()) | ({key} if cls.Config else set())
     for k in raw:
         if k not in allowed:
             raise RecipeError(f"{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
     if "model" not in raw:
         raise RecipeError("model: missing section (it needs at least model.family)")
     kwargs = {f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
-              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune", "adapter")}
+              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune", "adapter", "strategies")}
+    kwargs["strategies"] = {k: dict(v or {}) for k, v in (raw.get("strategies") or {}).items()}
     kwargs["model"] = _build_model(raw["model"], "model")
     if task:
         kwargs["finetune"] = _build(FinetuneConfig, raw.get("finetune", {}), "finetune")

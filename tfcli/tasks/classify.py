@@ -136,6 +136,18 @@ class Classify(ClassificationTask):
     def special_tokens(self, family: str) -> list[str]:
         return SPECIALS[family]
 
+    def resolve(self, recipe, backbone):
+        """`--train head` on a model that reads the task as text means a classifier on its frozen
+        last-layer features (there is no head to train alone in text-to-text), with the family's pooling."""
+        recipe = super().resolve(recipe, backbone)
+        ft = recipe.finetune
+        if ft is not None and ft.train == "head" and ft.head == "auto" and reads_as(recipe, backbone) == "text":
+            if self.rt.is_main and not self.quiet:
+                console.print(f"[yellow]note:[/] --train head on a {backbone.family}: a classifier on its frozen "
+                              f"last-layer features (finetune.head classifier, pooling {ft.pooling})")
+            recipe = replace(recipe, finetune=replace(ft, head="classifier"))
+        return recipe
+
     def tokenizer_texts(self, recipe) -> Iterator[str]:
         """A fresh model's tokenizer learns from the training rows' texts."""
         total = 0
