@@ -104,7 +104,7 @@ def finetune_lora(hf_bert, mnli_dir, out, *extra):
 
 def test_a_lora_run_saves_only_adapters_resumes_evaluates_and_exports_merged(hf_bert, mnli_dir, tmp_path):
     whole = tmp_path / "whole"
-    result = finetune_lora(hf_bert, mnli_dir, whole)
+    result = finetune_lora(hf_bert, mnli_dir, whole, "--pooling", "cls")  # exports as BertForSequenceClassification
     assert result.exit_code == 0, result.output
     weights = checkpoint.load_weights(checkpoint.find(whole))
     assert set(weights) == {k for k in weights if "lora_" in k or k.startswith("heads.")}

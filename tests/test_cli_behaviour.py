@@ -63,3 +63,20 @@ def test_train_head_on_a_decoder_trains_a_classifier_on_its_frozen_features(tmp_
     assert saved["head"] == "classifier" and saved["train"] == "head"
     parameters = json.loads((tmp_path / "probe" / "run.json").read_text())["parameters"]
     assert parameters["trained"] == 3 * 32 + 3  # the classifier alone
+
+
+def test_eval_reads_a_directory_of_evaluation_files_alone(hf_bert, mnli_dir, tmp_path):
+    import shutil
+
+    run = tmp_path / "ft"
+    assert invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--steps", 1, "--out", run,
+                  "--quiet").exit_code == 0
+    dev = tmp_path / "dev-only"
+    dev.mkdir()
+    for split in ("dev_matched", "dev_mismatched"):
+        shutil.copy(mnli_dir / f"{split}.jsonl", dev)
+    result = invoke("eval", "mnli", "--checkpoint", run, "--data", dev)
+    assert result.exit_code == 0, result.output
+    report = json.loads((run / "eval-mnli-dev-only.json").read_text())
+    assert report["dev_matched"]["n"] == 30 and report["dev_mismatched"]["n"] == 30
+    assert "train" not in result.output

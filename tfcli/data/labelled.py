@@ -46,11 +46,13 @@ class Split:
 
 
 def load_splits(spec: TextSpec, source: str, val_source: str = "", val_fraction: float = 0.1,
-                seed: int = 0) -> tuple[dict[str, Split], tuple[str, ...]]:
-    """Every split of `spec` as usable rows, and the label names in id order."""
-    raw = _raw_splits(spec, source, val_source, val_fraction, seed)
+                seed: int = 0, need_train: bool = True) -> tuple[dict[str, Split], tuple[str, ...]]:
+    """Every split of `spec` as usable rows, and the label names in id order. need_train=False
+    (evaluation): a directory may hold the evaluation splits alone; the training split is then empty."""
+    raw = _raw_splits(spec, source, val_source, val_fraction, seed, need_train)
     train_split = spec.splits[0]
-    labels = spec.labels or _learn_labels(raw[train_split][0], spec, raw[train_split][2])
+    learn_from = train_split if raw[train_split][0] else next(s for s in spec.splits if raw[s][0] or s == spec.splits[-1])
+    labels = spec.labels or _learn_labels(raw[learn_from][0], spec, raw[learn_from][2])
     return {name: _rows(spec, *split, labels) for name, split in raw.items()}, labels
 
 
@@ -69,7 +71,8 @@ def balanced_sample(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     return np.sort(np.array(picked))
 
 
-def _raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int) -> dict:
+def _raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int,
+                need_train: bool = True) -> dict:
     """{split: (row dicts, rows skipped while reading, where they came from, their row numbers there)}."""
     if not source:
         if spec.hub is None:
@@ -80,7 +83,7 @@ def _raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: floa
         return {s: _hub_split(name, config or None, "validation" if s == "dev" else s) for s in spec.splits}
     path = Path(source)
     if path.is_dir():
-        return {s: _split_file(path, s) for s in spec.splits}
+        return {s: _split_file(path, s, optional=not need_train and s == spec.splits[0]) for s in spec.splits}
     if not path.is_file():
         raise UserError(f"data not found: {source}")
     train = _numbered(*read_table(path), str(path))
@@ -93,11 +96,13 @@ def _numbered(rows: list, skipped: int, where: str) -> tuple:
     return rows, skipped, where, list(range(1, len(rows) + 1))
 
 
-def _split_file(directory: Path, split: str) -> tuple:
+def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
     for name in SPLIT_ALIASES.get(split, (split,)):
         for ext in EXTENSIONS:
             if (directory / f"{name}{ext}").is_file():
                 return _numbered(*read_table(directory / f"{name}{ext}"), str(directory / f"{name}{ext}"))
+    if optional:
+        return [], 0, str(directory / split), []
     raise UserError(f"{directory}: no {split} file ({', '.join(split + e for e in EXTENSIONS)})")
 
 

@@ -82,9 +82,11 @@ def predict(module: ObjectiveModule, head: Head, source: Source, batch_size: int
 class ClassificationTask(Plugin):
     kind = "task"
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = ()) -> TaskData:
+    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
+             need_train: bool = True) -> TaskData:
         """The task's data (`data` instead of the recipe's, for `tfcli eval --data`); `labels`: the
-        label set a trained classifier was trained with (evaluation must use its ids)."""
+        label set a trained classifier was trained with (evaluation must use its ids); need_train=False:
+        evaluation, which may read data without a training split."""
         raise NotImplementedError
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
@@ -117,7 +119,7 @@ class ClassificationTask(Plugin):
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
         """Metrics of every evaluation split (a sample of options.limit examples each)."""
-        data = self.load(recipe, backbone, options.data, backbone.labels)
+        data = self.load(recipe, backbone, options.data, backbone.labels, need_train=options.few_shot > 0)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
         module = ObjectiveModule(backbone.model, head.heads, head.loss).to(self.rt.device)

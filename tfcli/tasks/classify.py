@@ -157,20 +157,21 @@ class Classify(ClassificationTask):
             total += sum(map(len, texts))
             yield from texts
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = ()) -> TaskData:
+    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
+             need_train: bool = True) -> TaskData:
         spec = text_spec(recipe.settings)
         spec = replace(spec, labels=labels) if labels else spec
         d, ft = with_data(recipe, data).data, recipe.finetune or FinetuneConfig()
-        key = (spec, d.source, d.val_source, d.val_fraction)
+        key = (spec, d.source, d.val_source, d.val_fraction, need_train)
         if getattr(self, "_loaded_key", None) != key:
             with phase(f"reading {spec.name} data"):
-                self._loaded = load_splits(spec, d.source, d.val_source, d.val_fraction, recipe.train.seed)
+                self._loaded = load_splits(spec, d.source, d.val_source, d.val_fraction, recipe.train.seed, need_train)
             self._loaded_key = key
         splits, labels = self._loaded
         for name, split in splits.items():
-            if not split.rows:
+            if not split.rows and not (name == spec.splits[0] and not need_train):
                 raise UserError(f"{split.where}: no usable rows ({split.skipped} skipped)")
-            if self.rt.is_main and not self.quiet and backbone is not None:
+            if self.rt.is_main and not self.quiet and backbone is not None and (split.rows or need_train):
                 console.print(f"{spec.name} {name}: {len(split.rows):,} rows, {split.skipped:,} skipped "
                               f"(missing text or no label) from {split.where}")
         train = splits[spec.splits[0]].rows

@@ -27,7 +27,8 @@ class ImageClassify(ClassificationTask):
     recipes = {"vit": "vit-tiny-image-classify"}
     describe = "image classification"
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = ()) -> TaskData:
+    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
+             need_train: bool = True) -> TaskData:
         """The images (data.source, or `data`); they must carry labels. Without a test split of their
         own a seeded data.val_fraction is held out."""
         source, ft = data or recipe.data.source, recipe.finetune or FinetuneConfig()
