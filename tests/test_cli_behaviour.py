@@ -80,3 +80,23 @@ def test_eval_reads_a_directory_of_evaluation_files_alone(hf_bert, mnli_dir, tmp
     report = json.loads((run / "eval-mnli-dev-only.json").read_text())
     assert report["dev_matched"]["n"] == 30 and report["dev_mismatched"]["n"] == 30
     assert "train" not in result.output
+
+
+def test_continued_pretraining_starts_from_the_weights_it_is_given(tmp_path, small_text, hf_bert, hf_bert_mlm):
+    """pretrain --from: a GPT run continues next-token training where it stopped (the objective
+    follows the family); a BERT without an MLM head gets fresh heads, named in one line."""
+    source = gpt_run(tmp_path, small_text, "source", steps=30, ckpt_interval=30, eval_interval=30)
+    ended = [m["loss"] for m in read_metrics(source) if m.get("split") == "train"][-1]
+    result = invoke("pretrain", "--from", source, "--data", small_text, "--steps", 1, "--out", tmp_path / "more",
+                    "--set", "schedule.warmup_steps=0", "--set", "data.seq_len=32", "--set", "train.log_interval=1")
+    assert result.exit_code == 0, result.output
+    first = [m["loss"] for m in read_metrics(tmp_path / "more") if m.get("split") == "train"][0]
+    assert abs(first - ended) < 0.3 and first < 3.7, (first, ended)  # a fresh model starts near ln(65) = 4.2
+    assert json.loads((tmp_path / "more" / "run.json").read_text())["from"] == str(source.resolve())
+    text = tmp_path / "paragraphs.txt"
+    text.write_text("\n\n".join(small_text.read_text()[i:i + 400] for i in range(0, 20_000, 400)))
+    for model, missing in ((hf_bert, "mlm and nsp heads"), (hf_bert_mlm, "nsp head")):
+        result = invoke("pretrain", "--objective", "mlm", "--from", model, "--data", text, "--steps", 1,
+                        "--batch-size", 4, "--out", tmp_path / model.name, "--set", "data.seq_len=64")
+        assert result.exit_code == 0, result.output
+        assert f"has no weights for the objective's {missing}; initialised as a new run's" in " ".join(result.output.split())

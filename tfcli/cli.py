@@ -185,11 +185,16 @@ def pretrain(
     lr: Optional[float] = typer.Option(None, help="Peak learning rate [default: the recipe's optim.lr]."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
     resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
+    from_: Optional[str] = typer.Option(None, "--from", help="Continue pretraining these weights: a tfcli run, a Hugging Face directory or hub id [default: a fresh model; --objective defaults to the family's]."),
     no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
     seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
     set_: List[str] = typer.Option([], "--set", help=SET_HELP), quiet: bool = QUIET,
 ):
-    """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE, ELECTRA)."""
+    """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE,
+    ELECTRA), from scratch or (--from) continuing a pretrained model's weights."""
+    from_ = continued_from(from_, resume)
+    if from_ is not None and objective is None and recipe is None:
+        objective = family_objective(from_)
     default = registry.plugin_class("objective", objective or "clm").default_recipe()
     shortcuts = {"objective": objective, "data.source": data, "train.steps": steps, "train.batch_size": batch_size,
                  "optim.lr": lr, "train.device": device, "train.precision": precision, "train.seed": seed}
@@ -198,7 +203,29 @@ def pretrain(
         if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
         rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
-    run_training(rec, None, out, resume_dir, quiet)
+    run_training(rec, from_, out, resume_dir, quiet)
+
+
+def continued_from(source: Optional[str], resume: Optional[str]) -> Optional[str]:
+    """--from of `pretrain`: a local path, or a hub id resolved to its snapshot."""
+    if source is None:
+        return None
+    if resume is not None:
+        raise UserError("--from starts a new run from those weights; --resume continues a run (give one)")
+    from .hub import resolve
+
+    return str(resolve(source))
+
+
+def family_objective(source: str) -> str:
+    """The objective a model family pretrains with (next-token for a GPT, MLM for a BERT, ...)."""
+    from .backbone import family_of
+
+    family = family_of(source)
+    for key in registry.OBJECTIVES:
+        if family in registry.plugin_class("objective", key).families:
+            return key
+    raise UserError(f"--from {source}: neither a tfcli run nor a Hugging Face model directory (config.json)")
 
 
 @app.command()

@@ -67,6 +67,8 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         recipe = plugin.resolve(req.recipe, backbone)
         with rt.main_first():  # rank 0 fills the tokenization caches first
             job = plugin.setup(recipe, backbone)
+        if source is not None and ckpt is None and plugin.kind == "objective":
+            carry_heads(job, backbone, rt.is_main and not req.quiet)
         recipe = resolve_schedule(recipe, job, rt)
         if recipe.finetune is not None:
             adapters.apply(backbone.model, recipe.finetune.train, recipe.adapter)
@@ -91,6 +93,19 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     if rt.is_main:
         plugin.report(recipe, run_dir)
     return run_dir, plugin
+
+
+def carry_heads(job: Job, backbone: Backbone, say: bool) -> None:
+    """Continued pretraining: the objective's heads take the weights the source has for them (a tfcli
+    run of the same objective, transformers' BertForPreTraining); the others keep their fresh
+    initialisation, named in one line (all-MiniLM has no masked-LM head)."""
+    own = job.heads.state_dict()
+    found = {k: v for k, v in backbone.heads.items() if k in own and v.shape == own[k].shape}
+    job.heads.load_state_dict({**own, **found})
+    fresh = sorted({k.split(".", 1)[0] for k in own if k not in found})  # heads by name: mlm, nsp, ...
+    if say and fresh:
+        console.print(f"[yellow]note:[/] {backbone.source} has no weights for the objective's "
+                      f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''}; initialised as a new run's")
 
 
 def keep_global_batch(recipe: Recipe, ckpt: Path, rt: Runtime) -> Recipe:

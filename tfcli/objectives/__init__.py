@@ -73,6 +73,18 @@ class TextObjective(Objective):
         train = self.sources(recipe)["train"]
         return f"{train if isinstance(train, str) else train.fingerprint()}|{recipe.tokenizer.train_chars}"
 
+    def resolve(self, recipe, backbone):
+        """Continued pretraining of a model with fewer positions than the recipe's blocks: blocks of
+        the model's length (said in one line) instead of an error about a recipe the user did not pick."""
+        recipe = super().resolve(recipe, backbone)
+        limit = getattr(backbone.cfg, "max_seq_len", recipe.data.seq_len)
+        if backbone.source != "scratch" and recipe.data.seq_len > limit:
+            if self.rt.is_main and not self.quiet:
+                console.print(f"[yellow]note:[/] {backbone.source} reads at most {limit} positions: data.seq_len "
+                              f"{recipe.data.seq_len} -> {limit}")
+            recipe = replace(recipe, data=replace(recipe.data, seq_len=limit))
+        return recipe
+
     @staticmethod
     def check_length(recipe, backbone) -> None:
         """Blocks must fit the model's learned positions."""
