@@ -112,3 +112,19 @@ def test_a_warmup_longer_than_the_run_is_clipped_with_a_note(tmp_path, small_tex
     lrs = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("split") == "train"]
     assert max(lrs) > 0.9e-3 and lrs[-1] < lrs[2]  # it reaches its peak, then decays
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["schedule"]["warmup_steps"] == 2
+
+
+def test_generate_without_a_checkpoint_takes_the_newest_run_that_can_generate(tmp_path, small_text, monkeypatch):
+    import time
+
+    from .conftest import tiny_bert_recipe
+
+    monkeypatch.chdir(tmp_path)
+    gpt = gpt_run(tmp_path, small_text, "runs/gpt")
+    time.sleep(0.05)
+    (tmp_path / "bert.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(small_text, train={"steps": 2,
+                                                                                         "ckpt_interval": 2})))
+    assert invoke("pretrain", "--recipe", tmp_path / "bert.yaml", "--out", "runs/bert", "--quiet").exit_code == 0
+    result = invoke("generate", "--prompt", "ROMEO:", "--max-new-tokens", 3, "--greedy")
+    assert result.exit_code == 0, result.output
+    assert "note: using the newest run that can generate: runs/gpt" in result.output

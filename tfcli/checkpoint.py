@@ -226,12 +226,25 @@ def run_dir_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else ckpt
 
 
-def newest_run(runs_root: Path = Path("runs")) -> Path:
-    """The most recently written run under runs/ that has a checkpoint (generate's default)."""
-    candidates = [p for p in Path(runs_root).glob("*/") if (p / CHECKPOINTS / "latest").is_file()]
+def newest_run(runs_root: Path = Path("runs"), families: tuple[str, ...] = ()) -> Path:
+    """The most recently written run under runs/ that has a checkpoint (the default --checkpoint),
+    of one of `families` when given (generate: a run that can generate, not a newer BERT's)."""
+    candidates = [p for p in Path(runs_root).glob("*/") if (p / CHECKPOINTS / "latest").is_file()
+                  and (not families or _family(p) in families)]
     if not candidates:
-        raise UserError(f"no runs with a checkpoint under {runs_root}/; pass --checkpoint")
+        kind = f" of a {' or '.join(families)} model" if families else ""
+        raise UserError(f"no runs{kind} with a checkpoint under {runs_root}/; pass --checkpoint")
     return max(candidates, key=lambda p: (p / CHECKPOINTS / "latest").stat().st_mtime)
+
+
+def _family(run: Path) -> Optional[str]:
+    """The model family a run's config.yaml names (None when unreadable)."""
+    import yaml
+
+    try:
+        return (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("model", {}).get("family")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:

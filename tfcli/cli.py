@@ -145,14 +145,15 @@ def _note(text: str) -> None:
     typer.echo(f"note: {text}", err=True)
 
 
-def newest(checkpoint: Optional[Path]) -> Path:
-    """--checkpoint, or the newest run under runs/, named so that nobody wonders which it was."""
+def newest(checkpoint: Optional[Path], families: tuple[str, ...] = ()) -> Path:
+    """--checkpoint, or the newest run under runs/ (of `families` when given), named so that nobody
+    wonders which it was."""
     if checkpoint is not None:
         return checkpoint
     from .checkpoint import newest_run
 
-    run = newest_run()
-    _note(f"using the newest run: {run}")
+    run = newest_run(families=families)
+    _note(f"using the newest run{' that can generate' if families else ''}: {run}")
     return run
 
 
@@ -415,7 +416,7 @@ def generate(
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     check_device(device)
     dev = pick_device(device or "auto")
-    backbone = from_run(newest(checkpoint), device=str(dev))
+    backbone = from_run(newest(checkpoint, families=("gpt", "t5")), device=str(dev))
     if backbone.family not in ("gpt", "t5"):
         raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; "
                         f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
