@@ -128,3 +128,16 @@ def test_generate_without_a_checkpoint_takes_the_newest_run_that_can_generate(tm
     result = invoke("generate", "--prompt", "ROMEO:", "--max-new-tokens", 3, "--greedy")
     assert result.exit_code == 0, result.output
     assert "note: using the newest run that can generate: runs/gpt" in result.output
+
+
+def test_few_shot_scoring_where_no_example_fits_is_an_error_not_zero_shot(tmp_path, small_text, mnli_dir):
+    from .conftest import pretrained_run
+
+    run = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32,
+                                                        "d_ff": 64, "max_seq_len": 48})
+    result = invoke("eval", "mnli", "--checkpoint", run, "--data", mnli_dir, "--few-shot", 4, "--limit", 3)
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()[-1:]
+    assert line.startswith("error: --few-shot 4: no solved example fits beside the questions in this model's"), line
+    zero = invoke("eval", "mnli", "--checkpoint", run, "--data", mnli_dir, "--few-shot", 0, "--limit", 3)
+    assert zero.exit_code == 0, zero.output

@@ -170,12 +170,22 @@ class TextHead(Head):
         self.shots_used.append(used)
         return ids
 
+    def no_shot_fits(self, questions: list[int]) -> None:
+        """k-shot scoring where no demonstration fits beside any question would be zero-shot scoring
+        reported as k-shot: one line with the sizes instead."""
+        demo = int(np.mean([len(self.reader.tok.encode(d + "\n")) for d in self.demos]))
+        raise UserError(f"--few-shot {len(self.demos)}: no solved example fits beside the questions in this model's "
+                        f"{self.budget}-token prompt (a question takes {min(questions)}-{max(questions)} tokens, "
+                        f"an example about {demo}); use --few-shot 0, or a model with a longer context")
+
     def fit(self, texts: tuple[str, ...], budget: int) -> list[int]:
         make = prompts.question if self.cue else prompts.input_text
         return fit_input(lambda t: self.reader.query(make(self.task, self.fields, t)), texts, budget)
 
     def source(self, rows: list, train: bool) -> ExampleSource:
         examples = [(self.prompt(texts), y) for texts, y in rows]
+        if self.demos and rows and not any(self.shots_used[-len(rows):]):
+            self.no_shot_fits([len(p) for p, _ in examples])
         lengths = np.array([len(p) for p, _ in examples])
         if train:
             return ExampleSource(examples, lambda ex: self.reader.batch([p for p, _ in ex], [y for _, y in ex]), lengths)
