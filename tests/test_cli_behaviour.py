@@ -141,3 +141,20 @@ def test_few_shot_scoring_where_no_example_fits_is_an_error_not_zero_shot(tmp_pa
     assert line.startswith("error: --few-shot 4: no solved example fits beside the questions in this model's"), line
     zero = invoke("eval", "mnli", "--checkpoint", run, "--data", mnli_dir, "--few-shot", 0, "--limit", 3)
     assert zero.exit_code == 0, zero.output
+
+
+def test_a_request_the_model_cannot_serve_is_refused_before_any_data_is_read(tmp_path, small_text, mnli_dir, hf_bert):
+    from .conftest import pretrained_run
+
+    gpt = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32,
+                                                        "d_ff": 64, "max_seq_len": 48})
+    for args, message in (
+            (["eval", "mnli", "--checkpoint", gpt, "--cloze", "--data", mnli_dir], "--cloze reads a BERT's masked-LM head"),
+            (["finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--head", "text", "--steps", 1,
+              "--out", tmp_path / "x"], "a BERT cannot answer as text"),
+            (["finetune", "mnli", "--from", gpt, "--data", mnli_dir, "--head", "classifier", "--pooling", "cls",
+              "--steps", 1, "--out", tmp_path / "y"], "--pooling cls: a gpt classifier pools")):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines() == [next(l for l in result.output.splitlines() if l.startswith("error:"))]
+        assert message in result.output and "rows" not in result.output, result.output

@@ -96,7 +96,11 @@ class ClassificationTask(Plugin):
         """A seeded, class-balanced sample of n examples of one split (n <= 0: all)."""
         raise NotImplementedError
 
+    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+        """Refuse a request the backbone cannot serve (a head its family lacks) before any data is read."""
+
     def setup(self, recipe, backbone) -> Job:
+        self.check(recipe, backbone)
         data = self.load(recipe, backbone)
         head = self.head(recipe, backbone, data)
         ft, t = recipe.finetune, recipe.train
@@ -119,6 +123,7 @@ class ClassificationTask(Plugin):
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
         """Metrics of every evaluation split (a sample of options.limit examples each)."""
+        self.check(recipe, backbone, options)
         data = self.load(recipe, backbone, options.data, backbone.labels, need_train=options.few_shot > 0)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})

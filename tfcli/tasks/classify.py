@@ -28,7 +28,7 @@ from ..recipe import FinetuneConfig
 from . import ClassificationTask, Head, TaskData, with_data
 from . import cloze, prompts
 from .cloze import ClozeHead
-from .heads import ClassifierHead, ExampleSource
+from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
 from .presets import PRESETS
 from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 
@@ -181,6 +181,26 @@ class Classify(ClassificationTask):
     def sample(self, rows: list, n: int, seed: int) -> list:
         return [rows[i] for i in balanced_sample(np.array([y for _, y in rows]), n, seed)]
 
+    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+        """--cloze on a BERT only, a text head on T5/GPT only, a pooling the family has, and nothing to
+        train alone in text-to-text: each refused before the data is read."""
+        if options is not None and options.cloze:
+            self.cloze_family(backbone)
+            return
+        ft = recipe.finetune or FinetuneConfig()
+        if reads_as(recipe, backbone) == "classifier":
+            check_pooling(backbone.cfg, resolve_pooling(backbone.family, ft.pooling))
+        elif ft.train == "head" or ft.pooling != "auto" or ft.head_lr:
+            raise UserError(f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (finetune.head "
+                            f"text): there is no head to pool for or train alone; use --head classifier, or --train "
+                            f"all, lora, ia3 or bitfit")
+
+    @staticmethod
+    def cloze_family(backbone) -> None:
+        if backbone.family != "bert":
+            raise UserError(f"--cloze reads a BERT's masked-LM head; this is a {backbone.family} "
+                            f"(prompt it with --few-shot K instead)")
+
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
         if options is not None and options.cloze:
             return self.cloze(recipe, backbone, data)
@@ -209,9 +229,7 @@ class Classify(ClassificationTask):
 
     def cloze(self, recipe, backbone, data: TaskData) -> ClozeHead:
         """Zero-shot: label words scored at the template's [MASK] by the BERT's MLM head."""
-        if backbone.family != "bert":
-            raise UserError(f"--cloze reads a BERT's masked-LM head; this is a {backbone.family} "
-                            f"(prompt it with --few-shot K instead)")
+        self.cloze_family(backbone)
         settings, spec, tok = recipe.settings, text_spec(recipe.settings), backbone.tokenizer
         preset = PRESETS.get(settings.preset)
         words = settings.cloze_words or (preset.cloze_words if preset else ())
@@ -235,9 +253,7 @@ class Classify(ClassificationTask):
     def text_head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions]) -> TextHead:
         """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""
         ft, spec = recipe.finetune or FinetuneConfig(), text_spec(recipe.settings)
-        if ft.train == "head" or ft.pooling != "auto" or ft.head_lr:
-            raise UserError(f"the {backbone.family} reads {spec.name} as text (finetune.head text): there is no head "
-                            f"to pool for or train alone; use --head classifier, or --train all, lora, ia3 or bitfit")
+        self.check(recipe, backbone)
         finetuned = backbone.recipe is not None and backbone.recipe.task == self.key
         k = options.few_shot if options is not None else -1
         if options is not None and k < 0 and not finetuned:
@@ -262,6 +278,7 @@ class Classify(ClassificationTask):
         labels = backbone.labels or spec.labels
         if not labels:
             raise UserError(f"{backbone.checkpoint} does not record its labels")
+        self.check(recipe, backbone, options)
         data = self.load(recipe, backbone, options.data) if options.few_shot > 0 else TaskData([], {}, labels)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
