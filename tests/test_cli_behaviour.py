@@ -158,3 +158,22 @@ def test_a_request_the_model_cannot_serve_is_refused_before_any_data_is_read(tmp
         assert result.exit_code == 2, result.output
         assert result.output.strip().splitlines() == [next(l for l in result.output.splitlines() if l.startswith("error:"))]
         assert message in result.output and "rows" not in result.output, result.output
+
+
+def test_flops_count_what_runs_and_mfu_is_never_a_pinned_cap():
+    """A T5 classifier on encoder features runs the encoder alone; adapters do no weight gradients
+    (4 FLOPs per parameter and token, not 6); an MFU above 1 is shown as n/a, not as 100%."""
+    from tfcli.display import _fmt
+    from tfcli.models.t5 import T5, T5Config
+    from tfcli.perf import mfu
+    from tfcli.tasks.heads import ClassifierHead
+
+    model = T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=100))
+    encoder = sum(p.numel() for p in model.encoder.parameters())
+    head = ClassifierHead(model.cfg, "encoder-mean", 3, lambda d, t: None, tokens_per_item=10.0)
+    attention = 12.0 * 2 * 10 * 32 * 10
+    assert head.flops_per_item(model, [], "all") == 6 * encoder * 10 + attention
+    assert head.flops_per_item(model, [], "lora") == 4 * encoder * 10 + attention * 4 / 6
+    assert head.flops_per_item(model, [], "head") == 2 * encoder * 10 + attention * 2 / 6
+    assert mfu(5.0, 10.0) == 0.5 and mfu(11.0, 10.0) is None
+    assert _fmt("mfu", None) == "n/a" and _fmt("mfu", 0.25) == "25.0%"

@@ -26,6 +26,8 @@ def live() -> bool:
 
 
 def _fmt(key: str, v) -> str:
+    if v is None:
+        return "n/a"
     if isinstance(v, float):
         if key == "lr":
             return f"{v:.2e}"

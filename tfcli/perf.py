@@ -8,13 +8,15 @@ achieves: MFU is at most 100%.
 
 What MFU counts: the training FLOPs of the model's matrix products per item (6 x matmul parameters
 per token: forward 2, backward 4; attention's 12 x layers x sequence x width; forward only, 2 x,
-through a frozen backbone), times items per second, over this peak x processes.
+through a frozen backbone, 4 x through one with adapters), times items per second, over this peak x
+processes.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from typing import Optional
 
 import torch
 
@@ -71,9 +73,21 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
 
 
-def mfu(achieved_flops: float, peak: float) -> float:
-    """Achieved over peak, at most 1 (a peak below what a run achieves was measured low)."""
-    return min(1.0, achieved_flops / peak) if peak > 0 else 0.0
+def training_flops_multiplier(train: str) -> float:
+    """FLOPs per parameter and token of one training step by what trains (finetune.train): 6 when
+    every weight learns (forward 2, input gradients 2, weight gradients 2); 4 when the weights are
+    frozen but gradients flow back through them (lora, ia3, bitfit: their own parameters are few);
+    2 when only a head on top learns (the backbone runs forward only)."""
+    return {"all": 6.0, "head": 2.0}.get(train, 4.0)
+
+
+def mfu(achieved_flops: float, peak: float) -> Optional[float]:
+    """Achieved over peak; None (shown as n/a) where that is above 1: the FLOP count or the measured
+    peak is wrong, and a pinned 100% would hide it."""
+    if peak <= 0:
+        return None
+    ratio = achieved_flops / peak
+    return ratio if ratio <= 1.0 else None
 
 
 def _measure(device: torch.device, dtype: torch.dtype) -> float:

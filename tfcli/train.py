@@ -247,7 +247,7 @@ class Trainer:
         rate = window.items / max(seconds, 1e-9)
         record = {"step": self.step, "split": "train", **{k: round(v, 6) for k, v in metrics.items()},
                   "lr": self.opt.param_groups[0]["lr"], f"{self.job.item_name}_per_s": round(rate, 1),
-                  "mfu": round(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
+                  "mfu": _rounded(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
                   "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1), "elapsed_s": round(self.elapsed(), 2)}
         self._write(record)
         display.update(self.step, record, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
@@ -311,6 +311,10 @@ class Trainer:
             self.batches.close()
         if self.log is not None:
             self.log.close()
+
+
+def _rounded(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
 
 
 class _StopOnSignal:

@@ -53,7 +53,8 @@ class Head:
         """(B, n_labels): higher is more likely."""
         raise NotImplementedError
 
-    def flops_per_item(self, model: nn.Module, data, trains_backbone: bool) -> float:
+    def flops_per_item(self, model: nn.Module, data, train: str) -> float:
+        """Training FLOPs per item when finetune.train is `train` (perf.training_flops_multiplier)."""
         raise NotImplementedError
 
     def count_items(self, batch: Batch) -> int:
@@ -117,7 +118,7 @@ class ClassificationTask(Plugin):
 
         return Job(heads=head.heads, loss=head.loss, train=head.source(data.train, train=True),
                    val=head.source(limited[first], train=True), evaluate=evaluate, best_key=f"{first}_acc",
-                   flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train != "head"),
+                   flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train),
                    count_items=head.count_items, item_name=head.item_name, examples=len(data.train),
                    labels=data.labels)
 

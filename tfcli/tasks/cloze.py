@@ -116,7 +116,7 @@ class ClozeHead(Head):
         loss = F.cross_entropy(logits, batch["labels"])
         return loss, {"loss": loss.detach(), "acc": (logits.argmax(-1) == batch["labels"]).float().mean()}
 
-    def flops_per_item(self, model: nn.Module, data, trains_backbone: bool) -> float:
+    def flops_per_item(self, model: nn.Module, data, train: str) -> float:
         from .heads import matmul_params
 
         return 2.0 * matmul_params(model) * self.tokens_per_item

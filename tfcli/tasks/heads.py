@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..perf import training_flops_multiplier
 from ..plugin import Batch
 from ..sampler import Draw, Source
 from . import Head
@@ -129,6 +130,14 @@ class ClassifierHead(Head):
         value = F.cross_entropy(logits.float(), batch["labels"])
         return value, {"loss": value.detach(), "acc": (logits.argmax(-1) == batch["labels"]).float().mean()}
 
-    def flops_per_item(self, model: nn.Module, data, trains_backbone: bool) -> float:
-        """Forward 2 and backward 4 FLOPs per parameter and token (forward only through a frozen backbone)."""
-        return (6.0 if trains_backbone else 2.0) * matmul_params(model) * self.tokens_per_item
+    def flops_per_item(self, model: nn.Module, data, train: str) -> float:
+        """The FLOPs of what the features run: every block for a GPT, BERT or ViT, the encoder for a T5
+        (and, for decoder-first, its decoder at one position), plus attention's 12 L T D per token."""
+        cfg, tokens = model.cfg, self.tokens_per_item
+        if cfg.family == "t5":
+            n_tokens = sum(p.numel() for p in model.encoder.parameters()) * tokens + \
+                (sum(p.numel() for p in model.decoder.parameters()) if self.pooling == "decoder-first" else 0)
+        else:
+            n_tokens = matmul_params(model) * tokens
+        attention = 12.0 * cfg.n_layer * tokens * cfg.d_model * tokens
+        return training_flops_multiplier(train) * n_tokens + attention * training_flops_multiplier(train) / 6.0

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ..objectives import next_token, span_corruption
 from ..objectives.losses import IGNORE
-from ..perf import flops_per_token
+from ..perf import flops_per_token, training_flops_multiplier
 from ..plugin import Batch
 from . import Head
 from . import prompts
@@ -204,10 +204,11 @@ class TextHead(Head):
         """Encoder and decoder tokens (T5) or the sequence (GPT)."""
         return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
 
-    def flops_per_item(self, model: nn.Module, rows: list, trains_backbone: bool) -> float:
-        """The pretraining objectives' FLOP counts at the mean prompt and answer lengths."""
+    def flops_per_item(self, model: nn.Module, rows: list, train: str) -> float:
+        """The pretraining objectives' FLOP counts at the mean prompt and answer lengths (theirs train
+        every weight: scaled for adapters, perf.training_flops_multiplier)."""
         prompt = int(np.mean([len(self.fit(texts, self.budget)) for texts, _ in rows[:500]]))
         answer = int(np.mean([len(a) for a in self.reader.answers]))
-        if self.family == "t5":
-            return span_corruption.flops_per_token(model, prompt, answer)
-        return flops_per_token(model, prompt + answer)
+        full = span_corruption.flops_per_token(model, prompt, answer) if self.family == "t5" else \
+            flops_per_token(model, prompt + answer)
+        return full * training_flops_multiplier(train) / 6.0
