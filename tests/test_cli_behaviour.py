@@ -177,3 +177,22 @@ def test_flops_count_what_runs_and_mfu_is_never_a_pinned_cap():
     assert head.flops_per_item(model, [], "head") == 2 * encoder * 10 + attention * 2 / 6
     assert mfu(5.0, 10.0) == 0.5 and mfu(11.0, 10.0) is None
     assert _fmt("mfu", None) == "n/a" and _fmt("mfu", 0.25) == "25.0%"
+
+
+def test_a_phase_with_a_known_total_shows_the_share_done(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from tfcli import display
+
+    out = io.StringIO()
+    monkeypatch.setattr(display, "console", Console(file=out, force_terminal=True, width=120))
+    monkeypatch.setattr(display, "_state", {"live": True, "progress": None})
+    with display.phase("scoring dev", 4, "batches") as advance:
+        for _ in display.counted(range(4), advance):
+            pass
+    with display.phase("tokenizing a.txt", 2_500_000, "bytes") as advance:
+        advance(1_250_000)
+    text = out.getvalue()
+    assert "of 4 batches" in text and "of 2.5 MB" in text and "%" in text

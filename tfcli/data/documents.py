@@ -44,6 +44,12 @@ class DocumentSource:
         parts = [f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in self.files]
         return hashlib.sha256("\n".join([self.text_field, *parts]).encode()).hexdigest()[:20]
 
+    def total_bytes(self) -> Optional[int]:
+        """The size of a corpus of plain text files (a progress bar's total); None for tables and the hub."""
+        if self.hub is not None or not self.files or any(f.suffix.lower() not in TEXT_SUFFIXES for f in self.files):
+            return None
+        return sum(f.stat().st_size for f in self.files)
+
     def pieces(self) -> Iterator[Piece]:
         """Every document's text in order, as (piece, ends the document)."""
         if self.hub is not None:

@@ -169,8 +169,8 @@ def prepare(source: DocumentSource, tokenizer: TextTokenizer, out: Path, *, mode
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     started = time.perf_counter()
     try:
-        with phase(f"tokenizing {source.spec}"):
-            counts = _write(source, tokenizer, tmp, mode, eos_id, dtype, workers or default_workers())
+        with phase(f"tokenizing {source.spec}", source.total_bytes(), "bytes") as advance:
+            counts = _write(source, tokenizer, tmp, mode, eos_id, dtype, workers or default_workers(), advance)
         if counts["tokens"] == 0:
             raise UserError(f"{source.spec}: no text (every document is empty)")
         tokenizer.save(tmp)
@@ -205,11 +205,11 @@ def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
         yield batch
 
 
-def _results(source: DocumentSource, tokenizer: TextTokenizer, mode: str, eos_id: int, workers: int):
+def _results(source: DocumentSource, tokenizer: TextTokenizer, mode: str, eos_id: int, workers: int, advance):
     """Encoded batches in order: in `workers` processes (a window of 2 batches each in flight, so
-    memory stays bounded), or in this process for one worker."""
+    memory stays bounded), or in this process for one worker; advance(chars) as each is handed out."""
     init = (tokenizer.tok.to_str(), eos_id, mode)
-    batches = _batches(source.pieces())
+    batches = _counted(_batches(source.pieces()), advance)
     if workers <= 1:
         previous = os.environ.get("TOKENIZERS_PARALLELISM")
         tokenize_worker.start(*init)  # one thread, as each worker process has
@@ -231,15 +231,22 @@ def _results(source: DocumentSource, tokenizer: TextTokenizer, mode: str, eos_id
             yield pending.popleft().get()
 
 
+def _counted(batches: Iterator[list[Piece]], advance) -> Iterator[list[Piece]]:
+    """The batches, reporting each one's characters (about its bytes in a text file) to the progress bar."""
+    for batch in batches:
+        advance(sum(len(p[0].encode()) for p in batch))
+        yield batch
+
+
 def _write(source: DocumentSource, tokenizer: TextTokenizer, root: Path, mode: str, eos_id: int, dtype,
-           workers: int) -> dict:
+           workers: int, advance=lambda n: None) -> dict:
     """Append every encoded batch to the store's files; return the counts."""
     n_tokens = n_sents = 0
     n_docs = 0
     open_doc = False  # the last document has tokens but has not ended yet
     with open(root / "tokens.bin", "wb") as tokens, open(root / "docs.bin", "wb") as docs, \
             open(root / "sents.bin", "wb") as sents, open(root / "doc_sents.bin", "wb") as doc_sents:
-        for ids, lengths, ends in _results(source, tokenizer, mode, eos_id, workers):
+        for ids, lengths, ends in _results(source, tokenizer, mode, eos_id, workers, advance):
             tokens.write(ids.astype(dtype, copy=False).tobytes())
             seg_ends = n_tokens + np.cumsum(lengths)  # (segments,)
             kept = lengths > 0

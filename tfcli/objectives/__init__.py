@@ -7,13 +7,14 @@ source, heads and loss.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..data.documents import open_source
 from ..data.store import TokenStore, cached_store, is_store
-from ..display import console, phase
+from ..display import console, counted, phase
 from ..errors import UserError
 from ..evaluate import held_out_metrics, metrics_table
 from ..plugin import EvalOptions, Plugin
@@ -35,8 +36,9 @@ class Objective(Plugin):
         module = ObjectiveModule(backbone.model, job.heads, job.loss).to(self.rt.device)
         t = recipe.train
         batches = sequential_batches(job.val, t.batch_size, t.seed, t.eval_batches) if job.val is not None else ()
-        with phase("evaluating"):
-            metrics = held_out_metrics(module, batches, self.rt.device, t.precision)
+        total = min(t.eval_batches, math.ceil(job.val.epoch_size(0) / t.batch_size)) if job.val is not None else 0
+        with phase("evaluating", total, "batches") as advance:
+            metrics = held_out_metrics(module, counted(batches, advance), self.rt.device, t.precision)
         if not metrics:
             raise UserError("no held-out batches to evaluate on (data shorter than one block?)")
         metrics = job.held_out_metrics(metrics)

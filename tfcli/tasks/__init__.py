@@ -9,6 +9,7 @@ says only how its data is read (`load`) and which head reads it (`head`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backbone import from_run
-from ..display import console, phase
+from ..display import console, counted, phase
 from ..errors import UserError
 from ..plugin import Batch, EvalOptions, Job, Plugin
 from ..runtime import autocast_context, to_device
@@ -67,12 +68,12 @@ class Head:
 
 @torch.no_grad()
 def predict(module: ObjectiveModule, head: Head, source: Source, batch_size: int, device: torch.device,
-            precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
+            precision: str = "fp32", advance=lambda n=1: None) -> tuple[np.ndarray, np.ndarray]:
     """Scores (N, n_labels) and gold labels (N,) of every example of `source`, in order."""
     was = module.training
     module.eval()
     scores, gold = [], []
-    for batch in sequential_batches(source, batch_size, seed=0):
+    for batch in counted(sequential_batches(source, batch_size, seed=0), advance):
         with autocast_context(precision, device):
             scores.append(module(to_device(batch, device), fn=head.scores).float().cpu())
         gold.append(batch["labels"])
@@ -131,9 +132,10 @@ class ClassificationTask(Plugin):
         module = ObjectiveModule(backbone.model, head.heads, head.loss).to(self.rt.device)
         results = {}
         for split, d in data.evals.items():
-            with phase(f"scoring {split}"):
-                scores, gold = predict(module, head, head.source(self.sample(d, options.limit, options.seed), train=False),
-                                       recipe.train.batch_size, self.rt.device, recipe.train.precision)
+            rows = self.sample(d, options.limit, options.seed)
+            with phase(f"scoring {split}", math.ceil(len(rows) / recipe.train.batch_size), "batches") as advance:
+                scores, gold = predict(module, head, head.source(rows, train=False), recipe.train.batch_size,
+                                       self.rt.device, recipe.train.precision, advance)
             results[split] = {**metrics(scores.argmax(1), gold, data.labels), **head.notes()}
         return results
 
