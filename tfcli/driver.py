@@ -257,8 +257,9 @@ def banner(recipe: Recipe, plugin: Plugin, module: ObjectiveModule, backbone: Ba
                                          + ("" if recipe.train.threads else " (train.threads=0: this process's share of "
                                             "the usable cores)") + (" per process" if processes else "")
                                          if rt.device.type == "cpu" else "")
-    return (f"[bold]{recipe.name}[/]: {plugin.title(recipe, backbone)} on a {n / 1e6:.2f}M-parameter {backbone.family}{source}"
-            f"{how}, {recipe.train.steps:,} steps on {where}, run directory [green]{run_dir}[/]"
+    model = f"a {'new ' if not source and ckpt is None else ''}{n / 1e6:.2f}M-parameter {backbone.family}{source}"
+    return (f"[bold]{plugin.title(recipe, backbone)}[/] on {model}{how}, {recipe.train.steps:,} steps on {where}, "
+            f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
             + (f" (resuming from {ckpt.name})" if ckpt else ""))
 
 
