@@ -92,3 +92,22 @@ def test_a_text_head_cell_reports_examples_per_second_not_tokens(tmp_path):
         {"step": 20, "split": "train", "tok_per_s": 3100.0, "elapsed_s": 16.0}]))
     row = compare.collect(compare.Cell("mnli", "runs/t5", "lora", "mnli-t5-lora"), tmp_path)
     assert row["ex_per_s"] == 40.0  # 20 steps x 32 examples in 16 s
+
+
+def test_the_terminal_table_never_cuts_a_cell_name(monkeypatch, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from tfcli import compare as study_module
+    from tfcli import display
+
+    out = io.StringIO()
+    monkeypatch.setattr(display, "console", Console(file=out, width=80))
+    rows = [{"cell": f"mnli-gpt-mini-20261124-lora-{i}", "status": "done", "dev_matched_acc": 0.4123,
+             "dev_mismatched_acc": 0.4, "majority": 0.37, "trained_params": 24_576, "total_params": 2_000_000,
+             "peak_mem_mb": 812.3, "train_s": 28.4, "ex_per_s": 71.2, "family": "gpt", "train": "lora",
+             "backbone": f"runs/gpt-mini-{i}"} for i in range(3)]
+    study_module.show(rows)
+    assert all(r["cell"] in out.getvalue() for r in rows), out.getvalue()
+    assert study_module.chart(rows, tmp_path).stat().st_size > 0

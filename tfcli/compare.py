@@ -319,13 +319,17 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
         return None
     acc = next(k for k in done[0] if k.endswith("_acc"))
     plt = _figure()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
     colours = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(r["family"] for r in done))}
     markers = dict(zip(STRATEGIES, "osD^v"))
-    for r in done:
+    at: dict[tuple, list[str]] = {}  # points carry numbers (cells on one spot share a label); names go in the key
+    for i, r in enumerate(done, 1):
         ax.scatter(r["trained_params"], 100 * r[acc], color=colours[r["family"]], marker=markers.get(r["train"], "o"), s=40)
-        ax.annotate(f"{Path(r['backbone']).name} {r['train']}", (r["trained_params"], 100 * r[acc]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        at.setdefault((r["trained_params"], round(100 * r[acc], 1)), []).append(str(i))
+    for (x, y), numbers in at.items():
+        ax.annotate(",".join(numbers), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    key = "\n".join(f"{i:>2}  {Path(r['backbone']).name} {r['train']}  {100 * r[acc]:.1f}%" for i, r in enumerate(done, 1))
+    ax.text(1.02, 1.0, key, transform=ax.transAxes, fontsize=7, family="monospace", va="top")
     if done[0].get("majority"):
         ax.axhline(100 * done[0]["majority"], linestyle="--", color="0.5", linewidth=1, label="majority class")
     for family, colour in colours.items():
@@ -336,7 +340,7 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
     ax.set_xlabel("trained parameters")
     ax.set_ylabel(f"{acc[:-4]} accuracy (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(1.02, 0.0))
     return _save(fig, plt, out / "results.png")
 
 
@@ -345,8 +349,12 @@ def show(rows: list[dict]) -> None:
 
     from .display import console
 
+    from rich.table import Column
+
     columns = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_acc")))
-    table = Table("cell", *columns, "majority", "trained", "peak MB", "time", "ex/s", title="tfcli compare")
+    widest = max((len(r["cell"]) for r in rows), default=4)  # the cell names are never cut: the numbers wrap first
+    table = Table(Column("cell", no_wrap=True, min_width=widest), *(c[:-4] for c in columns), "majority", "trained",
+                  "peak MB", "time", "ex/s", title="tfcli compare (accuracy per split)")
     for r in rows:
         if r.get("status") != "done":
             table.add_row(r["cell"], f"[red]{r['status']}[/]")
