@@ -142,3 +142,19 @@ def test_a_time_limit_stops_the_run_evaluated_and_checkpointed(tmp_path, small_t
     assert [r["split"] for r in rows] == ["train", "val", "stopped"] and rows[-1]["step"] == 1
     assert checkpoint.find(run).name == "step-0000001"
     assert rows[0]["peak_mem_mb"] > 50  # a Python process with torch holds well over 50 MB
+
+
+def test_the_first_log_line_after_a_resume_averages_its_whole_interval(tmp_path, small_text):
+    """Logged every 4 steps, checkpointed every 2: resumed from step 6, the step-8 line averages steps
+    5-8 (two of them from before the resume) exactly as the uninterrupted run's, throughput too."""
+    raw = tiny_gpt_recipe(small_text, train={"steps": 8, "log_interval": 4, "ckpt_interval": 2, "eval_interval": 8})
+    whole = pretrain(recipes.from_dict(raw), out=tmp_path / "whole")
+    cut = tmp_path / "cut"
+    shutil.copytree(whole, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-0000008")
+    (cut / "checkpoints" / "latest").write_text("step-0000006")
+    pretrain(recipes.load_resolved(cut / "config.yaml"), resume=cut)
+    a, b = ({m["step"]: m for m in read_metrics(run) if m.get("split") == "train"} for run in (whole, cut))
+    assert sorted(a) == sorted(b) == [4, 8]
+    assert a[8]["loss"] == b[8]["loss"] and a[8]["grad_norm"] == b[8]["grad_norm"]
+    assert b[8]["tok_per_s"] < 10 * a[8]["tok_per_s"]  # 4 steps' tokens over 4 steps' time, not over 2

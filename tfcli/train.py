@@ -114,6 +114,7 @@ class Trainer:
         self.saved = {f"{n}" for n, p in module.named_parameters() if p.requires_grad or n.startswith("heads.")} \
             if partial else None
         self.last: dict[str, float] = {}
+        self.window = _Window()  # the steps since the last log line (a checkpoint keeps them: see restore)
         self.doing = "setup"  # what the loop is doing, for an error that stops it (e.g. a collective timeout)
         check_available(self.tc.loggers)
         self.log = MetricsLog(self.run_dir, self.tc.loggers, recipe.name) if rt.is_main else None
@@ -141,6 +142,7 @@ class Trainer:
         self.step, self.best = int(checkpoint.read_meta(ckpt)["step"]), state.get("best")
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self.skipped = int(state.get("skipped", 0))
+        self.window = _Window.from_state(state.get("window"))  # the first log line covers its whole interval
 
     def forget_after(self, step: int) -> None:
         """Drop metrics a run logged after the checkpoint it is resumed from (it will log them again)."""
@@ -155,7 +157,7 @@ class Trainer:
             torch.manual_seed(self.tc.seed)
         self.started = time.perf_counter()
         peak = matmul_peak_flops(self.rt.device, torch.bfloat16 if self.tc.precision == "bf16" else torch.float32)
-        window = _Window()
+        window = self.window
         with TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display, \
                 _StopOnSignal() as stop, contextlib.closing(self):
             while self.step < self.tc.steps:
@@ -170,11 +172,11 @@ class Trainer:
                 display.step(self.step)
                 if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                     self._log(window, peak, display)
-                    window = _Window()
+                    window = self.window = _Window()
                 out_of_time = self._agreed(self.tc.max_time > 0 and self.elapsed() >= 60 * self.tc.max_time)
                 if out_of_time and window.steps:
                     self._log(window, peak, display)
-                    window = _Window()
+                    window = self.window = _Window()
                 with window.excluding():  # evaluation and checkpoints are not training throughput
                     is_best = self._evaluate(display) if self._due(self.tc.eval_interval) or out_of_time else False
                     if self._due(self.tc.ckpt_interval) or is_best or out_of_time:
@@ -295,7 +297,7 @@ class Trainer:
         with phase(f"writing checkpoint step-{self.step:07d}"):
             state = {"optimizer": optimizer, "scheduler": self.sched.state_dict(),
                      "data": self.batches.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
-                     "elapsed_s": self.elapsed(), "skipped": self.skipped}
+                     "elapsed_s": self.elapsed(), "skipped": self.skipped, "window": self.window.state()}
             meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family,
                     "partial": self.saved is not None, "processes": self.rt.world_size,
                     "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size, **self.last}
@@ -348,6 +350,7 @@ class _Window:
     def __init__(self):
         self.metrics: list[tuple[int, dict[str, Tensor]]] = []
         self.items, self.started, self.excluded = 0, None, 0.0
+        self.carried = 0.0  # training seconds of this window before a resume
 
     @property
     def steps(self) -> int:
@@ -370,6 +373,20 @@ class _Window:
         if self.started is not None:
             self.excluded += time.perf_counter() - t0
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of an unfinished window, so that a resumed run's first log line
+        averages the same steps as the uninterrupted run's."""
+        return {"metrics": [[step, m] for step, m in self.read()], "items": self.items, "seconds": self.seconds()}
+
+    @classmethod
+    def from_state(cls, state: Optional[dict]) -> "_Window":
+        window = cls()
+        if state:
+            window.metrics = [(int(step), {k: torch.tensor(v) for k, v in m.items()}) for step, m in state["metrics"]]
+            window.items = int(state["items"])
+            window.carried = float(state["seconds"])
+        return window
+
     def read(self) -> list[tuple[int, dict[str, float]]]:
         """Every step's metrics as numbers: one transfer from the device for the whole window."""
         if not self.metrics:
@@ -380,4 +397,4 @@ class _Window:
                 for i, (step, _) in enumerate(self.metrics)]
 
     def seconds(self) -> float:
-        return time.perf_counter() - (self.started or time.perf_counter()) - self.excluded
+        return self.carried + time.perf_counter() - (self.started or time.perf_counter()) - self.excluded
