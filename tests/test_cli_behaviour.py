@@ -196,3 +196,26 @@ def test_a_phase_with_a_known_total_shows_the_share_done(monkeypatch):
         advance(1_250_000)
     text = out.getvalue()
     assert "of 4 batches" in text and "of 2.5 MB" in text and "%" in text
+
+
+def test_errors_about_users_data_stay_one_short_line(tmp_path, shared_data, hf_bert):
+    """GSM8K's worked answers named as the label column: refused as not a label column, in one line
+    that shows a few values, not 7,473 multi-line ones; an unknown label lists a capped label set."""
+    rows = (shared_data / "sft" / "gsm8k" / "train.jsonl").read_text().splitlines()[:400]
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
+    result = invoke("finetune", "classify", "--from", hf_bert, "--data", tmp_path / "gsm8k.jsonl", "--text-fields",
+                    "question", "--label-field", "answer", "--steps", 1, "--out", tmp_path / "run")
+    assert result.exit_code == 2
+    (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
+    assert "column 'answer' has 360 distinct values in 360 rows" in line and "and 357 more): not a label column" in line
+    assert len(line) < 600 and not (tmp_path / "run").exists()
+    (tmp_path / "many").mkdir()
+    labels = [f"topic{i}" for i in range(60)]
+    (tmp_path / "many" / "train.jsonl").write_text("".join(json.dumps({"text": f"t {i}", "label": labels[i % 60]}) + "\n"
+                                                         for i in range(600)))
+    (tmp_path / "many" / "dev.jsonl").write_text(json.dumps({"text": "x", "label": "nope"}) + "\n")
+    result = invoke("finetune", "classify", "--from", hf_bert, "--data", tmp_path / "many", "--text-fields", "text",
+                    "--label-field", "label", "--steps", 1, "--out", tmp_path / "run2")
+    assert result.exit_code == 2
+    (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
+    assert "unknown label 'nope'" in line and "and 52 more" in line, line

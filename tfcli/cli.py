@@ -58,7 +58,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo(f"error: {one_line(str(e))}", err=True)
             raise typer.Exit(2)
         except Interrupted as e:
             typer.echo(f"interrupted at step {e.step}: a checkpoint was saved; resume with "
@@ -73,6 +73,12 @@ def user_errors(fn):
                        f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)", err=True)
             raise typer.Exit(1)
     return wrapper
+
+
+def one_line(message: str, most: int = 600) -> str:
+    """An error message as one line of bounded length, whatever data went into it."""
+    text = " ".join(message.split())
+    return text if len(text) <= most else f"{text[: most - 40]} … {text[-35:]}"
 
 
 def write_traceback() -> Path:

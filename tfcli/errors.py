@@ -15,3 +15,17 @@ class Interrupted(Exception):
     def __init__(self, step: int, run_dir):
         super().__init__(f"interrupted at step {step}; a checkpoint was saved")
         self.step, self.run_dir = step, run_dir
+
+
+def listing(items, most: int = 8) -> str:
+    """'a, b, c' or, for a long list, its first `most` and 'and N more': an error stays one short line
+    however many labels or columns the data has."""
+    items = [str(i) for i in items]
+    shown = ", ".join(short(i) for i in items[:most])
+    return shown if len(items) <= most else f"{shown} and {len(items) - most:,} more"
+
+
+def short(value, width: int = 40) -> str:
+    """A value from the user's data as one short line (its repr cut in the middle of a long text)."""
+    text = value if isinstance(value, str) and "\n" not in value else repr(value)
+    return text if len(text) <= width else f"{text[: width - 11]}…{text[-10:]}"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..errors import UserError
+from ..errors import UserError, listing
 from .sources import _first_line, builtin_corpus_file, expand_paths, load_hub_dataset
 
 PIECE_CHARS = 1 << 20  # a text file is read in pieces of about this many characters
@@ -124,7 +124,7 @@ def _rows_as_pieces(rows: Iterator[dict], path: Path, field: str) -> Iterator[Pi
     first = True
     for row in rows:
         if first and field not in row:
-            raise UserError(f"{path}: no {field!r} field (columns: {', '.join(map(str, row))}); set data.text_field")
+            raise UserError(f"{path}: no {field!r} field (columns: {listing(map(str, row))}); set data.text_field")
         first = False
         text = row.get(field)
         if text is not None and not isinstance(text, str):
@@ -176,7 +176,7 @@ def _parquet_rows(path: Path, field: str) -> Iterator[dict]:
     try:
         table = pq.ParquetFile(path)
         if field not in table.schema_arrow.names:
-            raise UserError(f"{path}: no {field!r} field (columns: {', '.join(table.schema_arrow.names)}); "
+            raise UserError(f"{path}: no {field!r} field (columns: {listing(table.schema_arrow.names)}); "
                             f"set data.text_field")
         for batch in table.iter_batches(columns=[field], batch_size=1024):
             yield from batch.to_pylist()
@@ -192,5 +192,5 @@ def _hub_rows(source: DocumentSource) -> Iterator[Piece]:
     ds = load_hub_dataset(name, config, split, instead="use local files instead", streaming=source.streaming)
     columns = list(ds.features or {}) if getattr(ds, "features", None) else None
     if columns is not None and source.text_field not in columns:
-        raise UserError(f"{label}: no {source.text_field!r} column (columns: {', '.join(columns)})")
+        raise UserError(f"{label}: no {source.text_field!r} column (columns: {listing(columns)})")
     yield from _rows_as_pieces(iter(ds), Path(label), source.text_field)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, listing
 from .sources import load_hub_dataset, quiet_datasets
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -193,7 +193,7 @@ def _from_npz(path: Path) -> ImageSplits:
     except (OSError, ValueError) as e:
         raise UserError(f"could not read {path}: {e}") from None
     if "x_train" not in keys:
-        raise UserError(f"{path}: no x_train array (has: {', '.join(sorted(keys))})")
+        raise UserError(f"{path}: no x_train array (has: {listing(sorted(keys))})")
     names = [str(c) for c in arrays["class_names"]] if "class_names" in keys else []
 
     def split(name: str) -> Optional[ImageSet]:
@@ -281,7 +281,7 @@ def _from_hub(spec: str) -> ImageSplits:
     name, _, config = spec.partition(":")
     ds = load_hub_dataset(name, config or None, instead="use a local image folder or .npz instead")
     if "train" not in ds:
-        raise UserError(f"hf:{spec}: no train split (has: {', '.join(ds)})")
+        raise UserError(f"hf:{spec}: no train split (has: {listing(ds)})")
     test_name = next((s for s in ("test", "validation", "val") if s in ds), None)
     return ImageSplits(_hub_split(ds["train"], spec), _hub_split(ds[test_name], spec) if test_name else None)
 
@@ -293,7 +293,7 @@ def _hub_split(split, spec: str) -> ImageSet:
     feats = split.features
     image_col = next((k for k, f in feats.items() if isinstance(f, datasets.Image)), None)
     if image_col is None:
-        raise UserError(f"hf:{spec}: no image column (columns: {', '.join(feats)})")
+        raise UserError(f"hf:{spec}: no image column (columns: {listing(feats)})")
     label_col = next((k for k, f in feats.items() if isinstance(f, datasets.ClassLabel)), None)
     column = split.select_columns([image_col])
     first = to_rgb(column[0][image_col]) if len(column) else np.zeros((1, 1, 3), np.uint8)

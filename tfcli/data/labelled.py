@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, listing, short
 from .sources import load_hub_dataset
 from .tables import EXTENSIONS, columns, read_table
 
@@ -128,7 +128,7 @@ def _field(spec: TextSpec, name: str, present: list[str], where: str) -> str:
     for candidate in (name, *spec.aliases.get(name, ())):
         if candidate in present:
             return candidate
-    raise UserError(f"{where}: no column {name!r} (columns: {', '.join(present) or 'none'}); "
+    raise UserError(f"{where}: no column {name!r} (columns: {listing(present) or 'none'}); "
                     f"set the task's text and label fields")
 
 
@@ -146,7 +146,10 @@ def _label_id(value, labels: tuple[str, ...], where: str, n: int) -> Optional[in
         return lowered.index(text.lower())
     if text.isdigit() and int(text) < len(labels):
         return int(text)
-    raise UserError(f"{where}: row {n}: unknown label {value!r} (labels: {', '.join(labels)})")
+    raise UserError(f"{where}: row {n}: unknown label {short(repr(value))} (labels: {listing(labels)})")
+
+
+MAX_LABELS = 1000  # more distinct values than this is a text column, not labels
 
 
 def _learn_labels(rows: list[dict], spec: TextSpec, where: str) -> tuple[str, ...]:
@@ -157,6 +160,9 @@ def _learn_labels(rows: list[dict], spec: TextSpec, where: str) -> tuple[str, ..
     values = {v for v in values if v not in ("", "-") and not (v.lstrip("-").isdigit() and int(v) < 0)}
     if len(values) < 2:
         raise UserError(f"{where}: column {col!r} has {len(values)} distinct label(s); classification needs 2 or more")
+    if len(values) > MAX_LABELS or (len(values) > 20 and len(values) > len(rows) // 2):
+        raise UserError(f"{where}: column {col!r} has {len(values):,} distinct values in {len(rows):,} rows "
+                        f"({listing(sorted(values), 3)}): not a label column; name the labels' column with --label-field")
     numeric = all(v.isdigit() for v in values)
     return tuple(sorted(values, key=int if numeric else str))
 

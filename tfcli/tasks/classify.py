@@ -17,7 +17,7 @@ import torch
 
 from ..data.labelled import TextSpec, balanced_sample, load_splits
 from ..display import console, phase
-from ..errors import UserError
+from ..errors import UserError, listing
 from ..objectives.mlm_nsp import SPECIAL_TOKENS as BERT_TOKENS
 from ..objectives.mlm_nsp import build_heads, special_ids
 from ..objectives.span_corruption import SPECIAL_TOKENS as T5_TOKENS
@@ -234,7 +234,7 @@ class Classify(ClassificationTask):
         preset = PRESETS.get(settings.preset)
         words = settings.cloze_words or (preset.cloze_words if preset else ())
         if len(words) != len(data.labels):
-            raise UserError(f"classify.cloze_words: give one word per label ({', '.join(data.labels)}), "
+            raise UserError(f"classify.cloze_words: give one word per label ({listing(data.labels)}), "
                             f"got {len(words)}")
         pieces = cloze.parse_template(settings.cloze_template or cloze.default_template(spec.text_fields),
                                       spec.text_fields)
