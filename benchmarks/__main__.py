@@ -1,5 +1,5 @@
 """`make bench`: every family's training step against its Hugging Face peer, same run, same config;
-the loop's overhead over the bare step; greedy generation against transformers' generate; on a
+the loop's overhead over the bare step; training beside another job on every core (busy); greedy generation against transformers' generate; on a
 machine with a CUDA device, whole `tfcli pretrain` steps against transformers and nanoGPT (gpu).
 
     python -m benchmarks            # all
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-ALL = ["gpt", "bert", "t5", "mae", "loop", "generation", "gpu"]
+ALL = ["gpt", "bert", "t5", "mae", "loop", "busy", "generation", "gpu"]
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

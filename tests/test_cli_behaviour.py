@@ -219,3 +219,31 @@ def test_errors_about_users_data_stay_one_short_line(tmp_path, shared_data, hf_b
     assert result.exit_code == 2
     (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
     assert "unknown label 'nope'" in line and "and 52 more" in line, line
+
+
+def test_threads_are_this_process_share_of_the_cores_nobody_else_uses(monkeypatch, tmp_path, small_text):
+    from tfcli import runtime
+
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert runtime.choose_threads(3) == (3, "train.threads")
+    assert runtime.choose_threads(0) == (4, "4 usable cores")
+    monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 2.6)  # another job on about 3 cores
+    assert runtime.choose_threads(0) == (1, "4 usable cores, 2.6 busy with other work")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: the node's processes split the cores
+    assert runtime.choose_threads(0) == (2, "4 usable cores shared by 2 processes")
+    from .conftest import measured_busy_cores
+
+    assert 0.0 <= measured_busy_cores(0.05) <= (__import__("os").cpu_count() or 1)
+    # the run's header says what it chose, and a resumed run keeps it
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
+    monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 1.0)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 2, "ckpt_interval": 2})))
+    first = invoke("pretrain", "--recipe", recipe, "--out", tmp_path / "run")
+    assert "1 CPU thread (2 usable cores, 1.0 busy with other work)" in " ".join(first.output.split())
+    monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 0.0)
+    again = invoke("pretrain", "--resume", tmp_path / "run", "--steps", 3)
+    assert "1 CPU thread (as the run trained with)" in " ".join(again.output.split()), again.output

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,10 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
     is created or touched."""
     t = req.recipe.train
-    rt = setup_runtime(t.device, t.threads, t.strategy, t.collective_timeout)
+    resumed = 0 if t.threads else resumed_threads(req.resume)
+    rt = setup_runtime(t.device, t.threads or resumed, t.strategy, t.collective_timeout)
+    if resumed:
+        rt.threads_why = "as the run trained with"
     display.configure(rt.is_main and not req.quiet)
     req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
     try:
@@ -106,6 +110,15 @@ def carry_heads(job: Job, backbone: Backbone, say: bool) -> None:
     if say and fresh:
         console.print(f"[yellow]note:[/] {backbone.source} has no weights for the objective's "
                       f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''}; initialised as a new run's")
+
+
+def resumed_threads(run: Optional[Path]) -> int:
+    """The CPU threads a resumed run trained with (0: choose anew): the same count gives the same
+    floating-point sums, so the run continues bit for bit whatever else the machine now runs."""
+    if run is None or int(os.environ.get("WORLD_SIZE", "1")) > 1 or \
+            not (Path(run) / checkpoint.CHECKPOINTS / "latest").is_file():
+        return 0
+    return int(checkpoint.read_meta(checkpoint.find(run)).get("threads", 0))
 
 
 def keep_global_batch(recipe: Recipe, ckpt: Path, rt: Runtime) -> Recipe:
@@ -254,8 +267,7 @@ def banner(recipe: Recipe, plugin: Plugin, module: ObjectiveModule, backbone: Ba
     source = "" if backbone.source in ("scratch", str(run_dir)) else f" from {backbone.source}"
     processes = f", {rt.world_size} processes" if rt.world_size > 1 else ""
     where = f"{rt.device}{processes}" + (f", {rt.threads} CPU thread{'s' if rt.threads > 1 else ''}"
-                                         + ("" if recipe.train.threads else " (train.threads=0: this process's share of "
-                                            "the usable cores)") + (" per process" if processes else "")
+                                         + (" per process" if processes else "") + f" ({rt.threads_why})"
                                          if rt.device.type == "cpu" else "")
     model = f"a {'new ' if not source and ckpt is None else ''}{n / 1e6:.2f}M-parameter {backbone.family}{source}"
     return (f"[bold]{plugin.title(recipe, backbone)}[/] on {model}{how}, {recipe.train.steps:,} steps on {where}, "

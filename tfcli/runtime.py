@@ -16,6 +16,7 @@ import datetime
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -133,6 +134,7 @@ class Runtime:
     strategy: Strategy = field(default_factory=Strategy)
     threads: int = 1  # torch's CPU threads in this process
     collective_timeout_min: float = 10.0  # how long a collective waits for the other ranks
+    threads_why: str = ""  # how `threads` was chosen, for the run's header
 
     @property
     def is_main(self) -> bool:
@@ -230,13 +232,37 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def choose_threads(threads: int) -> int:
-    """train.threads, or (0) this process's share of the usable cores: under torchrun the processes on
-    this node split them (N processes x all cores each oversubscribe the machine and crawl)."""
+def busy_cores(seconds: float = 0.2) -> float:
+    """How many cores other programs keep busy now: /proc/stat's non-idle time over a short sleep of
+    this process (which therefore adds nothing), 0 where /proc/stat is not there."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    cores = os.cpu_count() or 1
+    return max(0.0, cores * (1 - (idle1 - idle0) / max(1, total1 - total0)))
+
+
+def choose_threads(threads: int) -> tuple[int, str]:
+    """(threads, why): train.threads, or (0) this process's share of the usable cores. Under torchrun
+    the processes on this node split them; alone, cores that other programs keep busy are left to
+    them: OpenMP threads that wait for a core another job holds make every step crawl (gpt-mini,
+    527 tok/s on 2 threads against 4,896 on 1 beside a job using the cores)."""
     if threads > 0:
-        return threads
+        return threads, "train.threads"
+    usable = usable_cores()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return max(1, usable_cores() // max(1, local_world))
+    if local_world > 1:
+        return max(1, usable // local_world), f"{usable} usable cores shared by {local_world} processes"
+    busy = min(busy_cores(), usable)
+    chosen = max(1, usable - round(busy))
+    return chosen, f"{usable} usable cores" + (f", {busy:.1f} busy with other work" if chosen < usable else "")
 
 
 def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto",
@@ -244,7 +270,8 @@ def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto"
     """Pick the device and this process's CPU threads; under torchrun (WORLD_SIZE > 1) join the process
     group (nccl on GPU, gloo on CPU) with a timeout on every collective, so that ranks that disagree
     on what to run stop with an error instead of waiting forever."""
-    torch.set_num_threads(choose_threads(threads))
+    count, why = choose_threads(threads)
+    torch.set_num_threads(count)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local, world)
@@ -257,7 +284,7 @@ def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto"
     if (world > 1 or name == "fsdp") and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(minutes=collective_timeout_min))
-    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min)
+    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min, why)
 
 
 def collective_failure(error: BaseException) -> bool:

@@ -299,7 +299,7 @@ class Trainer:
                      "data": self.batches.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
                      "elapsed_s": self.elapsed(), "skipped": self.skipped, "window": self.window.state()}
             meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family,
-                    "partial": self.saved is not None, "processes": self.rt.world_size,
+                    "partial": self.saved is not None, "processes": self.rt.world_size, "threads": self.rt.threads,
                     "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size, **self.last}
             checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
                             best=is_best)
