@@ -27,7 +27,7 @@ from .display import console
 from .errors import UserError
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
-from .runtime import Runtime, abort_on_collective_failure, resolve_precision, setup_runtime, teardown
+from .runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .train import ObjectiveModule, Trainer
 
 
@@ -51,10 +51,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
     is created or touched."""
     t = req.recipe.train
-    resumed = 0 if t.threads else resumed_threads(req.resume)
-    rt = setup_runtime(t.device, t.threads or resumed, t.strategy, t.collective_timeout)
-    if resumed:
-        rt.threads_why = "as the run trained with"
+    rt = runtime_for(req)
     display.configure(rt.is_main and not req.quiet)
     req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
     try:
@@ -87,11 +84,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
             trainer.forget_after(trainer.step)
             if rt.is_main and not req.quiet:
                 console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt, rt))
-            try:
-                trainer.fit()
-            except Exception as e:
-                abort_on_collective_failure(rt, trainer.doing, e)
-                raise
+            trainer.fit()
     finally:
         teardown(rt)
     if rt.is_main:
@@ -110,6 +103,16 @@ def carry_heads(job: Job, backbone: Backbone, say: bool) -> None:
     if say and fresh:
         console.print(f"[yellow]note:[/] {backbone.source} has no weights for the objective's "
                       f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''}; initialised as a new run's")
+
+
+def runtime_for(req: RunRequest) -> Runtime:
+    """The run's runtime; a resumed run keeps the CPU threads it trained with (unless train.threads)."""
+    t = req.recipe.train
+    resumed = 0 if t.threads else resumed_threads(req.resume)
+    rt = setup_runtime(t.device, t.threads or resumed, t.strategy, t.collective_timeout)
+    if resumed:
+        rt.threads_why = "as the run trained with"
+    return rt
 
 
 def resumed_threads(run: Optional[Path]) -> int:

@@ -23,7 +23,7 @@ from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
 from .plugin import Batch, Job, LossFn
-from .runtime import Runtime, autocast_context, to_device
+from .runtime import Runtime, abort_on_collective_failure, autocast_context, to_device
 from .prefetch import Prefetcher
 from .sampler import StreamSampler, make_sampler, sequential_batches
 
@@ -152,7 +152,15 @@ class Trainer:
             log.write_text("".join(line + "\n" for line in keep))
 
     def fit(self) -> dict[str, float]:
-        """Train to train.steps; log, evaluate and checkpoint on their intervals; return the last metrics."""
+        """Train to train.steps; log, evaluate and checkpoint on their intervals; return the last metrics.
+        A collective that times out (ranks that disagree) ends the process in one line (runtime)."""
+        try:
+            return self._fit()
+        except Exception as e:
+            abort_on_collective_failure(self.rt, self.doing, e)
+            raise
+
+    def _fit(self) -> dict[str, float]:
         if self.step == 0:  # a resumed run has its RNG state from the checkpoint
             torch.manual_seed(self.tc.seed)
         self.started = time.perf_counter()
