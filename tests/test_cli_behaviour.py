@@ -108,7 +108,7 @@ def test_a_warmup_longer_than_the_run_is_clipped_with_a_note(tmp_path, small_tex
                                                      optim={"lr": 1e-3}, train={"steps": 20, "eval_interval": 20})))
     result = invoke("pretrain", "--recipe", recipe, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
-    assert "schedule.warmup_steps 40 is not shorter than the run's 20 steps: warming up for 2" in " ".join(result.output.split())
+    assert "schedule.warmup_steps 40 is longer than the run's 20 steps: warming up for 2" in " ".join(result.output.split())
     lrs = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("split") == "train"]
     assert max(lrs) > 0.9e-3 and lrs[-1] < lrs[2]  # it reaches its peak, then decays
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["schedule"]["warmup_steps"] == 2

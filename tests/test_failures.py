@@ -206,7 +206,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["pretrain", "--resume", "{corruptconfig}"], "not valid YAML"),
     (["pretrain", "--resume", "{nostate}"], "state.json is missing; the checkpoint is incomplete"),
     (["pretrain", "--resume", "{legacy}"], "is a pickle, which tfcli does not load"),
-    (["pretrain", "--resume", "run", "--set", "model.d_model=64"], "does not fit this run's model"),
+    (["pretrain", "--resume", "run", "--set", "model.d_model=64"], "model.d_model was 32 and cannot change when resuming"),
     (["eval", "--checkpoint", "{truncated}"], "model.safetensors: unreadable"),
     (["eval", "--checkpoint", "{badtokenizer}"], "tokenizer.json: not a readable tokenizer"),
     (["eval", "--checkpoint", "{badmeta}"], "has no config.yaml"),

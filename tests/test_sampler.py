@@ -10,7 +10,7 @@ from tfcli.data.image_batches import ImageSource, ImageTransform
 from tfcli.data.images import ImageSet
 from tfcli.data.packing import BlockSource, WindowSource
 from tfcli.objectives.mlm_nsp import Masker, PairSource
-from tfcli.sampler import Sampler, grouped_order, sequential_batches
+from tfcli.sampler import PaddingBatch, Sampler, grouped_order, sequential_batches
 
 IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
@@ -110,7 +110,10 @@ def test_held_out_batches_cover_every_example_once_the_same_every_time():
     assert all(torch.equal(x["noise"], y["noise"]) and torch.equal(x["pixels"], y["pixels"]) for x, y in zip(a, b))
     assert len(list(sequential_batches(source, 3, seed=0, max_batches=2))) == 2
     ranks = [list(sequential_batches(source, 2, seed=0, rank=r, world_size=2)) for r in range(2)]
-    assert sorted(sum((x["labels"].tolist() for r in ranks for x in r), [])) == list(range(10))
+    counted = [x for r in ranks for x in r if not isinstance(x, PaddingBatch)]
+    assert sorted(sum((x["labels"].tolist() for x in counted), [])) == list(range(10))
+    # every rank runs as many batches (under FSDP each forward is a collective); rank 1's last pads
+    assert [len(r) for r in ranks] == [3, 3] and isinstance(ranks[1][-1], PaddingBatch)
 
 
 def test_masking_statistics_over_a_large_sample():

@@ -192,10 +192,10 @@ def resolve_schedule(recipe: Recipe, job: Job, rt: Runtime) -> Recipe:
     if recipe.train.steps <= 0:
         raise UserError("train.steps is 0: give --steps (or, for a task, finetune.epochs)")
     steps, warmup = recipe.train.steps, recipe.schedule.warmup_steps
-    if warmup >= steps > 1:  # the run would never reach its peak learning rate, let alone decay
+    if warmup > steps > 1:  # the run would never reach its peak learning rate, let alone decay
         clipped = max(1, steps // 10)
         if rt.is_main:
-            console.print(f"[yellow]note:[/] schedule.warmup_steps {warmup} is not shorter than the run's {steps} steps: "
+            console.print(f"[yellow]note:[/] schedule.warmup_steps {warmup} is longer than the run's {steps} steps: "
                           f"warming up for {clipped} (a tenth of the run) instead")
         recipe = recipes.replace(recipe, schedule=recipes.replace(recipe.schedule, warmup_steps=clipped))
     return recipe
