@@ -1,0 +1,99 @@
+"""Chat templates: every template tfcli ships (../shared/data/chat_templates) and a model's own from
+tokenizer_config.json render the ids transformers' apply_chat_template renders, on three multi-turn
+conversations; the assistant mask covers exactly the replies and their end-of-turn token; a template
+that reaches for Python internals is refused in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import AddedToken
+
+from tfcli.data.chat import ChatTemplate, shipped_templates
+from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+END_OF_TURN = {"chatml": "<|im_end|>", "qwen2.5-instruct": "<|im_end|>", "llama-3-instruct": "<|eot_id|>",
+               "gemma-it": "<end_of_turn>", "phi-3": "<|end|>"}  # the others end a reply with eos_token
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."},
+     {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "That makes 20."}],
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Capital of France?"},
+     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"},
+     {"role": "assistant", "content": "Rome, since 1871."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a short joke."}, {"role": "assistant", "content": "I would, but it is too long."},
+     {"role": "user", "content": "Fine."}, {"role": "assistant", "content": "Thanks for asking."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    tok.tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    return tok
+
+
+def hf_ids(tokenizer, template: str, conversation: list[dict]):
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = template
+    out = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("name", shipped_templates())
+@pytest.mark.parametrize("n", range(len(CONVERSATIONS)))
+def test_rendered_ids_match_transformers_and_the_mask_is_the_replies(name, n, tokenizer):
+    template, conversation = ChatTemplate.load(name), CONVERSATIONS[n]
+    try:
+        theirs = hf_ids(tokenizer, template.source, conversation)
+    except Exception as e:  # the template refuses this conversation (e.g. no system role): so must tfcli
+        with pytest.raises(UserError):
+            template.render(tokenizer, conversation, bos_token="<s>", eos_token="</s>")
+        pytest.skip(f"{name} refuses conversation {n}: {e}")
+    ours = template.render(tokenizer, conversation, bos_token="<s>", eos_token="</s>")
+    assert ours.ids == theirs
+    masked = [i for i, m in zip(ours.ids, ours.assistant_mask) if m]
+    masked_text = tokenizer.decode(masked, skip_special_tokens=False)
+    replies = [m["content"] for m in conversation if m["role"] == "assistant"]
+    others = [m["content"] for m in conversation if m["role"] != "assistant"]
+    assert all(r in masked_text for r in replies), masked_text
+    assert not any(o in masked_text for o in others), masked_text
+    end = tokenizer.token_id(END_OF_TURN.get(name, "</s>"))
+    assert masked.count(end) == len(replies)  # each reply's end-of-turn token is learned, once
+    # nothing after a reply's end-of-turn token, up to the next turn, is in the mask
+    for i, (token, m) in enumerate(zip(ours.ids, ours.assistant_mask)):
+        if m and token == end and i + 1 < len(ours.ids):
+            assert ours.assistant_mask[i + 1] == 0
+
+
+def test_a_models_own_template_from_its_tokenizer_config(tmp_path, tokenizer):
+    source = (ChatTemplate.load("chatml")).source
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source, "eos_token": "</s>"}))
+    template = ChatTemplate.load(str(tmp_path / "tokenizer_config.json"))
+    ours = template.render(tokenizer, CONVERSATIONS[0], bos_token="<s>", eos_token="</s>")
+    assert ours.ids == hf_ids(tokenizer, source, CONVERSATIONS[0])
+
+
+@pytest.mark.parametrize("source", ["{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__.__subclasses__() }}",
+                                    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+                                    "{% set x = messages.append({'role': 'user'}) %}"])
+def test_a_template_that_reaches_for_python_internals_is_refused(source):
+    with pytest.raises(UserError, match="refused") as e:
+        ChatTemplate(source, "evil.jinja").text([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value) and str(e.value).startswith("evil.jinja: refused")
+
+
+def test_bad_templates_and_messages_are_one_line_errors(tokenizer):
+    with pytest.raises(UserError, match="not a valid Jinja template"):
+        ChatTemplate("{% for m in messages %}", "broken.jinja")
+    with pytest.raises(UserError, match="Conversation roles must alternate"):
+        ChatTemplate.load("chatml").text([{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}])
+    with pytest.raises(UserError, match="message 1: expected"):
+        ChatTemplate.load("chatml").render(tokenizer, [{"role": "robot", "content": "x"}])
+    with pytest.raises(UserError, match="no such file or shipped template"):
+        ChatTemplate.load("no-such-template")

@@ -1,0 +1,143 @@
+"""Chat templates: a model's Jinja template (tokenizer_config.json's `chat_template`, a GGUF's, or one
+tfcli ships) rendered the way transformers' `apply_chat_template` renders it, and the mask of the
+tokens a model should learn to write.
+
+A template is data, never code: it is rendered in jinja2's ImmutableSandboxedEnvironment (as
+transformers does), so attribute tricks that reach Python internals (`''.__class__...`) stop with
+a one-line error. The assistant mask comes from rendering prefixes of the conversation and
+differencing them (torchtune's approach): the characters an assistant message adds after its
+generation prompt are its reply, so no template needs `{% generation %}` markers.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import UserError, short
+
+ROLES = ("system", "user", "assistant")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as token ids, with 1 where a token belongs to an assistant reply."""
+
+    ids: list[int]
+    assistant_mask: list[int]
+    text: str
+
+
+class ChatTemplate:
+    """One Jinja chat template, compiled once in the sandbox."""
+
+    def __init__(self, source: str, where: str = "chat template"):
+        self.source, self.where = source, where
+        self._template = _compile(source, where)
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "ChatTemplate":
+        """A template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or a
+        tokenizer_config.json (its `chat_template`)."""
+        path = Path(name_or_path)
+        shipped = SHIPPED_DIR / f"{name_or_path}.jinja"
+        if not path.is_file() and shipped.is_file():
+            path = shipped
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("*.jinja")))
+            raise UserError(f"chat template {name_or_path!r}: no such file or shipped template (shipped: {known})")
+        text = path.read_text()
+        if path.suffix == ".json":
+            template = json.loads(text).get("chat_template")
+            if isinstance(template, list):  # several named templates: the default one
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            if not isinstance(template, str):
+                raise UserError(f"{path}: no chat_template in it")
+            text = template
+        return cls(text, str(path))
+
+    def text(self, messages: list[dict], add_generation_prompt: bool = False, **specials: str) -> str:
+        """The conversation as the template writes it (bos_token, eos_token, ... as given)."""
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        except jinja2.exceptions.SecurityError as e:
+            raise UserError(f"{self.where}: refused: it reaches for what a template may not ({short(str(e), 120)})") from None
+        except jinja2.exceptions.TemplateError as e:
+            raise UserError(f"{self.where}: {short(str(e), 160)}") from None
+
+    def render(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+               **specials: str) -> Rendered:
+        """Ids of the whole conversation and the mask of its assistant replies, each reply's
+        end-of-turn token included (whitespace the template writes after it is not)."""
+        check_messages(messages)
+        text = self.text(messages, add_generation_prompt, **specials)
+        spans = self.assistant_spans(messages, text, **specials)
+        encoding = tokenizer.tok.encode(text, add_special_tokens=False)
+        # a token is the reply's if it overlaps it (" Paris" starts at the space the template writes)
+        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in encoding.offsets]
+        return Rendered(list(encoding.ids), mask, text)
+
+    def assistant_spans(self, messages: list[dict], text: str, **specials: str) -> list[tuple[int, int]]:
+        """(start, end) characters of every assistant reply in `text`: what rendering messages[:i+1]
+        adds to rendering messages[:i], after the generation prompt's header (found by its text:
+        templates may write other blank lines around it on the two routes)."""
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            previous = self.text(messages[:i], **specials)
+            through = self.text(messages[: i + 1], **specials).rstrip()  # templates may end in blank lines
+            common = len(os.path.commonprefix([previous, through]))
+            prompted = self.text(messages[:i], add_generation_prompt=True, **specials)
+            header = prompted[len(os.path.commonprefix([previous, prompted])):].strip()
+            found = through.find(header, common) if header else common
+            if found < 0 or not text.startswith(through):
+                raise UserError(f"{self.where}: rendering a longer conversation changes what came before "
+                                f"(message {i + 1}); the assistant replies cannot be told apart")
+            start = found + len(header)
+            while start < len(through) and through[start] in "\n\r\t":  # the header's line break
+                start += 1
+            spans.append((start, len(through)))
+        return spans
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Each message a {role, content} with a known role and text content."""
+    if not messages:
+        raise UserError("a conversation needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise UserError(f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}")
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str, where: str):
+    """The template compiled in jinja2's immutable sandbox, with the helpers transformers gives
+    templates (raise_exception, tojson, strftime_now) and its extensions (loop controls)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise UserError(f"{where}: not a valid Jinja template (line {e.lineno}: {short(e.message, 100)})") from None
+
+
+def shipped_templates() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.jinja"))
