@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tfcli import adapters, checkpoint
+from tfcli.errors import UserError
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
@@ -165,3 +166,28 @@ def test_a_partial_run_reads_its_base_again_and_names_it_when_gone(small_text, m
     shutil.rmtree(base)
     result = invoke("eval", "--checkpoint", run, "--limit", 6)
     assert result.exit_code == 2 and "its base model" in result.output and "is not found" in result.output
+
+
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+def test_disabled_adapters_give_the_base_model_and_come_back(method):
+    """adapters.disabled(model): the base model's outputs exactly inside the block, the adapted ones
+    after it (the DPO reference without a second copy); a model without adapters is refused."""
+    from tfcli.recipe import AdapterConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=16, vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        base = model(ids)
+        adapters.apply(model, method, AdapterConfig(targets=("q", "k", "v", "o", "up", "down")))
+        for name, p in model.named_parameters():
+            if "lora" in name or "ia3" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        adapted = model(ids)
+        with adapters.disabled(model):
+            assert torch.equal(model(ids), base)
+        assert torch.equal(model(ids), adapted) and not torch.allclose(adapted, base)
+    plain = GPT(GPTConfig(n_layer=1, n_head=2, d_model=32, d_ff=64, max_seq_len=16, vocab_size=50))
+    with pytest.raises(UserError, match="no LoRA or IA3 adapters"):
+        with adapters.disabled(plain):
+            pass

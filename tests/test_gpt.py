@@ -105,3 +105,29 @@ def test_the_cpu_decoding_head_gives_the_models_logits():
             assert torch.allclose(decode_logits(model, torch.device("cpu"))(hidden), expected, atol=1e-5)
             for parts in (1, 2, 3, 4, 97):
                 assert torch.allclose(ColumnSplitHead(model.lm_head_weight, parts)(hidden), expected, atol=1e-5)
+
+
+def test_sequence_logprobs_equal_the_full_logits_way_values_and_gradients():
+    """objectives.losses.sequence_logprobs: per sequence, the summed log-probability of its targets
+    (ignored positions left out), in chunks, against log_softmax of the whole logits."""
+    from tfcli.objectives import losses
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 7, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (3, 7))
+    targets[0, :3] = losses.IGNORE  # a prompt
+    targets[2, 5:] = losses.IGNORE  # padding
+    ref = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    ref = (ref * (targets != losses.IGNORE)).sum(1)
+    ref_grads = torch.autograd.grad((ref * torch.tensor([1.0, -2.0, 0.5])).sum(), (hidden, weight))
+    ours = losses.sequence_logprobs(hidden, weight, targets)
+    grads = torch.autograd.grad((ours * torch.tensor([1.0, -2.0, 0.5])).sum(), (hidden, weight))
+    assert ours.shape == (3,) and torch.allclose(ours, ref, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
+    old = losses._chunk_rows
+    losses._chunk_rows = lambda vocab: 4  # several chunks: the same
+    try:
+        assert torch.allclose(losses.sequence_logprobs(hidden, weight, targets), ref, atol=1e-5)
+    finally:
+        losses._chunk_rows = old

@@ -16,6 +16,7 @@ adapters back into plain linears (export writes a plain transformers model).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -44,6 +45,7 @@ class LoRALinear(nn.Module):
         self.base, self.parts = base, parts
         self.width = base.out_features // len(parts)
         self.enabled = [p in targets for p in parts]
+        self.active = True  # False inside adapters.disabled(model)
         self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
         n = sum(self.enabled)
         self.lora_a = nn.Parameter(torch.empty(n, cfg.rank, base.in_features))  # (parts, r, D_in)
@@ -63,6 +65,8 @@ class LoRALinear(nn.Module):
         return self.scaled_b() @ self.lora_a.flatten(0, 1)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.active:  # adapters.disabled: the base model alone
+            return self.base(x)
         h = F.linear(self.drop(x), self.lora_a.flatten(0, 1))  # (..., parts * r)
         out = self.base(x)  # (..., out); a frozen linear keeps nothing of it for backward
         # the update added in place: no output-sized temporaries (they fragment CPU memory)
@@ -82,6 +86,7 @@ class IA3Linear(nn.Module):
     def __init__(self, base: nn.Linear, parts: tuple[str, ...], on_input: bool):
         super().__init__()
         self.base, self.on_input = base, on_input
+        self.active = True  # False inside adapters.disabled(model)
         if on_input:
             self.ia3 = nn.Parameter(torch.ones(base.in_features))
         else:
@@ -97,6 +102,8 @@ class IA3Linear(nn.Module):
         return torch.cat([next(rows) if on else ones for on in self.enabled])  # (out,)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.active:  # adapters.disabled: the base model alone
+            return self.base(x)
         if self.on_input:
             return self.base(x * self.ia3)
         s = self.scale_vector()
@@ -148,6 +155,24 @@ def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
     if not count:
         raise UserError(f"--train {method}: no {', '.join(cfg.targets)} projections in this model to adapt")
     return count
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module):
+    """The base model inside the block: every LoRA and IA3 adapter passes its input to the frozen
+    linear alone (torchtune's disable_adapter; a preference-tuning reference without a second copy).
+    BitFit trains the base's own biases and norms, so it has no adapter-free base: refused."""
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, IA3Linear))]
+    if not adapted:
+        raise UserError("this model has no LoRA or IA3 adapters to switch off (BitFit and full finetuning "
+                        "change the base weights themselves)")
+    for m in adapted:
+        m.active = False
+    try:
+        yield model
+    finally:
+        for m in adapted:
+            m.active = True
 
 
 def merge(model: nn.Module) -> nn.Module:

@@ -93,3 +93,50 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     t = targets.reshape(-1)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(h, weight, t, need_grad, with_accuracy)
+
+
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T)[target] per row, in chunks of rows: the logits of a chunk exist
+    only while it is computed, forward and again in backward (recomputed: memory over FLOPs)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor):
+        # hidden (N, D), weight (V, D), targets (N,) with IGNORE where a row has no target
+        out = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        safe = targets.clamp(min=0)
+        step = _chunk_rows(weight.size(0))
+        for s in range(0, hidden.size(0), step):
+            logits = (hidden[s: s + step] @ weight.t()).float()  # (c, V)
+            picked = logits.gather(1, safe[s: s + step, None]).squeeze(1)
+            out[s: s + step] = picked - torch.logsumexp(logits, dim=-1)
+        out.masked_fill_(targets == IGNORE, 0.0)
+        ctx.save_for_backward(hidden, weight, targets)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        safe, valid = targets.clamp(min=0), targets != IGNORE
+        step = _chunk_rows(weight.size(0))
+        for s in range(0, hidden.size(0), step):
+            h = hidden[s: s + step]
+            g = -torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V): d logp / d logits = onehot - p
+            g[torch.arange(len(h), device=h.device), safe[s: s + step]] += 1.0
+            g *= (grad_out[s: s + step] * valid[s: s + step])[:, None]
+            if grad_hidden is not None:
+                grad_hidden[s: s + step] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t(), h.float())
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None
+
+
+@torch.compiler.disable
+def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """(B,) the summed log-probability of each sequence's targets under softmax(hidden @ weight.T),
+    positions with target IGNORE (prompt, padding) left out: what preference losses compare (DPO's
+    log pi(y|x)). hidden (B, T, D), weight (V, D), targets (B, T). No (B, T, V) logits are kept."""
+    b, t = targets.shape
+    token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1), weight, targets.reshape(-1))  # (B*T,)
+    return token.view(b, t).sum(1)
