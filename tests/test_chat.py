@@ -97,3 +97,38 @@ def test_bad_templates_and_messages_are_one_line_errors(tokenizer):
         ChatTemplate.load("chatml").render(tokenizer, [{"role": "robot", "content": "x"}])
     with pytest.raises(UserError, match="no such file or shipped template"):
         ChatTemplate.load("no-such-template")
+
+
+def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_and_an_export(tmp_path, tokenizer):
+    """A Hugging Face directory's tokenizer_config.json names its special tokens and chat template:
+    tfcli reads them (and eos follows them), keeps them beside a run's tokenizer.json, and export
+    writes the template back, so transformers renders the same conversation."""
+    from tfcli.data.special_tokens import SpecialTokens
+    from tfcli.data.tokenizers import TextTokenizer, load_tokenizer_files
+
+    source = ChatTemplate.load("chatml").source
+    model = tmp_path / "model"
+    model.mkdir()
+    tokenizer.save(model)
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": source, "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "</s>"}))
+    tok = load_tokenizer_files(str(model), [])
+    assert tok.specials == SpecialTokens(eos="<|im_end|>", pad="</s>") and tok.chat_template == source
+    assert tok.eos_id == tokenizer.token_id("<|im_end|>")
+    run = tmp_path / "run"
+    run.mkdir()
+    tok.save(run)
+    again = TextTokenizer.from_run(run)
+    assert again.specials == tok.specials and again.chat_template == source
+    # export writes the template back: transformers renders the conversation as tfcli does
+    from tfcli import hf
+    from tfcli.models.gpt import GPT, GPTConfig
+    from tfcli.plugin import Backbone
+
+    model_ = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, max_seq_len=16, vocab_size=tok.vocab_size))
+    hf.export(Backbone(model_, again), None, tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert exported["chat_template"] == source and exported["eos_token"] == "<|im_end|>"
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(CONVERSATIONS[0], tokenize=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    assert ChatTemplate(source).render(again, CONVERSATIONS[0], bos_token=exported["bos_token"]).ids == theirs

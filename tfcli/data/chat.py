@@ -74,8 +74,10 @@ class ChatTemplate:
     def render(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False,
                **specials: str) -> Rendered:
         """Ids of the whole conversation and the mask of its assistant replies, each reply's
-        end-of-turn token included (whitespace the template writes after it is not)."""
+        end-of-turn token included (whitespace the template writes after it is not). The template
+        sees the tokenizer's own special tokens (bos_token, eos_token, ...) unless given."""
         check_messages(messages)
+        specials = {**tokenizer.specials.to_config(), **specials}
         text = self.text(messages, add_generation_prompt, **specials)
         spans = self.assistant_spans(messages, text, **specials)
         encoding = tokenizer.tok.encode(text, add_special_tokens=False)

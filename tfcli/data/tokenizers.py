@@ -13,15 +13,19 @@ from typing import Iterable, Optional
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from ..errors import UserError
+from .special_tokens import CONFIG_FILE, SpecialTokens, config_text, read_config
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 class TextTokenizer:
-    """A `tokenizers.Tokenizer` plus the special-token ids the objectives need."""
+    """A `tokenizers.Tokenizer` plus the special-token ids the objectives need, and (where its
+    directory says) its special tokens and chat template (data.special_tokens)."""
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, specials: Optional[SpecialTokens] = None, chat_template: Optional[str] = None):
         self.tok = tok
+        self.specials = specials or SpecialTokens()
+        self.chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -40,7 +44,9 @@ class TextTokenizer:
 
     @property
     def eos_id(self) -> Optional[int]:
-        return self.special_id("<|endoftext|>", "</s>", "[SEP]")
+        """The recorded end-of-sequence token's id, else the first of the families' own that exists."""
+        recorded = self.specials.eos and self.tok.token_to_id(self.specials.eos)
+        return recorded if recorded is not None else self.special_id("<|endoftext|>", "</s>", "[SEP]")
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -52,7 +58,10 @@ class TextTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: Path) -> None:
+        """tokenizer.json, and tokenizer_config.json when there are special tokens or a template to keep."""
         self.tok.save(str(Path(directory) / TOKENIZER_FILE))
+        if self.specials != SpecialTokens() or self.chat_template:
+            (Path(directory) / CONFIG_FILE).write_text(config_text(self.specials, self.chat_template))
 
     def fingerprint(self) -> str:
         import hashlib
@@ -62,7 +71,7 @@ class TextTokenizer:
     def from_run(cls, directory: Path) -> "TextTokenizer":
         path = Path(directory) / TOKENIZER_FILE
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            return cls(Tokenizer.from_file(str(path)), *read_config(Path(directory)))
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
             raise UserError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0][:150] if str(e) else e})") from None
 
@@ -128,6 +137,9 @@ def load_tokenizer_files(path: str, specials: list[str]) -> TextTokenizer:
     tok = _load_files(path, specials)
     tok.tok.no_padding()
     tok.tok.no_truncation()
+    directory = Path(path) if Path(path).is_dir() else Path(path).parent
+    if not path.startswith("builtin:") and directory.is_dir():
+        tok.specials, tok.chat_template = read_config(directory)
     return tok
 
 

@@ -4,11 +4,13 @@ One engine (convert.py) and one table module per family; nothing here is family-
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from torch import Tensor
 
 from .. import adapters
+from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
 from . import bert, gpt2, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
@@ -58,6 +60,10 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
     rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
     state = {**to_hf(tfcli_state(backbone), rules), **spec.extra_tensors}
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
-    write_dir(out, spec.config, state, {**files, **spec.files})
+    files = {**files, **spec.files}
+    if backbone.tokenizer is not None and backbone.tokenizer.chat_template:  # the format the model answers in
+        base = json.loads(files.get(CONFIG_FILE, "{}"))
+        files[CONFIG_FILE] = config_text(backbone.tokenizer.specials, backbone.tokenizer.chat_template, base)
+    write_dir(out, spec.config, state, files)
     arch = spec.config["architectures"][0]
     return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"
