@@ -125,3 +125,19 @@ def test_eval_works_on_every_kind_of_run(kind, tmp_path, small_text, mnli_dir):
     result = invoke("eval", "--checkpoint", run, *(["--limit", 6] if kind.startswith(("classify", "image")) else []))
     assert result.exit_code == 0, result.output
     assert ("accuracy" if kind.startswith(("classify", "image")) else "loss") in result.output
+
+
+def test_no_upward_imports_and_no_calls_of_other_modules_private_functions():
+    """data/ sits below objectives/ and tasks/ (IGNORE lives in data); the runtime and the trainer find
+    blocks through models.transformer_blocks, not models.blocks; no module calls another's _private."""
+    import re
+
+    for path in (PACKAGE / "data").glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"from \.\.(objectives|tasks|train|driver)\b", text), path
+    for module in ("runtime.py", "train.py"):
+        assert "models.blocks" not in (PACKAGE / module).read_text(), module
+    modules = {p.stem for p in PACKAGE.rglob("*.py")}
+    for path in PACKAGE.rglob("*.py"):
+        for name, private in re.findall(r"(?<![\w.])(\w+)\.(_[a-z]\w*)\(", path.read_text()):
+            assert name not in modules, f"{path.relative_to(PACKAGE)} calls {name}.{private}"

@@ -149,7 +149,7 @@ def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict
             _write_atomic(root / "best", name)
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = _read(root / "latest")
+        previous = read_pointer(root / "latest")
         reason = getattr(e, "strerror", None) or _first_line(e).split("I/O error: ")[-1]
         raise UserError(f"could not write checkpoint {name} in {root} ({reason}); "
                         + (f"latest is still {previous}" if previous else "no checkpoint was kept")) from None
@@ -169,14 +169,15 @@ def _untie(weights: dict) -> dict:
 
 
 def _prune(root: Path, keep: int) -> None:
-    protected = {_read(root / "latest"), _read(root / "best")}
+    protected = {read_pointer(root / "latest"), read_pointer(root / "best")}
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for p in steps[: max(0, len(steps) - keep)]:
         if p.name not in protected:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _read(path: Path) -> Optional[str]:
+def read_pointer(path: Path) -> Optional[str]:
+    """What a pointer file (latest, best, .lock) names; None when there is none."""
     return path.read_text().strip() if path.is_file() else None
 
 
@@ -195,7 +196,7 @@ def find(path: Path, which: str = "latest") -> Path:
     if not path.is_dir():
         raise UserError(f"checkpoint not found: {path}")
     root = path / CHECKPOINTS
-    name = _read(root / which) or _read(root / "latest")
+    name = read_pointer(root / which) or read_pointer(root / "latest")
     if not name or not (root / name / WEIGHTS).is_file():
         raise UserError(f"{path} holds no complete checkpoint")
     return root / name
@@ -274,7 +275,7 @@ def lock(run_dir: Path):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             break
         except FileExistsError:
-            holder = _read(path) or ""
+            holder = read_pointer(path) or ""
             if _alive(holder):
                 raise UserError(f"{run_dir} is being written by process {holder}; wait for it, or stop it") from None
             path.unlink(missing_ok=True)  # a dead process's lock
@@ -285,7 +286,7 @@ def lock(run_dir: Path):
     try:
         yield
     finally:
-        if _read(path) == me:
+        if read_pointer(path) == me:
             path.unlink(missing_ok=True)
 
 

@@ -312,13 +312,13 @@ def params_text(r: dict) -> str:
 def chart(rows: list[dict], out: Path) -> Optional[Path]:
     """Accuracy on the first evaluation split against trained parameters (log scale): one colour per
     family, one marker per strategy, the majority class as a dashed line."""
-    from .plots import _figure, _save
+    from .plots import figure, save_figure
 
     done = [r for r in rows if r.get("status") == "done" and r.get("trained_params")]
     if not done:
         return None
     acc = next(k for k in done[0] if k.endswith("_acc"))
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
     colours = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(r["family"] for r in done))}
     markers = dict(zip(STRATEGIES, "osD^v"))
@@ -341,7 +341,7 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
     ax.set_ylabel(f"{acc[:-4]} accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(1.02, 0.0))
-    return _save(fig, plt, out / "results.png")
+    return save_figure(fig, plt, out / "results.png")
 
 
 def show(rows: list[dict]) -> None:

@@ -20,7 +20,8 @@ def _series(records: list[dict], split: str, metric: str) -> tuple[list[int], li
     return [r["step"] for r in rows], [r[metric] for r in rows]
 
 
-def _figure():
+def figure():
+    """matplotlib's pyplot, drawing to files only (a plot is never a window)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -31,7 +32,7 @@ def _figure():
 
 def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
     """One run: training and held-out `metric` against the step, the learning rate on a second axis."""
-    plt = _figure()
+    plt = figure()
     records = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for split, style in (("train", "-"), ("val", "o-")):
@@ -48,12 +49,12 @@ def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
         lr_ax.set_ylabel("learning rate", color="0.4")
     ax.legend(loc="upper right")
     ax.set_title(Path(run_dir).name, fontsize=10)
-    return _save(fig, plt, out)
+    return save_figure(fig, plt, out)
 
 
 def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str = "val") -> Path:
     """Several runs' `metric` on one split, overlaid (the train split when a run has no held-out rows)."""
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     drawn = 0
     for run in runs:
@@ -71,10 +72,11 @@ def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str =
     ax.set_ylabel(f"{split} {metric}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, plt, out)
+    return save_figure(fig, plt, out)
 
 
-def _save(fig, plt, out: Path) -> Path:
+def save_figure(fig, plt, out: Path) -> Path:
+    """Write `fig` to `out` whole (a temporary file renamed into place) and close it."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.tight_layout()

@@ -86,12 +86,12 @@ class FSDPStrategy(Strategy):
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from .models.blocks import Block
+        from .models import transformer_blocks
 
         cuda = next(module.parameters()).device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "bf16" and cuda else MixedPrecisionPolicy()
-        for block in [m for m in module.modules() if isinstance(m, Block)]:
+        for block in transformer_blocks(module):
             fully_shard(block, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
         return module

@@ -69,11 +69,10 @@ def compiled(module: nn.Module, setting: str, device: torch.device):
 def checkpoint_activations(module: nn.Module) -> None:
     """train.activation_checkpointing: every transformer block keeps only its input for the backward
     pass and recomputes the rest (less memory, about a third more compute)."""
-    from .models.blocks import Block
+    from .models import transformer_blocks
 
-    for block in module.modules():
-        if isinstance(block, Block):
-            block.checkpointing = True
+    for block in transformer_blocks(module):
+        block.checkpointing = True
 
 
 def lr_multiplier(step: int, sched, total: int, base_lr: float) -> float:
@@ -242,7 +241,7 @@ class Trainer:
             if self.skipped <= self.tc.skip_nonfinite:
                 self._write({"step": step, "split": "skipped", "reason": what})
                 continue
-            latest = checkpoint._read(self.run_dir / checkpoint.CHECKPOINTS / "latest")
+            latest = checkpoint.read_pointer(self.run_dir / checkpoint.CHECKPOINTS / "latest")
             raise UserError(f"step {step}: {what}; stopped before updating the weights "
                             f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
                             f"lower the learning rate, or set train.skip_nonfinite to skip such batches)")

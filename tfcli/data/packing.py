@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..objectives.losses import IGNORE
+from . import IGNORE
 from ..sampler import Draw, Source
 from .store import TokenStore
 

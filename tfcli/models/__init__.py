@@ -16,6 +16,14 @@ FAMILIES: dict[str, tuple[type, type]] = {
 }
 
 
+def transformer_blocks(module) -> list:
+    """Every transformer block inside `module` (a model, or a model with heads): what FSDP shards one
+    by one and activation checkpointing recomputes."""
+    from .blocks import Block
+
+    return [m for m in module.modules() if isinstance(m, Block)]
+
+
 def build_model(cfg):
     """Instantiate the model class registered for cfg.family."""
     return FAMILIES[cfg.family][1](cfg)

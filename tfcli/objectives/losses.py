@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-IGNORE = -100
+from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
 
 
 def _chunk_rows(vocab: int) -> int:

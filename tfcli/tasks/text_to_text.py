@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ..objectives import next_token, span_corruption
-from ..objectives.losses import IGNORE
+from ..data import IGNORE
 from ..perf import flops_per_token, training_flops_multiplier
 from ..plugin import Batch
 from . import Head
