@@ -247,3 +247,16 @@ def test_threads_are_this_process_share_of_the_cores_nobody_else_uses(monkeypatc
     monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 0.0)
     again = invoke("pretrain", "--resume", tmp_path / "run", "--steps", 3)
     assert "1 CPU thread (as the run trained with)" in " ".join(again.output.split()), again.output
+
+
+def test_generate_takes_a_hugging_face_directory_as_eval_does(tmp_path, small_text):
+    """`generate --checkpoint` reads what `eval --checkpoint` reads: a run's export generates the same
+    greedy text as the run."""
+    run = gpt_run(tmp_path, small_text)
+    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
+    texts = [invoke("generate", "--checkpoint", where, "--prompt", "ROMEO:", "--max-new-tokens", 12, "--greedy")
+             for where in (run, tmp_path / "hf")]
+    assert all(t.exit_code == 0 for t in texts), [t.output for t in texts]
+    assert texts[0].output.strip().splitlines()[-1] == texts[1].output.strip().splitlines()[-1]
+    missing = invoke("generate", "--checkpoint", tmp_path / "nothing-here", "--prompt", "x")
+    assert missing.exit_code == 2 and missing.output.startswith("error:")

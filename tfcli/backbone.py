@@ -108,6 +108,25 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
     return Backbone(model.to(device).eval(), tok, str(path), heads, recipe, ckpt, labels)
 
 
+def for_inference(path: Path, device: str = "cpu") -> Backbone:
+    """What `--checkpoint` names, in eval mode on `device`: a tfcli run or checkpoint, a local Hugging
+    Face directory, or a hub id in the local cache (generate and eval take the same things)."""
+    from . import hub, registry
+
+    path = hub.resolve(str(path), "--checkpoint")
+    if is_run(path) or looks_like_run(path):
+        return from_run(path, device=device)
+    family = family_of(str(path))
+    if family is None:
+        raise UserError(f"--checkpoint {path}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+    objective = next(k for k in registry.OBJECTIVES if family in registry.plugin_class("objective", k).families)
+    specials = registry.plugin_class("objective", objective)(Runtime(torch.device("cpu")), True).special_tokens(family)
+    backbone = from_hf(path, specials)
+    backbone.model.to(device).eval()
+    backbone.checkpoint = path
+    return backbone
+
+
 def from_hf(path: Path, specials: list[str]) -> Backbone:
     """A local Hugging Face directory -> model (all its weights), head weights and tokenizer."""
     with phase(f"reading {path}"):

@@ -403,7 +403,7 @@ def export(
 @user_errors
 def generate(
     prompt: str = typer.Option("", help="Text to continue."),
-    checkpoint: Optional[Path] = CHECKPOINT,
+    checkpoint: Optional[Path] = typer.Option(None, help="A run or checkpoint, a Hugging Face directory or a hub id in the local cache [default: the newest run under runs/ that can generate]."),
     max_new_tokens: int = typer.Option(200, help="Most tokens to generate."),
     temperature: float = typer.Option(0.8, help="Sampling temperature; 0 is greedy."),
     top_k: int = typer.Option(50, help="Sample among the k most likely tokens (0: all)."),
@@ -414,7 +414,7 @@ def generate(
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
-    from .backbone import from_run
+    from .backbone import for_inference
     from .generate import stream
     from .runtime import autocast_context, pick_device
 
@@ -422,7 +422,7 @@ def generate(
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     check_device(device)
     dev = pick_device(device or "auto")
-    backbone = from_run(newest(checkpoint, families=("gpt", "t5")), device=str(dev))
+    backbone = for_inference(newest(checkpoint, families=("gpt", "t5")), device=str(dev))
     if backbone.family not in ("gpt", "t5"):
         raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; "
                         f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
