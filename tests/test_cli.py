@@ -83,7 +83,7 @@ def test_recipes_list_and_show():
     (["pretrain", "--data", "/no/such/file.txt", "--steps", "1"], "error: data not found: /no/such/file.txt"),
     (["pretrain", "--set", "optim.lrr=1"], "error: optim.lrr: unknown key"),
     (["pretrain", "--set", "train.steps=ten"], "error: train.steps: expected an integer"),
-    (["generate", "--checkpoint", "/no/such/run"], "error: checkpoint not found: /no/such/run"),
+    (["generate", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
     (["eval", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
     (["recipes", "show", "nope"], "error: unknown recipe 'nope'"),
     (["finetune", "no-such-task"], "error: unknown task 'no-such-task'"),

@@ -196,7 +196,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["finetune", "mnli", "--from", "{hfbert}", "--data", "mnli"], "no dev_matched file"),
     # checkpoints and runs
     (["eval", "--checkpoint", "/no/such/run"], "--checkpoint /no/such/run: not found"),
-    (["generate", "--checkpoint", "/no/such/run"], "checkpoint not found: /no/such/run"),
+    (["generate", "--checkpoint", "/no/such/run"], "--checkpoint /no/such/run: not found"),
     (["generate", "--checkpoint", "vitrun", "--prompt", "hi"], "holds a 'vit' model; generate needs"),
     (["generate", "--checkpoint", "run", "--device", "cuda"], "--device cuda: no CUDA device is available"),
     (["generate", "--checkpoint", "run", "--top-p", 0], "--top-p in (0, 1]"),
