@@ -4,7 +4,7 @@ loop serves both; only how the next logits are computed differs.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -140,6 +140,70 @@ def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_
 
     return sampling_loop(next_logits, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
                          eos_id=eos_id, seed=seed, device=input_ids.device)
+
+
+@torch.no_grad()
+def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int] = (),
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                   start_id: int = 0, pad_id: int = 0) -> list[list[int]]:
+    """The new ids of every prompt, generated together (B rows, one cache of (B, nh, L, hs) per layer),
+    each row ending at its first stop token (not included) or after max_new_tokens. A decoder reads
+    the prompts left-padded (pads masked, positions counted per row); an encoder-decoder (a model with
+    `encode`) reads them right-padded and starts every row's decoder from `start_id`. Greedy output is
+    the batch-1 output, row by row."""
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    if not prompts or min(lengths) == 0:
+        raise UserError("every prompt needs at least one token")
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)  # (B, L) left padding
+    ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
+    if hasattr(model, "encode"):  # an encoder-decoder: the input right-padded, the decoder from start_id
+        ids, mask = _right_padded(prompts, pad_id, device)
+        encoded = model.encode(ids, mask)  # (B, S, D)
+        steps = min(max_new_tokens, model.cfg.max_seq_len)
+        caches = model.new_caches(steps)
+        first = model.decode(torch.full((len(prompts), 1), start_id, device=device), encoded, mask, caches)
+
+        def step(tokens: Tensor) -> Tensor:
+            return model.decode(tokens, encoded, mask, caches)
+    else:
+        steps = min(max_new_tokens, model.cfg.max_seq_len - width)
+        caches = model.new_caches(width + steps)
+        first = model(ids, caches, key_mask=mask)
+
+        def step(tokens: Tensor) -> Tensor:
+            nonlocal mask
+            mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=1)
+            return model(tokens, caches, key_mask=mask)
+    return _rows_until_stop(first, step, decode_logits(model, device), steps, set(stop_ids),
+                            dict(temperature=temperature, top_k=top_k, top_p=top_p), seed, device)
+
+
+def _right_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([list(p) + [pad_id] * (width - len(p)) for p in prompts], device=device)  # (B, S)
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=device)
+    return ids, mask
+
+
+def _rows_until_stop(hidden: Tensor, step: Callable[[Tensor], Tensor], logits: Callable[[Tensor], Tensor],
+                     steps: int, stop: set[int], sampling: dict, seed: Optional[int], device) -> list[list[int]]:
+    """Sample every row until each has met a stop token (a finished row's later tokens are dropped)."""
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    rows: list[list[int]] = [[] for _ in range(hidden.size(0))]
+    done = [False] * len(rows)
+    for i in range(steps):
+        nxt = sample_next(logits(hidden[:, -1]), generator=generator, **sampling)  # (B,)
+        for r, token in enumerate(nxt.tolist()):
+            if not done[r]:
+                done[r] = token in stop
+                if not done[r]:
+                    rows[r].append(token)
+        if all(done) or i == steps - 1:
+            break
+        hidden = step(nxt[:, None])
+    return rows
 
 
 class TextStreamer:

@@ -67,17 +67,22 @@ class GPT(nn.Module):
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
     def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False,
-                doc_ids: Optional[Tensor] = None):
+                doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
         all_layers: every block's output, each through the final norm (features for a classifier).
         doc_ids (B, T): packed documents; a token attends within its own document only and its
-        position counts from its document's first token in the block."""
+        position counts from its document's first token in the block.
+        key_mask (B, cached + T) of 1 = token, 0 = left padding (batched generation): pads are never
+        attended to and positions count real tokens only."""
         B, T = input_ids.shape
         start = caches[0].length if caches else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than the context ({self.cfg.max_seq_len})")
         mask = None
-        if doc_ids is None:
+        if key_mask is not None:
+            pos = (key_mask.cumsum(1) - 1).clamp(min=0)[:, start:]  # (B, T): each row's own positions
+            mask = key_mask.bool()[:, None, None, :] | own_key(T, start + T, input_ids.device)  # (B, 1, T, Tk)
+        elif doc_ids is None:
             pos = torch.arange(start, start + T, device=input_ids.device)
         else:
             pos, mask = document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
@@ -91,6 +96,13 @@ class GPT(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""
         return hidden @ self.lm_head_weight.t()
+
+
+def own_key(t_query: int, t_key: int, device) -> Tensor:
+    """(Tq, Tk) True where a query meets its own key: a left pad then sees itself, so no row of its
+    attention is all masked (that would give NaN, which the next layer's keys would carry on)."""
+    shift = t_key - t_query  # the queries are the last Tq of the Tk positions
+    return torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(shift).triu(shift)
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:

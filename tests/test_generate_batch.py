@@ -1,0 +1,61 @@
+"""Batched generation: left-padded decoder prompts and right-padded encoder-decoder inputs, one cache
+row per prompt, a set of stop tokens, each row ending on its own; greedy output equals batch-1 output
+row by row, for GPT and T5."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfcli.generate import generate_batch, generate_seq2seq, generate_tokens
+from tfcli.models.gpt import GPT, GPTConfig
+from tfcli.models.t5 import T5, T5Config
+
+
+
+def spread_(model: torch.nn.Module) -> None:
+    """Weights large enough that greedy decoding wanders (a fresh tiny model repeats one token)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+PROMPTS = [[5, 9, 13, 2, 7, 30, 31], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
+
+
+def cut(row: list[int], stop: set[int]) -> list[int]:
+    return next((row[:i] for i, t in enumerate(row) if t in stop), row)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=64, vocab_size=50)).eval()
+    spread_(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def t5():
+    torch.manual_seed(0)
+    model = T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=50,
+                        max_seq_len=64)).eval()
+    spread_(model)
+    return model
+
+
+def test_a_decoder_batch_of_left_padded_prompts_generates_what_each_alone_does(gpt):
+    alone = [list(generate_tokens(gpt, torch.tensor([p]), max_new_tokens=32, temperature=0.0)) for p in PROMPTS]
+    assert generate_batch(gpt, PROMPTS, max_new_tokens=32) == alone
+    assert all(len(row) == 32 for row in alone) and len({tuple(r) for r in alone}) > 1 and len(set(alone[0])) > 2
+    stop = {alone[0][5], alone[2][9]}  # end of turn and end of text, say: each row ends at its first
+    assert generate_batch(gpt, PROMPTS, max_new_tokens=32, stop_ids=stop) == [cut(r, stop) for r in alone]
+
+
+def test_an_encoder_decoder_batch_generates_what_each_alone_does(t5):
+    alone = [list(generate_seq2seq(t5, torch.tensor([p]), start_id=0, max_new_tokens=32, temperature=0.0))
+             for p in PROMPTS]
+    assert generate_batch(t5, PROMPTS, max_new_tokens=32, start_id=0) == alone
+    assert len({tuple(r) for r in alone}) > 1 and len(set(alone[0])) > 2
+    stop = {alone[1][3]}
+    assert generate_batch(t5, PROMPTS, max_new_tokens=32, start_id=0, stop_ids=stop) == [cut(r, stop) for r in alone]
