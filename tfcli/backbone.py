@@ -119,8 +119,8 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
     family = family_of(str(path))
     if family is None:
         raise UserError(f"--checkpoint {path}: neither a tfcli run nor a Hugging Face model directory (config.json)")
-    objective = next(k for k in registry.OBJECTIVES if family in registry.plugin_class("objective", k).families)
-    specials = registry.plugin_class("objective", objective)(Runtime(torch.device("cpu")), True).special_tokens(family)
+    objective = registry.plugin_class("objective", registry.objective_for(family))
+    specials = objective(Runtime(torch.device("cpu")), True).special_tokens(family)
     backbone = from_hf(path, specials)
     backbone.model.to(device).eval()
     backbone.checkpoint = path

@@ -229,10 +229,9 @@ def family_objective(source: str) -> str:
     from .backbone import family_of
 
     family = family_of(source)
-    for key in registry.OBJECTIVES:
-        if family in registry.plugin_class("objective", key).families:
-            return key
-    raise UserError(f"--from {source}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+    if family is None:
+        raise UserError(f"--from {source}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+    return registry.objective_for(family)
 
 
 @app.command()
@@ -341,7 +340,7 @@ def finetune(
     rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if resume_dir is None and not quiet:
         given = {recipes.parse_override(s)[0] for s in sets} | {k for k, v in shortcuts.items() if v is not None}
-        applied = {k: v for k, v in rec.strategies.get(rec.finetune.train, {}).items() if k not in given}
+        applied = recipes.strategy_defaults({"strategies": rec.strategies, "finetune": {"train": rec.finetune.train}}, given)
         if applied:
             _note(f"--train {rec.finetune.train} uses its defaults " + ", ".join(f"{k}={v}" for k, v in applied.items())
                   + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)")

@@ -37,3 +37,12 @@ def plugin_class(kind: str, key: str):
         raise UserError(f"unknown {kind} {key!r} (known: {', '.join(sorted(table))})")
     module, cls = table[key].split(":")
     return getattr(importlib.import_module(f"{package}.{module}"), cls)
+
+
+def objective_for(family: str) -> str:
+    """The objective that pretrains `family` (clm for gpt, mlm for bert, ...): what continued pretraining
+    runs by default and whose special tokens a bare model directory is read with."""
+    for key in OBJECTIVES:
+        if family in plugin_class("objective", key).families:
+            return key
+    raise UserError(f"no objective pretrains a {family!r} model")

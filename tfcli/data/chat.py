@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import UserError, short
+from .special_tokens import template_of
 
 ROLES = ("system", "user", "assistant")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
@@ -52,10 +53,8 @@ class ChatTemplate:
             raise UserError(f"chat template {name_or_path!r}: no such file or shipped template (shipped: {known})")
         text = path.read_text()
         if path.suffix == ".json":
-            template = json.loads(text).get("chat_template")
-            if isinstance(template, list):  # several named templates: the default one
-                template = next((t["template"] for t in template if t.get("name") == "default"), None)
-            if not isinstance(template, str):
+            template = template_of(json.loads(text))
+            if template is None:
                 raise UserError(f"{path}: no chat_template in it")
             text = template
         return cls(text, str(path))

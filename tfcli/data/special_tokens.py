@@ -49,13 +49,19 @@ def read_config(directory: Path) -> tuple[SpecialTokens, Optional[str]]:
                 raw.update(json.loads(path.read_text()))
             except (OSError, ValueError) as e:
                 raise UserError(f"{path}: not readable JSON ({e.__class__.__name__})") from None
-    template = raw.get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    template = template_of(raw)
     chat = Path(directory) / "chat_template.jinja"  # newer transformers write it beside the config
     if template is None and chat.is_file():
         template = chat.read_text()
-    return SpecialTokens.from_config(raw), template if isinstance(template, str) else None
+    return SpecialTokens.from_config(raw), template
+
+
+def template_of(raw: dict) -> Optional[str]:
+    """A tokenizer_config's `chat_template`: a string, or the one named `default` of several."""
+    template = raw.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 def config_text(specials: SpecialTokens, chat_template: Optional[str], base: Optional[dict] = None) -> str:
