@@ -10,7 +10,9 @@ family and task through one module.
 
 Targets name the parts of the shared transformer block, the same in every family: q, k, v (the
 fused self-attention projection `attn.qkv` and cross-attention's `q` / fused `kv` are split into
-their parts, as litgpt's LoRAQKVLinear does), o (the attention output), up, gate, down (the MLP).
+their parts by the attention's own layout, so grouped-query attention's narrower k and v get
+adapters of their own width, as litgpt's LoRAQKVLinear does), o (the attention output), up, gate,
+down (the MLP).
 At initialisation an adapted model computes exactly what the base model does; `merge` folds the
 adapters back into plain linears (export writes a plain transformers model).
 """
@@ -25,40 +27,58 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import UserError
+from .models.blocks import MLP, Attention
 from .recipe import AdapterConfig
 
-def linear_parts(name: str, module: nn.Linear) -> Optional[tuple[str, ...]]:
-    """The parts a block's linear holds, in output order (None for a linear outside the blocks)."""
-    leaf, parent = name.rsplit(".", 1)[-1], name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    if parent in ("attn", "cross_attn"):
-        return {"qkv": ("q", "k", "v"), "kv": ("k", "v"), "q": ("q",), "out": ("o",)}.get(leaf)
-    if parent == "mlp":
-        return {"up": ("up",), "gate": ("gate",), "down": ("down",)}.get(leaf)
+def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> Optional[tuple[tuple[str, int], ...]]:
+    """The parts a block's linear holds and their widths, in output order (None for a linear outside
+    the blocks): an attention's layout (grouped-query attention's k and v narrower than q), or the
+    MLP's one part."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, Attention) and leaf in ("qkv", "kv", "q", "out"):
+        return parent.layout(leaf)
+    if isinstance(parent, MLP) and leaf in ("up", "gate", "down"):
+        return ((leaf, module.out_features),)
     return None
+
+
+def _flatten_stacked(key: str, name: str):
+    """A load_state_dict pre-hook: adapters saved before parts had their own widths stored `name`
+    as (parts, width, ...); the flat layout is the same numbers, concatenated."""
+    def hook(state_dict, prefix, *args):
+        t = state_dict.get(prefix + name)
+        if t is not None and t.dim() == (3 if key == "lora" else 2):
+            state_dict[prefix + name] = t.flatten(0, 1)
+    return hook
 
 
 class LoRALinear(nn.Module):
     """A frozen linear plus rank-r updates of the chosen parts of its output (zero at init: B = 0)."""
 
-    def __init__(self, base: nn.Linear, parts: tuple[str, ...], targets: tuple[str, ...], cfg: AdapterConfig):
+    def __init__(self, base: nn.Linear, parts: tuple[tuple[str, int], ...], targets: tuple[str, ...],
+                 cfg: AdapterConfig):
         super().__init__()
-        self.base, self.parts = base, parts
-        self.width = base.out_features // len(parts)
-        self.enabled = [p in targets for p in parts]
+        self.base, self.parts, self.widths = base, tuple(p for p, _ in parts), tuple(w for _, w in parts)
+        self.enabled = [p in targets for p in self.parts]
         self.active = True  # False inside adapters.disabled(model)
         self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
         n = sum(self.enabled)
         self.lora_a = nn.Parameter(torch.empty(n, cfg.rank, base.in_features))  # (parts, r, D_in)
-        self.lora_b = nn.Parameter(torch.zeros(n, self.width, cfg.rank))  # (parts, W, r)
+        self.lora_b = nn.Parameter(torch.zeros(sum(self.adapted_widths()), cfg.rank))  # (adapted parts' widths, r)
         nn.init.kaiming_uniform_(self.lora_a.view(-1, base.in_features), a=math.sqrt(5))
+        self._register_load_state_dict_pre_hook(_flatten_stacked("lora", "lora_b"))
 
     def scaled_b(self) -> Tensor:
         """(out, parts * r): each adapted part's B, times alpha / r, on a block diagonal; zero rows for
         the parts left alone. One matrix, so the update is two plain linears with no output-sized
         concatenation kept for the backward pass."""
-        blocks = iter(self.lora_b * self.scale)  # (parts, W, r)
-        untouched = self.lora_b.new_zeros(self.width, 0)
-        return torch.block_diag(*[next(blocks) if on else untouched for on in self.enabled])
+        blocks = iter((self.lora_b * self.scale).split(self.adapted_widths()))  # each (W_part, r)
+        return torch.block_diag(*[next(blocks) if on else self.lora_b.new_zeros(w, 0)
+                                  for w, on in zip(self.widths, self.enabled)])
+
+    def adapted_widths(self) -> list[int]:
+        return [w for w, on in zip(self.widths, self.enabled) if on]
 
     def delta_weight(self) -> Tensor:
         """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
@@ -83,23 +103,24 @@ class IA3Linear(nn.Module):
     """A frozen linear whose chosen output parts (keys, values) or inputs (the MLP's `down`) are
     scaled by learned vectors, ones at init."""
 
-    def __init__(self, base: nn.Linear, parts: tuple[str, ...], on_input: bool):
+    def __init__(self, base: nn.Linear, parts: tuple[tuple[str, int], ...], on_input: bool):
         super().__init__()
         self.base, self.on_input = base, on_input
+        self.parts, self.widths = tuple(p for p, _ in parts), tuple(w for _, w in parts)
         self.active = True  # False inside adapters.disabled(model)
         if on_input:
             self.ia3 = nn.Parameter(torch.ones(base.in_features))
         else:
-            self.width = base.out_features // len(parts)
-            self.enabled = [p in ("k", "v") for p in parts]
-            self.ia3 = nn.Parameter(torch.ones(sum(self.enabled), self.width))
+            self.enabled = [p in ("k", "v") for p in self.parts]
+            self.ia3 = nn.Parameter(torch.ones(sum(w for w, on in zip(self.widths, self.enabled) if on)))
+            self._register_load_state_dict_pre_hook(_flatten_stacked("ia3", "ia3"))
 
     def scale_vector(self) -> Tensor:
         if self.on_input:
             return self.ia3
-        rows = iter(self.ia3)
-        ones = self.ia3.new_ones(self.width)
-        return torch.cat([next(rows) if on else ones for on in self.enabled])  # (out,)
+        pieces = iter(self.ia3.split([w for w, on in zip(self.widths, self.enabled) if on]))
+        return torch.cat([next(pieces) if on else self.ia3.new_ones(w)
+                          for w, on in zip(self.widths, self.enabled)])  # (out,)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:  # adapters.disabled: the base model alone
@@ -143,14 +164,15 @@ def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        parts = linear_parts(name, module)
+        parts = linear_parts(model, name, module)
         if parts is None:
             continue
-        if method == "lora" and set(parts) & set(cfg.targets):
+        names = {p for p, _ in parts}
+        if method == "lora" and names & set(cfg.targets):
             _replace(model, name, LoRALinear(module, parts, cfg.targets, cfg))
             count += 1
-        elif method == "ia3" and (set(parts) & {"k", "v"} or parts == ("down",)):
-            _replace(model, name, IA3Linear(module, parts, on_input=parts == ("down",)))
+        elif method == "ia3" and (names & {"k", "v"} or names == {"down"}):
+            _replace(model, name, IA3Linear(module, parts, on_input=names == {"down"}))
             count += 1
     if not count:
         raise UserError(f"--train {method}: no {', '.join(cfg.targets)} projections in this model to adapt")

@@ -8,7 +8,7 @@ A family module (gpt2.py, bert.py, t5.py, vit.py) describes itself with:
   export(backbone, recipe)       -> Export: config.json, architecture, extra tensors and files
 and this module does the rest, the same way for every family: reading a directory (single or
 sharded safetensors, or pytorch_model.bin read with weights_only=True), renaming, fusing and
-splitting q/k/v, transposing Conv1D weights, and writing a directory transformers loads.
+splitting q/k/v (by their widths under grouped-query attention), transposing Conv1D weights, and writing a directory transformers loads.
 """
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ class Rule:
     theirs: tuple[str, ...]  # several: concatenated along dim 0 (fused q/k/v) and split again on export
     transpose: bool = False  # transformers' Conv1D stores (in, out) (GPT-2)
     optional: bool = False  # present only in some checkpoints (pretraining heads, a pooler)
+    widths: tuple[int, ...] = ()  # rows of each of `theirs` when unequal (grouped-query q / k / v)
 
 
-def rule(ours: str, *theirs: str, transpose: bool = False, optional: bool = False) -> Rule:
-    return Rule(ours, tuple(theirs), transpose, optional)
+def rule(ours: str, *theirs: str, transpose: bool = False, optional: bool = False,
+         widths: tuple[int, ...] = ()) -> Rule:
+    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths))
 
 
 @dataclass
@@ -94,7 +96,8 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
                 continue
             raise KeyError(r.ours)
         t = state[r.ours].t() if r.transpose else state[r.ours]
-        for name, part in zip(r.theirs, t.chunk(len(r.theirs), dim=0)):
+        parts = t.split(list(r.widths), dim=0) if r.widths else t.chunk(len(r.theirs), dim=0)
+        for name, part in zip(r.theirs, parts):
             out[name] = part
     return out
 

@@ -7,7 +7,7 @@ what goes into the attention mask), never in the parts themselves.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,7 @@ class KVCache:
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v of shape (B, nh, T, hs) after the cached ones; return all so far."""
+        """Store k, v of shape (B, n_kv_head, T, hs) after the cached ones; return all so far."""
         B, nh, T, hs = k.shape
         if self.k is None:
             self.k = k.new_empty(B, nh, self.max_len, hs)
@@ -67,13 +67,25 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
-def causal_mask(t_query: int, t_key: int, device=None) -> Tensor:
-    """Boolean (Tq, Tk): query i (the last Tq of Tk positions) sees keys j <= its own position."""
-    return torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(diagonal=t_key - t_query)
+def causal_mask(t_query: int, t_key: int, device=None, window: int = 0) -> Tensor:
+    """Boolean (Tq, Tk): query i (the last Tq of Tk positions) sees keys j <= its own position, and
+    with a window only the last `window` of them (itself included)."""
+    allowed = torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(diagonal=t_key - t_query)
+    return allowed.triu(diagonal=t_key - t_query - window + 1) if window else allowed
 
 
 class Attention(nn.Module):
-    """Multi-head scaled dot-product attention, self or cross, through one fused SDPA call.
+    """Multi-head scaled dot-product attention, self or cross, through one fused SDPA call, built
+    from parts (as torchtune's MultiHeadAttention and litgpt's CausalSelfAttention):
+
+    - the projections laid out explicitly: `n_head` query heads and `n_kv_head` key/value heads of
+      `head_dim` each (grouped-query attention when n_kv_head < n_head, multi-query at 1); self-
+      attention holds them in one fused `qkv` linear of unequal parts, `layout` names their widths
+      (what adapters and the Hugging Face converter split by);
+    - optional biases on q/k/v (`bias`) and on the output (`out_bias`, default: as `bias`);
+    - optional per-head norms of q and k (`qk_norm`: a factory of a norm over head_dim, Qwen3);
+    - rotary positions: forward(rope=(cos, sin)) rotates q and k (models/rotary.py makes them);
+    - an optional sliding window: a query sees at most the last `window` keys, itself included.
 
     `mask` is boolean (True = may attend) or additive float (T5's position bias), broadcastable
     to (B, nh, Tq, Tk). `causal` masks future keys. `scale=None` is 1/sqrt(head_dim).
@@ -84,29 +96,62 @@ class Attention(nn.Module):
         d_model: int,
         n_head: int,
         *,
+        n_kv_head: Optional[int] = None,
         head_dim: Optional[int] = None,
         bias: bool = True,
+        out_bias: Optional[bool] = None,
         dropout: float = 0.0,
         cross: bool = False,
         scale: Optional[float] = None,
+        qk_norm: Optional[Callable[[int], nn.Module]] = None,
+        window: int = 0,
     ):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head ({n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})")
         self.head_dim = head_dim or d_model // n_head
-        self.inner = n_head * self.head_dim
-        self.cross = cross
-        self.scale = scale
-        self.dropout = dropout
+        self.inner = n_head * self.head_dim  # query (and output) width
+        self.kv_inner = self.n_kv_head * self.head_dim  # key and value width each
+        self.cross, self.scale, self.dropout, self.window = cross, scale, dropout, window
         if cross:
             self.q = nn.Linear(d_model, self.inner, bias=bias)
-            self.kv = nn.Linear(d_model, 2 * self.inner, bias=bias)
+            self.kv = nn.Linear(d_model, 2 * self.kv_inner, bias=bias)
         else:
-            self.qkv = nn.Linear(d_model, 3 * self.inner, bias=bias)
-        self.out = nn.Linear(self.inner, d_model, bias=bias)
+            self.qkv = nn.Linear(d_model, self.inner + 2 * self.kv_inner, bias=bias)
+        self.out = nn.Linear(self.inner, d_model, bias=bias if out_bias is None else out_bias)
+        self.q_norm = qk_norm(self.head_dim) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim) if qk_norm else None
 
-    def _heads(self, x: Tensor) -> Tensor:
-        B, T, _ = x.shape  # (B, T, nh*hs) -> (B, nh, T, hs)
-        return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+    def layout(self, leaf: str) -> tuple[tuple[str, int], ...]:
+        """The parts a projection holds and their widths, in output order ('qkv' -> q, k, v)."""
+        q, kv = ("q", self.inner), (("k", self.kv_inner), ("v", self.kv_inner))
+        return {"qkv": (q, *kv), "kv": kv, "q": (q,), "out": (("o", self.out.out_features),)}[leaf]
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, T, _ = x.shape  # (B, T, n*hs) -> (B, n, T, hs)
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)
+
+    def _project(self, x: Tensor, context: Optional[Tensor], cache: Optional[KVCache],
+                 rope: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, nh, T, hs) and the keys and values to attend to (B, n_kv, Tk, hs), cache included."""
+        if self.cross:
+            q = self._heads(self.q(x), self.n_head)
+            if cache is not None and cache.k is not None:
+                return q, cache.k, cache.v  # encoder output projected once, reused every step
+            k, v = (self._heads(t, self.n_kv_head) for t in self.kv(context).split(self.kv_inner, dim=-1))
+            if cache is not None:
+                cache.k, cache.v, cache.length = k, v, k.size(2)
+            return q, k, v
+        q, k, v = self.qkv(x).split((self.inner, self.kv_inner, self.kv_inner), dim=-1)
+        q, k, v = self._heads(q, self.n_head), self._heads(k, self.n_kv_head), self._heads(v, self.n_kv_head)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
 
     def forward(
         self,
@@ -116,36 +161,70 @@ class Attention(nn.Module):
         mask: Optional[Tensor] = None,
         causal: bool = False,
         cache: Optional[KVCache] = None,
+        rope: Optional[tuple[Tensor, Tensor]] = None,
     ) -> Tensor:
         B, T, _ = x.shape
-        if self.cross:
-            q = self._heads(self.q(x))
-            if cache is not None and cache.k is not None:
-                k, v = cache.k, cache.v  # encoder output projected once, reused every step
-            else:
-                k, v = (self._heads(t) for t in self.kv(context).split(self.inner, dim=-1))
-                if cache is not None:
-                    cache.k, cache.v, cache.length = k, v, k.size(2)
-        else:
-            q, k, v = (self._heads(t) for t in self.qkv(x).split(self.inner, dim=-1))
-            if cache is not None:
-                k, v = cache.append(k, v)
+        q, k, v = self._project(x, context, cache, rope)
         t_key = k.size(2)
         is_causal = False
         if causal:
-            if mask is None and t_key == T:
+            if mask is None and t_key == T and not self.window:
                 is_causal = True  # fast path: SDPA builds the triangle itself
-            elif T > 1:
-                tri = causal_mask(T, t_key, x.device)
-                mask = tri if mask is None else _combine(mask, tri)
+            elif T > 1 or self.window:
+                allowed = causal_mask(T, t_key, x.device, self.window)
+                mask = allowed if mask is None else _combine(mask, allowed)
         y = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal,
             scale=self.scale,
+            enable_gqa=self.n_kv_head != self.n_head,
         )  # (B, nh, T, hs)
         return self.out(y.transpose(1, 2).reshape(B, T, self.inner))
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary positions on (B, n, T, hs) with cos, sin of (B or 1, T, hs): each pair of halves
+    (x1, x2) turned by its position's angle (the Hugging Face / GPT-NeoX layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    turned = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None].to(x.dtype) + turned * sin[:, None].to(x.dtype)
+
+
+def decoder_positions(input_ids: Tensor, caches: Optional[list], context: int, doc_ids: Optional[Tensor] = None,
+                      key_mask: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """A causal decoder's positions and attention mask for input_ids (B, T) after the cached tokens:
+    plain (positions start.., no mask: SDPA's causal fast path), packed documents (doc_ids (B, T):
+    positions restart per document, (B, 1, T, T) within-document mask), or left-padded batched
+    generation (key_mask (B, cached + T) of 1 = token: positions count real tokens, pads unseen)."""
+    T = input_ids.size(1)
+    start = caches[0].length if caches else 0
+    if start + T > context:
+        raise ValueError(f"sequence of {start + T} tokens is longer than the context ({context})")
+    if key_mask is not None:
+        pos = (key_mask.cumsum(1) - 1).clamp(min=0)[:, start:]  # (B, T): each row's own positions
+        return pos, key_mask.bool()[:, None, None, :] | own_key(T, start + T, input_ids.device)  # (B, 1, T, Tk)
+    if doc_ids is None:
+        return torch.arange(start, start + T, device=input_ids.device), None
+    return document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
+
+
+def own_key(t_query: int, t_key: int, device) -> Tensor:
+    """(Tq, Tk) True where a query meets its own key: a left pad then sees itself, so no row of its
+    attention is all masked (that would give NaN, which the next layer's keys would carry on)."""
+    shift = t_key - t_query  # the queries are the last Tq of the Tk positions
+    return torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(shift).triu(shift)
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """(B, T) document numbers -> (B, T) positions counted from each document's first token."""
+    T = doc_ids.size(1)
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - starts
 
 
 def _combine(mask: Tensor, allowed: Tensor) -> Tensor:
@@ -215,16 +294,18 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, *, mask: Optional[Tensor] = None, causal: bool = False,
                 cache: Optional[KVCache] = None, context: Optional[Tensor] = None,
-                context_mask: Optional[Tensor] = None, cross_cache: Optional[KVCache] = None) -> Tensor:
+                context_mask: Optional[Tensor] = None, cross_cache: Optional[KVCache] = None,
+                rope: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
         kwargs = dict(mask=mask, causal=causal, cache=cache, context=context, context_mask=context_mask,
-                      cross_cache=cross_cache)
+                      cross_cache=cross_cache, rope=rope)
         if self.checkpointing and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **kwargs)
         return self._forward(x, **kwargs)
 
     def _forward(self, x: Tensor, *, mask: Optional[Tensor], causal: bool, cache: Optional[KVCache],
-                 context: Optional[Tensor], context_mask: Optional[Tensor], cross_cache: Optional[KVCache]) -> Tensor:
-        x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache))
+                 context: Optional[Tensor], context_mask: Optional[Tensor], cross_cache: Optional[KVCache],
+                 rope: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+        x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache, rope=rope))
         if self.cross_attn is not None:
             x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
                 h, context=context, mask=context_mask, cache=cross_cache))

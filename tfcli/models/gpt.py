@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import Attention, Block, KVCache, MLP, check_config, init_normal_, make_norm, scale_residual_projections_
+from .blocks import (Attention, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
+                     init_normal_, make_norm, scale_residual_projections_)
 
 
 @dataclass(frozen=True)
@@ -74,18 +75,7 @@ class GPT(nn.Module):
         position counts from its document's first token in the block.
         key_mask (B, cached + T) of 1 = token, 0 = left padding (batched generation): pads are never
         attended to and positions count real tokens only."""
-        B, T = input_ids.shape
-        start = caches[0].length if caches else 0
-        if start + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens is longer than the context ({self.cfg.max_seq_len})")
-        mask = None
-        if key_mask is not None:
-            pos = (key_mask.cumsum(1) - 1).clamp(min=0)[:, start:]  # (B, T): each row's own positions
-            mask = key_mask.bool()[:, None, None, :] | own_key(T, start + T, input_ids.device)  # (B, 1, T, Tk)
-        elif doc_ids is None:
-            pos = torch.arange(start, start + T, device=input_ids.device)
-        else:
-            pos, mask = document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
+        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
         layers = []
         for i, block in enumerate(self.blocks):
@@ -96,20 +86,3 @@ class GPT(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""
         return hidden @ self.lm_head_weight.t()
-
-
-def own_key(t_query: int, t_key: int, device) -> Tensor:
-    """(Tq, Tk) True where a query meets its own key: a left pad then sees itself, so no row of its
-    attention is all masked (that would give NaN, which the next layer's keys would carry on)."""
-    shift = t_key - t_query  # the queries are the last Tq of the Tk positions
-    return torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(shift).triu(shift)
-
-
-def document_positions(doc_ids: Tensor) -> Tensor:
-    """(B, T) document numbers -> (B, T) positions counted from each document's first token."""
-    T = doc_ids.size(1)
-    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
-    first = torch.ones_like(doc_ids, dtype=torch.bool)
-    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    starts = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=1).values
-    return idx - starts
