@@ -12,10 +12,10 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gpt2, t5, vit
+from . import bert, gpt2, llama, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
-FAMILIES = {"gpt": gpt2, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
+FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
 
 
 def family_of_config(raw: dict, where: Path) -> str:

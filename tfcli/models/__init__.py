@@ -1,19 +1,41 @@
-"""Model families by registry key: the recipe's `model.family` picks the config and the class."""
+"""Model families by registry key: the recipe's `model.family` picks the config and the class.
+
+A new family is its module here (a config dataclass and a model class declaring its kind, special
+tokens, poolings and pad rule: see kinds.py) and one line in FAMILIES.
+"""
 from __future__ import annotations
 
+from . import kinds
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
 from .t5 import T5, T5Config
 from .vit import ViT, ViTConfig
 
-TEXT_FAMILIES = ("gpt", "bert", "t5")  # families that read text (and so have a tokenizer)
-
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
+    "llama": (LlamaConfig, Llama),
     "t5": (T5Config, T5),
     "bert": (BertConfig, Bert),
     "vit": (ViTConfig, ViT),
 }
+
+
+def model_class(family: str) -> type:
+    return FAMILIES[family][1]
+
+
+def kind_of(family: str) -> str:
+    """The kind (kinds.DECODER, ...) a family's models are."""
+    return model_class(family).kind
+
+
+def families_of(wanted: tuple[str, ...]) -> tuple[str, ...]:
+    """The families of the given kinds, in the order of the kinds (then of FAMILIES)."""
+    return tuple(f for k in wanted for f in FAMILIES if kind_of(f) == k)
+
+
+TEXT_FAMILIES = tuple(f for f in FAMILIES if kind_of(f) != kinds.VISION_ENCODER)  # those with a tokenizer
 
 
 def transformer_blocks(module) -> list:

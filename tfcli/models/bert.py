@@ -11,6 +11,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from . import kinds
 from .blocks import Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
 
 
@@ -68,6 +69,14 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor
 
 class Bert(nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
+
+    kind = kinds.TEXT_ENCODER
+    special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    poolings = ("cls", "mean", "last4-sum", "last4-concat")
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        return tokenizer.token_id("[PAD]") or 0
 
     def __init__(self, cfg: BertConfig):
         super().__init__()

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from . import kinds
 from .blocks import (Attention, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
                      init_normal_, make_norm, scale_residual_projections_)
 
@@ -36,6 +37,15 @@ class GPTConfig:
 
 class GPT(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the tied head."""
+
+    kind = kinds.DECODER
+    special_tokens = ("<|endoftext|>",)
+    poolings = ("last", "mean", "last4-sum", "last4-concat")
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        """End of text: GPT-2 has no pad token (pads are masked, and a right pad is never attended to)."""
+        return tokenizer.eos_id or 0
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

@@ -56,8 +56,9 @@ def frequencies(dim: int, s: RopeScaling, context: int, seq_len: int = 0) -> tup
     if s.type == "linear":
         return base_frequencies(dim, s.theta) / s.factor, 1.0
     if s.type == "dynamic":
-        length = max(seq_len, context)
-        theta = s.theta * ((s.factor * length / context) - (s.factor - 1)) ** (dim / (dim - 2))
+        trained = s.original_max or context
+        length = max(seq_len, trained)
+        theta = s.theta * ((s.factor * length / trained) - (s.factor - 1)) ** (dim / (dim - 2))
         return base_frequencies(dim, theta), 1.0
     if s.type == "llama3":
         return _llama3(base_frequencies(dim, s.theta), s, s.original_max or context), 1.0
@@ -112,7 +113,7 @@ class Rotary(nn.Module):
         inv_freq = self.inv_freq
         if self.scaling.type == "dynamic":
             longest = int(positions.max()) + 1
-            if longest > self.context:
+            if longest > (self.scaling.original_max or self.context):
                 inv_freq = frequencies(self.head_dim, self.scaling, self.context, longest)[0].to(inv_freq.device)
         angles = positions[..., None].float() * inv_freq  # (B, T, hs/2)
         emb = torch.cat((angles, angles), dim=-1)  # (B, T, hs)

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from . import kinds
 from .blocks import Attention, Block, KVCache, MLP, causal_mask, check_config, make_norm, padding_mask
 
 
@@ -101,8 +102,20 @@ def _block(cfg: T5Config, cross: bool) -> Block:
                  prenorm=True, dropout=cfg.dropout)
 
 
+SENTINELS = tuple(f"<extra_id_{i}>" for i in range(100))
+
+
 class T5(nn.Module):
     """Encoder-decoder. encode() and decode() return hidden states; logits() applies the LM head."""
+
+    kind = kinds.ENCODER_DECODER
+    special_tokens = ("<pad>", "</s>", "<unk>") + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
+    poolings = ("encoder-mean", "decoder-first")
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        """<pad>, which also starts the decoder."""
+        return tokenizer.token_id("<pad>") or 0
 
     def __init__(self, cfg: T5Config):
         super().__init__()

@@ -1,0 +1,159 @@
+"""The llama family against transformers on the same weights: Llama, Qwen2, Mistral and Qwen3 tiny
+random configs made by transformers; logits within 1e-5 (fp32), greedy generation identical for 32
+tokens at batch 1 and batch 4 (left padding), export reloaded by transformers with the same logits,
+and a LoRA-adapted model merged and exported the same way; the rope scalings HF configs carry."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tfcli import adapters, hf  # noqa: E402
+from tfcli.generate import generate_batch  # noqa: E402
+from tfcli.models import build_model, kinds  # noqa: E402
+from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
+from tfcli.plugin import Backbone  # noqa: E402
+from tfcli.recipe import AdapterConfig  # noqa: E402
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+ARCHITECTURES = {  # each exercises its architecture's own switches
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),  # qkv bias, multi-query
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),  # q/k norm
+}
+
+
+def spread_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights large enough that logits differ in more than rounding and greedy decoding wanders."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.25)
+
+
+def hf_model(arch: str, **extra):
+    name, kw = ARCHITECTURES[arch]
+    config = getattr(transformers, name)(**{**BASE, **kw, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    spread_(model)
+    return model
+
+
+def tfcli_model(directory) -> Llama:
+    cfg, state = hf.read_pretrained(directory)
+    model = build_model(cfg).eval()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def pair(request, tmp_path_factory):
+    """(architecture, transformers model, the tfcli model read from its saved directory)."""
+    theirs = hf_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    theirs.save_pretrained(directory)
+    return request.param, theirs, tfcli_model(directory)
+
+
+IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_match_transformers(pair):
+    arch, theirs, ours = pair
+    assert ours.kind == kinds.DECODER and ours.cfg.hf_model_type == arch
+    with torch.no_grad():
+        want = theirs(IDS).logits
+        got = ours.logits(ours(IDS))
+    assert got.shape == want.shape == (2, 24, 96)
+    assert (got - want).abs().max() < 1e-5
+    assert want.std() > 0.5  # not a model whose logits are all alike
+
+
+def test_greedy_generation_matches_at_batch_1_and_4(pair):
+    arch, theirs, ours = pair
+    prompts = [[5, 9, 13, 2, 7, 30, 31, 8], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        want = [row[width:].tolist() for row in out]
+        one = theirs.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompts[0]):].tolist()
+        got4 = generate_batch(ours, prompts, max_new_tokens=32, pad_id=0)
+        got1 = generate_batch(ours, prompts[:1], max_new_tokens=32, pad_id=0)
+    assert got1 == [one] and len(one) == 32 and len(set(one)) > 3
+    assert got4 == want
+
+
+def export_and_reload(model: Llama, out):
+    arch, _ = hf.export(Backbone(model=model, tokenizer=None, source="test"), None, out)
+    return arch, transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+
+
+def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
+    arch, theirs, ours = pair
+    name, reloaded = export_and_reload(ours, tmp_path / "out")
+    assert name == type(theirs).__name__ and type(reloaded) is type(theirs)
+    with torch.no_grad():
+        assert (reloaded(IDS).logits - theirs(IDS).logits).abs().max() < 1e-5
+
+
+def test_a_lora_model_merges_and_exports_with_its_logits(pair, tmp_path):
+    arch, theirs, _ = pair
+    theirs.save_pretrained(tmp_path / "src")
+    ours = tfcli_model(tmp_path / "src")
+    adapters.apply(ours, "lora", AdapterConfig(rank=4, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, adapters.LoRALinear):
+                m.lora_b.normal_(0, 0.05)  # trained adapters: non-zero updates
+        adapted = ours.logits(ours(IDS))
+        assert (adapted - theirs(IDS).logits).abs().max() > 1e-2  # the adapters change the model
+    qkv = ours.blocks[0].attn.qkv
+    assert qkv.widths == (32 if arch != "qwen3" else 64, *(2 * [qkv.base.out_features - qkv.widths[0] >> 1]))
+    _, reloaded = export_and_reload(ours, tmp_path / "out")  # merges the adapters into `ours`
+    assert not any(isinstance(m, adapters.LoRALinear) for m in ours.modules())
+    with torch.no_grad():
+        merged = ours.logits(ours(IDS))
+        assert (reloaded(IDS).logits - merged).abs().max() < 1e-5
+        assert (merged - adapted).abs().max() < 1e-4  # folding W + BA rounds once more
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+])
+def test_rope_scalings_match_transformers(rope, tmp_path):
+    theirs = hf_model("llama", rope_parameters={"rope_theta": 500.0, **rope}, max_position_embeddings=16)
+    theirs.save_pretrained(tmp_path)
+    ours = tfcli_model(tmp_path)
+    ids = IDS[:, :16]
+    if rope["rope_type"] == "dynamic":  # grows past the trained 16 positions once the context allows it
+        ours.cfg = replace(ours.cfg, max_seq_len=24)
+        ids = IDS
+    with torch.no_grad():
+        assert (ours.logits(ours(ids)) - theirs(ids).logits).abs().max() < 1e-5
+
+
+def test_grouped_query_attention_is_checked():
+    with pytest.raises(ValueError, match="multiple of model.n_kv_head"):
+        LlamaConfig(n_head=4, n_kv_head=3, vocab_size=10)
+    with pytest.raises(ValueError, match="rope_type"):
+        LlamaConfig(vocab_size=10, rope=LlamaConfig().rope.__class__(type="longrope"))

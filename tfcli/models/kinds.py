@@ -1,0 +1,85 @@
+"""Model kinds: what tasks, generation and the trainer may ask of a model. Code outside `models/`
+and `hf/` asks a model's kind (and what its family declares), never its family's name.
+
+Each family's model class declares:
+  kind            one of the four below
+  special_tokens  what a tokenizer trained for it must hold (pad, end of text, ...)
+  poolings        the features a classifier head may read, the first being `auto`'s choice
+  pad_id(tok)     the token its batches are padded with
+and `models.transformer_blocks` finds its blocks (what FSDP shards and activation checkpointing
+recomputes) by type, whatever the family.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+
+from torch import Tensor
+
+DECODER = "decoder"  # a causal language model: GPT, llama
+ENCODER_DECODER = "encoder-decoder"  # T5
+TEXT_ENCODER = "text-encoder"  # BERT
+VISION_ENCODER = "vision-encoder"  # ViT
+KINDS = (DECODER, ENCODER_DECODER, TEXT_ENCODER, VISION_ENCODER)
+GENERATIVE = (DECODER, ENCODER_DECODER)  # what `tfcli generate` and text-to-text tasks run
+
+
+@runtime_checkable
+class DecoderLM(Protocol):
+    """forward(input_ids (B, T), caches, all_layers, doc_ids, key_mask) -> hidden (B, T, D)."""
+
+    kind: ClassVar[str]
+    cfg: Any
+
+    def forward(self, input_ids: Tensor, caches: Optional[list] = None, all_layers: bool = False,
+                doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None) -> Any: ...
+
+    def logits(self, hidden: Tensor) -> Tensor: ...
+
+    def new_caches(self, max_len: Optional[int] = None) -> list: ...
+
+
+@runtime_checkable
+class EncoderDecoder(Protocol):
+    """encode(input_ids, attention_mask) -> (B, S, D); decode(decoder_input_ids, encoder_out,
+    encoder_mask, caches) -> (B, T, D)."""
+
+    kind: ClassVar[str]
+    cfg: Any
+
+    def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor: ...
+
+    def decode(self, decoder_input_ids: Tensor, encoder_out: Tensor, encoder_mask: Optional[Tensor] = None,
+               caches: Optional[list] = None) -> Tensor: ...
+
+    def logits(self, hidden: Tensor) -> Tensor: ...
+
+    def new_caches(self, max_len: Optional[int] = None) -> list: ...
+
+
+@runtime_checkable
+class TextEncoder(Protocol):
+    """forward(input_ids, token_type_ids, attention_mask, all_layers) -> (B, T, D); pool(hidden) -> (B, D)."""
+
+    kind: ClassVar[str]
+    cfg: Any
+
+    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None, all_layers: bool = False) -> Any: ...
+
+    def pool(self, hidden: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class VisionEncoder(Protocol):
+    """forward_features(pixels (B, C, H, W)) -> (B, 1 + N, D); pool(hidden, pooling) -> (B, D)."""
+
+    kind: ClassVar[str]
+    cfg: Any
+
+    def forward_features(self, pixels: Tensor) -> Tensor: ...
+
+    def pool(self, hidden: Tensor, pooling: str) -> Tensor: ...
+
+
+PROTOCOLS = {DECODER: DecoderLM, ENCODER_DECODER: EncoderDecoder, TEXT_ENCODER: TextEncoder,
+             VISION_ENCODER: VisionEncoder}
