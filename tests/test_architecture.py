@@ -141,3 +141,35 @@ def test_no_upward_imports_and_no_calls_of_other_modules_private_functions():
     for path in PACKAGE.rglob("*.py"):
         for name, private in re.findall(r"(?<![\w.])(\w+)\.(_[a-z]\w*)\(", path.read_text()):
             assert name not in modules, f"{path.relative_to(PACKAGE)} calls {name}.{private}"
+
+
+def test_code_outside_models_and_hf_asks_a_models_kind_never_its_family_name():
+    """No `family ==` / `family in (...)` tests and no quoted family names outside models/ and hf/: tasks,
+    generation, the CLI and the trainer ask the kind (models.kinds), so a new family touches two files."""
+    import re
+
+    names = "|".join(FAMILIES)
+    forbidden = [re.compile(r"family\s*(==|!=)"), re.compile(r"family\s+(not\s+)?in\s*[(\[{]"),
+                 re.compile(rf"""["']({names})["']""")]
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name in ("models", "hf"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if any(p.search(line) for p in forbidden):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_family_declares_what_its_kind_promises():
+    """Each family's model class names a kind, its special tokens, its poolings (and a pad rule if it
+    reads text), and implements the kind's protocol."""
+    from tfcli.models import kinds
+
+    small = dict(n_layer=1, d_model=32, n_head=2, d_ff=64, vocab_size=32, decoder_d_model=32, decoder_n_head=2,
+                 decoder_d_ff=64, decoder_n_layer=1)
+    for family, (config, cls) in FAMILIES.items():
+        assert cls.kind in kinds.KINDS and cls.poolings, family
+        assert cls.kind == kinds.VISION_ENCODER or (cls.special_tokens and callable(cls.pad_id)), family
+        model = cls(config(**{k: v for k, v in small.items() if k in config.__dataclass_fields__}))
+        assert isinstance(model, kinds.PROTOCOLS[cls.kind]), family

@@ -80,7 +80,7 @@ def test_k_shots_are_balanced_seeded_and_distinct():
 
 
 def head(family, model=None, cue=True, demos=(), budget=200):
-    return TextHead(family, model or tiny(family), tokenizer(), "mnli", FIELDS, LABELS, budget, cue, list(demos))
+    return TextHead(model or tiny(family), tokenizer(), "mnli", FIELDS, LABELS, budget, cue, list(demos))
 
 
 def test_k_shot_prompt_puts_solved_examples_before_the_question_and_fits_the_budget():

@@ -252,6 +252,7 @@ def prepare(
     from .data.tokenizers import load_tokenizer_files
     from .display import configure, console
     from .driver import new_run_dir
+    from .models import TEXT_FAMILIES
 
     import torch
 
@@ -259,7 +260,7 @@ def prepare(
 
     configure(not quiet)
     plugin = registry.plugin_class("objective", objective)(Runtime(torch.device("cpu")), quiet)
-    if "vit" in plugin.families:
+    if not set(plugin.families) & set(TEXT_FAMILIES):
         raise UserError(f"--objective {objective}: images are read as they are; prepare is for text")
     specials = plugin.special_tokens(plugin.families[0])
     out = new_run_dir(recipes.load(plugin.default_recipe()), out)
@@ -415,16 +416,18 @@ def generate(
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
     from .backbone import for_inference
     from .generate import stream
+    from .models import families_of, kinds
     from .runtime import autocast_context, pick_device
 
     if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     check_device(device)
     dev = pick_device(device or "auto")
-    backbone = for_inference(newest(checkpoint, families=("gpt", "t5")), device=str(dev))
-    if backbone.family not in ("gpt", "t5"):
-        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; "
-                        f"generate needs a decoder (gpt) or encoder-decoder (t5) checkpoint")
+    backbone = for_inference(newest(checkpoint, families=families_of(kinds.GENERATIVE)), device=str(dev))
+    if backbone.model.kind not in kinds.GENERATIVE:
+        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model, a {backbone.model.kind}; "
+                        f"generate needs a decoder ({', '.join(families_of((kinds.DECODER,)))}) or an "
+                        f"encoder-decoder ({', '.join(families_of((kinds.ENCODER_DECODER,)))}) checkpoint")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
                     top_p=top_p, use_cache=not no_cache, seed=seed)
     with autocast_context(precision or "fp32", dev):

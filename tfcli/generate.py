@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import UserError
+from .models import kinds
 
 
 def sample_next(logits: Tensor, *, temperature: float, top_k: int, top_p: float,
@@ -158,7 +159,7 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens
     width = max(lengths)
     mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)  # (B, L) left padding
     ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
-    if hasattr(model, "encode"):  # an encoder-decoder: the input right-padded, the decoder from start_id
+    if model.kind == kinds.ENCODER_DECODER:  # the input right-padded, the decoder from start_id
         ids, mask = _right_padded(prompts, pad_id, device)
         encoded = model.encode(ids, mask)  # (B, S, D)
         steps = min(max_new_tokens, model.cfg.max_seq_len)
@@ -229,13 +230,13 @@ def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, to
     device = next(model.parameters()).device
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     eos_id=tok.eos_id, use_cache=use_cache, seed=seed)
-    if backbone.family == "t5":
+    if model.kind == kinds.ENCODER_DECODER:
         if not prompt:
             raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
                             "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
         ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
         streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))
-        tokens = generate_seq2seq(model, ids, start_id=tok.token_id("<pad>"), **sampling)
+        tokens = generate_seq2seq(model, ids, start_id=type(model).pad_id(tok), **sampling)
     else:
         ids = tok.encode(prompt) if prompt else []
         if not ids:

@@ -19,6 +19,8 @@ from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from torch import Tensor, nn
 
+from .models import families_of, model_class
+from .recipe import shipped_recipes
 from .runtime import Runtime
 from .sampler import Source
 
@@ -68,14 +70,24 @@ class Plugin:
 
     key: ClassVar[str]
     kind: ClassVar[str]  # "objective" | "task"
-    families: ClassVar[tuple[str, ...]]  # model families it accepts
+    model_kinds: ClassVar[tuple[str, ...]] = ()  # the model kinds it trains (models.kinds), in order of preference
+    recipe_pattern: ClassVar[str] = ""  # its default recipe's name for a family, e.g. "classify-{family}-mini"
+    families: ClassVar[tuple[str, ...]] = ()  # derived: the families of its model kinds
     Config: ClassVar[Optional[type]] = None  # its recipe section (named like the key), if any
-    recipes: ClassVar[dict[str, str]] = {}  # family -> its default recipe (the first: the plug-in's)
+    recipes: ClassVar[dict[str, str]] = {}  # derived: family -> its shipped default recipe (the first: the plug-in's)
     describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
     streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
 
     def __init__(self, rt: Runtime, quiet: bool = False):
         self.rt, self.quiet = rt, quiet
+
+    def __init_subclass__(cls, **kwargs):
+        """A plug-in names model kinds, never families: the families (a new one included) and their
+        shipped default recipes follow from the kinds and the recipe pattern."""
+        super().__init_subclass__(**kwargs)
+        if "model_kinds" in cls.__dict__ or "recipe_pattern" in cls.__dict__:
+            cls.families = families_of(cls.model_kinds)
+            cls.recipes = shipped_recipes(cls.recipe_pattern, cls.families)
 
     @classmethod
     def default_recipe(cls, family: Optional[str] = None) -> str:
@@ -86,7 +98,8 @@ class Plugin:
         return self.describe
 
     def special_tokens(self, family: str) -> list[str]:
-        return []
+        """What a tokenizer for this family must hold: the family's own special tokens."""
+        return list(model_class(family).special_tokens)
 
     def tokenizer_texts(self, recipe) -> Iterable[str]:
         return ()

@@ -236,6 +236,12 @@ def available() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
+def shipped_recipes(pattern: str, families: tuple[str, ...]) -> dict[str, str]:
+    """family -> the shipped recipe `pattern` names for it ("{family}-mini"), for those that exist."""
+    names = {f: pattern.format(family=f) for f in families} if pattern else {}
+    return {f: n for f, n in names.items() if (RECIPES_DIR / f"{n}.yaml").is_file()}
+
+
 def load(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> Recipe:
     """Read a recipe (following `extends:`), apply dotted-path overrides, validate everything."""
     return from_dict(load_raw(name_or_path), overrides)

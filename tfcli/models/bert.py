@@ -11,7 +11,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from . import kinds
+from .kinds import TEXT_ENCODER
 from .blocks import Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
 
 
@@ -70,7 +70,7 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor
 class Bert(nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
 
-    kind = kinds.TEXT_ENCODER
+    kind = TEXT_ENCODER
     special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
     poolings = ("cls", "mean", "last4-sum", "last4-concat")
 

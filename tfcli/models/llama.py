@@ -9,7 +9,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from . import kinds
+from .kinds import DECODER
 from .blocks import Attention, Block, KVCache, MLP, check_config, decoder_positions, init_normal_, make_norm
 from .rotary import RopeScaling, Rotary, check_rope
 
@@ -62,7 +62,7 @@ class LlamaConfig:
 class Llama(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the LM head."""
 
-    kind = kinds.DECODER
+    kind = DECODER
     special_tokens = ("<|endoftext|>",)
     poolings = ("last", "mean", "last4-sum", "last4-concat")
 

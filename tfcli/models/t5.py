@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from . import kinds
+from .kinds import ENCODER_DECODER
 from .blocks import Attention, Block, KVCache, MLP, causal_mask, check_config, make_norm, padding_mask
 
 
@@ -108,7 +108,7 @@ SENTINELS = tuple(f"<extra_id_{i}>" for i in range(100))
 class T5(nn.Module):
     """Encoder-decoder. encode() and decode() return hidden states; logits() applies the LM head."""
 
-    kind = kinds.ENCODER_DECODER
+    kind = ENCODER_DECODER
     special_tokens = ("<pad>", "</s>", "<unk>") + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
     poolings = ("encoder-mean", "decoder-first")
 

@@ -13,7 +13,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from . import kinds
+from .kinds import VISION_ENCODER
 from .blocks import Attention, Block, MLP, check_config, make_norm
 
 
@@ -151,7 +151,7 @@ def _init_linear_(module: nn.Module) -> None:
 class ViT(nn.Module):
     """ViT encoder: Conv2d patchify (kernel = stride = P), [CLS], positions, pre-norm blocks."""
 
-    kind = kinds.VISION_ENCODER
+    kind = VISION_ENCODER
     special_tokens = ()  # reads pixels
     poolings = ("cls", "mean")
 

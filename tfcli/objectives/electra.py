@@ -105,7 +105,7 @@ def make_loss(disc_weight: float, temperature: float):
 class Electra(MaskedLM):
     key = "electra"
     Config = ElectraConfig
-    recipes = {"bert": "electra-mini"}
+    recipe_pattern = "electra-mini"
     describe = "ELECTRA replaced-token detection"
     replace = (0.85, 0.0)
 

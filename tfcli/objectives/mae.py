@@ -17,6 +17,7 @@ from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check
 from ..data.images import ImageSet, load_images
 from ..display import console, phase
 from ..errors import UserError
+from ..models import kinds
 from ..evaluate import held_out_metrics, metrics_table
 from ..models.vit import MAEDecoder, n_visible, patchify, random_masking
 from ..pictures import reconstruction_png
@@ -84,9 +85,9 @@ def save_picture(module: ObjectiveModule, batch: dict[str, Tensor], transform: I
 
 class MaskedAutoencoder(Objective):
     key = "mae"
-    families = ("vit",)
+    model_kinds = (kinds.VISION_ENCODER,)
+    recipe_pattern = "mae-{family}-tiny"
     Config = ImageConfig
-    recipes = {"vit": "mae-vit-tiny"}
     describe = "ViT masked autoencoder"
 
     def sources(self, recipe, backbone) -> tuple[ImageSource, ImageSource]:

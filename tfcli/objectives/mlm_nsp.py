@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from ..data import segments
 from ..errors import UserError
 from ..recipe import require
+from ..models import kinds
+from ..models.bert import Bert
 from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
 from ..perf import flops_per_token
 from ..plugin import Job
@@ -25,7 +27,7 @@ from ..sampler import Draw, Source
 from . import TextObjective
 from .losses import IGNORE, linear_cross_entropy
 
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SPECIAL_TOKENS = list(Bert.special_tokens)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,11 @@ def special_ids(tokenizer) -> dict[str, int]:
 
 class MaskedLM(TextObjective):
     key = "mlm"
-    families = ("bert",)
+    model_kinds = (kinds.TEXT_ENCODER,)
+    recipe_pattern = "{family}-mini"
     Config = MLMConfig
-    recipes = {"bert": "bert-mini"}
     describe = "BERT MLM + NSP"
     replace = (0.8, 0.1)  # [MASK] and random-token shares of the chosen tokens
-
-    def special_tokens(self, family: str) -> list[str]:
-        return SPECIAL_TOKENS
 
     def example_sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, Optional[PairSource]]:
         """A sentence store of the data (cached), held-out documents, and the training and held-out

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..data.packing import BlockSource, WindowSource, documents_from_eos, split_stores, within_documents
 from ..errors import UserError
+from ..models import kinds
 from ..perf import flops_per_token
 from ..plugin import Job
 from . import TextObjective
@@ -39,12 +40,9 @@ def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:
 class NextToken(TextObjective):
     key = "clm"
     streaming = True  # reads data.streaming sources
-    families = ("gpt",)
-    recipes = {"gpt": "gpt-mini"}
+    model_kinds = (kinds.DECODER,)
+    recipe_pattern = "{family}-mini"
     describe = "GPT next-token"
-
-    def special_tokens(self, family: str) -> list[str]:
-        return ["<|endoftext|>"]
 
     def setup(self, recipe, backbone) -> Job:
         """Tokenize into a store (cached), hold out the tail of the stream, sample shuffled blocks or

@@ -21,14 +21,15 @@ from torch import Tensor, nn
 
 from ..data.packing import BlockSource, split_stores
 from ..errors import UserError
+from ..models import kinds, t5
 from ..plugin import Job
 from ..sampler import Draw
 from . import TextObjective
 from .losses import IGNORE, linear_cross_entropy
 
-N_SENTINELS = 100
-SENTINELS = [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
-SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"] + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
+SENTINELS = list(t5.SENTINELS)  # <extra_id_0> ... <extra_id_99>
+N_SENTINELS = len(SENTINELS)
+SPECIAL_TOKENS = list(t5.T5.special_tokens)  # T5's ids: pad 0, eos 1, unk 2, then the sentinels
 NOISE_DENSITY = 0.15
 MEAN_SPAN_LENGTH = 3.0
 
@@ -177,12 +178,9 @@ def make_corruptor(tokenizer) -> SpanCorruptor:
 class SpanCorruption(TextObjective):
     key = "span"
     streaming = True  # reads data.streaming sources
-    families = ("t5",)
-    recipes = {"t5": "t5-mini"}
+    model_kinds = (kinds.ENCODER_DECODER,)
+    recipe_pattern = "{family}-mini"
     describe = "T5 span corruption"
-
-    def special_tokens(self, family: str) -> list[str]:
-        return SPECIAL_TOKENS  # T5's ids: pad 0, eos 1, unk 2, then the sentinels
 
     def setup(self, recipe, backbone) -> Job:
         """Tokenize into a store (cached), cut raw blocks long enough to fill the encoder after noising,

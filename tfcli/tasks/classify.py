@@ -18,9 +18,8 @@ import torch
 from ..data.labelled import TextSpec, balanced_sample, load_splits
 from ..display import console, phase
 from ..errors import UserError, listing
-from ..objectives.mlm_nsp import SPECIAL_TOKENS as BERT_TOKENS
+from ..models import kinds
 from ..objectives.mlm_nsp import build_heads, special_ids
-from ..objectives.span_corruption import SPECIAL_TOKENS as T5_TOKENS
 from ..plugin import EvalOptions
 from ..runtime import to_device
 from ..sampler import sequential_batches
@@ -32,7 +31,6 @@ from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
 from .presets import PRESETS
 from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 
-SPECIALS = {"bert": BERT_TOKENS, "t5": T5_TOKENS, "gpt": ["<|endoftext|>"]}
 
 
 @dataclass(frozen=True)
@@ -83,21 +81,25 @@ def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int
 
 
 def reads_as(recipe, backbone) -> str:
-    """classifier or text: finetune.head, where auto is a classifier for BERT and text for T5 and GPT."""
+    """classifier or text: finetune.head, where auto is a classifier for a text encoder (BERT) and text
+    for the models that generate (decoders, encoder-decoders)."""
     head = (recipe.finetune or FinetuneConfig()).head
+    encoder = backbone.model.kind == kinds.TEXT_ENCODER
     if head == "auto":
-        return "classifier" if backbone.family == "bert" else "text"
-    if head == "text" and backbone.family == "bert":
-        raise UserError("a BERT cannot answer as text; --head classifier (or --cloze in eval for zero-shot)")
+        return "classifier" if encoder else "text"
+    if head == "text" and encoder:
+        raise UserError(f"a {backbone.family} (a text encoder) cannot answer as text; --head classifier "
+                        f"(or --cloze in eval for zero-shot)")
     return head
 
 
 def text_encoder(backbone, spec: TextSpec, max_length: int):
-    """(encode rows, collate) for a GPT or T5 classifier: the task's text, right-padded; T5's ends in </s>
-    and its decoder starts from <pad>."""
-    tok, family = backbone.tokenizer, backbone.family
-    eos = [tok.eos_id] if family == "t5" and tok.eos_id is not None else []
-    pad = tok.token_id("<pad>") if family == "t5" else (tok.eos_id or 0)
+    """(encode rows, collate) for a decoder or encoder-decoder classifier: the task's text, right-padded
+    with the family's pad; an encoder-decoder's input ends in end of text (T5's </s>) and its decoder
+    starts from the pad."""
+    tok, seq2seq = backbone.tokenizer, backbone.model.kind == kinds.ENCODER_DECODER
+    eos = [tok.eos_id] if seq2seq and tok.eos_id is not None else []
+    pad = type(backbone.model).pad_id(tok)
 
     def encode_rows(rows: list) -> list:
         return [(np.array(fit_input(lambda t: tok.encode(prompts.input_text(spec.name, spec.text_fields, t)) + eos,
@@ -106,7 +108,7 @@ def text_encoder(backbone, spec: TextSpec, max_length: int):
     def batch(examples: list) -> dict[str, torch.Tensor]:
         out = collate(examples, pad)
         del out["token_type_ids"]
-        if family == "t5":
+        if seq2seq:
             out["decoder_input_ids"] = torch.full((len(examples), 1), pad, dtype=torch.long)
         return out
     return encode_rows, batch
@@ -128,13 +130,10 @@ def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
 
 class Classify(ClassificationTask):
     key = "classify"
-    families = ("bert", "gpt", "t5")
+    model_kinds = (kinds.TEXT_ENCODER, kinds.DECODER, kinds.ENCODER_DECODER)
+    recipe_pattern = "classify-{family}-mini"
     Config = ClassifyConfig
-    recipes = {"bert": "classify-bert-mini", "t5": "classify-t5-mini", "gpt": "classify-gpt-mini"}
     describe = "text classification"
-
-    def special_tokens(self, family: str) -> list[str]:
-        return SPECIALS[family]
 
     def resolve(self, recipe, backbone):
         """`--train head` on a model that reads the task as text means a classifier on its frozen
@@ -197,8 +196,8 @@ class Classify(ClassificationTask):
 
     @staticmethod
     def cloze_family(backbone) -> None:
-        if backbone.family != "bert":
-            raise UserError(f"--cloze reads a BERT's masked-LM head; this is a {backbone.family} "
+        if backbone.model.kind != kinds.TEXT_ENCODER:
+            raise UserError(f"--cloze reads a text encoder's masked-LM head (BERT); this is a {backbone.family} "
                             f"(prompt it with --few-shot K instead)")
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
@@ -212,7 +211,7 @@ class Classify(ClassificationTask):
         GPT or T5 the task's text ("mnli premise: ... hypothesis: ...")."""
         cfg, tok, spec = backbone.cfg, backbone.tokenizer, text_spec(recipe.settings)
         max_length = min(recipe.data.seq_len, getattr(cfg, "max_seq_len", recipe.data.seq_len))
-        if cfg.family == "bert":
+        if backbone.model.kind == kinds.TEXT_ENCODER:
             pad = special_ids(tok)["pad"]
             encode_rows, batch = (lambda rows: encode(tok, rows, max_length)), (lambda ex: collate(ex, pad))
         else:
@@ -260,13 +259,14 @@ class Classify(ClassificationTask):
             raise UserError(f"{backbone.checkpoint} was not finetuned on {spec.name}; score it with --few-shot K "
                             f"(K solved examples in the prompt, 0 for none)")
         demos, max_length = [], recipe.data.seq_len
+        seq2seq = backbone.model.kind == kinds.ENCODER_DECODER
         if k >= 0:
-            max_length = max(backbone.cfg.max_seq_len, T5_PROMPT_TOKENS if backbone.family == "t5" else 0)
+            max_length = max(backbone.cfg.max_seq_len, T5_PROMPT_TOKENS if seq2seq else 0)
         if k > 0:
             shots = prompts.balanced_shots([y for _, y in data.train], k, len(data.labels), options.seed)
             demos = prompts.few_shot_prefix(spec.name, spec.text_fields, data.train, shots, data.labels)
-        cue = backbone.family == "gpt" or (options is not None and not finetuned)
-        return TextHead(backbone.family, backbone.model, backbone.tokenizer, spec.name, spec.text_fields,
+        cue = backbone.model.kind == kinds.DECODER or (options is not None and not finetuned)
+        return TextHead(backbone.model, backbone.tokenizer, spec.name, spec.text_fields,
                         data.labels, max_length, cue, demos)
 
     def classify_one(self, recipe, backbone, options: EvalOptions) -> dict[str, float]:

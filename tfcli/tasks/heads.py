@@ -15,23 +15,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..models import kinds, model_class
 from ..perf import training_flops_multiplier
 from ..plugin import Batch
 from ..sampler import Draw, Source
 from . import Head
 
-POOLINGS = {"bert": ("cls", "mean", "last4-sum", "last4-concat"), "vit": ("cls", "mean"),
-            "gpt": ("last", "mean", "last4-sum", "last4-concat"), "t5": ("encoder-mean", "decoder-first")}
-
-
 def resolve_pooling(family: str, pooling: str) -> str:
-    """`auto`: the family's natural summary: [CLS] (BERT, ViT), the last token (GPT), the mean of the
-    encoder's outputs (T5)."""
-    return POOLINGS[family][0] if pooling == "auto" else pooling
+    """`auto`: the family's natural summary, the first of its declared poolings: [CLS] (BERT, ViT),
+    the last token (decoders), the mean of the encoder's outputs (T5)."""
+    return model_class(family).poolings[0] if pooling == "auto" else pooling
 
 
 def check_pooling(cfg, pooling: str) -> None:
-    allowed = POOLINGS.get(cfg.family, ())
+    allowed = model_class(cfg.family).poolings
     if pooling not in allowed:
         raise UserError(f"--pooling {pooling}: a {cfg.family} classifier pools {', '.join(allowed) or 'nothing'}")
     if pooling.startswith("last4") and cfg.n_layer < 4:
@@ -54,11 +51,11 @@ def _last4(layers: list[Tensor], pick, pooling: str) -> Tensor:
 
 
 def decoder_features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
-    """GPT: the last real token (right padding: causal attention never sees it), the mean, or the last
-    token of the last four layers. T5: the mean of the encoder's outputs, or the decoder's first
-    position reading the encoder (as a span-corruption decoder fills its first sentinel)."""
+    """A decoder: the last real token (right padding: causal attention never sees it), the mean, or the
+    last token of the last four layers. An encoder-decoder: the mean of the encoder's outputs, or the
+    decoder's first position reading the encoder (as a span-corruption decoder fills its first sentinel)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    if model.cfg.family == "t5":
+    if model.kind == kinds.ENCODER_DECODER:
         encoded = model.encode(ids, mask)  # (B, S, D)
         if pooling == "encoder-mean":
             return _masked_mean(encoded, mask)
@@ -73,9 +70,9 @@ def decoder_features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
 
 def features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
     """A batch's inputs -> (B, F) features for the classifier."""
-    if model.cfg.family == "vit":
+    if model.kind == kinds.VISION_ENCODER:
         return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)
-    if model.cfg.family in ("gpt", "t5"):
+    if model.kind in kinds.GENERATIVE:
         return decoder_features(model, batch, pooling)
     args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
     if pooling == "cls":
@@ -134,7 +131,7 @@ class ClassifierHead(Head):
         """The FLOPs of what the features run: every block for a GPT, BERT or ViT, the encoder for a T5
         (and, for decoder-first, its decoder at one position), plus attention's 12 L T D per token."""
         cfg, tokens = model.cfg, self.tokens_per_item
-        if cfg.family == "t5":
+        if model.kind == kinds.ENCODER_DECODER:
             n_tokens = sum(p.numel() for p in model.encoder.parameters()) * tokens + \
                 (sum(p.numel() for p in model.decoder.parameters()) if self.pooling == "decoder-first" else 0)
         else:

@@ -14,6 +14,7 @@ from ..data.images import ImageSet, load_images
 from ..data.labelled import balanced_sample
 from ..display import phase
 from ..errors import UserError
+from ..models import kinds
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
 from . import ClassificationTask, TaskData
@@ -22,9 +23,9 @@ from .heads import ClassifierHead
 
 class ImageClassify(ClassificationTask):
     key = "image-classify"
-    families = ("vit",)
+    model_kinds = (kinds.VISION_ENCODER,)
+    recipe_pattern = "{family}-tiny-image-classify"
     Config = ImageConfig
-    recipes = {"vit": "vit-tiny-image-classify"}
     describe = "image classification"
 
     def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),

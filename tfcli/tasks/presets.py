@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..recipe import shipped_recipes
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -16,8 +18,15 @@ class Preset:
     hub: tuple[str, str]  # Hugging Face dataset and config, the default data
     hub_splits: dict[str, str] = field(default_factory=dict)  # our split name -> the hub's
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> other names it has in files
-    recipes: dict[str, str] = field(default_factory=dict)  # family -> default recipe
+    recipe_pattern: str = ""  # its default recipe's name for a family: "mnli-{family}-mini"
     cloze_words: tuple[str, ...] = ()  # zero-shot cloze: one word per label, in id order
+
+    @property
+    def recipes(self) -> dict[str, str]:
+        """family -> its shipped default recipe, for the families the preset's task trains."""
+        from ..registry import plugin_class
+
+        return shipped_recipes(self.recipe_pattern, plugin_class("task", self.task).families)
 
 
 PRESETS = {
@@ -27,6 +36,6 @@ PRESETS = {
         hub=("nyu-mll/glue", "mnli"),
         hub_splits={"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
         aliases={"premise": ("sentence1",), "hypothesis": ("sentence2",), "label": ("gold_label",)},
-        recipes={"bert": "mnli-bert-mini", "t5": "mnli-t5-mini", "gpt": "mnli-gpt-mini"},
+        recipe_pattern="mnli-{family}-mini",
         cloze_words=("yes", "maybe", "no")),
 }

@@ -1,4 +1,5 @@
-"""Classification the generative way, for T5 and GPT: the label word is the answer.
+"""Classification the generative way, for encoder-decoders (T5) and decoders (GPT, llama): the label
+word is the answer.
 
 Finetuning: T5 reads "mnli premise: ... hypothesis: ... <extra_id_0>" and learns to fill the
 sentinel with the label word; GPT reads the same text followed by "answer:" and learns the label
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..models import kinds
 from ..objectives import next_token, span_corruption
 from ..data import IGNORE
 from ..perf import flops_per_token, training_flops_multiplier
@@ -124,7 +126,7 @@ def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[T
     return (picked * (targets != ignore_id)).sum(-1)
 
 
-READERS = {"t5": Seq2SeqReader, "gpt": DecoderReader}
+READERS = {kinds.ENCODER_DECODER: Seq2SeqReader, kinds.DECODER: DecoderReader}  # by model kind
 
 
 def fit_input(encode, texts: tuple[str, ...], budget: int) -> list[int]:
@@ -148,11 +150,12 @@ class TextHead(Head):
 
     item_name = "tok"
 
-    def __init__(self, family: str, model: nn.Module, tokenizer, task: str, fields: tuple[str, ...],
+    def __init__(self, model: nn.Module, tokenizer, task: str, fields: tuple[str, ...],
                  labels: tuple[str, ...], max_length: int, cue: bool, demos: list[str] = ()):
-        self.family, self.task, self.fields, self.cue, self.demos = family, task, fields, cue, list(demos)
-        self.reader = READERS[family](tokenizer, labels)
-        self.budget = max_length if family == "t5" else \
+        self.task, self.fields, self.cue, self.demos = task, fields, cue, list(demos)
+        self.seq2seq = model.kind == kinds.ENCODER_DECODER
+        self.reader = READERS[model.kind](tokenizer, labels)
+        self.budget = max_length if self.seq2seq else \
             min(max_length, model.cfg.max_seq_len - max(len(a) for a in self.reader.answers))
         self.heads = nn.ModuleDict()
         self.loss = self.reader.loss
@@ -209,6 +212,6 @@ class TextHead(Head):
         every weight: scaled for adapters, perf.training_flops_multiplier)."""
         prompt = int(np.mean([len(self.fit(texts, self.budget)) for texts, _ in rows[:500]]))
         answer = int(np.mean([len(a) for a in self.reader.answers]))
-        full = span_corruption.flops_per_token(model, prompt, answer) if self.family == "t5" else \
+        full = span_corruption.flops_per_token(model, prompt, answer) if self.seq2seq else \
             flops_per_token(model, prompt + answer)
         return full * training_flops_multiplier(train) / 6.0
