@@ -66,11 +66,14 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of a GPT or BERT: 6 N (forward 2 + backward 4 per parameter, N without
-    the learned positions, a lookup) plus attention's 12 L T D (PaLM appendix B)."""
+    """Training FLOPs per token of a decoder or BERT: 6 N (forward 2 + backward 4 per parameter, N
+    without learned positions, a lookup) plus attention's 12 L T D (PaLM appendix B; D the query
+    width n_head * head_dim where a family sets head_dim)."""
     cfg = model.cfg
-    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.d_model
+    positions = getattr(model, "wpe", None)
+    n = sum(p.numel() for p in model.parameters()) - (positions.weight.numel() if positions is not None else 0)
+    width = cfg.n_head * getattr(cfg, "head_dim", 0) or cfg.d_model
+    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * width
 
 
 def training_flops_multiplier(train: str) -> float:

@@ -57,6 +57,7 @@ class Export:
 
 AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassification",
                 "ForImageClassification": "AutoModelForImageClassification", "LMHeadModel": "AutoModelForCausalLM",
+                "ForCausalLM": "AutoModelForCausalLM",
                 "ForConditionalGeneration": "AutoModelForSeq2SeqLM", "ForMaskedLM": "AutoModelForMaskedLM",
                 "ForPreTraining": "AutoModelForPreTraining"}
 
