@@ -2,7 +2,7 @@
 every one it cannot express is refused in one line and nothing is written: no export may load
 with a random head.
 
-For each family x pooling of tasks.heads.POOLINGS (and a LoRA-adapted BERT, merged on export): a
+For each family x pooling it declares (and a LoRA-adapted BERT, merged on export): a
 tiny model with random weights (norms and biases too) and a random classifier with a bias.
 """
 from __future__ import annotations
@@ -23,7 +23,11 @@ from tfcli.models.t5 import T5, T5Config
 from tfcli.models.vit import ViT, ViTConfig
 from tfcli.plugin import Backbone
 from tfcli.recipe import AdapterConfig
-from tfcli.tasks.heads import POOLINGS, feature_dim, features
+from tfcli.models import FAMILIES, model_class
+from tfcli.models.llama import Llama, LlamaConfig
+from tfcli.tasks.heads import feature_dim, features
+
+POOLINGS = {family: model_class(family).poolings for family in FAMILIES}
 
 from .test_hf import jiggle_
 
@@ -39,6 +43,8 @@ def tiny(family: str):
         tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
         model = GPT(GPTConfig(n_layer=4, n_head=2, d_model=32, d_ff=64, max_seq_len=32, vocab_size=tok.vocab_size))
         return model, tok
+    if family == "llama":  # LlamaForSequenceClassification scores without a bias: every pooling refused
+        return Llama(LlamaConfig(n_layer=4, n_head=2, n_kv_head=1, d_model=32, d_ff=64, max_seq_len=32, vocab_size=120))
     if family == "t5":
         return T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=120))
     return ViT(ViTConfig(image_size=16, patch_size=4, n_layer=2, n_head=2, d_model=32, d_ff=64))

@@ -214,7 +214,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["export", "--checkpoint", "run", "--hf", "a-file"], "a-file exists and is not an empty directory"),
     (["upgrade", "{legacy}"], "refused by the weights_only loader"),
     # Hugging Face directories
-    (["finetune", "mnli", "--from", "{llama}"], "model_type 'llama' is not supported"),
+    (["finetune", "mnli", "--from", "{mamba}"], "model_type 'mamba' is not supported"),
     (["finetune", "mnli", "--from", "{noweights}"], "no model.safetensors, sharded safetensors or pytorch_model.bin"),
     (["finetune", "mnli", "--from", "{badweights}"], "not a readable safetensors file"),
     (["finetune", "mnli", "--from", "{picklebin}"], "refused or unreadable with weights_only=True"),
@@ -239,7 +239,7 @@ def places(work, shared_data):
     with open(picklebin / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": Payload(str(work / MARKER))}, f)
     return {
-        "hfbert": hfbert, "llama": hf_dir(work, "llama", {"model_type": "llama"}),
+        "hfbert": hfbert, "mamba": hf_dir(work, "mamba", {"model_type": "mamba"}),
         "noweights": hf_dir(work, "noweights", bert), "picklebin": picklebin,
         "badweights": hf_dir(work, "badweights", bert, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
         "notrecipe": broken_run(work, "notrecipe", lambda r, c: (r / "config.yaml").write_text("my: notes\n")),

@@ -425,9 +425,9 @@ def generate(
     dev = pick_device(device or "auto")
     backbone = for_inference(newest(checkpoint, families=families_of(kinds.GENERATIVE)), device=str(dev))
     if backbone.model.kind not in kinds.GENERATIVE:
-        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model, a {backbone.model.kind}; "
-                        f"generate needs a decoder ({', '.join(families_of((kinds.DECODER,)))}) or an "
-                        f"encoder-decoder ({', '.join(families_of((kinds.ENCODER_DECODER,)))}) checkpoint")
+        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; generate needs a decoder "
+                        f"({', '.join(families_of((kinds.DECODER,)))}) or encoder-decoder "
+                        f"({', '.join(families_of((kinds.ENCODER_DECODER,)))}) checkpoint")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
                     top_p=top_p, use_cache=not no_cache, seed=seed)
     with autocast_context(precision or "fp32", dev):

@@ -63,6 +63,10 @@ class Job:
     best_key: str = ""  # the metric (higher is better) that picks the best checkpoint; "" = none
     examples: int = 0  # training examples per epoch, for finetune.epochs
     labels: tuple[str, ...] = ()  # a classifier's class names (saved in the run as labels.json)
+    # models the loss reads but never trains (a preference-tuning reference, a distillation teacher):
+    # the trainer puts them on the device in eval mode without gradients and wraps them for inference;
+    # they are never optimised or saved. The loss reaches them by name from its closure.
+    frozen: dict[str, nn.Module] = field(default_factory=dict)
 
 
 class Plugin:

@@ -36,6 +36,11 @@ class Strategy:
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         return module
 
+    def wrap_frozen(self, module: nn.Module) -> nn.Module:
+        """A model that only runs forward (Job.frozen): a whole copy in every process, with nothing to
+        synchronise (no gradients); DDP and FSDP keep it so too."""
+        return module
+
     def sync_gradients(self, wrapped: nn.Module, sync: bool):
         """Context for one micro-batch's backward; sync=False defers the gradient all-reduce."""
         return contextlib.nullcontext()

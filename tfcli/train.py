@@ -41,6 +41,14 @@ class ObjectiveModule(nn.Module):
         return (fn or self.loss_fn)(self.model, self.heads, batch)
 
 
+def prepare_frozen(frozen: dict[str, nn.Module], rt) -> None:
+    """Job.frozen in place: on the run's device, eval mode (no dropout), no gradients, wrapped by the
+    strategy for inference. They stay outside the ObjectiveModule, so no optimizer or checkpoint sees them."""
+    for name, model in frozen.items():
+        model.to(rt.device).eval().requires_grad_(False)
+        frozen[name] = rt.strategy.wrap_frozen(model)
+
+
 def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict]:
     """Trainable parameters of `module` in two AdamW groups: matrices decay, biases/norms/1-D do not."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -98,6 +106,7 @@ class Trainer:
             checkpoint_activations(module)
         # wrapped before the optimizer is built: FSDP replaces the parameters with their shards
         self.wrapped = rt.strategy.wrap(module, self.tc.precision)
+        prepare_frozen(job.frozen, rt)
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(

@@ -88,8 +88,8 @@ def reads_as(recipe, backbone) -> str:
     if head == "auto":
         return "classifier" if encoder else "text"
     if head == "text" and encoder:
-        raise UserError(f"a {backbone.family} (a text encoder) cannot answer as text; --head classifier "
-                        f"(or --cloze in eval for zero-shot)")
+        raise UserError(f"a {backbone.family.upper()} cannot answer as text (a text encoder generates nothing); "
+                        f"--head classifier (or --cloze in eval for zero-shot)")
     return head
 
 
@@ -197,7 +197,7 @@ class Classify(ClassificationTask):
     @staticmethod
     def cloze_family(backbone) -> None:
         if backbone.model.kind != kinds.TEXT_ENCODER:
-            raise UserError(f"--cloze reads a text encoder's masked-LM head (BERT); this is a {backbone.family} "
+            raise UserError(f"--cloze reads a BERT's masked-LM head (a text encoder's); this is a {backbone.family} "
                             f"(prompt it with --few-shot K instead)")
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
