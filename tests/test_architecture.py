@@ -173,3 +173,14 @@ def test_every_family_declares_what_its_kind_promises():
         assert cls.kind == kinds.VISION_ENCODER or (cls.special_tokens and callable(cls.pad_id)), family
         model = cls(config(**{k: v for k, v in small.items() if k in config.__dataclass_fields__}))
         assert isinstance(model, kinds.PROTOCOLS[cls.kind]), family
+
+
+def test_tasks_import_no_objective():
+    """A task reads what models declare (e.g. BERT's MLM head and special tokens in models/bert.py),
+    never an objective's module."""
+    import re
+
+    for path in (PACKAGE / "tasks").glob("*.py"):
+        imports = re.findall(r"from \.\.objectives(?:\.(\w+))? import (.+)", path.read_text())
+        allowed = {("", "next_token, span_corruption")}  # their losses: text-to-text finetuning is their objective
+        assert all(i in allowed for i in imports), (path.name, imports)

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from .kinds import TEXT_ENCODER
-from .blocks import Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
+from ..errors import UserError
+from .blocks import ACTIVATIONS, Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,44 @@ class Bert(nn.Module):
     def pool(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, D): tanh(dense(hidden of [CLS]))."""
         return torch.tanh(self.pooler(hidden[:, 0]))
+
+
+# --- BERT's pretraining head and special tokens: the MLM objective trains them, cloze scoring reads them
+
+class MLMHead(nn.Module):
+    """BERT's prediction-head transform (dense, activation, LayerNorm) and the output bias; the
+    output weight is the token embedding (tied). `d_in` may be narrower than the embedding (an
+    ELECTRA generator's hidden width)."""
+
+    def __init__(self, d_in: int, d_embed: int, vocab_size: int, eps: float, activation: str = "gelu"):
+        super().__init__()
+        self.dense = nn.Linear(d_in, d_embed)
+        self.act = ACTIVATIONS[activation]
+        self.norm = make_norm("layernorm", d_embed, eps)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def transform(self, hidden: Tensor) -> Tensor:
+        return self.norm(self.act(self.dense(hidden)))
+
+    def logits(self, hidden: Tensor, weight: Tensor) -> Tensor:
+        """(..., d_in) -> (..., V): every logit (for sampling, parity checks and inspection)."""
+        return self.transform(hidden) @ weight.t() + self.bias
+
+
+def build_heads(cfg, nsp: bool = True) -> nn.ModuleDict:
+    """The pretraining heads for a BertConfig: 'mlm' and (with NSP) 'nsp' on the pooled [CLS]."""
+    heads = nn.ModuleDict({"mlm": MLMHead(cfg.d_model, cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps,
+                                          cfg.activation)})
+    if nsp:
+        heads["nsp"] = nn.Linear(cfg.d_model, 2)
+    init_normal_(heads)
+    return heads
+
+
+def special_ids(tokenizer) -> dict[str, int]:
+    names = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+    out = {k: tokenizer.token_id(v) for k, v in names.items()}
+    missing = [names[k] for k, v in out.items() if v is None]
+    if missing:
+        raise UserError(f"the tokenizer lacks {', '.join(missing)}, which BERT needs (a BERT WordPiece vocabulary)")
+    return out

@@ -19,8 +19,7 @@ from ..data import segments
 from ..errors import UserError
 from ..recipe import require
 from ..models import kinds
-from ..models.bert import Bert
-from ..models.blocks import ACTIVATIONS, init_normal_, make_norm
+from ..models.bert import Bert, MLMHead, build_heads, special_ids  # noqa: F401 (electra and tests read them here)
 from ..perf import flops_per_token
 from ..plugin import Job
 from ..sampler import Draw, Source
@@ -42,36 +41,6 @@ class MLMConfig:
     def __post_init__(self):
         require(0 < self.mask_prob < 1, "mlm.mask_prob", "in (0, 1)", self.mask_prob)
         require(0 <= self.short_seq_prob <= 1, "mlm.short_seq_prob", "in [0, 1]", self.short_seq_prob)
-
-
-class MLMHead(nn.Module):
-    """BERT's prediction-head transform (dense, activation, LayerNorm) and the output bias; the
-    output weight is the token embedding (tied). `d_in` may be narrower than the embedding (an
-    ELECTRA generator's hidden width)."""
-
-    def __init__(self, d_in: int, d_embed: int, vocab_size: int, eps: float, activation: str = "gelu"):
-        super().__init__()
-        self.dense = nn.Linear(d_in, d_embed)
-        self.act = ACTIVATIONS[activation]
-        self.norm = make_norm("layernorm", d_embed, eps)
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
-
-    def transform(self, hidden: Tensor) -> Tensor:
-        return self.norm(self.act(self.dense(hidden)))
-
-    def logits(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        """(..., d_in) -> (..., V): every logit (for sampling, parity checks and inspection)."""
-        return self.transform(hidden) @ weight.t() + self.bias
-
-
-def build_heads(cfg, nsp: bool = True) -> nn.ModuleDict:
-    """The pretraining heads for a BertConfig: 'mlm' and (with NSP) 'nsp' on the pooled [CLS]."""
-    heads = nn.ModuleDict({"mlm": MLMHead(cfg.d_model, cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps,
-                                          cfg.activation)})
-    if nsp:
-        heads["nsp"] = nn.Linear(cfg.d_model, 2)
-    init_normal_(heads)
-    return heads
 
 
 def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -175,15 +144,6 @@ class PairSource(Source):
             items.append(segments.pair_at(self.corpus, at, self.max_tokens, rng, self.short_seq_prob) if self.nsp
                          else segments.segment_at(self.corpus, at, self.max_tokens, self.ids["sep"]))
         return collate(items, self.ids, self.masker, rngs)
-
-
-def special_ids(tokenizer) -> dict[str, int]:
-    names = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
-    out = {k: tokenizer.token_id(v) for k, v in names.items()}
-    missing = [names[k] for k, v in out.items() if v is None]
-    if missing:
-        raise UserError(f"the tokenizer lacks {', '.join(missing)}, which BERT needs (a BERT WordPiece vocabulary)")
-    return out
 
 
 class MaskedLM(TextObjective):

@@ -19,7 +19,7 @@ from ..data.labelled import TextSpec, balanced_sample, load_splits
 from ..display import console, phase
 from ..errors import UserError, listing
 from ..models import kinds
-from ..objectives.mlm_nsp import build_heads, special_ids
+from ..models.bert import build_heads, special_ids
 from ..plugin import EvalOptions
 from ..runtime import to_device
 from ..sampler import sequential_batches
