@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .kinds import DECODER
+from .kinds import DECODER, DECODER_POOLINGS
 from .blocks import (Attention, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
                      init_normal_, make_norm, scale_residual_projections_)
 
@@ -38,9 +38,8 @@ class GPTConfig:
 class GPT(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the tied head."""
 
-    kind = DECODER
+    kind, poolings = DECODER, DECODER_POOLINGS
     special_tokens = ("<|endoftext|>",)
-    poolings = ("last", "mean", "last4-sum", "last4-concat")
 
     @staticmethod
     def pad_id(tokenizer) -> int:

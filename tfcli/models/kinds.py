@@ -20,6 +20,7 @@ ENCODER_DECODER = "encoder-decoder"  # T5
 TEXT_ENCODER = "text-encoder"  # BERT
 VISION_ENCODER = "vision-encoder"  # ViT
 KINDS = (DECODER, ENCODER_DECODER, TEXT_ENCODER, VISION_ENCODER)
+DECODER_POOLINGS = ("last", "mean", "last4-sum", "last4-concat")  # what a decoder's classifier may read
 GENERATIVE = (DECODER, ENCODER_DECODER)  # what `tfcli generate` and text-to-text tasks run
 
 

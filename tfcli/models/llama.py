@@ -9,7 +9,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from .kinds import DECODER
+from .kinds import DECODER, DECODER_POOLINGS
 from .blocks import Attention, Block, KVCache, MLP, check_config, decoder_positions, init_normal_, make_norm
 from .rotary import RopeScaling, Rotary, check_rope
 
@@ -23,8 +23,9 @@ class LlamaConfig:
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int = 0
-    d_model: int = 256
     head_dim: int = 0
+    rope: RopeScaling = field(default_factory=RopeScaling)  # rotary positions: theta and scaling
+    d_model: int = 256
     d_ff: int = 0  # 0 -> SwiGLU's 8/3 * d_model, rounded up to a multiple of 64
     max_seq_len: int = 256  # the context (max_position_embeddings)
     vocab_size: int = 0
@@ -36,7 +37,6 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head
     sliding_window: int = 0  # Mistral: a token attends to the last N positions (0: all)
-    rope: RopeScaling = field(default_factory=RopeScaling)
     hf_model_type: str = "llama"  # the Hugging Face architecture it came from / exports as
 
     def __post_init__(self):
@@ -62,9 +62,8 @@ class LlamaConfig:
 class Llama(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the LM head."""
 
-    kind = DECODER
+    kind, poolings = DECODER, DECODER_POOLINGS
     special_tokens = ("<|endoftext|>",)
-    poolings = ("last", "mean", "last4-sum", "last4-concat")
 
     @staticmethod
     def pad_id(tokenizer) -> int:
