@@ -38,7 +38,7 @@ def readme_commands() -> list[str]:
 def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
-        return KINDS[raw["objective"]]
+        return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
     return KINDS[raw["task"]]
