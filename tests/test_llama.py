@@ -4,6 +4,7 @@ tokens at batch 1 and batch 4 (left padding), export reloaded by transformers wi
 and a LoRA-adapted model merged and exported the same way; the rope scalings HF configs carry."""
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -157,3 +158,22 @@ def test_grouped_query_attention_is_checked():
         LlamaConfig(n_head=4, n_kv_head=3, vocab_size=10)
     with pytest.raises(ValueError, match="rope_type"):
         LlamaConfig(vocab_size=10, rope=LlamaConfig().rope.__class__(type="longrope"))
+
+
+def test_ia3_scales_the_narrower_keys_and_values_and_merges_exactly(pair):
+    """IA3 under grouped-query attention: its k and v vectors have the key/value width, not q's."""
+    arch, theirs, _ = pair
+    ours = copy.deepcopy(pair[2])
+    adapters.apply(ours, "ia3", None)
+    qkv = ours.blocks[0].attn.qkv
+    assert qkv.widths == (ours.cfg.n_head * ours.cfg.head_dim, *2 * [ours.cfg.n_kv_head * ours.cfg.head_dim])
+    assert qkv.ia3.numel() == 2 * ours.cfg.n_kv_head * ours.cfg.head_dim
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, adapters.IA3Linear):
+                m.ia3.uniform_(0.5, 1.5)
+        adapted = ours.logits(ours(IDS))
+        adapters.merge(ours)
+        assert not any(isinstance(m, adapters.IA3Linear) for m in ours.modules())
+        assert (ours.logits(ours(IDS)) - adapted).abs().max() < 1e-5
+        assert (adapted - theirs(IDS).logits).abs().max() > 1e-2
