@@ -72,6 +72,11 @@ def looks_like_run(path: Path) -> bool:
         (path / checkpoint.META).is_file()
 
 
+def unknown_source(flag: str, path) -> UserError:
+    return UserError(f"{flag} {path}: neither a tfcli run nor a Hugging Face model directory (config.json) "
+                     f"or GGUF file")
+
+
 def family_of(path: Optional[str]) -> Optional[str]:
     """The model family a --from path holds (a tfcli run or a Hugging Face directory), if it is one."""
     if not path or not Path(path).exists():
@@ -79,8 +84,8 @@ def family_of(path: Optional[str]) -> Optional[str]:
     path = Path(path)
     if is_run(path):
         return recipes.load_resolved(checkpoint.run_dir_of(path) / "config.yaml").model.family
-    if (path / hf.convert.CONFIG).is_file():
-        return hf.family_of_config(hf.read_config(path), path)
+    if (path / hf.convert.CONFIG).is_file() or hf.gguf.is_gguf(path):
+        return hf.family_of_config(hf.read_source_config(path), path)
     return None
 
 
@@ -118,7 +123,7 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
         return from_run(path, device=device)
     family = family_of(str(path))
     if family is None:
-        raise UserError(f"--checkpoint {path}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+        raise unknown_source("--checkpoint", path)
     objective = registry.plugin_class("objective", registry.objective_for(family))
     specials = objective(Runtime(torch.device("cpu")), True).special_tokens(family)
     backbone = from_hf(path, specials)
@@ -128,12 +133,15 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
 
 
 def from_hf(path: Path, specials: list[str]) -> Backbone:
-    """A local Hugging Face directory -> model (all its weights), head weights and tokenizer."""
+    """A local Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer."""
     with phase(f"reading {path}"):
         cfg, state = hf.read_pretrained(Path(path))
     model = load_hf_weights(build_model(cfg), state, path)
     heads = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
-    tok = load_tokenizer_files(str(path), specials) if cfg.family in TEXT_FAMILIES else None
+    if hf.gguf.is_gguf(path):
+        tok = hf.gguf.read_tokenizer(Path(path))
+    else:
+        tok = load_tokenizer_files(str(path), specials) if cfg.family in TEXT_FAMILIES else None
     return Backbone(model, tok, str(path), heads)
 
 
@@ -172,7 +180,7 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
         raise UserError(f"--from {source}: not found")
     family = recipe.model.family if source is None else family_of(source)
     if family is None:
-        raise UserError(f"--from {source}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+        raise unknown_source("--from", source)
     if family not in plugin.families:
         where = f"--from {source}" if source else f"recipe {recipe.name!r}"
         raise UserError(f"{where} describes a {family!r} model; {plugin.kind} {plugin.key!r} trains "

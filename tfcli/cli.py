@@ -226,11 +226,11 @@ def continued_from(source: Optional[str], resume: Optional[str]) -> Optional[str
 
 def family_objective(source: str) -> str:
     """The objective a model family pretrains with (next-token for a GPT, MLM for a BERT, ...)."""
-    from .backbone import family_of
+    from .backbone import family_of, unknown_source
 
     family = family_of(source)
     if family is None:
-        raise UserError(f"--from {source}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+        raise unknown_source("--from", source)
     return registry.objective_for(family)
 
 
@@ -386,17 +386,32 @@ def eval_(
 @app.command()
 @user_errors
 def export(
-    hf: Path = typer.Option(..., "--hf", help="Write a Hugging Face transformers directory here."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="Write a Hugging Face transformers directory here."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Write a GGUF file here (llama-family runs: llama.cpp, Ollama, tfcli)."),
+    gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF matrices: f32, f16 or q8_0 (norms stay f32)."),
     checkpoint: Optional[Path] = CHECKPOINT,
 ):
-    """Export a run (its best checkpoint, else its latest) as a directory transformers can load."""
+    """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
     from . import hf as hf_interop
     from .backbone import from_run
     from .display import console
 
-    backbone = from_run(newest(checkpoint), which="best")
-    arch, loads_with = hf_interop.export(backbone, backbone.recipe, hf)
-    console.print(f"wrote {arch} to {hf}\nload it with:  {loads_with}", soft_wrap=True)
+    if hf is None and gguf is None:
+        raise UserError("name what to write: --hf DIR (transformers) and/or --gguf FILE (llama.cpp)")
+    if gguf is not None and gguf_type not in hf_interop.gguf.WRITE_TYPES:
+        raise UserError(f"--gguf-type {gguf_type}: choose {', '.join(hf_interop.gguf.WRITE_TYPES)}")
+    if gguf is not None and gguf.exists():
+        raise UserError(f"{gguf} exists; choose a new --gguf file")
+    if hf is not None:
+        hf_interop.convert.check_writable(hf)
+        backbone = from_run(newest(checkpoint), which="best")
+        arch, loads_with = hf_interop.export(backbone, backbone.recipe, hf)
+        console.print(f"wrote {arch} to {hf}\nload it with:  {loads_with}", soft_wrap=True)
+    if gguf is not None:
+        backbone = from_run(newest(checkpoint), which="best")
+        arch = hf_interop.export_gguf(backbone, backbone.recipe, gguf, gguf_type)
+        console.print(f"wrote a {gguf_type} GGUF ({arch}) to {gguf}\nrun it with:  tfcli generate --checkpoint {gguf}",
+                      soft_wrap=True)
 
 
 @app.command()

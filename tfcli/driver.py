@@ -310,7 +310,7 @@ def evaluate_pretrained(path: Path, key: Optional[str], settings: dict[str, Any]
     """A Hugging Face model evaluated as task KEY, with the task's recipe for its family."""
     family = backbones.family_of(str(path))
     if family is None:
-        raise UserError(f"--checkpoint {path}: neither a tfcli run nor a Hugging Face model directory (config.json)")
+        raise backbones.unknown_source("--checkpoint", path)
     if key is None or key in registry.OBJECTIVES:
         raise UserError(f"--checkpoint {path} is a Hugging Face model: name the task to evaluate it on "
                         f"(e.g. tfcli eval mnli --checkpoint {path} --cloze)")

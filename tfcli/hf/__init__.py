@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gpt2, llama, t5, vit
+from . import bert, gguf, gpt2, llama, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
 FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
@@ -28,11 +28,17 @@ def family_of_config(raw: dict, where: Path) -> str:
     raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
 
 
+def read_source_config(path: Path) -> dict:
+    """config.json of a transformers directory, or the same read from a GGUF file's metadata."""
+    return gguf.read_config(Path(path)) if gguf.is_gguf(path) else read_config(path)
+
+
 def read_pretrained(path: Path):
-    """A local transformers directory -> (tfcli model config, state dict with model.* and heads.* names)."""
-    raw = read_config(path)
+    """A local transformers directory or a GGUF file -> (tfcli model config, state dict with model.* and
+    heads.* names)."""
+    raw, state = gguf.read(Path(path))[:2] if gguf.is_gguf(path) else (read_config(path), None)
     module = FAMILIES[family_of_config(raw, path)]
-    state = module.normalize(read_state(path))
+    state = module.normalize(state if state is not None else read_state(path))
     try:
         cfg = module.config_from_hf(raw, state)
     except KeyError as e:
@@ -67,3 +73,19 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
     write_dir(out, spec.config, state, files)
     arch = spec.config["architectures"][0]
     return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"
+
+
+def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
+    """Write a backbone as a GGUF file (llama.cpp, Ollama, LM Studio; tfcli and transformers read it
+    back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture holds."""
+    module = FAMILIES.get(backbone.family)
+    if module is None or not hasattr(module, "config_to_hf"):
+        raise UserError(f"export to GGUF is not available for {backbone.family!r} models")
+    adapters.merge(backbone.model)
+    spec = module.export(backbone, recipe)
+    if spec.config.get("model_type") not in gguf.ARCHITECTURES:
+        raise UserError(f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a "
+                        f"{spec.config.get('model_type')!r}")
+    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
+    gguf.write(spec.config, to_hf(tfcli_state(backbone), rules), backbone.tokenizer, Path(out), dtype)
+    return spec.config["model_type"]

@@ -1,0 +1,131 @@
+"""GGUF in and out, on tiny random llama-family models written with gguf's own writer (no download):
+tfcli reads what it writes (f32 exactly, f16 and q8_0 within their rounding), transformers reads the
+same file to the same logits and its tokenizer to the same ids, the chat template survives, q/k rows
+go through llama.cpp's rotary permutation and back; the CLI exports, generates from and finetunes a
+GGUF; unknown architectures, other tokenizers and truncated files are one-line errors."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tfcli import hf
+from tfcli.backbone import for_inference
+from tfcli.data.chat import ChatTemplate
+from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.models.llama import Llama, LlamaConfig
+from tfcli.plugin import Backbone
+
+from .conftest import invoke
+from .test_llama import spread_
+
+TEXTS = ["The capital of France is Paris.", "I have 12345 apples and 3 pears!", "  spaces\tand\nlines  ",
+         "<|im_start|>user\nhi<|im_end|>", "naïve café – déjà vu"]
+
+
+def tiny_backbone(arch: str = "llama", **cfg) -> Backbone:
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    tok.tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.specials = tok.specials.__class__(bos="<|im_start|>", eos="<|im_end|>", pad="<|im_end|>", unk="<|endoftext|>")
+    tok.chat_template = ChatTemplate.load("chatml").source
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=64,
+                              vocab_size=tok.vocab_size, hf_model_type=arch, **cfg)).eval()
+    spread_(model)
+    return Backbone(model, tok, "test")
+
+
+IDS = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(ids))
+
+
+@pytest.mark.parametrize("arch,cfg", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
+                                      ("qwen2", {"qkv_bias": True}),
+                                      # transformers' GGUF reader takes Qwen3's head_dim from its default, 128
+                                      ("qwen3", {"qk_norm": True, "head_dim": 128})])
+def test_tfcli_and_transformers_read_a_written_gguf_alike(arch, cfg, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ours = tiny_backbone(arch, **cfg)
+    want = logits(ours.model)
+    out = tmp_path / "tiny.gguf"
+    assert hf.export_gguf(ours, None, out, "f32") == arch and out.is_file()
+    back = for_inference(out)
+    assert back.cfg == ours.cfg
+    assert (logits(back.model) - want).abs().max() < 1e-5
+    assert back.tokenizer.chat_template == ours.tokenizer.chat_template
+    assert back.tokenizer.specials == ours.tokenizer.specials
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()
+    with torch.no_grad():
+        assert (theirs(IDS).logits - want).abs().max() < 1e-4
+    their_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    for text in TEXTS:
+        assert back.tokenizer.encode(text) == their_tok(text, add_special_tokens=False).input_ids, text
+        assert back.tokenizer.encode(text) == ours.tokenizer.encode(text), text
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("f16", 0.05), ("q8_0", 0.15)])
+def test_f16_and_q8_0_round_trip_within_their_rounding(dtype, tolerance, tmp_path):
+    ours = tiny_backbone()
+    out = tmp_path / f"tiny-{dtype}.gguf"
+    hf.export_gguf(ours, None, out, dtype)
+    want, got = logits(ours.model), logits(for_inference(out).model)
+    assert (got - want).abs().max() < tolerance * want.abs().max()
+    assert out.stat().st_size < (tmp_path / "f32.gguf").stat().st_size if (tmp_path / "f32.gguf").exists() else True
+    import gguf
+
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types == {"F32", dtype.upper()}  # norms stay f32, matrices as asked
+
+
+def test_llama_cpp_row_order_is_undone_on_reading():
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(16, 3).numpy()  # 2 heads of 8 rows
+    assert (hf.gguf._unpermute(hf.gguf._permute(w, 2), 2) == w).all()
+    assert not (hf.gguf._permute(w, 2) == w).all()
+
+
+def test_bad_gguf_files_are_one_line_errors(tmp_path):
+    import gguf
+
+    unknown = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(unknown), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    good = tmp_path / "good.gguf"
+    hf.export_gguf(tiny_backbone(), None, good, "f32")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    garbage = tmp_path / "text.gguf"
+    garbage.write_text("not a gguf at all")
+    for path, message in ((unknown, "GGUF architecture 'mamba' is not supported"), (truncated, "not a readable GGUF"),
+                          (garbage, "not a readable GGUF")):
+        result = invoke("generate", "--checkpoint", path, "--prompt", "hi", "--max-new-tokens", 2)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_text, mnli_dir):
+    from .test_llama_cli import llama_recipe, pretrain
+    from tfcli import recipe as recipes
+
+    run = pretrain(recipes.from_dict(llama_recipe(small_text, steps=4, ckpt_interval=4, eval_interval=4)),
+                   out=tmp_path / "run")
+    out = tmp_path / "model.gguf"
+    result = invoke("export", "--checkpoint", run, "--gguf", out, "--gguf-type", "q8_0")
+    assert result.exit_code == 0, result.output
+    hint = next(line for line in result.output.splitlines() if "run it with:" in line).split("run it with:")[1].split()
+    generated = invoke(*hint[1:], "--prompt", "The", "--max-new-tokens", 6, "--greedy")
+    assert generated.exit_code == 0 and generated.output.startswith("The"), generated.output
+    again = invoke("export", "--checkpoint", run, "--gguf", out)
+    assert again.exit_code == 2 and "exists" in again.output
+    result = invoke("finetune", "mnli", "--from", out, "--data", mnli_dir, "--train", "lora", "--steps", 2,
+                    "--batch-size", 4, "--out", tmp_path / "ft", "--quiet", "--set", "finetune.eval_limit=6")
+    assert result.exit_code == 0, result.output
+    shutil.rmtree(tmp_path / "ft")

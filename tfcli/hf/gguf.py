@@ -1,0 +1,326 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) in and out, through the llama family's own table.
+
+Reading turns a GGUF into what a Hugging Face directory holds (a transformers-style config dict and
+transformers-named tensors, dequantized by the `gguf` package), so `hf/llama.py` maps it like any
+Llama/Qwen2/Qwen3 directory; the tokenizer is rebuilt from `tokenizer.ggml.*` with `tokenizers` (a
+byte-level BPE of the tokens and merges, control tokens kept whole) and the chat template taken from
+`tokenizer.chat_template`. Nothing in a GGUF is executed: gguf's reader memory-maps the file and
+parses its header and tensor table; the template is rendered later in jinja2's sandbox.
+
+llama.cpp stores a `llama` model's q and k rows permuted for its rotary layout (interleaved pairs);
+they are permuted back here, and again on writing (transformers' GGUF loader does the same).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..data.special_tokens import SpecialTokens
+from ..errors import UserError
+
+SUFFIX = ".gguf"
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture -> transformers model_type (same names)
+LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+         "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BYTE_LEVEL_SPLITS = {  # tokenizer.ggml.pre -> the split regex its merges were learned with (else GPT-2's)
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+BYTE_LEVEL_SPLITS["llama3"] = BYTE_LEVEL_SPLITS["llama-v3"] = BYTE_LEVEL_SPLITS["llama-bpe"]
+WRITE_TYPES = ("f32", "f16", "q8_0")
+
+
+def is_gguf(path) -> bool:
+    return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
+
+
+def _reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # a truncated file, a wrong magic number, a bad tensor table
+        raise UserError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+
+
+def _metadata(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field of a type this gguf version cannot decode: not one tfcli reads
+            continue
+    return out
+
+
+def read_config(path: Path) -> dict:
+    """A GGUF's architecture and hyperparameters as a transformers config.json would hold them."""
+    return _config(_metadata(_reader(path)), path)
+
+
+def _config(meta: dict, path: Path) -> dict:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if isinstance(value, list):  # per-layer values: one model-wide value or a refusal
+            if len(set(value)) != 1:
+                raise UserError(f"{path}: {arch}.{key} differs between layers, which tfcli's llama family cannot hold")
+            value = value[0]
+        return float(f"{value:.7g}") if isinstance(value, float) else value  # stored as float32: 1e-05, not 9.99e-06
+
+    n_head, d = get("attention.head_count"), get("embedding_length")
+    if n_head is None or d is None or get("block_count") is None:
+        raise UserError(f"{path}: GGUF lacks {arch}.block_count, embedding_length or attention.head_count")
+    raw = {"model_type": arch, "num_hidden_layers": get("block_count"), "hidden_size": d,
+           "intermediate_size": get("feed_forward_length"), "num_attention_heads": n_head,
+           "num_key_value_heads": get("attention.head_count_kv", n_head),
+           "head_dim": get("attention.key_length", d // n_head), "hidden_act": "silu",
+           "max_position_embeddings": get("context_length", 2048),
+           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5), "rope_theta": get("rope.freq_base", 10000.0),
+           "vocab_size": get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+           "attention_bias": False}
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0),
+                               "original_max_position_embeddings": get("rope.scaling.original_context_length", 0)}
+    return raw
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary row order (pairs interleaved per head) -> transformers' (halves)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """transformers' rotary row order -> llama.cpp's (the inverse of _unpermute)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read(path: Path) -> tuple[dict, dict[str, Tensor], Any]:
+    """A GGUF -> (transformers-style config, transformers-named fp32 tensors, TextTokenizer)."""
+    import gguf
+
+    path = Path(path)
+    reader = _reader(path)
+    meta = _metadata(reader)
+    raw = _config(meta, path)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UserError(f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported")
+    raw["tie_word_embeddings"] = "output.weight" not in names
+    state = {}
+    for t in reader.tensors:
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UserError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize") from None
+        except Exception as e:
+            raise UserError(f"{path}: tensor {t.name} is unreadable ({type(e).__name__}); a truncated file?") from None
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        name = _hf_name(t.name, path)
+        if raw["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]
+            values = _unpermute(values, heads)
+        state[name] = torch.from_numpy(values if values.flags.writeable else values.copy())
+    if any(k.endswith("q_proj.bias") for k in state):
+        raw["attention_bias"] = raw["model_type"] != "qwen2" and any(k.endswith("o_proj.bias") for k in state)
+    return raw, state, tokenizer(meta, path)
+
+
+def _hf_name(name: str, path: Path) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
+        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GLOBAL:
+        return f"{GLOBAL[parts[0]]}.{parts[1]}"
+    raise UserError(f"{path}: tensor {name!r} is not one of a llama-family model's")
+
+
+# --- the tokenizer ----------------------------------------------------------------------------
+
+def read_tokenizer(path: Path):
+    """A GGUF's tokenizer alone (its metadata; no tensor is dequantized)."""
+    return tokenizer(_metadata(_reader(path)), path)
+
+
+def tokenizer(meta: dict, path: Path):
+    """tokenizer.ggml.* -> TextTokenizer: byte-level BPE (tokenizer.ggml.model gpt2) of the file's
+    tokens and merges, control tokens whole, the file's special tokens and chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from ..data.tokenizers import TextTokenizer
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserError(f"{path}: GGUF tokenizer {kind!r} is not supported (tfcli reads byte-level BPE, 'gpt2', "
+                        f"as SmolLM, Llama 3 and Qwen files have)")
+    tokens, merges = list(meta.get("tokenizer.ggml.tokens") or []), list(meta.get("tokenizer.ggml.merges") or [])
+    if not tokens or not merges:
+        raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)},
+                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    split = BYTE_LEVEL_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else \
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    control = [t for t, k in zip(tokens, types) if k == 3 and set(t) <= alphabet]  # 3: CONTROL
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    user = [t for t, k in zip(tokens, types) if k == 4 and set(t) <= alphabet]  # 4: USER_DEFINED
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+    def named(key: str) -> Optional[str]:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    specials = SpecialTokens(bos=named("bos"), eos=named("eos"), pad=named("padding"), unk=named("unknown"))
+    template = meta.get("tokenizer.chat_template")
+    return TextTokenizer(tok, specials, template if isinstance(template, str) else None)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes -> printable characters (the byte-level BPE alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: str = "f16") -> None:
+    """A llama-family model as transformers names it (config and tensors) and its tokenizer -> a GGUF
+    llama.cpp, tfcli and transformers read. Norms stay f32 (as llama.cpp writes them); matrices are
+    `dtype`: f32, f16 or q8_0. Written to a temporary file and renamed: never half a file."""
+    import gguf
+
+    if dtype not in WRITE_TYPES:
+        raise UserError(f"--gguf-type {dtype}: choose {', '.join(WRITE_TYPES)}")
+    arch = hf_config["model_type"]
+    if arch not in ARCHITECTURES:
+        raise UserError(f"GGUF export writes {', '.join(ARCHITECTURES)} models; this is a {arch}")
+    if hf_config.get("sliding_window"):
+        raise UserError("GGUF export: a sliding-window model is not written (llama.cpp's llama architecture has none)")
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"{out} exists; choose a new --gguf file")
+    vocab = _vocab(tok)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    _write_metadata(writer, hf_config, tok, vocab)
+    heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
+    for name, tensor in hf_state.items():
+        values = tensor.detach().float().cpu().numpy()
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads and name.endswith(".weight"):
+            values = _permute(values, heads[proj])
+        qtype = gguf.GGMLQuantizationType.F32
+        if values.ndim == 2 and dtype != "f32":
+            qtype = gguf.GGMLQuantizationType.F16 if dtype == "f16" else gguf.GGMLQuantizationType.Q8_0
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
+            qtype = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of whole 32-value blocks
+        data = values.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else \
+            gguf.quants.quantize(values, qtype) if qtype == gguf.GGMLQuantizationType.Q8_0 else values
+        writer.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _vocab(tok) -> dict:
+    """The tokenizer's byte-level BPE (tokens by id, merges, special tokens), or a one-line refusal."""
+    if tok is None:
+        raise UserError("GGUF export needs the run's tokenizer")
+    raw = json.loads(tok.tok.to_str())
+    model = raw.get("model") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(raw.get("pre_tokenizer")):
+        raise UserError("GGUF export writes byte-level BPE tokenizers (tokenizer.kind bpe); this run's is not one")
+    vocab = dict(model["vocab"])
+    for added in raw.get("added_tokens") or []:
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    special = {a["content"] for a in raw.get("added_tokens") or [] if a.get("special")}
+    return {"tokens": tokens, "merges": merges, "special": special}
+
+
+def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
+    import gguf
+
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_rope_dimension_count(c["head_dim"])
+    writer.add_rope_freq_base(float(c.get("rope_theta", 10000.0)))
+    scaling = c.get("rope_scaling") or {}
+    if scaling.get("rope_type") in ("linear", "yarn"):
+        writer.add_rope_scaling_type(scaling["rope_type"])
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        if scaling.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    elif scaling:
+        raise UserError(f"GGUF export: rope scaling {scaling.get('rope_type')!r} has no GGUF field tfcli writes")
+    writer.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_merges(vocab["merges"])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in vocab["special"] else gguf.TokenType.NORMAL
+                            for t in vocab["tokens"]])
+    for key, text in (("bos", tok.specials.bos), ("eos", tok.specials.eos or tok.tok.id_to_token(tok.eos_id or 0)),
+                      ("pad", tok.specials.pad), ("unk", tok.specials.unk)):
+        i = tok.token_id(text) if text else None
+        if i is not None:
+            getattr(writer, f"add_{key}_token_id")(i)
+    writer.add_add_bos_token(False)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+
+
+def _gguf_name(name: str) -> str:
+    """transformers' tensor name -> llama.cpp's (the inverse of _hf_name)."""
+    inverse_layer, inverse_global = {v: k for k, v in LAYER.items()}, {v: k for k, v in GLOBAL.items()}
+    if name.startswith("model.layers."):
+        _, _, i, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{i}.{inverse_layer[module]}.{kind}"
+    module, kind = name.rsplit(".", 1)
+    return f"{inverse_global[module]}.{kind}"
