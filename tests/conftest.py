@@ -108,11 +108,11 @@ def train_losses(run_dir) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if m.get("split") == "train"}
 
 
-def invoke(*args):
-    """Run the CLI in-process; the Result has exit_code and output."""
+def invoke(*args, input: str = None):
+    """Run the CLI in-process (with `input` on its standard input); the Result has exit_code and output."""
     from tfcli.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
 def set_args(overrides: dict) -> list[str]:

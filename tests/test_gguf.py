@@ -129,3 +129,49 @@ def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_tex
                     "--batch-size", 4, "--out", tmp_path / "ft", "--quiet", "--set", "finetune.eval_limit=6")
     assert result.exit_code == 0, result.output
     shutil.rmtree(tmp_path / "ft")
+
+
+@pytest.fixture(scope="module")
+def chat_gguf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat") / "chat.gguf"
+    hf.export_gguf(tiny_backbone(), None, out, "f32")
+    return out
+
+
+def test_generate_chat_answers_one_templated_turn(chat_gguf):
+    args = ["generate", "--checkpoint", chat_gguf, "--chat", "--prompt", "hello", "--system", "Be brief.",
+            "--greedy", "--max-new-tokens", 6]
+    first, second = invoke(*args), invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert first.output == second.output and "<|im_start|>" not in first.output and "hello" not in first.output
+
+
+def test_chat_keeps_the_conversation_and_starts_over_on_reset(chat_gguf):
+    from tfcli.backbone import for_inference
+    from tfcli.data.chat import ChatTemplate
+    from tfcli.generate import reply
+
+    result = invoke("chat", "--checkpoint", chat_gguf, "--greedy", "--max-new-tokens", 5,
+                    input="hello\nhow are you\n/reset\nhello\n/exit\nnever read\n")
+    assert result.exit_code == 0, result.output
+    first, second, third = result.output.splitlines()[:3]
+    assert third == first  # after /reset the same question gets the same greedy answer
+    backbone = for_inference(chat_gguf)
+    template = ChatTemplate(backbone.tokenizer.chat_template)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "how are you"}]
+    sampling = dict(max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0)
+    assert "".join(reply(backbone, template, history, **sampling)) == second  # the second turn saw the first
+
+
+def test_chat_needs_a_template_and_a_decoder(tmp_path, small_text):
+    from .test_llama_cli import llama_recipe, pretrain
+    from tfcli import recipe as recipes
+
+    run = pretrain(recipes.from_dict(llama_recipe(small_text, steps=2, ckpt_interval=2, eval_interval=2)),
+                   out=tmp_path / "run")
+    result = invoke("generate", "--checkpoint", run, "--chat", "--prompt", "hi")
+    assert result.exit_code == 2 and "no chat template; pass --chat-template" in result.output, result.output
+    result = invoke("generate", "--checkpoint", run, "--chat", "--prompt", "hi", "--chat-template", "chatml",
+                    "--max-new-tokens", 3, "--greedy")
+    assert result.exit_code == 0, result.output

@@ -73,3 +73,12 @@ def test_tokenizer_ids_match_transformers_on_gsm8k_and_mnli(both, shared_data):
     premises = [json.loads(l)["premise"] for l in (shared_data / "mnli" / "train.jsonl").open()][:200]
     for text in questions + premises:
         assert ours.tokenizer.encode(text) == their_tok(text, add_special_tokens=False).input_ids, text
+
+
+def test_generate_chat_answers_in_the_models_own_template_and_stops_at_end_of_turn():
+    from .conftest import invoke
+
+    result = invoke("generate", "--checkpoint", GGUF, "--chat", "--greedy", "--max-new-tokens", 40,
+                    "--prompt", "What is the capital of France? Answer in one word.")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output and "<|im_end|>" not in result.output and len(result.output) < 120

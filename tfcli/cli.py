@@ -414,42 +414,131 @@ def export(
                       soft_wrap=True)
 
 
+SAMPLING_HELP = dict(
+    max_new_tokens="Most tokens to generate.", temperature="Sampling temperature; 0 is greedy.",
+    top_k="Sample among the k most likely tokens (0: all).",
+    top_p="Nucleus sampling: smallest set with this much probability (1: off).")
+GENERATOR_HELP = "A run or checkpoint, a Hugging Face directory, a GGUF file or a hub id in the local cache " \
+                 "[default: the newest run under runs/ that can generate]."
+TEMPLATE_HELP = "A chat template tfcli ships (chatml, llama-3-instruct, ...) or a .jinja file [default: the model's own]."
+
+
+def generator(command: str, checkpoint: Optional[Path], device: Optional[str], kinds_wanted=None):
+    """(the backbone a generating command runs, its device): a decoder or encoder-decoder, refused in
+    one line otherwise."""
+    from .backbone import for_inference
+    from .models import families_of, kinds
+    from .runtime import pick_device
+
+    wanted = kinds_wanted or kinds.GENERATIVE
+    check_device(device)
+    dev = pick_device(device or "auto")
+    backbone = for_inference(newest(checkpoint, families=families_of(wanted)), device=str(dev))
+    if backbone.model.kind not in wanted:
+        described = " or ".join(f"{k} ({', '.join(families_of((k,)))})" for k in wanted)
+        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; {command} needs a {described} checkpoint")
+    return backbone, dev
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+
+
 @app.command()
 @user_errors
 def generate(
-    prompt: str = typer.Option("", help="Text to continue."),
-    checkpoint: Optional[Path] = typer.Option(None, help="A run or checkpoint, a Hugging Face directory or a hub id in the local cache [default: the newest run under runs/ that can generate]."),
-    max_new_tokens: int = typer.Option(200, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.8, help="Sampling temperature; 0 is greedy."),
-    top_k: int = typer.Option(50, help="Sample among the k most likely tokens (0: all)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling: smallest set with this much probability (1: off)."),
+    prompt: str = typer.Option("", help="Text to continue (with --chat: the user's message)."),
+    checkpoint: Optional[Path] = typer.Option(None, help=GENERATOR_HELP),
+    chat: bool = typer.Option(False, "--chat", help="Answer --prompt as one chat turn, in the model's chat template."),
+    system: Optional[str] = typer.Option(None, help="--chat: a system message first."),
+    chat_template: Optional[str] = typer.Option(None, help=TEMPLATE_HELP),
+    max_new_tokens: int = typer.Option(200, help=SAMPLING_HELP["max_new_tokens"]),
+    temperature: float = typer.Option(0.8, help=SAMPLING_HELP["temperature"]),
+    top_k: int = typer.Option(50, help=SAMPLING_HELP["top_k"]),
+    top_p: float = typer.Option(1.0, help=SAMPLING_HELP["top_p"]),
     greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token (same as --temperature 0)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
     seed: Optional[int] = typer.Option(None, help="Random seed for reproducible samples [default: unseeded]."),
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
-    from .backbone import for_inference
-    from .generate import stream
-    from .models import families_of, kinds
-    from .runtime import autocast_context, pick_device
+    from .data.chat import for_model
+    from .generate import reply, stream
+    from .models import kinds
+    from .runtime import autocast_context
 
-    if max_new_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    check_device(device)
-    dev = pick_device(device or "auto")
-    backbone = for_inference(newest(checkpoint, families=families_of(kinds.GENERATIVE)), device=str(dev))
-    if backbone.model.kind not in kinds.GENERATIVE:
-        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; generate needs a decoder "
-                        f"({', '.join(families_of((kinds.DECODER,)))}) or encoder-decoder "
-                        f"({', '.join(families_of((kinds.ENCODER_DECODER,)))}) checkpoint")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    backbone, dev = generator("generate --chat" if chat else "generate", checkpoint, device,
+                              (kinds.DECODER,) if chat else None)
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
                     top_p=top_p, use_cache=not no_cache, seed=seed)
+    if chat:
+        if not prompt:
+            raise UserError("--chat answers --prompt: give the user's message")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        pieces = reply(backbone, for_model(backbone.tokenizer, chat_template), messages, **sampling)
+    else:
+        pieces = stream(backbone, prompt, **sampling)
     with autocast_context(precision or "fp32", dev):
-        for text in stream(backbone, prompt, **sampling):
+        for text in pieces:
             sys.stdout.write(text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+@app.command("chat")
+@user_errors
+def chat_command(
+    checkpoint: Optional[Path] = typer.Option(None, help=GENERATOR_HELP),
+    system: Optional[str] = typer.Option(None, help="A system message, kept through /reset."),
+    chat_template: Optional[str] = typer.Option(None, help=TEMPLATE_HELP),
+    max_new_tokens: int = typer.Option(256, help=SAMPLING_HELP["max_new_tokens"]),
+    temperature: float = typer.Option(0.7, help=SAMPLING_HELP["temperature"]),
+    top_k: int = typer.Option(50, help=SAMPLING_HELP["top_k"]),
+    top_p: float = typer.Option(0.9, help=SAMPLING_HELP["top_p"]),
+    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible replies [default: unseeded]."),
+    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
+):
+    """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
+    /reset starts over, /exit (or end of input) ends."""
+    from .data.chat import for_model
+    from .generate import reply
+    from .models import kinds
+    from .runtime import autocast_context
+
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    backbone, dev = generator("chat", checkpoint, device, (kinds.DECODER,))
+    template = for_model(backbone.tokenizer, chat_template)
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
+                    top_p=top_p, seed=seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        sys.stdout.write(f"chatting with {backbone.checkpoint} (/reset starts over, /exit ends)\n")
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        answer = []
+        with autocast_context(precision or "fp32", dev):
+            for text in reply(backbone, template, messages, **sampling):
+                answer.append(text)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(answer)})
 
 
 @app.command()

@@ -69,18 +69,19 @@ class ColumnSplitHead:
 @torch.no_grad()
 def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_tokens: int,
                   temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
-                  seed: Optional[int], device: torch.device) -> Iterator[int]:
-    """Sample up to max_new_tokens ids, stopping at EOS, for any autoregressive model.
+                  seed: Optional[int], device: torch.device, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+    """Sample up to max_new_tokens ids, stopping at EOS (or any of stop_ids: a chat model's end of
+    turn), for any autoregressive model.
 
     next_logits(previous) gets the id just sampled, (B, 1), or None before the first step, and
     returns the (B, V) logits of the next position: the model-specific part (cache, windows)."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    previous = None
+    previous, stops = None, set(stop_ids) | ({eos_id} if eos_id is not None else set())
     for _ in range(max_new_tokens):
         nxt = sample_next(next_logits(previous), temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=generator)
         token = int(nxt[0])
-        if eos_id is not None and token == eos_id:
+        if token in stops:
             return
         yield token
         previous = nxt[:, None]
@@ -89,7 +90,7 @@ def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_
 @torch.no_grad()
 def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, temperature: float = 1.0,
                     top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None, use_cache: bool = True,
-                    seed: Optional[int] = None) -> Iterator[int]:
+                    seed: Optional[int] = None, stop_ids: Iterable[int] = ()) -> Iterator[int]:
     """Yield new token ids for a decoder (`model(ids, caches) -> hidden`, `model.logits(hidden)`).
 
     prompt (1, T). The model sees at most its context of the latest tokens; once a sequence
@@ -113,7 +114,7 @@ def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, te
         return logits(hidden[:, -1])
 
     return sampling_loop(next_logits, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, eos_id=eos_id, seed=seed, device=prompt.device)
+                         top_p=top_p, eos_id=eos_id, seed=seed, device=prompt.device, stop_ids=stop_ids)
 
 
 @torch.no_grad()
@@ -247,4 +248,29 @@ def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, to
         yield prompt
         tokens = generate_tokens(model, torch.tensor([ids], device=device), **sampling)
     for token in tokens:
+        yield streamer.push(token)
+
+
+def reply(backbone, template, messages: list[dict], *, max_new_tokens: int, temperature: float, top_k: int,
+          top_p: float, seed: Optional[int] = None, use_cache: bool = True) -> Iterator[str]:
+    """A chat model's next turn, piece by piece: the conversation rendered by `template` (a
+    data.chat.ChatTemplate) with the assistant's header, then tokens until an end-of-turn or
+    end-of-text token. Oldest exchanges are left out (the system message kept) while the
+    conversation and the reply would not fit the context."""
+    from .data.chat import stop_ids
+
+    tok, model = backbone.tokenizer, backbone.model
+    if model.kind != kinds.DECODER:
+        raise UserError(f"chat needs a decoder; this is a {backbone.family} ({model.kind})")
+    messages = list(messages)
+    ids = template.render(tok, messages, add_generation_prompt=True).ids
+    while len(ids) + max_new_tokens > model.cfg.max_seq_len and sum(m["role"] != "system" for m in messages) > 1:
+        first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+        del messages[first: first + 2]  # a user turn and the reply to it
+        ids = template.render(tok, messages, add_generation_prompt=True).ids
+    device = next(model.parameters()).device
+    streamer = TextStreamer(tok.decode)
+    for token in generate_tokens(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tok.eos_id,
+                                 use_cache=use_cache, seed=seed, stop_ids=stop_ids(tok)):
         yield streamer.push(token)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 from ..errors import UserError, short
 from .special_tokens import template_of
@@ -142,3 +143,22 @@ def _compile(source: str, where: str):
 
 def shipped_templates() -> list[str]:
     return sorted(p.stem for p in SHIPPED_DIR.glob("*.jinja"))
+
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """Where a chat reply ends: the tokenizer's end of text and the end-of-turn tokens it has."""
+    ids = {tokenizer.token_id(t) for t in END_OF_TURN} | {tokenizer.eos_id}
+    return {i for i in ids if i is not None}
+
+
+def for_model(tokenizer, name: Optional[str] = None) -> "ChatTemplate":
+    """--chat-template NAME|FILE, else the model's own template, else a one-line refusal naming both."""
+    if name:
+        return ChatTemplate.load(name)
+    if not tokenizer.chat_template:
+        raise UserError(f"this model has no chat template; pass --chat-template with one of "
+                        f"{', '.join(shipped_templates())} or a .jinja file")
+    return ChatTemplate(tokenizer.chat_template, "the model's chat template")
