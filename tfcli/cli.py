@@ -389,6 +389,7 @@ def export(
     hf: Optional[Path] = typer.Option(None, "--hf", help="Write a Hugging Face transformers directory here."),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="Write a GGUF file here (llama-family runs: llama.cpp, Ollama, tfcli)."),
     gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF matrices: f32, f16 or q8_0 (norms stay f32)."),
+    peft: Optional[Path] = typer.Option(None, "--peft", help="A LoRA run: write its adapters, unmerged, as a PEFT directory here."),
     checkpoint: Optional[Path] = CHECKPOINT,
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
@@ -396,8 +397,17 @@ def export(
     from .backbone import from_run
     from .display import console
 
-    if hf is None and gguf is None:
-        raise UserError("name what to write: --hf DIR (transformers) and/or --gguf FILE (llama.cpp)")
+    if hf is None and gguf is None and peft is None:
+        raise UserError("name what to write: --hf DIR (transformers), --gguf FILE (llama.cpp) and/or --peft DIR "
+                        "(a LoRA run's adapters)")
+    if peft is not None:  # first: the adapters unmerged (the other exports merge them)
+        from .backbone import recorded
+        from .checkpoint import run_dir_of
+
+        backbone = from_run(newest(checkpoint), which="best")
+        base = recorded(run_dir_of(backbone.checkpoint)).get("from") or "(the run's base model)"
+        loads_with = hf_interop.export_peft(backbone, backbone.recipe, base, peft)
+        console.print(f"wrote LoRA adapters to {peft}\nload them with:  {loads_with}", soft_wrap=True)
     if gguf is not None and gguf_type not in hf_interop.gguf.WRITE_TYPES:
         raise UserError(f"--gguf-type {gguf_type}: choose {', '.join(hf_interop.gguf.WRITE_TYPES)}")
     if gguf is not None and gguf.exists():

@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gguf, gpt2, llama, t5, vit
+from . import bert, gguf, gpt2, llama, peft, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
 FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
@@ -89,3 +89,22 @@ def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
     gguf.write(spec.config, to_hf(tfcli_state(backbone), rules), backbone.tokenizer, Path(out), dtype)
     return spec.config["model_type"]
+
+
+def export_peft(backbone, recipe, base: str, out: Path) -> str:
+    """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it."""
+    module = FAMILIES.get(backbone.family)
+    if module is None:
+        raise UserError(f"export --peft is not available for {backbone.family!r} models")
+    peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
+    auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(backbone.model.kind,
+                                                                                               "AutoModel")
+    if gguf.is_gguf(base):
+        load = f"transformers.{auto}.from_pretrained({str(Path(base).parent)!r}, gguf_file={Path(base).name!r})"
+    elif (Path(base) / "config.json").is_file() or not Path(base).exists():  # a directory, or a hub id
+        load = f"transformers.{auto}.from_pretrained({base!r})"
+    else:  # a tfcli run: transformers reads its export
+        exported = f"{out}-base"
+        return (f"tfcli export --checkpoint {base} --hf {exported}, then peft.PeftModel.from_pretrained("
+                f"transformers.{auto}.from_pretrained({exported!r}), {str(out)!r})")
+    return f"peft.PeftModel.from_pretrained({load}, {str(out)!r})"

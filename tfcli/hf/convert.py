@@ -160,14 +160,16 @@ def check_writable(out: Path) -> None:
         raise UserError(f"{out} exists and is not an empty directory; choose a new --hf directory")
 
 
-def write_dir(out: Path, config: dict, state: dict[str, Tensor], files: dict[str, str]) -> None:
-    """config.json, model.safetensors and the given text files, readable by everyone (0644)."""
+def write_dir(out: Path, config: dict, state: dict[str, Tensor], files: dict[str, str],
+              weights: str = "model.safetensors", config_name: Optional[str] = CONFIG) -> None:
+    """config.json, model.safetensors (or `weights`) and the given text files, readable by everyone (0644)."""
     check_writable(out)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    save_file(tensors, str(out / weights), metadata={"format": "pt"})
+    if config_name:
+        (out / config_name).write_text(json.dumps(config, indent=2))
     for name, content in files.items():  # names may hold a folder (sentence-transformers' 1_Pooling/config.json)
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(content) if isinstance(content, bytes) else (out / name).write_text(content)
