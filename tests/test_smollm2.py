@@ -82,3 +82,15 @@ def test_generate_chat_answers_in_the_models_own_template_and_stops_at_end_of_tu
                     "--prompt", "What is the capital of France? Answer in one word.")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output and "<|im_end|>" not in result.output and len(result.output) < 120
+
+
+def test_chat_and_a_lora_finetune_run_on_the_real_file(tmp_path, mnli_dir):
+    from .conftest import invoke
+
+    result = invoke("chat", "--checkpoint", GGUF, "--system", "You are brief.", "--greedy", "--max-new-tokens", 24,
+                    input="Name a primary colour.\n/reset\n/exit\n")
+    assert result.exit_code == 0 and result.output.strip(), result.output
+    result = invoke("finetune", "mnli", "--from", GGUF, "--data", mnli_dir, "--train", "lora", "--steps", 2,
+                    "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=6",
+                    "--set", "finetune.limit=16")
+    assert result.exit_code == 0, result.output
