@@ -431,6 +431,11 @@ SAMPLING_HELP = dict(
 GENERATOR_HELP = "A run or checkpoint, a Hugging Face directory, a GGUF file or a hub id in the local cache " \
                  "[default: the newest run under runs/ that can generate]."
 TEMPLATE_HELP = "A chat template tfcli ships (chatml, llama-3-instruct, ...) or a .jinja file [default: the model's own]."
+GENERATOR = typer.Option(None, help=GENERATOR_HELP)
+CHAT_TEMPLATE = typer.Option(None, help=TEMPLATE_HELP)
+TOP_K = typer.Option(50, help=SAMPLING_HELP["top_k"])
+GREEDY = typer.Option(False, "--greedy", help="Always take the most likely token (same as --temperature 0).")
+SAMPLING_SEED = typer.Option(None, help="Random seed for reproducible samples [default: unseeded].")
 
 
 def generator(command: str, checkpoint: Optional[Path], device: Optional[str], kinds_wanted=None):
@@ -459,17 +464,17 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 @user_errors
 def generate(
     prompt: str = typer.Option("", help="Text to continue (with --chat: the user's message)."),
-    checkpoint: Optional[Path] = typer.Option(None, help=GENERATOR_HELP),
+    checkpoint: Optional[Path] = GENERATOR,
     chat: bool = typer.Option(False, "--chat", help="Answer --prompt as one chat turn, in the model's chat template."),
     system: Optional[str] = typer.Option(None, help="--chat: a system message first."),
-    chat_template: Optional[str] = typer.Option(None, help=TEMPLATE_HELP),
+    chat_template: Optional[str] = CHAT_TEMPLATE,
     max_new_tokens: int = typer.Option(200, help=SAMPLING_HELP["max_new_tokens"]),
     temperature: float = typer.Option(0.8, help=SAMPLING_HELP["temperature"]),
-    top_k: int = typer.Option(50, help=SAMPLING_HELP["top_k"]),
+    top_k: int = TOP_K,
     top_p: float = typer.Option(1.0, help=SAMPLING_HELP["top_p"]),
-    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token (same as --temperature 0)."),
+    greedy: bool = GREEDY,
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible samples [default: unseeded]."),
+    seed: Optional[int] = SAMPLING_SEED,
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
@@ -500,15 +505,15 @@ def generate(
 @app.command("chat")
 @user_errors
 def chat_command(
-    checkpoint: Optional[Path] = typer.Option(None, help=GENERATOR_HELP),
-    system: Optional[str] = typer.Option(None, help="A system message, kept through /reset."),
-    chat_template: Optional[str] = typer.Option(None, help=TEMPLATE_HELP),
+    checkpoint: Optional[Path] = GENERATOR,
+    chat_template: Optional[str] = CHAT_TEMPLATE,
+    greedy: bool = GREEDY,
     max_new_tokens: int = typer.Option(256, help=SAMPLING_HELP["max_new_tokens"]),
     temperature: float = typer.Option(0.7, help=SAMPLING_HELP["temperature"]),
-    top_k: int = typer.Option(50, help=SAMPLING_HELP["top_k"]),
+    top_k: int = TOP_K,
     top_p: float = typer.Option(0.9, help=SAMPLING_HELP["top_p"]),
-    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible replies [default: unseeded]."),
+    system: Optional[str] = typer.Option(None, help="A system message, kept through /reset."),
+    seed: Optional[int] = SAMPLING_SEED,
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
 ):
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
