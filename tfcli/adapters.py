@@ -43,12 +43,17 @@ def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> Optional[tup
     return None
 
 
-def _flatten_stacked(key: str, name: str):
+def adapted_widths(widths: tuple[int, ...], enabled: list[bool]) -> tuple[int, ...]:
+    """The widths of the parts that carry an adapter, in output order."""
+    return tuple(w for w, on in zip(widths, enabled) if on)
+
+
+def _flatten_stacked(name: str, stacked_dims: int):
     """A load_state_dict pre-hook: adapters saved before parts had their own widths stored `name`
     as (parts, width, ...); the flat layout is the same numbers, concatenated."""
     def hook(state_dict, prefix, *args):
         t = state_dict.get(prefix + name)
-        if t is not None and t.dim() == (3 if key == "lora" else 2):
+        if t is not None and t.dim() == stacked_dims:
             state_dict[prefix + name] = t.flatten(0, 1)
     return hook
 
@@ -65,20 +70,18 @@ class LoRALinear(nn.Module):
         self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
         n = sum(self.enabled)
         self.lora_a = nn.Parameter(torch.empty(n, cfg.rank, base.in_features))  # (parts, r, D_in)
-        self.lora_b = nn.Parameter(torch.zeros(sum(self.adapted_widths()), cfg.rank))  # (adapted parts' widths, r)
+        self.adapted = adapted_widths(self.widths, self.enabled)
+        self.lora_b = nn.Parameter(torch.zeros(sum(self.adapted), cfg.rank))  # (adapted parts' widths, r)
         nn.init.kaiming_uniform_(self.lora_a.view(-1, base.in_features), a=math.sqrt(5))
-        self._register_load_state_dict_pre_hook(_flatten_stacked("lora", "lora_b"))
+        self._register_load_state_dict_pre_hook(_flatten_stacked("lora_b", 3))
 
     def scaled_b(self) -> Tensor:
         """(out, parts * r): each adapted part's B, times alpha / r, on a block diagonal; zero rows for
         the parts left alone. One matrix, so the update is two plain linears with no output-sized
         concatenation kept for the backward pass."""
-        blocks = iter((self.lora_b * self.scale).split(self.adapted_widths()))  # each (W_part, r)
+        blocks = iter((self.lora_b * self.scale).split(self.adapted))  # each (W_part, r)
         return torch.block_diag(*[next(blocks) if on else self.lora_b.new_zeros(w, 0)
                                   for w, on in zip(self.widths, self.enabled)])
-
-    def adapted_widths(self) -> list[int]:
-        return [w for w, on in zip(self.widths, self.enabled) if on]
 
     def delta_weight(self) -> Tensor:
         """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
@@ -112,13 +115,14 @@ class IA3Linear(nn.Module):
             self.ia3 = nn.Parameter(torch.ones(base.in_features))
         else:
             self.enabled = [p in ("k", "v") for p in self.parts]
-            self.ia3 = nn.Parameter(torch.ones(sum(w for w, on in zip(self.widths, self.enabled) if on)))
-            self._register_load_state_dict_pre_hook(_flatten_stacked("ia3", "ia3"))
+            self.adapted = adapted_widths(self.widths, self.enabled)
+            self.ia3 = nn.Parameter(torch.ones(sum(self.adapted)))
+            self._register_load_state_dict_pre_hook(_flatten_stacked("ia3", 2))
 
     def scale_vector(self) -> Tensor:
         if self.on_input:
             return self.ia3
-        pieces = iter(self.ia3.split([w for w, on in zip(self.widths, self.enabled) if on]))
+        pieces = iter(self.ia3.split(self.adapted))
         return torch.cat([next(pieces) if on else self.ia3.new_ones(w)
                           for w, on in zip(self.widths, self.enabled)])  # (out,)
 

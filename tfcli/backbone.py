@@ -20,7 +20,7 @@ from .data.store import is_store
 from .data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
 from .display import phase
 from .errors import UserError
-from .models import TEXT_FAMILIES, build_model
+from .models import TEXT_FAMILIES, build_model, model_class
 from .plugin import Backbone
 from .runtime import Runtime
 
@@ -116,7 +116,7 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
 def for_inference(path: Path, device: str = "cpu") -> Backbone:
     """What `--checkpoint` names, in eval mode on `device`: a tfcli run or checkpoint, a local Hugging
     Face directory, or a hub id in the local cache (generate and eval take the same things)."""
-    from . import hub, registry
+    from . import hub
 
     path = hub.resolve(str(path), "--checkpoint")
     if is_run(path) or looks_like_run(path):
@@ -124,9 +124,7 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
     family = family_of(str(path))
     if family is None:
         raise unknown_source("--checkpoint", path)
-    objective = registry.plugin_class("objective", registry.objective_for(family))
-    specials = objective(Runtime(torch.device("cpu")), True).special_tokens(family)
-    backbone = from_hf(path, specials)
+    backbone = from_hf(path, list(model_class(family).special_tokens))
     backbone.model.to(device).eval()
     backbone.checkpoint = path
     return backbone

@@ -400,25 +400,24 @@ def export(
     if hf is None and gguf is None and peft is None:
         raise UserError("name what to write: --hf DIR (transformers), --gguf FILE (llama.cpp) and/or --peft DIR "
                         "(a LoRA run's adapters)")
-    if peft is not None:  # first: the adapters unmerged (the other exports merge them)
-        from .backbone import recorded
-        from .checkpoint import run_dir_of
-
-        backbone = from_run(newest(checkpoint), which="best")
-        base = recorded(run_dir_of(backbone.checkpoint)).get("from") or "(the run's base model)"
-        loads_with = hf_interop.export_peft(backbone, backbone.recipe, base, peft)
-        console.print(f"wrote LoRA adapters to {peft}\nload them with:  {loads_with}", soft_wrap=True)
     if gguf is not None and gguf_type not in hf_interop.gguf.WRITE_TYPES:
         raise UserError(f"--gguf-type {gguf_type}: choose {', '.join(hf_interop.gguf.WRITE_TYPES)}")
     if gguf is not None and gguf.exists():
         raise UserError(f"{gguf} exists; choose a new --gguf file")
     if hf is not None:
         hf_interop.convert.check_writable(hf)
-        backbone = from_run(newest(checkpoint), which="best")
+    backbone = from_run(newest(checkpoint), which="best")
+    if peft is not None:  # first: the adapters unmerged (the other exports merge them into the model)
+        from .backbone import recorded
+        from .checkpoint import run_dir_of
+
+        base = recorded(run_dir_of(backbone.checkpoint)).get("from") or "(the run's base model)"
+        loads_with = hf_interop.export_peft(backbone, backbone.recipe, base, peft)
+        console.print(f"wrote LoRA adapters to {peft}\nload them with:  {loads_with}", soft_wrap=True)
+    if hf is not None:
         arch, loads_with = hf_interop.export(backbone, backbone.recipe, hf)
         console.print(f"wrote {arch} to {hf}\nload it with:  {loads_with}", soft_wrap=True)
     if gguf is not None:
-        backbone = from_run(newest(checkpoint), which="best")
         arch = hf_interop.export_gguf(backbone, backbone.recipe, gguf, gguf_type)
         console.print(f"wrote a {gguf_type} GGUF ({arch}) to {gguf}\nrun it with:  tfcli generate --checkpoint {gguf}",
                       soft_wrap=True)

@@ -158,8 +158,6 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token")
     width = max(lengths)
-    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)  # (B, L) left padding
-    ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
     if model.kind == kinds.ENCODER_DECODER:  # the input right-padded, the decoder from start_id
         ids, mask = _right_padded(prompts, pad_id, device)
         encoded = model.encode(ids, mask)  # (B, S, D)
@@ -170,6 +168,8 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens
         def step(tokens: Tensor) -> Tensor:
             return model.decode(tokens, encoded, mask, caches)
     else:
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)  # (B, L) left padding
+        ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
         steps = min(max_new_tokens, model.cfg.max_seq_len - width)
         caches = model.new_caches(width + steps)
         first = model(ids, caches, key_mask=mask)
@@ -231,23 +231,29 @@ def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, to
     device = next(model.parameters()).device
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     eos_id=tok.eos_id, use_cache=use_cache, seed=seed)
-    if model.kind == kinds.ENCODER_DECODER:
-        if not prompt:
-            raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
-                            "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
-        ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
-        streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))
-        tokens = generate_seq2seq(model, ids, start_id=type(model).pad_id(tok), **sampling)
-    else:
+    if model.kind != kinds.ENCODER_DECODER:
         ids = tok.encode(prompt) if prompt else []
         if not ids:
             if tok.eos_id is None:
                 raise UserError("give a non-empty --prompt (this tokenizer has no end-of-text token to start from)")
             ids = [tok.eos_id]
-        streamer = TextStreamer(tok.decode)
         yield prompt
-        tokens = generate_tokens(model, torch.tensor([ids], device=device), **sampling)
-    for token in tokens:
+        yield from continuation(model, tok, ids, **sampling)
+        return
+    if not prompt:
+        raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
+                        "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
+    ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
+    streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))
+    for token in generate_seq2seq(model, ids, start_id=type(model).pad_id(tok), **sampling):
+        yield streamer.push(token)
+
+
+def continuation(model: nn.Module, tok, ids: list[int], **sampling) -> Iterator[str]:
+    """A decoder's text after `ids`, piece by piece as its tokens are sampled (generate_tokens'
+    keyword arguments: max_new_tokens, temperature, ..., eos_id, stop_ids)."""
+    streamer = TextStreamer(tok.decode)
+    for token in generate_tokens(model, torch.tensor([ids], device=next(model.parameters()).device), **sampling):
         yield streamer.push(token)
 
 
@@ -268,9 +274,5 @@ def reply(backbone, template, messages: list[dict], *, max_new_tokens: int, temp
         first = next(i for i, m in enumerate(messages) if m["role"] != "system")
         del messages[first: first + 2]  # a user turn and the reply to it
         ids = template.render(tok, messages, add_generation_prompt=True).ids
-    device = next(model.parameters()).device
-    streamer = TextStreamer(tok.decode)
-    for token in generate_tokens(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tok.eos_id,
-                                 use_cache=use_cache, seed=seed, stop_ids=stop_ids(tok)):
-        yield streamer.push(token)
+    yield from continuation(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, eos_id=tok.eos_id, use_cache=use_cache, seed=seed, stop_ids=stop_ids(tok))

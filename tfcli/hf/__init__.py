@@ -36,7 +36,7 @@ def read_source_config(path: Path) -> dict:
 def read_pretrained(path: Path):
     """A local transformers directory or a GGUF file -> (tfcli model config, state dict with model.* and
     heads.* names)."""
-    raw, state = gguf.read(Path(path))[:2] if gguf.is_gguf(path) else (read_config(path), None)
+    raw, state = gguf.read(Path(path)) if gguf.is_gguf(path) else (read_config(path), None)
     module = FAMILIES[family_of_config(raw, path)]
     state = module.normalize(state if state is not None else read_state(path))
     try:
@@ -54,17 +54,30 @@ def tfcli_state(backbone) -> dict[str, Tensor]:
             **{f"heads.{k}": v for k, v in backbone.heads.items()}}
 
 
+def family_module(backbone, what: str):
+    """The family's table module, or one line saying `what` is not available for it."""
+    module = FAMILIES.get(backbone.family)
+    if module is None:
+        raise UserError(f"{what} is not available for {backbone.family!r} models")
+    return module
+
+
+def merged_export(backbone, recipe, what: str):
+    """(the family's Export, the merged model's tensors under transformers' names): what a transformers
+    directory and a GGUF file both hold. LoRA / IA3 are folded in, in place."""
+    module = family_module(backbone, what)
+    adapters.merge(backbone.model)
+    spec = module.export(backbone, recipe)
+    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
+    return spec, to_hf(tfcli_state(backbone), rules)
+
+
 def export(backbone, recipe, out: Path) -> tuple[str, str]:
     """Write a backbone (model, heads, tokenizer) as a transformers directory; return (its
     architecture, how to load it)."""
-    module = FAMILIES.get(backbone.family)
-    if module is None:
-        raise UserError(f"export to Hugging Face is not available for {backbone.family!r} models")
     check_writable(out)
-    adapters.merge(backbone.model)  # LoRA / IA3 folded in: transformers gets a plain model
-    spec = module.export(backbone, recipe)
-    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
-    state = {**to_hf(tfcli_state(backbone), rules), **spec.extra_tensors}
+    spec, state = merged_export(backbone, recipe, "export to Hugging Face")
+    state = {**state, **spec.extra_tensors}
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     files = {**files, **spec.files}
     if backbone.tokenizer is not None and backbone.tokenizer.chat_template:  # the format the model answers in
@@ -78,24 +91,17 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
 def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     """Write a backbone as a GGUF file (llama.cpp, Ollama, LM Studio; tfcli and transformers read it
     back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture holds."""
-    module = FAMILIES.get(backbone.family)
-    if module is None or not hasattr(module, "config_to_hf"):
-        raise UserError(f"export to GGUF is not available for {backbone.family!r} models")
-    adapters.merge(backbone.model)
-    spec = module.export(backbone, recipe)
+    spec, state = merged_export(backbone, recipe, "export to GGUF")
     if spec.config.get("model_type") not in gguf.ARCHITECTURES:
         raise UserError(f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a "
                         f"{spec.config.get('model_type')!r}")
-    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
-    gguf.write(spec.config, to_hf(tfcli_state(backbone), rules), backbone.tokenizer, Path(out), dtype)
+    gguf.write(spec.config, state, backbone.tokenizer, Path(out), dtype)
     return spec.config["model_type"]
 
 
 def export_peft(backbone, recipe, base: str, out: Path) -> str:
     """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it."""
-    module = FAMILIES.get(backbone.family)
-    if module is None:
-        raise UserError(f"export --peft is not available for {backbone.family!r} models")
+    module = family_module(backbone, "export --peft")
     peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
     auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(backbone.model.kind,
                                                                                                "AutoModel")

@@ -13,6 +13,7 @@ they are permuted back here, and again on writing (transformers' GGUF loader doe
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +45,20 @@ def is_gguf(path) -> bool:
     return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
 
 
+def _opened(path: Path) -> tuple[Any, dict[str, Any]]:
+    """(gguf's reader, the metadata) of a file, parsed once however often a command asks (the family,
+    the weights, the tokenizer): parsing SmolLM2's header takes 1.7 s. Keyed by size and mtime, so a
+    rewritten file is read again."""
+    stat = Path(path).stat()
+    return _open_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _open_cached(path: str, size: int, mtime_ns: int) -> tuple[Any, dict[str, Any]]:
+    reader = _reader(Path(path))
+    return reader, _metadata(reader)
+
+
 def _reader(path: Path):
     import gguf
 
@@ -65,7 +80,7 @@ def _metadata(reader) -> dict[str, Any]:
 
 def read_config(path: Path) -> dict:
     """A GGUF's architecture and hyperparameters as a transformers config.json would hold them."""
-    return _config(_metadata(_reader(path)), path)
+    return _config(_opened(path)[1], path)
 
 
 def _config(meta: dict, path: Path) -> dict:
@@ -111,13 +126,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read(path: Path) -> tuple[dict, dict[str, Tensor], Any]:
-    """A GGUF -> (transformers-style config, transformers-named fp32 tensors, TextTokenizer)."""
+def read(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """A GGUF -> (transformers-style config, transformers-named fp32 tensors); read_tokenizer gives its
+    tokenizer."""
     import gguf
 
     path = Path(path)
-    reader = _reader(path)
-    meta = _metadata(reader)
+    reader, meta = _opened(path)
     raw = _config(meta, path)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
@@ -139,7 +154,7 @@ def read(path: Path) -> tuple[dict, dict[str, Tensor], Any]:
         state[name] = torch.from_numpy(values if values.flags.writeable else values.copy())
     if any(k.endswith("q_proj.bias") for k in state):
         raw["attention_bias"] = raw["model_type"] != "qwen2" and any(k.endswith("o_proj.bias") for k in state)
-    return raw, state, tokenizer(meta, path)
+    return raw, state
 
 
 def _hf_name(name: str, path: Path) -> str:
@@ -155,7 +170,7 @@ def _hf_name(name: str, path: Path) -> str:
 
 def read_tokenizer(path: Path):
     """A GGUF's tokenizer alone (its metadata; no tensor is dequantized)."""
-    return tokenizer(_metadata(_reader(path)), path)
+    return tokenizer(_opened(path)[1], path)
 
 
 def tokenizer(meta: dict, path: Path):

@@ -31,7 +31,7 @@ def adapter_tensors(model, rules) -> tuple[dict[str, Tensor], set[str]]:
         if rule is None or len(rule.theirs) != len(module.parts):
             raise UserError(f"export --peft: tfcli's {name} holds {', '.join(module.parts)} in one transformers module "
                             f"here, which a PEFT LoRA of rank r cannot hold; export --hf writes the merged model")
-        b_rows = iter(module.lora_b.split(module.adapted_widths()))
+        b_rows = iter(module.lora_b.split(module.adapted))
         a_rows = iter(module.lora_a)
         for theirs, on in zip(rule.theirs, module.enabled):
             if not on:
