@@ -123,8 +123,16 @@ def generation() -> Contenders:
     return {"tfcli": _ours_generate, "transformers": _their_generate}
 
 
+def _cold_load():
+    """tfcli's load as a fresh process does it: its parse of the file is not kept from the last step."""
+    from tfcli.hf import gguf
+
+    gguf.forget_parsed()
+    return ours()
+
+
 def loading() -> Contenders:
-    return {"tfcli": lambda: lambda: ours(), "transformers": lambda: lambda: theirs()}
+    return {"tfcli": lambda: _cold_load, "transformers": lambda: lambda: theirs()}
 
 
 def main() -> None:
