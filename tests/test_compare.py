@@ -111,3 +111,41 @@ def test_the_terminal_table_never_cuts_a_cell_name(monkeypatch, tmp_path):
     study_module.show(rows)
     assert all(r["cell"] in out.getvalue() for r in rows), out.getvalue()
     assert study_module.chart(rows, tmp_path).stat().st_size > 0
+
+
+def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path):
+    """0-shot prompting (an eval cell: nothing trained) beside LoRA with a mean-pooled classifier,
+    from a GGUF file; every cell's CPU time and peak memory come from the operating system."""
+    from tfcli import hf
+
+    from .test_gguf import tiny_backbone
+
+    gguf = tmp_path / "tiny.gguf"
+    hf.export_gguf(tiny_backbone(), None, gguf, "f32")
+    out = tmp_path / "study"
+    result = invoke("compare", "--task", "mnli", "--from", gguf, "--train", "0shot,lora+head:mean", "--budget", "2steps",
+                    "--data", mnli_dir, "--out", out, "--report-limit", 4, "--set", "train.batch_size=4",
+                    "--set", "finetune.eval_limit=4")
+    assert result.exit_code == 0, result.output
+    prompt, lora = list(csv.DictReader(open(out / "results.csv")))
+    assert (prompt["cell"], lora["cell"]) == ("mnli-tiny.gguf-0shot", "mnli-tiny.gguf-lora-head-mean")
+    assert prompt["trained_params"] == "0" and int(lora["trained_params"]) > 0 and prompt["family"] == "llama"
+    assert prompt["scored"] == lora["scored"] == "8"  # the same balanced 4 of each of the 2 splits
+    assert all(float(r["cpu_s"]) > 0 and float(r["peak_mem_mb"]) > 100 for r in (prompt, lora))
+    config = yaml.safe_load((out / "cells" / lora["cell"] / "config.yaml").read_text())
+    assert (config["finetune"]["head"], config["finetune"]["pooling"], config["finetune"]["train"]) == ("classifier", "mean", "lora")
+    assert "none (prompting)" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("spec, flags", [("lora+head", ["--train", "lora", "--head", "classifier"]),
+                                         ("head:last", ["--train", "head", "--head", "classifier", "--pooling", "last"]),
+                                         ("all", ["--train", "all"])])
+def test_strategies_read_as_finetune_flags(spec, flags):
+    assert compare.parse_strategy(spec).flags() == flags
+
+
+@pytest.mark.parametrize("spec, message", [("lora+head:max", "unknown pooling 'max'"), ("prefix", "unknown strategy"),
+                                           ("shot", "unknown strategy")])
+def test_a_bad_strategy_is_one_line(spec, message):
+    with pytest.raises(UserError, match=message):
+        compare.parse_strategy(spec)

@@ -112,6 +112,27 @@ def test_label_scores_agree_with_the_training_loss(family):
     assert abs(float(loss) - (-sum(scores[i, y] for i, (_, y) in enumerate(rows)) / n_tokens)) < 1e-4
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_decoder_label_scores_read_the_prompt_once_and_equal_one_pass_per_label(family):
+    """The shared-prompt scoring (KV cache, left padding, rewound per label) against the plain sum of
+    each label's token log-probabilities after each prompt, labels of one, two and three tokens."""
+    from tfcli.models.llama import Llama, LlamaConfig
+    from tfcli.tasks.text_to_text import DecoderReader
+
+    torch.manual_seed(0)
+    model = (GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40)) if family == "gpt"
+             else Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40))).eval()
+    tok = tokenizer()
+    reader = DecoderReader(tok, ("cat", "the dog", "the tree house"))
+    prompts_ = [tok.encode("mnli premise : the cat answer :"), tok.encode("the dog man answer :"), tok.encode("answer :")]
+    with torch.no_grad():
+        scores = reader.scores(model, prompts_)  # (3, 3)
+        for i, p in enumerate(prompts_):
+            for j, a in enumerate(reader.answers):
+                logp = model.logits(model(torch.tensor([p + a[:-1]]))).log_softmax(-1)[0, len(p) - 1:]  # (A, V)
+                assert abs(float(scores[i, j]) - float(logp.gather(1, torch.tensor(a)[:, None]).sum())) < 1e-4
+
+
 def test_t5_answers_fill_the_sentinel_as_in_span_corruption():
     tok = tokenizer()
     h = head("t5", cue=False)

@@ -560,21 +560,22 @@ def chat_command(
 def compare(
     task: Optional[str] = typer.Option(None, help="Task(s), comma-separated: mnli, classify, image-classify."),
     from_: Optional[str] = typer.Option(None, "--from", help="The models, comma-separated: tfcli runs, Hugging Face directories or hub ids."),
-    train: Optional[str] = typer.Option(None, help="Strategies, comma-separated: all, head, lora, ia3, bitfit [default: all]."),
+    train: Optional[str] = typer.Option(None, help="Strategies, comma-separated: all, head, lora, ia3, bitfit; X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all]."),
     budget: Optional[str] = typer.Option(None, help="Each cell's budget: 500steps, 10000ex (one epoch over N rows), 10m / 1h (training time) or 1epoch [default: 1epoch]."),
     data: Optional[str] = typer.Option(None, help="Task data for every cell [default: each recipe's]."),
     lr: Optional[str] = typer.Option(None, help="Learning rate per strategy, e.g. all=5e-5,lora=5e-4 [default: the recipe's]."),
     grid: Optional[Path] = typer.Option(None, help="A YAML file with tasks, from, train, budget, data, lr and set; flags win."),
     out: Path = typer.Option(..., help="The study's directory: cells/, logs/, results.md, results.csv, results.png."),
     set_: List[str] = typer.Option([], "--set", help="key.path=value for every cell (repeatable)."),
+    report_limit: Optional[int] = typer.Option(None, help="Score every cell on the same balanced sample of N examples of each evaluation split [default: all of them]."),
     quiet: bool = QUIET,
 ):
-    """Finetune every model with every strategy to the same budget and tabulate the results."""
+    """Finetune (or prompt) every model with every strategy to the same budget and tabulate the results."""
     from . import compare as study
     from .display import configure, console
 
     configure(not quiet)
-    spec = study.load_grid(grid, task, from_, train, budget, data, lr, set_)
+    spec = study.load_grid(grid, task, from_, train, budget, data, lr, set_, report_limit)
     if not quiet:
         console.print(f"{len(spec.cells())} cells ({len(spec.tasks)} task(s) x {len(spec.backbones)} model(s) x "
                       f"{len(spec.strategies)} strategies), {spec.budget} each, in {out}")

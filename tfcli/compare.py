@@ -6,6 +6,12 @@ CSV, with a chart of accuracy against trained parameters (one colour per family)
 
     tfcli compare --from runs/bert,runs/gpt,hf-minilm --train all,head,lora --task mnli --budget 10m --out study/
 
+A strategy is what `finetune --train` takes (all, head, lora, ia3, bitfit), `+head` for a classifier
+head on pooled features instead of the label word as text (`lora+head`), `:POOLING` for how the
+head pools (`head:mean`, `lora+head:last`), or `Kshot` for prompting with K solved examples and no
+training at all (`0shot,4shot,8shot`: `tfcli eval --few-shot K`). Every cell's process is timed by
+the operating system: CPU time and peak resident memory (wait4's rusage) go in the table.
+
 Running the same command again finishes the grid: a cell with its eval.json is done and never run
 again; an interrupted cell resumes from its last checkpoint; a failed cell is tried again.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +33,8 @@ import yaml
 from .errors import UserError
 
 STRATEGIES = ("all", "head", "lora", "ia3", "bitfit")
+POOLINGS = ("cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first")
+_STRATEGY = re.compile(r"^(?:(?P<shots>\d+)-?shots?|(?P<train>[a-z0-9]+)(?P<head>\+head)?(?::(?P<pooling>[a-z0-9-]+))?)$")
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|ex|examples?|m|min|minutes?|h|hours?|epochs?)\s*$")
 
 
@@ -69,11 +78,55 @@ def parse_budget(text: str) -> Budget:
 
 
 @dataclass(frozen=True)
+class Strategy:
+    """One column of the grid: finetuning with `train` (a classifier head when `classifier`, pooled by
+    `pooling`), or, when shots >= 0, k-shot prompting with nothing trained."""
+
+    spec: str  # as the user wrote it: lora+head:mean, 4shot
+    train: str = ""
+    classifier: bool = False
+    pooling: str = ""
+    shots: int = -1
+
+    @property
+    def prompting(self) -> bool:
+        return self.shots >= 0
+
+    @property
+    def slug(self) -> str:
+        return self.spec.replace("+", "-").replace(":", "-")
+
+    def flags(self) -> list[str]:
+        """The finetune flags that make this strategy (for a training cell)."""
+        out = ["--train", self.train]
+        if self.classifier:
+            out += ["--head", "classifier"]  # a frozen GPT or T5 has no text head to train alone
+        return out + (["--pooling", self.pooling] if self.pooling else [])
+
+
+def parse_strategy(text: str) -> Strategy:
+    """'lora' | 'lora+head' | 'head:mean' | 'lora+head:last' | '4shot'."""
+    m = _STRATEGY.match(text.strip())
+    known = f"{', '.join(STRATEGIES)}; X+head, X:POOLING, Kshot"
+    if not m or (m["train"] and m["train"] not in STRATEGIES):
+        raise UserError(f"compare: unknown strategy {text!r} (known: {known})")
+    if m["shots"] is not None:
+        return Strategy(text, shots=int(m["shots"]))
+    if m["pooling"] and m["pooling"] not in POOLINGS:
+        raise UserError(f"compare: strategy {text!r}: unknown pooling {m['pooling']!r} (known: {', '.join(POOLINGS)})")
+    return Strategy(text, train=m["train"], classifier=bool(m["head"]) or m["train"] == "head", pooling=m["pooling"] or "")
+
+
+@dataclass(frozen=True)
 class Cell:
     task: str
     backbone: str
-    train: str
+    train: str  # the strategy as written
     name: str
+
+    @property
+    def strategy(self) -> Strategy:
+        return parse_strategy(self.train)
 
 
 @dataclass
@@ -87,10 +140,12 @@ class Grid:
     data: Optional[str] = None
     lr: dict[str, float] = field(default_factory=dict)  # strategy -> learning rate (else the recipe's)
     sets: list[str] = field(default_factory=list)  # key=value overrides for every cell
+    report_limit: int = 0  # every cell scored on a balanced sample of N examples of each split (0: all)
 
     def cells(self) -> list[Cell]:
         slugs = unique_slugs(self.backbones)
-        return [Cell(t, b, s, f"{t}-{slugs[b]}-{s}") for t in self.tasks for b in self.backbones for s in self.strategies]
+        return [Cell(t, b, s, f"{t}-{slugs[b]}-{parse_strategy(s).slug}")
+                for t in self.tasks for b in self.backbones for s in self.strategies]
 
 
 def unique_slugs(paths: list[str]) -> dict[str, str]:
@@ -111,7 +166,8 @@ def split_list(text: Optional[str]) -> list[str]:
 
 
 def parse_lr(text: Optional[str]) -> dict[str, float]:
-    """'all=5e-5,lora=5e-4' -> {strategy: lr}."""
+    """'all=5e-5,lora=5e-4' -> {strategy: lr} (a strategy as written in --train, or its base: lora
+    also sets lora+head's)."""
     out = {}
     for item in split_list(text):
         name, _, value = item.partition("=")
@@ -123,8 +179,10 @@ def parse_lr(text: Optional[str]) -> dict[str, float]:
 
 
 def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[str], strategies: Optional[str],
-              budget: Optional[str], data: Optional[str], lr: Optional[str], sets: list[str]) -> Grid:
-    """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set) with the flags over it."""
+              budget: Optional[str], data: Optional[str], lr: Optional[str], sets: list[str],
+              report_limit: Optional[int] = None) -> Grid:
+    """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set, report_limit) with
+    the flags over it."""
     spec: dict = {}
     if path is not None:
         try:
@@ -133,9 +191,10 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
             raise UserError(f"--grid {path}: unreadable ({e.__class__.__name__})") from None
         if not isinstance(spec, dict):
             raise UserError(f"--grid {path}: a mapping of tasks, from, train, budget, ...")
-        unknown = set(spec) - {"tasks", "task", "from", "train", "budget", "data", "lr", "set"}
+        keys = ("tasks", "task", "from", "train", "budget", "data", "lr", "set", "report_limit")
+        unknown = set(spec) - set(keys)
         if unknown:
-            raise UserError(f"--grid {path}: unknown key {sorted(unknown)[0]!r} (tasks, from, train, budget, data, lr, set)")
+            raise UserError(f"--grid {path}: unknown key {sorted(unknown)[0]!r} ({', '.join(keys)})")
 
     def listed(flag: Optional[str], *keys: str) -> list[str]:
         if flag:
@@ -147,7 +206,8 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
                 strategies=listed(strategies, "train") or ["all"],
                 budget=parse_budget(budget or spec.get("budget") or "1epoch"), data=data or spec.get("data"),
                 lr={**{k: float(v) for k, v in (spec.get("lr") or {}).items()}, **parse_lr(lr)},
-                sets=[f"{k}={v}" for k, v in (spec.get("set") or {}).items()] + list(sets))
+                sets=[f"{k}={v}" for k, v in (spec.get("set") or {}).items()] + list(sets),
+                report_limit=int(report_limit if report_limit is not None else spec.get("report_limit", 0)))
     check(grid)
     return grid
 
@@ -164,23 +224,29 @@ def check(grid: Grid) -> None:
         if t not in registry.TASKS and t not in PRESETS:
             raise UserError(f"compare: unknown task {t!r} (known: {', '.join(sorted([*registry.TASKS, *PRESETS]))})")
     for s in grid.strategies + list(grid.lr):
-        if s not in STRATEGIES:
-            raise UserError(f"compare: unknown strategy {s!r} (known: {', '.join(STRATEGIES)})")
+        parse_strategy(s)
+    if grid.report_limit < 0:
+        raise UserError(f"compare: --report-limit {grid.report_limit}: give N >= 0 (0: every example)")
 
 
 def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
-    """The `tfcli finetune` command of one cell: a new run, or the resumption of an interrupted one."""
+    """The tfcli command of one cell: `finetune` (a new run, or the resumption of an interrupted
+    one), or `eval --few-shot K` for a prompting cell."""
+    strategy = cell.strategy
+    if strategy.prompting:
+        cmd = [sys.executable, "-m", "tfcli", "eval", cell.task, "--quiet", "--checkpoint", cell.backbone,
+               "--few-shot", str(strategy.shots), "--limit", str(grid.report_limit), "--out", str(run_dir / "eval.json")]
+        return cmd + (["--data", grid.data] if grid.data else [])
     base = [sys.executable, "-m", "tfcli", "finetune", cell.task, "--quiet"]
     if (run_dir / "config.yaml").is_file():
         return base + ["--resume", str(run_dir)]
-    cmd = base + ["--from", cell.backbone, "--train", cell.train, "--out", str(run_dir), *grid.budget.flags()]
-    if cell.train == "head":
-        cmd += ["--head", "classifier"]  # a frozen GPT or T5 has no text head to train alone
+    cmd = base + ["--from", cell.backbone, *strategy.flags(), "--out", str(run_dir), *grid.budget.flags()]
     if grid.data:
         cmd += ["--data", grid.data]
-    if cell.train in grid.lr:
-        cmd += ["--lr", str(grid.lr[cell.train])]
-    for s in grid.sets:
+    lr = grid.lr.get(cell.train, grid.lr.get(strategy.train))
+    if lr is not None:
+        cmd += ["--lr", str(lr)]
+    for s in [f"finetune.report_limit={grid.report_limit}"] * bool(grid.report_limit) + grid.sets:
         cmd += ["--set", s]
     return cmd
 
@@ -194,7 +260,7 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
     (out / "logs").mkdir(exist_ok=True)
     (out / "grid.yaml").write_text(yaml.safe_dump({"tasks": grid.tasks, "from": grid.backbones, "train": grid.strategies,
                                                     "budget": str(grid.budget), "data": grid.data, "lr": grid.lr,
-                                                    "set": grid.sets}, sort_keys=False))
+                                                    "set": grid.sets, "report_limit": grid.report_limit}, sort_keys=False))
     cells = grid.cells()
     for i, cell in enumerate(cells, 1):
         run_dir = out / "cells" / cell.name
@@ -205,25 +271,43 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
             continue
         cmd = cell_command(cell, grid, run_dir)
         started = time.time()
+        if cell.strategy.prompting:
+            run_dir.mkdir(parents=True, exist_ok=True)
         with phase(f"cell {i}/{len(cells)}: {cell.name}"), open(out / "logs" / f"{cell.name}.log", "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
-            rc = run_cell(cmd, log)
+            rc, usage = run_cell(cmd, log)
+        if run_dir.is_dir():
+            record_usage(run_dir, usage, time.time() - started)
         if not quiet:
             status = "done" if rc == 0 else f"[red]failed[/] ({last_line(out / 'logs' / f'{cell.name}.log')})"
             console.print(f"cell {i}/{len(cells)} {cell.name}: {status} in {time.time() - started:.0f} s")
     return [collect(cell, out) for cell in cells]
 
 
-def run_cell(cmd: list[str], log) -> int:
-    """The cell's process; Ctrl-C lets it checkpoint at its next step, then stops the grid."""
+def run_cell(cmd: list[str], log):
+    """The cell's process -> (exit code, its rusage). Ctrl-C lets it checkpoint at its next step,
+    then stops the grid."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        return proc.wait()
+        _, status, usage = os.wait4(proc.pid, 0)
     except KeyboardInterrupt:
         proc.wait()
         raise UserError("compare interrupted: the running cell saved a checkpoint; run the same command "
                         "again to finish the grid") from None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage
+
+
+def record_usage(run_dir: Path, usage, wall_s: float) -> None:
+    """The cell's CPU seconds and wall seconds (summed over its attempts) and peak resident memory,
+    in usage.json."""
+    path = run_dir / "usage.json"
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    cpu = usage.ru_utime + usage.ru_stime
+    path.write_text(json.dumps({"cpu_s": round(before.get("cpu_s", 0) + cpu, 1),
+                                "wall_s": round(before.get("wall_s", 0) + wall_s, 1),
+                                "peak_rss_mb": round(max(before.get("peak_rss_mb", 0), usage.ru_maxrss / 1024), 1)}))
 
 
 def last_line(log: Path) -> str:
@@ -232,7 +316,7 @@ def last_line(log: Path) -> str:
 
 
 def collect(cell: Cell, out: Path) -> dict:
-    """One cell's row, from its run directory (status only, for a cell that did not finish)."""
+    """One cell's row, from its directory (status only, for a cell that did not finish)."""
     run = out / "cells" / cell.name
     row: dict = {"cell": cell.name, "task": cell.task, "backbone": cell.backbone, "train": cell.train}
     if not (run / "eval.json").is_file():
@@ -240,6 +324,21 @@ def collect(cell: Cell, out: Path) -> dict:
         row["status"] = f"failed: {last_line(log)}" if log.is_file() else "not run"
         return row
     report = json.loads((run / "eval.json").read_text())
+    usage = json.loads((run / "usage.json").read_text()) if (run / "usage.json").is_file() else {}
+    splits = [k for k, v in report.items() if isinstance(v, dict) and "acc" in v]
+    row["status"] = "done"
+    row.update(prompting_row(cell, report, splits, usage) if cell.strategy.prompting else training_row(run))
+    for split in splits:
+        row[f"{split}_acc"] = round(report[split]["acc"], 4)
+    row["majority"] = round(report[splits[0]]["majority"], 4) if splits else None
+    row["scored"] = sum(report[s].get("n", 0) for s in splits)
+    row["cpu_s"] = usage.get("cpu_s")
+    row["peak_mem_mb"] = row.get("peak_mem_mb") or usage.get("peak_rss_mb")
+    return row
+
+
+def training_row(run: Path) -> dict:
+    """What a finetuning cell's run directory says: family, steps, parameters, memory, speed."""
     config = yaml.safe_load((run / "config.yaml").read_text())
     record = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -249,16 +348,21 @@ def collect(cell: Cell, out: Path) -> dict:
         t = config["train"]
         rates = [train[-1]["step"] * t["batch_size"] * t.get("grad_accum", 1) / train[-1]["elapsed_s"]]
     params = record.get("parameters", {})
-    row.update({"status": "done", "family": config["model"]["family"], "steps": train[-1]["step"] if train else 0})
-    splits = [k for k, v in report.items() if isinstance(v, dict) and "acc" in v]
-    for split in splits:
-        row[f"{split}_acc"] = round(report[split]["acc"], 4)
-    row["majority"] = round(report[splits[0]]["majority"], 4) if splits else None
-    row.update({"trained_params": params.get("trained"), "total_params": params.get("total"),
-                "peak_mem_mb": max((m.get("peak_mem_mb", 0) for m in train), default=None),
-                "train_s": train[-1]["elapsed_s"] if train else None,
-                "ex_per_s": round(sorted(rates)[len(rates) // 2], 1) if rates else None})
-    return row
+    return {"family": config["model"]["family"], "steps": train[-1]["step"] if train else 0,
+            "trained_params": params.get("trained"), "total_params": params.get("total"),
+            "peak_mem_mb": max((m.get("peak_mem_mb", 0) for m in train), default=None),
+            "train_s": train[-1]["elapsed_s"] if train else None,
+            "ex_per_s": round(sorted(rates)[len(rates) // 2], 1) if rates else None}
+
+
+def prompting_row(cell: Cell, report: dict, splits: list[str], usage: dict) -> dict:
+    """A k-shot cell trains nothing: its speed is examples scored per second of the whole command."""
+    from .backbone import family_of
+
+    scored = sum(report[s].get("n", 0) for s in splits)
+    wall = usage.get("wall_s")
+    return {"family": family_of(cell.backbone) or "", "steps": 0, "trained_params": 0,
+            "train_s": None, "ex_per_s": round(scored / wall, 1) if wall else None}
 
 
 def write_tables(rows: list[dict], out: Path) -> tuple[Path, Path]:
@@ -269,17 +373,21 @@ def write_tables(rows: list[dict], out: Path) -> tuple[Path, Path]:
         writer.writeheader()
         writer.writerows(rows)
     acc = [c for c in columns if c.endswith("_acc")]
-    head = ["cell", "train", *acc, "majority", "trained params", "peak MB", "train time", "ex/s"]
+    head = ["cell", "train", *acc, "majority", "scored", "trained params", "peak MB", "train time", "CPU time", "ex/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("status") != "done":
             lines.append(f"| {r['cell']} | {r['train']} | " + " | ".join([r["status"]] + [""] * (len(head) - 3)) + " |")
             continue
         lines.append("| " + " | ".join([r["cell"], r["train"], *(pct(r.get(a)) for a in acc), pct(r["majority"]),
-                                        params_text(r), mb(r["peak_mem_mb"]), seconds(r["train_s"]),
-                                        f"{r['ex_per_s']:g}" if r["ex_per_s"] else "-"]) + " |")
+                                        str(r.get("scored") or "-"), params_text(r), mb(r["peak_mem_mb"]),
+                                        seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r)]) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     return out / "results.md", out / "results.csv"
+
+
+def rate(r: dict) -> str:
+    return f"{r['ex_per_s']:g}" if r.get("ex_per_s") else "-"
 
 
 def pct(v) -> str:
@@ -306,6 +414,8 @@ def count(n: float) -> str:
 
 def params_text(r: dict) -> str:
     t, n = r.get("trained_params"), r.get("total_params")
+    if t == 0:
+        return "none (prompting)"
     return f"{count(t)} ({100 * t / n:.3g}%)" if t and n else "-"
 
 
@@ -316,15 +426,14 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
 
     done = [r for r in rows if r.get("status") == "done" and r.get("trained_params")]
     if not done:
-        return None
+        return None  # (a grid of prompting cells only has nothing to plot against trained parameters)
     acc = next(k for k in done[0] if k.endswith("_acc"))
     plt = figure()
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
     colours = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(r["family"] for r in done))}
-    markers = dict(zip(STRATEGIES, "osD^v"))
     at: dict[tuple, list[str]] = {}  # points carry numbers (cells on one spot share a label); names go in the key
     for i, r in enumerate(done, 1):
-        ax.scatter(r["trained_params"], 100 * r[acc], color=colours[r["family"]], marker=markers.get(r["train"], "o"), s=40)
+        ax.scatter(r["trained_params"], 100 * r[acc], color=colours[r["family"]], marker=marker(r["train"]), s=40)
         at.setdefault((r["trained_params"], round(100 * r[acc], 1)), []).append(str(i))
     for (x, y), numbers in at.items():
         ax.annotate(",".join(numbers), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
@@ -332,16 +441,26 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
     ax.text(1.02, 1.0, key, transform=ax.transAxes, fontsize=7, family="monospace", va="top")
     if done[0].get("majority"):
         ax.axhline(100 * done[0]["majority"], linestyle="--", color="0.5", linewidth=1, label="majority class")
+    prompted = [r for r in rows if r.get("status") == "done" and r.get("trained_params") == 0 and r.get(acc) is not None]
+    for j, r in enumerate(prompted):  # nothing trained: a line at its accuracy, not a point
+        ax.axhline(100 * r[acc], linestyle=":", color=f"C{len(colours) + j}", linewidth=1.2,
+                   label=f"{r['train']} prompting {100 * r[acc]:.1f}%")
     for family, colour in colours.items():
         ax.scatter([], [], color=colour, label=family)
     for strategy in dict.fromkeys(r["train"] for r in done):
-        ax.scatter([], [], color="0.3", marker=markers.get(strategy, "o"), label=strategy)
+        ax.scatter([], [], color="0.3", marker=marker(strategy), label=strategy)
     ax.set_xscale("log")
     ax.set_xlabel("trained parameters")
     ax.set_ylabel(f"{acc[:-4]} accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(1.02, 0.0))
     return save_figure(fig, plt, out / "results.png")
+
+
+def marker(spec: str) -> str:
+    """One marker per training strategy; a classifier head on an adapter is filled differently."""
+    strategy = parse_strategy(spec)
+    return dict(zip(STRATEGIES, "osD^v")).get(strategy.train, "o") if not (strategy.classifier and strategy.train != "head") else "P"
 
 
 def show(rows: list[dict]) -> None:
@@ -354,11 +473,11 @@ def show(rows: list[dict]) -> None:
     columns = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_acc")))
     widest = max((len(r["cell"]) for r in rows), default=4)  # the cell names are never cut: the numbers wrap first
     table = Table(Column("cell", no_wrap=True, min_width=widest), *(c[:-4] for c in columns), "majority", "trained",
-                  "peak MB", "time", "ex/s", title="tfcli compare (accuracy per split)")
+                  "peak MB", "time", "CPU", "ex/s", title="tfcli compare (accuracy per split)")
     for r in rows:
         if r.get("status") != "done":
             table.add_row(r["cell"], f"[red]{r['status']}[/]")
             continue
         table.add_row(r["cell"], *(pct(r.get(c)) for c in columns), pct(r["majority"]), params_text(r),
-                      mb(r["peak_mem_mb"]), seconds(r["train_s"]), f"{r['ex_per_s']:g}" if r["ex_per_s"] else "-")
+                      mb(r["peak_mem_mb"]), seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r))
     console.print(table)

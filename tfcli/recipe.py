@@ -158,9 +158,10 @@ class FinetuneConfig:
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
     limit: int = 0  # use the first N training examples (0 = all)
     eval_limit: int = 0  # evaluate during training on a balanced sample of N examples of each split (0 = all)
+    report_limit: int = 0  # the final report (eval.json) on a balanced sample of N examples of each split (0 = all)
 
     def __post_init__(self):
-        for name in ("head_lr", "epochs", "limit", "eval_limit"):
+        for name in ("head_lr", "epochs", "limit", "eval_limit", "report_limit"):
             require(getattr(self, name) >= 0, f"finetune.{name}", ">= 0", getattr(self, name))
         require(0 <= self.warmup_fraction < 1, "finetune.warmup_fraction", "in [0, 1)", self.warmup_fraction)
 

@@ -61,6 +61,10 @@ class KVCache:
         self.length += T
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
+    def rewind(self, length: int) -> None:
+        """Forget every position from `length` on: one shared prefix, then several continuations."""
+        self.length = min(self.length, length)
+
 
 def padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, Tk) of 1 = token, 0 = pad  ->  boolean (B, 1, 1, Tk), True where a key may be seen."""

@@ -140,11 +140,14 @@ class ClassificationTask(Plugin):
         return results
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
-        """The best checkpoint on every full evaluation split: printed, and saved as eval.json."""
+        """The best checkpoint on every evaluation split (all of it, or finetune.report_limit examples
+        of each): printed, and saved as eval.json."""
         backbone = from_run(run_dir, which="best")
-        results = self.score(recipe, backbone, EvalOptions())
+        limit = recipe.finetune.report_limit
+        results = self.score(recipe, backbone, EvalOptions(limit=limit))  # the sample `tfcli eval --limit N` scores
         self.show(results)
-        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "limit": limit,
+                                                             **results}, indent=1))
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:

@@ -105,15 +105,27 @@ class DecoderReader:
         return {"input_ids": _pad([s[:-1] for s in seqs], self.fill), "targets": targets}
 
     def scores(self, model: nn.Module, prompt_ids: list[list[int]]) -> Tensor:
-        """(N, n_labels) log p(label tokens | prompt), reading only the answer positions' logits."""
-        n, L, dev = len(prompt_ids), len(self.answers), _device(model)
-        pairs = [(p, a) for p in prompt_ids for a in self.answers]
-        hidden = model(_pad([p + a[:-1] for p, a in pairs], self.fill).to(dev))  # (N*L, T, D)
-        rows = torch.tensor([i for i, (p, a) in enumerate(pairs) for _ in a], device=dev)
-        cols = torch.tensor([len(p) - 1 + j for p, a in pairs for j in range(len(a))], device=dev)
-        logp = model.logits(hidden[rows, cols]).float().log_softmax(-1)  # (answer tokens, V)
-        picked = logp.gather(1, torch.tensor([t for _, a in pairs for t in a], device=dev)[:, None]).squeeze(1)
-        return torch.zeros(n * L, device=dev).index_add_(0, rows, picked).view(n, L)
+        """(N, n_labels) log p(label tokens | prompt). The prompts (left-padded) are read once into a KV
+        cache; each label's later tokens are then read after it (a k-shot prompt costs one pass, not one
+        per label)."""
+        dev = _device(model)
+        width = max(map(len, prompt_ids))
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # (N, W)
+        ids = torch.tensor([[self.fill] * (width - len(p)) + p for p in prompt_ids], device=dev)
+        caches = model.new_caches(width + max(map(len, self.answers)))
+        first = model.logits(model(ids, caches, key_mask=mask)[:, -1]).float().log_softmax(-1)  # (N, V)
+        out = []
+        for answer in self.answers:
+            total = first[:, answer[0]]  # (N,)
+            if len(answer) > 1:
+                for c in caches:
+                    c.rewind(width)
+                rest = torch.tensor(answer[:-1], device=dev).expand(len(prompt_ids), -1)  # (N, A-1)
+                key_mask = torch.cat([mask, mask.new_ones(len(prompt_ids), len(answer) - 1)], dim=1)
+                logp = model.logits(model(rest, caches, key_mask=key_mask)).float().log_softmax(-1)  # (N, A-1, V)
+                total = total + logp.gather(-1, torch.tensor(answer[1:], device=dev).expand(len(prompt_ids), -1)[..., None]).squeeze(-1).sum(-1)
+            out.append(total)
+        return torch.stack(out, dim=1)
 
 
 def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[Tensor], targets: Tensor,
