@@ -1,7 +1,7 @@
 """Held-out metrics of a model: the trainer's periodic evaluation and `tfcli eval` share this."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from rich.table import Table
@@ -13,30 +13,34 @@ from .sampler import PaddingBatch
 
 @torch.no_grad()
 def held_out_sums(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
-                  precision: str = "fp32") -> tuple[dict[str, float], int]:
-    """(Sums of the loss's metrics, number of batches) over held-out batches (module: model + heads +
-    loss, train.ObjectiveModule); a PaddingBatch runs (its forward may be a collective) but is not counted."""
+                  precision: str = "fp32", weight: Optional[Callable[[dict], Tensor]] = None) -> tuple[dict[str, float], float]:
+    """(Sums of the loss's metrics, their count) over held-out batches (module: model + heads + loss,
+    train.ObjectiveModule): each batch counts once, or as many times as `weight` (Job.loss_weight)
+    says it has items, so the mean is per item; a PaddingBatch runs (its forward may be a collective)
+    but is not counted."""
     was_training = module.training
     module.eval()
     sums: dict[str, float] = {}
-    n = 0
+    n = 0.0
     for batch in batches:
+        padding, batch = isinstance(batch, PaddingBatch), to_device(batch, device)
         with autocast_context(precision, device):
-            _, metrics = module(to_device(batch, device))
-        if isinstance(batch, PaddingBatch):  # the same keys on every rank, nothing added
+            _, metrics = module(batch)
+        if padding:  # the same keys on every rank, nothing added
             sums.update({k: sums.get(k, 0.0) for k in metrics})
             continue
+        w = float(weight(batch)) if weight is not None else 1.0
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-        n += 1
+            sums[k] = sums.get(k, 0.0) + float(v) * w
+        n += w
     module.train(was_training)
     return sums, n
 
 
 def held_out_metrics(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
-                     precision: str = "fp32") -> dict[str, float]:
+                     precision: str = "fp32", weight: Optional[Callable[[dict], Tensor]] = None) -> dict[str, float]:
     """Mean of the loss's metrics over held-out batches (one process)."""
-    sums, n = held_out_sums(module, batches, device, precision)
+    sums, n = held_out_sums(module, batches, device, precision, weight)
     return {k: v / n for k, v in sums.items()} if n else {}
 
 

@@ -67,6 +67,10 @@ class Job:
     # the trainer puts them on the device in eval mode without gradients and wraps them for inference;
     # they are never optimised or saved. The loss reaches them by name from its closure.
     frozen: dict[str, nn.Module] = field(default_factory=dict)
+    # how many items a batch's loss averages over (SFT: its trained tokens), as a tensor; set, the
+    # trainer weighs each micro-batch by it, so the gradient is the mean over every item of the
+    # global (accumulated, all-process) batch whatever grad_accum is, and held-out means are per item
+    loss_weight: Optional[Callable[[Batch], Tensor]] = None
 
 
 class Plugin:

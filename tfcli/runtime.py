@@ -170,6 +170,12 @@ class Runtime:
         dist.all_reduce(t)
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist())}
 
+    def sum_tensor(self, value: Tensor) -> Tensor:
+        """A device tensor summed over the ranks (itself in one process); nothing is read back."""
+        if self.distributed:
+            dist.all_reduce(value)
+        return value
+
     def pooled_mean(self, sums: dict[str, float], count: int) -> dict[str, float]:
         """sum / count, each added up over the ranks first: every rank's batches weigh the same."""
         if self.distributed:

@@ -221,17 +221,8 @@ class Trainer:
         the device; items). Nothing is read back to the host: a step whose loss or gradient is not
         finite is skipped inside the fused optimizer (found_inf), and noticed at the next log line."""
         self.module.train()
-        sums: dict[str, Tensor] = {}
-        items = 0
-        for micro in range(self.tc.grad_accum):
-            batch = to_device(self.batches.next_batch(), self.rt.device)
-            items += self.job.count_items(batch)
-            with self.rt.strategy.sync_gradients(self.wrapped, micro == self.tc.grad_accum - 1):
-                with autocast_context(self.tc.precision, self.rt.device):
-                    loss, metrics = self.forward(batch)
-                (loss / self.tc.grad_accum).backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float() / self.tc.grad_accum
+        batches = [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.tc.grad_accum)]
+        sums, items = self._backward(batches), sum(self.job.count_items(b) for b in batches)
         max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
         sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()
         self.opt.found_inf = (~torch.stack(list(sums.values())).isfinite().all()).float()  # 1.0: skip this step
@@ -239,6 +230,29 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         return sums, items
+
+    def _backward(self, batches: list[Batch]) -> dict[str, Tensor]:
+        """Gradients of one optimizer step's micro-batches, accumulated; their metrics, averaged the
+        way the loss is (still on the device)."""
+        sums: dict[str, Tensor] = {}
+        for micro, (batch, weight) in enumerate(zip(batches, self._micro_weights(batches))):
+            with self.rt.strategy.sync_gradients(self.wrapped, micro == len(batches) - 1):
+                with autocast_context(self.tc.precision, self.rt.device):
+                    loss, metrics = self.forward(batch)
+                (loss * weight).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+        return sums
+
+    def _micro_weights(self, batches: list[Batch]) -> list:
+        """Each micro-batch's share of the step's loss: 1/grad_accum, or (Job.loss_weight) its items
+        over the items of the whole global batch, times the processes (whose gradients the strategy
+        averages), so that the step's gradient is the mean over every item. No value leaves the device."""
+        if self.job.loss_weight is None:
+            return [1.0 / len(batches)] * len(batches)
+        counts = [self.job.loss_weight(b).float() for b in batches]
+        total = self.rt.sum_tensor(torch.stack(counts).sum()).clamp(min=1.0)
+        return [c * self.rt.world_size / total for c in counts]
 
     def _non_finite(self, bad: list[tuple[int, dict[str, float]]]) -> None:
         """Steps whose update was skipped for a non-finite loss or gradient: logged (train.skip_nonfinite
@@ -293,7 +307,7 @@ class Trainer:
         if self.job.val is not None:
             batches = sequential_batches(self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches,
                                          self.rt.rank, self.rt.world_size)
-            sums, count = held_out_sums(self.module, batches, self.rt.device, self.tc.precision)
+            sums, count = held_out_sums(self.module, batches, self.rt.device, self.tc.precision, self.job.loss_weight)
             val = self.job.held_out_metrics(self.rt.pooled_mean(sums, count))
         if self.job.evaluate is not None:
             val.update(self.job.evaluate(self.module, self.run_dir))
