@@ -299,7 +299,7 @@ def run_task(run: Path) -> str:
 @user_errors
 def finetune(
     ctx: typer.Context,
-    task: Optional[str] = typer.Argument(None, help="Task: classify, image-classify, or a preset such as mnli [default with --resume: the run's]."),
+    task: Optional[str] = typer.Argument(None, help="Task: classify, image-classify, sft, or a preset (mnli, gsm8k) [default with --resume: the run's]."),
     from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
     data: Optional[str] = typer.Option(None, help="Task data: a file, a directory of split files, or hf:name [default: the recipe's data.source]."),
@@ -314,6 +314,11 @@ def finetune(
     limit: Optional[int] = typer.Option(None, help="Use only the first N training rows [default: the recipe's finetune.limit]."),
     text_fields: Optional[str] = typer.Option(None, help="classify: the column(s) holding the text, e.g. title,body (classify.text_fields)."),
     label_field: Optional[str] = typer.Option(None, help="classify: the column holding the label (classify.label_field)."),
+    prompt_field: Optional[str] = typer.Option(None, help="sft: the column holding the prompt (sft.prompt_field) [default: prompt]."),
+    response_field: Optional[str] = typer.Option(None, help="sft: the column holding the reply (sft.response_field) [default: completion]."),
+    chat_template: Optional[str] = typer.Option(None, help="sft: a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none (sft.chat_template) [default: the model's own]."),
+    train_on: Optional[str] = typer.Option(None, help="sft: which tokens are learned: assistant (every reply), last (the last reply), all (sft.train_on)."),
+    pack: Optional[bool] = typer.Option(None, "--pack/--no-pack", help="sft: several examples per row, each attending only to itself (sft.pack)."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
     resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
     seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
@@ -337,6 +342,12 @@ def finetune(
         shortcuts["finetune.epochs"] = 0.0  # --steps wins over the recipe's epochs
     if text_fields is not None or label_field is not None:
         shortcuts.update({f"{key}.text_fields": text_fields, f"{key}.label_field": label_field})
+    sft_flags = {"prompt_field": prompt_field, "response_field": response_field, "chat_template": chat_template,
+                 "train_on": train_on, "pack": pack}
+    given = [name for name, value in sft_flags.items() if value is not None]
+    if given and key != "sft":
+        raise UserError(f"--{given[0].replace('_', '-')} is an option of finetune sft (this is {task or key})")
+    shortcuts.update({f"sft.{name}": sft_flags[name] for name in given})
     sets = overrides(set_, ctx.args)
     rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if resume_dir is None and not quiet:
@@ -364,6 +375,7 @@ def eval_(
     cloze: bool = typer.Option(False, "--cloze", help="Zero-shot BERT: label words scored at a [MASK] in a template by the MLM head."),
     seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
+    set_: List[str] = typer.Option([], "--set", help="A setting of the evaluated task, e.g. --set sft.max_new_tokens=64 (repeatable)."),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, or a task's report."""
     from .driver import evaluate
@@ -378,6 +390,11 @@ def eval_(
     key, settings, defaults = None, {}, {}
     if task is not None:
         key, settings, defaults = (task, {}, {}) if task in registry.OBJECTIVES else task_target(task)
+    for item in set_:
+        path, value = recipes.parse_override(item)
+        if "." not in path:
+            raise UserError(f"--set {item}: name the task's setting, e.g. --set sft.max_new_tokens=64")
+        settings[path.split(".", 1)[1]] = value
     evaluate(newest(checkpoint), key, settings, EvalOptions(
         data=data, limit=limit, batches=batches, out=out, inputs=inputs, few_shot=few_shot, cloze=cloze, seed=seed,
         device=device or "auto", precision=precision, quiet=quiet), defaults)

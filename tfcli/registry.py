@@ -21,6 +21,7 @@ OBJECTIVES = {
 TASKS = {
     "classify": "classify:Classify",
     "image-classify": "image_classification:ImageClassify",
+    "sft": "sft:SFT",
 }
 
 _PACKAGES = {"objective": ("tfcli.objectives", OBJECTIVES), "task": ("tfcli.tasks", TASKS)}

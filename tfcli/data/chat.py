@@ -27,11 +27,15 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_template
 
 @dataclass(frozen=True)
 class Rendered:
-    """A conversation as token ids, with 1 where a token belongs to an assistant reply."""
+    """A conversation as token ids, with the assistant reply each token belongs to."""
 
     ids: list[int]
-    assistant_mask: list[int]
+    turns: list[int]  # per token: the number (1, 2, ...) of the assistant reply it belongs to, else 0
     text: str
+
+    @property
+    def assistant_mask(self) -> list[int]:
+        return [int(t > 0) for t in self.turns]
 
 
 class ChatTemplate:
@@ -82,8 +86,8 @@ class ChatTemplate:
         spans = self.assistant_spans(messages, text, **specials)
         encoding = tokenizer.tok.encode(text, add_special_tokens=False)
         # a token is the reply's if it overlaps it (" Paris" starts at the space the template writes)
-        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in encoding.offsets]
-        return Rendered(list(encoding.ids), mask, text)
+        turns = [next((n for n, (a, b) in enumerate(spans, 1) if s < b and e > a), 0) for s, e in encoding.offsets]
+        return Rendered(list(encoding.ids), turns, text)
 
     def assistant_spans(self, messages: list[dict], text: str, **specials: str) -> list[tuple[int, int]]:
         """(start, end) characters of every assistant reply in `text`: what rendering messages[:i+1]

@@ -49,7 +49,7 @@ def load_splits(spec: TextSpec, source: str, val_source: str = "", val_fraction:
                 seed: int = 0, need_train: bool = True) -> tuple[dict[str, Split], tuple[str, ...]]:
     """Every split of `spec` as usable rows, and the label names in id order. need_train=False
     (evaluation): a directory may hold the evaluation splits alone; the training split is then empty."""
-    raw = _raw_splits(spec, source, val_source, val_fraction, seed, need_train)
+    raw = raw_splits(spec, source, val_source, val_fraction, seed, need_train)
     train_split = spec.splits[0]
     learn_from = train_split if raw[train_split][0] else next(s for s in spec.splits if raw[s][0] or s == spec.splits[-1])
     labels = spec.labels or _learn_labels(raw[learn_from][0], spec, raw[learn_from][2])
@@ -71,7 +71,7 @@ def balanced_sample(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     return np.sort(np.array(picked))
 
 
-def _raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int,
+def raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int,
                 need_train: bool = True) -> dict:
     """{split: (row dicts, rows skipped while reading, where they came from, their row numbers there)}."""
     if not source:

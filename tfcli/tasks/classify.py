@@ -28,7 +28,7 @@ from . import ClassificationTask, Head, TaskData, with_data
 from . import cloze, prompts
 from .cloze import ClozeHead
 from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
-from .presets import PRESETS
+from .presets import presets_of
 from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 
 
@@ -46,13 +46,14 @@ class ClassifyConfig:
     cloze_words: tuple[str, ...] = ()  # one word per label, in id order ("" = the preset's)
 
     def __post_init__(self):
-        if self.preset and self.preset not in PRESETS:
-            raise ValueError(f"classify.preset: unknown preset {self.preset!r} (known: {', '.join(sorted(PRESETS))})")
+        if self.preset and self.preset not in presets_of("classify"):
+            raise ValueError(f"classify.preset: unknown preset {self.preset!r} "
+                             f"(known: {', '.join(sorted(presets_of('classify')))})")
 
 
 def text_spec(cfg: ClassifyConfig) -> TextSpec:
     """Where the text and labels are: the recipe's fields over the preset's."""
-    p = PRESETS.get(cfg.preset)
+    p = presets_of("classify").get(cfg.preset)
     fields = cfg.text_fields or (p.text_fields if p else ())
     if not fields:
         raise UserError("classify.text_fields: name the column(s) holding the text (--text-fields title,body)")
@@ -230,7 +231,7 @@ class Classify(ClassificationTask):
         """Zero-shot: label words scored at the template's [MASK] by the BERT's MLM head."""
         self.cloze_family(backbone)
         settings, spec, tok = recipe.settings, text_spec(recipe.settings), backbone.tokenizer
-        preset = PRESETS.get(settings.preset)
+        preset = presets_of("classify").get(settings.preset)
         words = settings.cloze_words or (preset.cloze_words if preset else ())
         if len(words) != len(data.labels):
             raise UserError(f"classify.cloze_words: give one word per label ({listing(data.labels)}), "

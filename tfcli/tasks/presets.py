@@ -1,5 +1,7 @@
-"""Presets of the text-classification task: a named data source, its text fields and its label set.
-`tfcli finetune mnli` is `tfcli finetune classify` with the `mnli` preset. A new preset is one entry.
+"""Presets of tasks: a named data source and how to read it. `tfcli finetune mnli` is `tfcli finetune
+classify` with the `mnli` preset (text fields and a label set); `tfcli finetune gsm8k` is `tfcli
+finetune sft` with the `gsm8k` preset (prompt and reply fields, and how a generated reply is scored).
+A new preset is one entry.
 """
 from __future__ import annotations
 
@@ -23,10 +25,34 @@ class Preset:
 
     @property
     def recipes(self) -> dict[str, str]:
-        """family -> its shipped default recipe, for the families the preset's task trains."""
-        from ..registry import plugin_class
+        return preset_recipes(self.task, self.recipe_pattern)
 
-        return shipped_recipes(self.recipe_pattern, plugin_class("task", self.task).families)
+
+@dataclass(frozen=True)
+class ReplyPreset:
+    """A preset of supervised finetuning (tasks/sft.py): prompt/reply rows and their scoring."""
+
+    task: str
+    prompt_field: str
+    response_field: str
+    metric: str  # how a generated reply is scored: exact | contains | final-number
+    splits: tuple[str, ...]  # training split first, then the held-out splits
+    hub: tuple[str, str]
+    hub_splits: dict[str, str] = field(default_factory=dict)
+    recipe_pattern: str = ""  # "": the task's own recipes, with this preset set
+
+    @property
+    def recipes(self) -> dict[str, str]:
+        return preset_recipes(self.task, self.recipe_pattern)
+
+
+def preset_recipes(task: str, pattern: str) -> dict[str, str]:
+    """family -> a preset's shipped default recipe, for the families its task trains (the task's own
+    recipes where the preset ships none)."""
+    from ..registry import plugin_class
+
+    families = plugin_class("task", task).families
+    return shipped_recipes(pattern, families) if pattern else plugin_class("task", task).recipes
 
 
 PRESETS = {
@@ -38,4 +64,12 @@ PRESETS = {
         aliases={"premise": ("sentence1",), "hypothesis": ("sentence2",), "label": ("gold_label",)},
         recipe_pattern="mnli-{family}-mini",
         cloze_words=("yes", "maybe", "no")),
+    "gsm8k": ReplyPreset(
+        task="sft", prompt_field="question", response_field="answer", metric="final-number",
+        splits=("train", "test"), hub=("openai/gsm8k", "main")),
 }
+
+
+def presets_of(task: str) -> dict:
+    """The presets of one task, by name."""
+    return {name: p for name, p in PRESETS.items() if p.task == task}

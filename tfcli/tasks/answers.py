@@ -1,0 +1,73 @@
+"""Scoring generated replies against references: exact match, containment, or the final number (GSM8K:
+the number after '####' in the reference; in a generation the number after '####' if it wrote one,
+else the last number it wrote, as lm-evaluation-harness's flexible extraction does)."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+METRICS = ("exact", "contains", "final-number")
+_NUMBER = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?")
+
+
+def normalise(text: str) -> str:
+    """Case and runs of whitespace do not count."""
+    return " ".join(text.lower().split())
+
+
+def final_number(text: str, strict: bool = False) -> Optional[str]:
+    """The number after '####' (strict), or failing that the last number in the text, as a canonical
+    string ('1,000.50' -> '1000.5'); None where there is none."""
+    marked = text.split("####")[-1] if "####" in text else None
+    if marked is None and strict:
+        return None
+    found = _NUMBER.findall(marked if marked is not None else text)
+    if not found:
+        return None
+    value = (found[0] if marked is not None else found[-1]).replace(",", "").replace("$", "")
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def correct(prediction: str, reference: str, metric: str) -> bool:
+    if metric == "final-number":
+        expected = final_number(reference)
+        return expected is not None and final_number(prediction) == expected
+    if metric == "contains":
+        return normalise(reference) in normalise(prediction)
+    return normalise(prediction) == normalise(reference)
+
+
+def scores(predictions: list[str], references: list[str], metric: str) -> dict[str, float]:
+    """acc (the metric's share of correct replies) and, for final-number, strict (only replies that
+    wrote '#### N' count)."""
+    n = max(1, len(predictions))
+    out = {"acc": sum(correct(p, r, metric) for p, r in zip(predictions, references)) / n}
+    if metric == "final-number":
+        out["strict_acc"] = sum(final_number(p, strict=True) is not None and final_number(p, strict=True) == final_number(r)
+                                for p, r in zip(predictions, references)) / n
+    return out
+
+
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int,
+             stops: set[int], pad_id: int, what: str = "replies", seed: int = 0) -> list[str]:
+    """The reply generated for every prompt (greedy at temperature 0), in the prompts' order. Prompts
+    of similar length go together (less padding), `batch_size` at a time, each row ending at its
+    first stop token (end of text, end of turn)."""
+    from ..display import counted, phase
+    from ..generate import generate_batch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[str] = [""] * len(prompts)
+    groups = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    with phase(f"generating {what}", len(groups), "batches") as advance:
+        for group in counted(groups, advance):
+            rows = generate_batch(model, [prompts[i] for i in group], max_new_tokens=max_new_tokens, stop_ids=stops,
+                                  temperature=temperature, top_k=0, top_p=1.0, seed=seed,
+                                  start_id=pad_id, pad_id=pad_id)
+            for i, ids in zip(group, rows):
+                out[i] = tokenizer.decode(ids).strip()
+    return out

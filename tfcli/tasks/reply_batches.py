@@ -1,0 +1,138 @@
+"""Batches of instruction examples (data/conversations.py) for the one Sampler, and their losses.
+
+A decoder's batch is one example per row, right-padded (the sampler groups rows of similar length),
+or, with packing, several whole examples per row: each attends only to itself and its positions
+restart (`doc_ids`, the document-mask path of packed pretraining blocks), so a packed example's
+loss is its loss alone. Targets are IGNORE wherever a token is not trained (prompts, padding, the
+first token of every packed example), and only trained positions reach the output projection.
+An encoder-decoder's batch is the padded source and the reply as T5 targets.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..data import IGNORE
+from ..data.conversations import Example, Seq2SeqExample
+from ..objectives import next_token, span_corruption
+from ..objectives.losses import linear_cross_entropy
+from ..sampler import Draw, Source
+
+
+def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean cross-entropy of the trained tokens, and how many of them the model already predicts.
+    Only trained positions go through the LM head: a prompt's positions cost the blocks, not the
+    (tokens x vocabulary) projection."""
+    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
+    targets = batch["targets"]  # (B, T), IGNORE where nothing is learned
+    valid = targets != IGNORE
+    value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, targets[valid], with_accuracy=True)
+    return value, {"loss": value.detach(), "accuracy": correct.float() / valid.sum().clamp(min=1)}
+
+
+def decoder_targets(batch: dict[str, Tensor]) -> Tensor:
+    """The trained tokens of a decoder batch: what its loss averages over."""
+    return (batch["targets"] != IGNORE).sum()
+
+
+def seq2seq_targets(batch: dict[str, Tensor]) -> Tensor:
+    return (batch["labels"] != IGNORE).sum()
+
+
+LOSSES = {"decoder": (decoder_loss, decoder_targets), "seq2seq": (span_corruption.loss, seq2seq_targets)}
+with_perplexity = next_token.with_perplexity
+
+
+def decoder_rows(rows: list[list[Example]], pad_id: int) -> dict[str, Tensor]:
+    """Rows of one or more examples each -> input_ids, targets (B, T) and, where a row holds several,
+    doc_ids (B, T): every example's own number, the padding after them another."""
+    width = max(sum(len(e.ids) for e in row) for row in rows) - 1
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    docs = torch.full((len(rows), width), len(max(rows, key=len)), dtype=torch.long)
+    for r, row in enumerate(rows):
+        tokens = np.concatenate([e.ids for e in row])
+        trained = np.concatenate([e.trained for e in row])  # every example's first token is 0: never across
+        n = len(tokens) - 1
+        ids[r, :n] = torch.from_numpy(tokens[:-1])
+        targets[r, :n] = torch.from_numpy(np.where(trained[1:] > 0, tokens[1:], IGNORE))
+        docs[r, :n] = torch.from_numpy(np.repeat(np.arange(len(row)), [len(e.ids) for e in row])[:-1])
+    out = {"input_ids": ids, "targets": targets}
+    return {**out, "doc_ids": docs} if any(len(row) > 1 for row in rows) else out
+
+
+class PaddedReplies(Source):
+    """One decoder example per row, right-padded to the longest of its batch (a causal decoder never
+    reads a pad on its right); `lengths` lets the sampler group similar lengths."""
+
+    def __init__(self, examples: list[Example], pad_id: int):
+        self.examples, self.pad = examples, pad_id
+        self.lengths = np.array([len(e.ids) for e in examples])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.examples)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        return decoder_rows([[self.examples[i]] for i in draw.indices], self.pad)
+
+
+def pack(lengths: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
+    """Example indices in rows of at most `capacity` tokens: best fit, longest first (TRL's packing
+    strategy), ties in a seeded order. Every example stays whole."""
+    order = np.random.default_rng([seed, 5150]).permutation(len(lengths))
+    order = order[np.argsort(-lengths[order], kind="stable")]
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in order:
+        n = int(lengths[i])
+        at = bisect.bisect_left(free, (n, -1))
+        if at == len(free):
+            rows.append([int(i)])
+            bisect.insort(free, (capacity - n, len(rows) - 1))
+            continue
+        room, row = free.pop(at)
+        rows[row].append(int(i))
+        bisect.insort(free, (room - n, row))
+    return rows
+
+
+class PackedReplies(Source):
+    """Several whole decoder examples per row of at most `capacity` tokens, packed once (seeded);
+    an epoch is every row once, shuffled by the sampler."""
+
+    def __init__(self, examples: list[Example], capacity: int, pad_id: int, seed: int):
+        self.examples, self.pad = examples, pad_id
+        self.rows = pack(np.array([len(e.ids) for e in examples]), capacity, seed)
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.rows)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        return decoder_rows([[self.examples[i] for i in self.rows[r]] for r in draw.indices], self.pad)
+
+
+class Seq2SeqReplies(Source):
+    """An encoder-decoder's examples: the source right-padded with its mask, the reply as targets
+    (IGNORE-padded) and the decoder's input, the targets shifted right behind the pad (T5's start)."""
+
+    def __init__(self, examples: list[Seq2SeqExample], pad_id: int):
+        self.examples, self.pad = examples, pad_id
+        self.lengths = np.array([len(e.source) + len(e.target) for e in examples])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.examples)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        rows = [self.examples[i] for i in draw.indices]
+        s, t = max(len(e.source) for e in rows), max(len(e.target) for e in rows)
+        ids = torch.full((len(rows), s), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), s), dtype=torch.long)
+        labels = torch.full((len(rows), t), IGNORE, dtype=torch.long)
+        for r, e in enumerate(rows):
+            ids[r, : len(e.source)], mask[r, : len(e.source)] = torch.from_numpy(e.source), 1
+            labels[r, : len(e.target)] = torch.from_numpy(e.target)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "decoder_input_ids": span_corruption.shift_right(labels, self.pad)}

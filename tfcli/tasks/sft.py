@@ -1,0 +1,294 @@
+"""Supervised finetuning (`tfcli finetune sft`): a decoder (GPT, llama) or an encoder-decoder (T5)
+learns to write the replies of a user's own data, in the model's chat template.
+
+    tfcli finetune sft --from MODEL --data rows.jsonl --prompt-field question --response-field answer
+    tfcli finetune gsm8k --from MODEL --data gsm8k/        # the gsm8k preset: fields, splits, scoring
+    tfcli eval sft --checkpoint RUN --data test.jsonl --limit 100
+
+What is trained is the replies and the end-of-turn token that closes each (`sft.train_on`), found
+by prefix differencing of the template's renderings (data/chat.py); the loss is the mean over every
+trained token of the global batch (Job.loss_weight), with or without packing (tasks/reply_batches).
+Each evaluation reports the held-out reply loss and perplexity; the final report and `tfcli eval
+sft` also generate replies and score them (tasks/answers.py), writing predictions.jsonl.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+from rich.table import Table
+from rich.text import Text
+
+from ..backbone import from_run
+from ..data.chat import ChatTemplate, stop_ids
+from ..data.conversations import DecoderExamples, Examples, Fields, Seq2SeqExamples, require_targets
+from ..data.labelled import TextSpec, raw_splits
+from ..display import console, phase
+from ..errors import UserError
+from ..evaluate import held_out_metrics
+from ..models import kinds
+from ..perf import flops_per_token, training_flops_multiplier
+from ..plugin import EvalOptions, Job, Plugin
+from ..recipe import require
+from ..sampler import sequential_batches
+from ..train import ObjectiveModule
+from . import answers
+from .presets import presets_of
+from ..objectives import span_corruption
+from .reply_batches import LOSSES, PackedReplies, PaddedReplies, Seq2SeqReplies, with_perplexity
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """The `sft:` recipe section. Fields left empty come from the preset, then the defaults."""
+
+    preset: str = ""  # gsm8k: GSM8K's fields, splits and scoring
+    format: Literal["auto", "prompt", "messages", "text"] = "auto"  # auto: by the fields each row has
+    prompt_field: str = ""  # "" = the preset's, else "prompt"
+    response_field: str = ""  # "" = the preset's, else "completion"
+    messages_field: str = "messages"
+    text_field: str = "text"
+    system: str = ""  # a system message before every prompt/reply row
+    chat_template: str = ""  # "": the model's own (none when it has none); none; a shipped name or a .jinja file
+    train_on: Literal["assistant", "all", "last"] = "assistant"  # every reply, every token, the last reply
+    pack: bool = False  # several examples per row, each attending only to itself
+    metric: Literal["", "exact", "contains", "final-number"] = ""  # "" = the preset's, else exact
+    max_new_tokens: int = 256  # generated replies (eval sft and the final report)
+    temperature: float = 0.0  # 0: greedy
+    generate_limit: int = 50  # the final report generates replies for the first N held-out examples
+
+    def __post_init__(self):
+        require(not self.preset or self.preset in presets_of("sft"), "sft.preset",
+                f"one of {', '.join(presets_of('sft'))}", self.preset)
+        require(self.max_new_tokens >= 1, "sft.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.temperature >= 0, "sft.temperature", ">= 0 (0: greedy)", self.temperature)
+        require(self.generate_limit >= 0, "sft.generate_limit", ">= 0", self.generate_limit)
+
+
+def fields(cfg: SFTConfig) -> Fields:
+    p = presets_of("sft").get(cfg.preset)
+    return Fields(prompt=cfg.prompt_field or (p.prompt_field if p else "prompt"),
+                  response=cfg.response_field or (p.response_field if p else "completion"),
+                  messages=cfg.messages_field, text=cfg.text_field, system=cfg.system)
+
+
+def metric(cfg: SFTConfig) -> str:
+    p = presets_of("sft").get(cfg.preset)
+    return cfg.metric or (p.metric if p else "exact")
+
+
+def data_spec(cfg: SFTConfig) -> TextSpec:
+    """Where the splits are: the preset's (GSM8K: train and test), else train and a held-out dev."""
+    p = presets_of("sft").get(cfg.preset)
+    if p is None:
+        return TextSpec("sft", ())
+    return TextSpec(cfg.preset, (), splits=p.splits, hub=p.hub, hub_splits=p.hub_splits)
+
+
+class SFT(Plugin):
+    key = "sft"
+    kind = "task"
+    model_kinds = (kinds.DECODER, kinds.ENCODER_DECODER)
+    recipe_pattern = "sft-{family}-mini"
+    Config = SFTConfig
+    describe = "supervised finetuning"
+
+    def tokenizer_texts(self, recipe):
+        """A fresh model's tokenizer learns from the training rows' texts."""
+        cfg, d = recipe.settings, recipe.data
+        rows = next(iter(raw_splits(data_spec(cfg), d.source, d.val_source, d.val_fraction, recipe.train.seed).values()))[0]
+        f = fields(cfg)
+        for row in rows:
+            yield from (row[k] for k in (f.prompt, f.response, f.text) if isinstance(row.get(k), str))
+            yield from (m["content"] for m in row.get(f.messages) or [] if isinstance(m, dict) and isinstance(m.get("content"), str))
+
+    def check(self, recipe, backbone) -> None:
+        """What SFT cannot do, refused before the data is read."""
+        ft, cfg = recipe.finetune, recipe.settings
+        if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
+            raise UserError("sft trains the model to write replies: there is no classifier head or pooling "
+                            "(--train all, lora, ia3 or bitfit)")
+        if backbone.model.kind == kinds.ENCODER_DECODER and (cfg.pack or cfg.chat_template not in ("", "none")):
+            raise UserError(f"a {backbone.family} reads the prompt with its encoder: sft.pack and sft.chat_template "
+                            f"are for decoders")
+
+    def template(self, recipe, backbone) -> Optional[ChatTemplate]:
+        """The template examples are rendered in: sft.chat_template, else the model's own, else none."""
+        name, tok = recipe.settings.chat_template, backbone.tokenizer
+        if backbone.model.kind == kinds.ENCODER_DECODER or name == "none":
+            return None
+        if name:
+            return ChatTemplate.load(name)
+        return ChatTemplate(tok.chat_template, "the model's chat template") if tok.chat_template else None
+
+    def builder(self, recipe, backbone, template: Optional[ChatTemplate]):
+        cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        if backbone.model.kind == kinds.ENCODER_DECODER:
+            return Seq2SeqExamples(backbone.tokenizer, length, fields(cfg), cfg.format)
+        return DecoderExamples(backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format)
+
+    def examples(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
+                 say: bool = True) -> dict[str, Examples]:
+        """Every split's examples (the training split first), each split's skipped rows named (say)."""
+        cfg, d, ft = recipe.settings, recipe.data, recipe.finetune
+        template = self.template(recipe, backbone)
+        build = self.builder(recipe, backbone, template)
+        with phase("reading sft data"):
+            raw = raw_splits(data_spec(cfg), data or d.source, "" if data else d.val_source, d.val_fraction,
+                             recipe.train.seed, need_train)
+        out = {}
+        for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
+            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else rows
+            out[split] = build.build_all(rows)
+            out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
+            if say and self.rt.is_main and not self.quiet and (rows or need_train):
+                console.print(summary(split, out[split], where))
+        return out
+
+    def setup(self, recipe, backbone) -> Job:
+        self.check(recipe, backbone)
+        template = self.template(recipe, backbone)
+        backbone.tokenizer.chat_template = template.source if template is not None else None  # export keeps it
+        splits = self.examples(recipe, backbone)
+        (train_split, train), *held_out = splits.items()
+        require_targets(train_split, train)
+        if self.rt.is_main and not self.quiet:
+            console.print(preview(backbone.tokenizer, train.examples[0]))
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        source = self.source(recipe, backbone, train.examples, pad, for_training=True)
+        val = next((self.source(recipe, backbone, e.examples, pad) for _, e in held_out if e.examples), None)
+        loss, weight = LOSSES["seq2seq" if backbone.model.kind == kinds.ENCODER_DECODER else "decoder"]
+        return Job(heads=torch.nn.ModuleDict(), loss=loss, train=source, val=val,
+                   flops_per_item=self.flops(recipe, backbone, train), count_items=count_tokens,
+                   held_out_metrics=with_perplexity, examples=source.epoch_size(0), loss_weight=weight)
+
+    def source(self, recipe, backbone, examples: list, pad: int, for_training: bool = False):
+        if backbone.model.kind == kinds.ENCODER_DECODER:
+            return Seq2SeqReplies(examples, pad)
+        if for_training and recipe.settings.pack:
+            return PackedReplies(examples, min(recipe.data.seq_len, backbone.cfg.max_seq_len), pad, recipe.train.seed)
+        return PaddedReplies(examples, pad)
+
+    def flops(self, recipe, backbone, train: Examples) -> float:
+        """Training FLOPs per token at the mean example length (scaled for adapters)."""
+        sample = train.examples[:500]
+        if backbone.model.kind == kinds.ENCODER_DECODER:
+            full = span_corruption.flops_per_token(backbone.model, int(np.mean([len(e.source) for e in sample])),
+                                                   int(np.mean([len(e.target) for e in sample])))
+        else:
+            full = flops_per_token(backbone.model, int(np.mean([len(e.ids) for e in sample])))
+        return full * training_flops_multiplier(recipe.finetune.train) / 6.0
+
+    def report(self, recipe, run_dir: Path) -> dict[str, Any]:
+        """The reply loss of the run's last checkpoint on every held-out split (finetune.report_limit
+        examples of each, 0: all), and sft.generate_limit generated replies scored: printed, and saved
+        as eval.json and predictions.jsonl."""
+        backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        results = self.score(recipe, backbone, None, recipe.finetune.report_limit or None,
+                             recipe.settings.generate_limit, Path(run_dir) / "predictions.jsonl", say=False)
+        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        return results
+
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """`tfcli eval sft`: reply loss and generated replies on the held-out splits (--limit N: the first
+        N examples of each), written beside the run (or --out) with predictions-<name>.jsonl."""
+        if options.inputs or options.few_shot > 0 or options.cloze:
+            raise UserError("eval sft scores generated replies on a data split (--data FILE, --limit N); "
+                            "to answer one prompt use tfcli generate --chat")
+        run = Path(backbone.checkpoint).parent.parent if backbone.recipe is not None else None
+        name = "eval-sft" + (f"-{Path(options.data).stem}" if options.data else "") + \
+            (f"-limit{options.limit}" if options.limit else "")
+        out = Path(options.out) if options.out else (run or Path(".")) / f"{name}.json"
+        predictions = out.with_name(out.stem.replace("eval-", "predictions-", 1) + ".jsonl")
+        results = self.score(recipe, backbone, options.data, options.limit or None, options.limit or None, predictions)
+        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
+        console.print(f"report: {out}\npredictions: {predictions}")
+        return results
+
+    def score(self, recipe, backbone, data: Optional[str], n_loss: Optional[int], n_generated: Optional[int],
+              predictions: Path, say: bool = True) -> dict:
+        """Per held-out split: the reply loss and perplexity of its first n_loss examples and the scores
+        of replies generated for its first n_generated (None: all of them; 0: none)."""
+        splits = self.examples(recipe, backbone, data, need_train=False, say=say)
+        held_out = {s: e for i, (s, e) in enumerate(splits.items()) if i > 0 and e.examples}
+        if not held_out:
+            raise UserError("sft: no held-out examples to evaluate on (give --data with a dev or test split)")
+        cfg, model = recipe.settings, backbone.model.eval()
+        pad = type(model).pad_id(backbone.tokenizer)
+        loss, weight = LOSSES["seq2seq" if model.kind == kinds.ENCODER_DECODER else "decoder"]
+        results, lines = {}, []
+        for split, e in held_out.items():
+            scored = e.examples[:n_loss]
+            batches = sequential_batches(self.source(recipe, backbone, scored, pad), recipe.train.batch_size, 0)
+            with phase(f"reply loss on {split}"):
+                metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), batches,
+                                           next(model.parameters()).device, recipe.train.precision, weight)
+            generated = e.examples[:n_generated]
+            texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
+                                     cfg.temperature, recipe.train.batch_size, stop_ids(backbone.tokenizer), pad,
+                                     f"{split} replies") if generated else []
+            results[split] = {**with_perplexity(metrics), "n": len(scored), "generated": len(texts), "metric": metric(cfg),
+                              **(answers.scores(texts, [x.reply for x in generated], metric(cfg)) if texts else {})}
+            lines += [{"split": split, "prompt": backbone.tokenizer.decode(x.prompt, skip_special_tokens=False),
+                       "reference": x.reply, "prediction": t, "correct": answers.correct(t, x.reply, metric(cfg))}
+                      for x, t in zip(generated, texts)]
+        predictions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        if not self.quiet:
+            console.print(results_table(results))
+        return results
+
+    def title(self, recipe, backbone) -> str:
+        return f"sft ({recipe.settings.preset or 'own data'}, train_on {recipe.settings.train_on}" + \
+            (", packed)" if recipe.settings.pack else ")")
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 50",
+                f"chat with it: tfcli chat --checkpoint {run_dir}",
+                f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
+
+
+def count_tokens(batch: dict) -> int:
+    """The tokens a batch reads: the (padded) decoder sequence, or an encoder-decoder's both sides."""
+    return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
+
+
+def summary(split: str, examples: Examples, where: str) -> str:
+    skipped = sum(examples.skipped.values())
+    why = "" if not skipped else " (" + ", ".join(f"{n:,} {reason}" for reason, n in examples.skipped.most_common()) + ")"
+    share = examples.trained_tokens / max(1, examples.tokens)
+    return (f"sft {split}: {len(examples.examples):,} examples from {where}, {skipped:,} rows skipped{why}; "
+            f"{examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)")
+
+
+def preview(tok, example) -> Text:
+    """One example as the model reads it, the trained tokens highlighted."""
+    text = Text("one training example (")
+    text.append("trained", style="bold green")
+    text.append(" / not trained):\n")
+    if hasattr(example, "trained"):
+        runs, start = [], 0
+        flags = example.trained.tolist()
+        for i in range(1, len(flags) + 1):
+            if i == len(flags) or flags[i] != flags[start]:
+                runs.append((example.ids[start:i].tolist(), flags[start]))
+                start = i
+    else:
+        runs = [(example.source.tolist(), 0), (example.target.tolist(), 1)]
+    for ids, trained in runs:
+        text.append(tok.decode(ids, skip_special_tokens=False) + ("" if hasattr(example, "trained") else "\n"),
+                    style="bold green" if trained else "dim")
+    return text
+
+
+def results_table(results: dict[str, dict]) -> Table:
+    table = Table("split", "reply loss", "ppl", "scored", "generated", "metric", "accuracy", title="sft evaluation")
+    for split, r in results.items():
+        acc = f"{100 * r['acc']:.2f}%" + (f" (strict {100 * r['strict_acc']:.2f}%)" if "strict_acc" in r else "") \
+            if "acc" in r else "-"
+        table.add_row(split, f"{r.get('loss', float('nan')):.4f}", f"{r.get('ppl', float('nan')):.2f}", str(r["n"]),
+                      str(r["generated"]), r["metric"], acc)
+    return table
