@@ -24,13 +24,13 @@ TEXTS = ["The capital of France is Paris.", "I have 12345 apples and 3 pears!", 
          "<|im_start|>user\nhi<|im_end|>", "naïve café – déjà vu"]
 
 
-def tiny_backbone(arch: str = "llama", **cfg) -> Backbone:
+def tiny_backbone(arch: str = "llama", max_seq_len: int = 64, **cfg) -> Backbone:
     tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
     tok.tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tok.specials = tok.specials.__class__(bos="<|im_start|>", eos="<|im_end|>", pad="<|im_end|>", unk="<|endoftext|>")
     tok.chat_template = ChatTemplate.load("chatml").source
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=64,
+    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=max_seq_len,
                               vocab_size=tok.vocab_size, hf_model_type=arch, **cfg)).eval()
     spread_(model)
     return Backbone(model, tok, "test")

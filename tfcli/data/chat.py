@@ -107,7 +107,7 @@ class ChatTemplate:
                 raise UserError(f"{self.where}: rendering a longer conversation changes what came before "
                                 f"(message {i + 1}); the assistant replies cannot be told apart")
             start = found + len(header)
-            while start < len(through) and through[start] in "\n\r\t":  # the header's line break
+            while start < len(through) and through[start].isspace():  # the header's line break, indentation
                 start += 1
             spans.append((start, len(through)))
         return spans

@@ -142,7 +142,7 @@ class SFT(Plugin):
                              recipe.train.seed, need_train)
         out = {}
         for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
-            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else rows
+            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
             out[split] = build.build_all(rows)
             out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
             if say and self.rt.is_main and not self.quiet and (rows or need_train):
@@ -203,7 +203,8 @@ class SFT(Plugin):
         name = "eval-sft" + (f"-{Path(options.data).stem}" if options.data else "") + \
             (f"-limit{options.limit}" if options.limit else "")
         out = Path(options.out) if options.out else (run or Path(".")) / f"{name}.json"
-        predictions = out.with_name(out.stem.replace("eval-", "predictions-", 1) + ".jsonl")
+        stem = out.stem.replace("eval-", "predictions-", 1) if out.stem.startswith("eval-") else f"{out.stem}-predictions"
+        predictions = out.with_name(f"{stem}.jsonl")
         results = self.score(recipe, backbone, options.data, options.limit or None, options.limit or None, predictions)
         out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
         console.print(f"report: {out}\npredictions: {predictions}")
