@@ -39,6 +39,8 @@ def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
         return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
+    if raw.get("task") == "sft":
+        return "sft"
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
     return KINDS[raw["task"]]
@@ -61,6 +63,18 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
     (root / "data_dir").mkdir()
     for split in ("train", "dev"):
         (root / "data_dir" / f"{split}.csv").write_text("question,label\n" + "".join(f"{a} {b}?,{c}\n" for a, b, c in rows))
+    sums = [{"prompt": f"What is {a} plus {b}?", "completion": f"It is {a + b}."} for a in range(6) for b in range(4)]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sums))
+    (root / "test.jsonl").write_text("".join(json.dumps({**r, "question": r["prompt"], "answer": r["completion"]}) + "\n"
+                                             for r in sums))  # read by runs of either field naming
+    (root / "qa.csv").write_text("question,answer\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in sums))
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": [  # short: ChatML's markers are many tokens here
+        {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}) + "\n" for r in sums))
+    (root / "gsm8k").mkdir()
+    for split in ("train", "test"):
+        (root / "gsm8k" / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": r["prompt"], "answer": f"{r['completion']}\n#### {r['completion'][6:-1]}"}) + "\n"
+            for r in sums))
     (root / "other.txt").write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:20_000])
     (root / "my_texts").mkdir()
     (root / "my_texts" / "a.txt").write_text((shared_data / "text" / "war_and_peace.txt").read_text()[:60_000])

@@ -297,3 +297,16 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and result.output.count("\n") == 1, result.output
         assert not (tmp_path / "run").exists()
+
+
+def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_model):
+    data = write_rows(tmp_path / "rows.jsonl", rows(12))
+    for strategy in ("lora", "ia3", "bitfit"):
+        out = tmp_path / strategy
+        result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--train", strategy, "--steps", 2,
+                        "--batch-size", 4, "--out", out, "--quiet", "--set", "sft.generate_limit=0")
+        assert result.exit_code == 0, (strategy, result.output)
+        record = json.loads((out / "run.json").read_text())["parameters"]
+        assert 0 < record["trained"] < record["total"] / 10, (strategy, record)
+        weights = next((out / "checkpoints").glob("step-*/model.safetensors"))
+        assert weights.stat().st_size < 200_000, (strategy, weights.stat().st_size)  # the subset, not the model

@@ -376,6 +376,7 @@ def eval_(
     seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
     set_: List[str] = typer.Option([], "--set", help="A setting of the evaluated task, e.g. --set sft.max_new_tokens=64 (repeatable)."),
+    reference: Optional[str] = typer.Option(None, help="dpo: the model rewards are measured against [default: the run's reference]."),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, or a task's report."""
     from .driver import evaluate
@@ -397,7 +398,7 @@ def eval_(
         settings[path.split(".", 1)[1]] = value
     evaluate(newest(checkpoint), key, settings, EvalOptions(
         data=data, limit=limit, batches=batches, out=out, inputs=inputs, few_shot=few_shot, cloze=cloze, seed=seed,
-        device=device or "auto", precision=precision, quiet=quiet), defaults)
+        device=device or "auto", precision=precision, quiet=quiet, reference=reference), defaults)
 
 
 @app.command()

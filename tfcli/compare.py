@@ -330,7 +330,10 @@ def collect(cell: Cell, out: Path) -> dict:
     row.update(prompting_row(cell, report, splits, usage) if cell.strategy.prompting else training_row(run))
     for split in splits:
         row[f"{split}_acc"] = round(report[split]["acc"], 4)
-    row["majority"] = round(report[splits[0]]["majority"], 4) if splits else None
+        if "loss" in report[split]:  # a generative task's held-out reply loss (sft)
+            row[f"{split}_loss"] = round(report[split]["loss"], 4)
+    majority = report[splits[0]].get("majority") if splits else None
+    row["majority"] = round(majority, 4) if majority is not None else None
     row["scored"] = sum(report[s].get("n", 0) for s in splits)
     row["cpu_s"] = usage.get("cpu_s")
     row["peak_mem_mb"] = row.get("peak_mem_mb") or usage.get("peak_rss_mb")
@@ -372,18 +375,25 @@ def write_tables(rows: list[dict], out: Path) -> tuple[Path, Path]:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    acc = [c for c in columns if c.endswith("_acc")]
+    acc = [c for c in columns if c.endswith(("_acc", "_loss"))]
     head = ["cell", "train", *acc, "majority", "scored", "trained params", "peak MB", "train time", "CPU time", "ex/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("status") != "done":
             lines.append(f"| {r['cell']} | {r['train']} | " + " | ".join([r["status"]] + [""] * (len(head) - 3)) + " |")
             continue
-        lines.append("| " + " | ".join([r["cell"], r["train"], *(pct(r.get(a)) for a in acc), pct(r["majority"]),
+        lines.append("| " + " | ".join([r["cell"], r["train"], *(metric_text(r, a) for a in acc), pct(r["majority"]),
                                         str(r.get("scored") or "-"), params_text(r), mb(r["peak_mem_mb"]),
                                         seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r)]) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     return out / "results.md", out / "results.csv"
+
+
+def metric_text(r: dict, column: str) -> str:
+    """An accuracy as a percentage, a loss as it is."""
+    if column.endswith("_loss"):
+        return f"{r[column]:.4f}" if isinstance(r.get(column), float) else "-"
+    return pct(r.get(column))
 
 
 def rate(r: dict) -> str:
@@ -470,14 +480,15 @@ def show(rows: list[dict]) -> None:
 
     from rich.table import Column
 
-    columns = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_acc")))
+    columns = list(dict.fromkeys(k for r in rows for k in r if k.endswith(("_acc", "_loss"))))
     widest = max((len(r["cell"]) for r in rows), default=4)  # the cell names are never cut: the numbers wrap first
-    table = Table(Column("cell", no_wrap=True, min_width=widest), *(c[:-4] for c in columns), "majority", "trained",
+    table = Table(Column("cell", no_wrap=True, min_width=widest), *(c.replace("_acc", "").replace("_", " ") for c in columns),
+                  "majority", "trained",
                   "peak MB", "time", "CPU", "ex/s", title="tfcli compare (accuracy per split)")
     for r in rows:
         if r.get("status") != "done":
             table.add_row(r["cell"], f"[red]{r['status']}[/]")
             continue
-        table.add_row(r["cell"], *(pct(r.get(c)) for c in columns), pct(r["majority"]), params_text(r),
+        table.add_row(r["cell"], *(metric_text(r, c) for c in columns), pct(r["majority"]), params_text(r),
                       mb(r["peak_mem_mb"]), seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r))
     console.print(table)

@@ -66,6 +66,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         backbone = backbones.for_resume(req.resume, req.recipe, ckpt) if ckpt else \
             backbones.load(source, req.recipe, plugin, rt)
         recipe = plugin.resolve(req.recipe, backbone)
+        plugin.run_dir = run_dir
         with rt.main_first():  # rank 0 fills the tokenization caches first
             job = plugin.setup(recipe, backbone)
         if source is not None and ckpt is None and plugin.kind == "objective":
@@ -243,8 +244,8 @@ def run_record(run_dir: Path, source: Optional[str], backbone: Backbone, rt: Run
 
 
 def job_files(job: Job) -> dict[str, str]:
-    """Files a plug-in keeps beside its checkpoints: a classifier's class names."""
-    return {backbones.LABELS_FILE: json.dumps(list(job.labels))} if job.labels else {}
+    """Files a plug-in keeps beside its checkpoints: a classifier's class names, and its own (Job.files)."""
+    return {**({backbones.LABELS_FILE: json.dumps(list(job.labels))} if job.labels else {}), **job.files}
 
 
 def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:

@@ -39,6 +39,7 @@ class EvalOptions:
     inputs: tuple[str, ...] = ()  # classify one input (e.g. premise and hypothesis) instead of a split
     few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
     cloze: bool = False  # zero-shot: label words scored at a [MASK] by a BERT's MLM head
+    reference: Optional[str] = None  # preference evaluation: the model the rewards are measured against
     seed: int = 0
     device: str = "cpu"
     precision: Optional[str] = None  # None: the run's own train.precision
@@ -71,6 +72,7 @@ class Job:
     # trainer weighs each micro-batch by it, so the gradient is the mean over every item of the
     # global (accumulated, all-process) batch whatever grad_accum is, and held-out means are per item
     loss_weight: Optional[Callable[[Batch], Tensor]] = None
+    files: dict[str, str] = field(default_factory=dict)  # name -> text the run directory keeps (DPO's reference log-probs)
 
 
 class Plugin:
@@ -88,6 +90,7 @@ class Plugin:
 
     def __init__(self, rt: Runtime, quiet: bool = False):
         self.rt, self.quiet = rt, quiet
+        self.run_dir: Optional[Path] = None  # the run a training job writes (set before setup; its files exist on resume)
 
     def __init_subclass__(cls, **kwargs):
         """A plug-in names model kinds, never families: the families (a new one included) and their

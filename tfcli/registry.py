@@ -22,6 +22,7 @@ TASKS = {
     "classify": "classify:Classify",
     "image-classify": "image_classification:ImageClassify",
     "sft": "sft:SFT",
+    "dpo": "dpo:DPO",
 }
 
 _PACKAGES = {"objective": ("tfcli.objectives", OBJECTIVES), "task": ("tfcli.tasks", TASKS)}

@@ -171,9 +171,15 @@ class ExampleBuilder:
         parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
         if isinstance(parsed, str) and parsed.startswith("skip:"):
             return parsed
-        example = self.build(parsed)
+        return self.within_length(self.build(parsed))
+
+    def within_length(self, example: Union[AnyExample, str]) -> Union[AnyExample, str]:
+        """The example, or why it is skipped: its prompt alone, or the whole of it, is longer than the
+        model reads."""
         if isinstance(example, str):
             return example
+        if len(example.prompt) >= self.max_length:
+            return "skip:prompt alone longer than data.seq_len"
         if max(len(example.ids), len(getattr(example, "target", ()))) > self.max_length:
             return "skip:longer than data.seq_len"
         return example

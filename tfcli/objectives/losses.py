@@ -138,5 +138,6 @@ def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor
     positions with target IGNORE (prompt, padding) left out: what preference losses compare (DPO's
     log pi(y|x)). hidden (B, T, D), weight (V, D), targets (B, T). No (B, T, V) logits are kept."""
     b, t = targets.shape
-    token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1), weight, targets.reshape(-1))  # (B*T,)
-    return token.view(b, t).sum(1)
+    rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target: only
+    token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows])  # they reach the head
+    return token.new_zeros(b).index_add(0, rows // t, token)  # (B,)

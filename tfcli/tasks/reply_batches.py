@@ -10,6 +10,7 @@ An encoder-decoder's batch is the padded source and the reply as T5 targets.
 from __future__ import annotations
 
 import bisect
+from typing import Optional
 
 import numpy as np
 import torch
@@ -136,3 +137,29 @@ class Seq2SeqReplies(Source):
             labels[r, : len(e.target)] = torch.from_numpy(e.target)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "decoder_input_ids": span_corruption.shift_right(labels, self.pad)}
+
+
+class PairBatches(Source):
+    """Preference pairs (data/preferences.py): a batch of B pairs is 2B decoder rows, the chosen replies
+    first, then the rejected ones; `reference` (N, 2), when the reference model's log-probabilities were
+    computed ahead, rides along as ref_logps (2B,) in the same order."""
+
+    def __init__(self, pairs: list, pad_id: int, reference: Optional[Tensor] = None):
+        self.pairs, self.pad, self.reference = pairs, pad_id, reference
+        self.lengths = np.array([p.length for p in pairs])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.pairs)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        pairs = [self.pairs[i] for i in draw.indices]
+        out = decoder_rows([[p.chosen] for p in pairs] + [[p.rejected] for p in pairs], self.pad)
+        if self.reference is not None:
+            picked = self.reference[torch.as_tensor(draw.indices)]  # (B, 2)
+            out["ref_logps"] = torch.cat([picked[:, 0], picked[:, 1]])
+        return out
+
+
+def pair_count(batch: dict[str, Tensor]) -> Tensor:
+    """A preference batch's pairs: what its loss averages over."""
+    return torch.tensor(batch["input_ids"].size(0) // 2)

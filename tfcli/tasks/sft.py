@@ -117,13 +117,7 @@ class SFT(Plugin):
                             f"are for decoders")
 
     def template(self, recipe, backbone) -> Optional[ChatTemplate]:
-        """The template examples are rendered in: sft.chat_template, else the model's own, else none."""
-        name, tok = recipe.settings.chat_template, backbone.tokenizer
-        if backbone.model.kind == kinds.ENCODER_DECODER or name == "none":
-            return None
-        if name:
-            return ChatTemplate.load(name)
-        return ChatTemplate(tok.chat_template, "the model's chat template") if tok.chat_template else None
+        return template_for(recipe.settings.chat_template, backbone)
 
     def builder(self, recipe, backbone, template: Optional[ChatTemplate]):
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
@@ -138,8 +132,8 @@ class SFT(Plugin):
         template = self.template(recipe, backbone)
         build = self.builder(recipe, backbone, template)
         with phase("reading sft data"):
-            raw = raw_splits(data_spec(cfg), data or d.source, "" if data else d.val_source, d.val_fraction,
-                             recipe.train.seed, need_train)
+            raw = raw_splits(data_spec(cfg), data or d.source, evaluated_file(data, need_train) or
+                             ("" if data else d.val_source), d.val_fraction, recipe.train.seed, need_train)
         out = {}
         for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
             rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
@@ -252,17 +246,38 @@ class SFT(Plugin):
                 f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
 
 
+def evaluated_file(data: Optional[str], need_train: bool) -> str:
+    """An evaluation's --data FILE is evaluated whole (no share of it held out as from training data)."""
+    return data if data and not need_train and Path(data).is_file() else ""
+
+
+def template_for(name: str, backbone) -> Optional[ChatTemplate]:
+    """The template examples are rendered in: `name` (a shipped template or a file), else the model's
+    own, else none (name "none", a model without one, an encoder-decoder)."""
+    tok = backbone.tokenizer
+    if backbone.model.kind == kinds.ENCODER_DECODER or name == "none":
+        return None
+    if name:
+        return ChatTemplate.load(name)
+    return ChatTemplate(tok.chat_template, "the model's chat template") if tok.chat_template else None
+
+
 def count_tokens(batch: dict) -> int:
     """The tokens a batch reads: the (padded) decoder sequence, or an encoder-decoder's both sides."""
     return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
 
 
+def summary_line(label: str, count: int, noun: str, skipped, where: str) -> str:
+    """'<label>: N <noun> from <where>, K rows skipped (k1 reason1, ...)'."""
+    total = sum(skipped.values())
+    why = "" if not total else " (" + ", ".join(f"{n:,} {reason}" for reason, n in skipped.most_common()) + ")"
+    return f"{label}: {count:,} {noun} from {where}, {total:,} rows skipped{why}"
+
+
 def summary(split: str, examples: Examples, where: str) -> str:
-    skipped = sum(examples.skipped.values())
-    why = "" if not skipped else " (" + ", ".join(f"{n:,} {reason}" for reason, n in examples.skipped.most_common()) + ")"
     share = examples.trained_tokens / max(1, examples.tokens)
-    return (f"sft {split}: {len(examples.examples):,} examples from {where}, {skipped:,} rows skipped{why}; "
-            f"{examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)")
+    return (summary_line(f"sft {split}", len(examples.examples), "examples", examples.skipped, where) +
+            f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)")
 
 
 def preview(tok, example) -> Text:

@@ -1,0 +1,265 @@
+"""Preference tuning with DPO (`tfcli finetune dpo`, Rafailov et al. 2023): a decoder learns to make the
+replies people preferred more likely, relative to a frozen reference, than the ones they did not.
+
+    tfcli finetune dpo --from MODEL --data pairs.jsonl --train lora        # reference: the base, adapters off
+    tfcli eval dpo --checkpoint RUN --data pairs.jsonl [--reference MODEL]
+
+log pi(y|x) is summed over the reply's tokens and its end token (prompt and padding left out; only
+those positions reach the LM head); h = beta [(log pi - log ref)(chosen) - (log pi - log ref)(rejected)];
+the sigmoid loss is -log sigmoid(h), with label smoothing eps -(1-eps) log sigmoid(h) - eps log sigmoid(-h)
+(conservative DPO); IPO (Azar et al.) is (h'/beta... as TRL computes it: the log-ratios averaged over
+the reply's tokens, (d - 1/(2 beta))^2. Metrics are named as TRL names them.
+
+The reference (dpo.reference): `copy`, a frozen copy of the starting model in the Job; `base`, the
+model itself with its adapters switched off (LoRA, IA3: no second copy; the default for them);
+`precompute`, one pass before training writes the reference log-probabilities of every pair to the run
+directory (reference_logps.json), so training holds one model and a resumed run reads them back.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import adapters
+from ..backbone import for_inference, from_run, recorded
+from ..checkpoint import run_dir_of
+from ..data import IGNORE
+from ..data.conversations import DecoderExamples
+from ..data.labelled import TextSpec, raw_splits
+from ..data.preferences import PairBuilder, PairFields, Pairs
+from ..display import console, phase
+from ..errors import UserError
+from ..evaluate import held_out_metrics
+from ..models import kinds
+from ..objectives.losses import sequence_logprobs
+from ..perf import flops_per_token, training_flops_multiplier
+from ..plugin import EvalOptions, Job, Plugin
+from ..recipe import require
+from ..sampler import sequential_batches
+from ..train import ObjectiveModule
+from .reply_batches import PairBatches, pair_count
+from .sft import count_tokens, evaluated_file, summary_line, template_for
+
+REFERENCE_FILE = "reference_logps.json"
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """The `dpo:` recipe section."""
+
+    beta: float = 0.1
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = 0.0  # conservative DPO: the share of preference labels taken as flipped
+    reference: Literal["auto", "copy", "base", "precompute"] = "auto"  # auto: base for lora/ia3, else copy
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    system: str = ""  # a system message before every prompt
+    chat_template: str = ""  # as sft.chat_template: "" the model's own, none, a shipped name or a .jinja file
+
+    def __post_init__(self):
+        require(self.beta > 0, "dpo.beta", "> 0", self.beta)
+        require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)", self.label_smoothing)
+
+
+def reference_mode(recipe) -> str:
+    """dpo.reference, with auto resolved: the adapter-free base where there are adapters."""
+    mode, train = recipe.settings.reference, recipe.finetune.train
+    if mode == "auto":
+        return "base" if train in ("lora", "ia3") else "copy"
+    if mode == "base" and train not in ("lora", "ia3"):
+        raise UserError(f"dpo.reference base is the model with its adapters switched off; --train {train} changes the "
+                        f"base weights themselves (use copy or precompute, or --train lora)")
+    return mode
+
+
+def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """(2B,) each row's summed log-probability of its trained tokens (the reply and its end token)."""
+    return sequence_logprobs(model(batch["input_ids"]), model.lm_head_weight, batch["targets"])
+
+
+def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """policy, reference, lengths (2B,): chosen rows first -> (mean loss, TRL's metrics)."""
+    pc, pr = policy.chunk(2)
+    chosen, rejected = pc - reference.chunk(2)[0], pr - reference.chunk(2)[1]  # log-ratios (B,)
+    if cfg.loss == "ipo":
+        lc, lr = lengths.chunk(2)
+        delta = chosen / lc.clamp(min=1) - rejected / lr.clamp(min=1)  # TRL: averaged over the reply's tokens
+        per_pair = (delta - 1 / (2 * cfg.beta)) ** 2
+    else:
+        h = cfg.beta * (chosen - rejected)
+        per_pair = -(1 - cfg.label_smoothing) * F.logsigmoid(h) - cfg.label_smoothing * F.logsigmoid(-h)
+    rc, rr = cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
+    loss = per_pair.mean()
+    return loss, {"loss": loss.detach(), "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
+                  "rewards/accuracies": (rc > rr).float().mean(), "rewards/margins": (rc - rr).mean(),
+                  "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean()}
+
+
+class Preference:
+    """DPO's loss for the trainer: the policy's log-probabilities against the reference's, which come
+    from the batch (precomputed), the model with adapters off (base), or the Job's frozen copy."""
+
+    def __init__(self, cfg: DPOConfig, mode: str, frozen: dict):
+        self.cfg, self.mode, self.frozen = cfg, mode, frozen
+
+    def reference(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        with torch.no_grad():
+            if self.mode == "base":
+                with adapters.disabled(model):
+                    return logps(model, batch)
+            return logps(self.frozen["reference"], batch)  # the trainer has put it on the device, wrapped
+
+    def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
+        lengths = (batch["targets"] != IGNORE).sum(1)
+        return dpo_loss(logps(model, batch), self.reference(model, batch), lengths, self.cfg)
+
+
+@torch.no_grad()
+def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device) -> Tensor:
+    """(N, 2) the reference's log-probabilities of every pair's chosen and rejected reply."""
+    was, out = model.training, []
+    model.to(device).eval()
+    with phase("reference log-probabilities", -(-len(pairs) // batch_size), "batches") as advance:
+        for batch in sequential_batches(PairBatches(pairs, pad), batch_size, 0):
+            advance(1)
+            out.append(torch.stack(logps(model, {k: v.to(device) for k, v in batch.items()}).chunk(2), dim=1).cpu())
+    model.train(was)
+    return torch.cat(out) if out else torch.zeros(0, 2)
+
+
+class DPO(Plugin):
+    key = "dpo"
+    kind = "task"
+    model_kinds = (kinds.DECODER,)
+    recipe_pattern = "dpo-{family}-mini"
+    Config = DPOConfig
+    describe = "DPO preference tuning"
+
+    def pairs(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
+              say: bool = True) -> dict[str, Pairs]:
+        """Every split's pairs (the training split first), each split's skipped rows named (say)."""
+        cfg, d, ft = recipe.settings, recipe.data, recipe.finetune
+        template = template_for(cfg.chat_template, backbone)
+        build = PairBuilder(DecoderExamples(backbone.tokenizer, template, "last", min(d.seq_len, backbone.cfg.max_seq_len)),
+                            PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.system))
+        with phase("reading preference pairs"):
+            raw = raw_splits(TextSpec("dpo", ()), data or d.source, evaluated_file(data, need_train) or
+                             ("" if data else d.val_source), d.val_fraction, recipe.train.seed, need_train)
+        out = {}
+        for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
+            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
+            out[split] = build.build_all(rows)
+            out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
+            if say and self.rt.is_main and not self.quiet and (rows or need_train):
+                console.print(summary_line(f"dpo {split}", len(out[split].pairs), "pairs", out[split].skipped, where))
+        return out
+
+    def setup(self, recipe, backbone) -> Job:
+        ft, cfg = recipe.finetune, recipe.settings
+        if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
+            raise UserError("dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)")
+        mode = reference_mode(recipe)
+        splits = self.pairs(recipe, backbone)
+        (train_split, train), *held_out = splits.items()
+        if not train.pairs:
+            reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
+            raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
+        held = next((p.pairs for _, p in held_out if p.pairs), [])
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        frozen = {"reference": copy.deepcopy(backbone.model).requires_grad_(False)} if mode == "copy" else {}
+        refs, files = self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
+        loss = Preference(cfg, mode, frozen)
+        full = flops_per_token(backbone.model, int(np.mean([p.length for p in train.pairs[:500]])))
+        extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
+        return Job(heads=nn.ModuleDict(), loss=loss, train=PairBatches(train.pairs, pad, refs.get("train")),
+                   val=PairBatches(held, pad, refs.get("held_out")) if held else None,
+                   flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0, count_items=count_tokens,
+                   best_key="rewards/accuracies" if held else "", examples=len(train.pairs), loss_weight=pair_count,
+                   frozen=frozen, files=files)
+
+    def reference_file(self, recipe, backbone, train: list, held: list, pad: int) -> tuple[dict, dict]:
+        """dpo.reference precompute: the log-probabilities the run directory holds (a resumed run), or
+        one pass of the starting model over every pair, written there."""
+        if self.run_dir is not None:  # a resumed run reads what it computed when it started
+            path = Path(self.run_dir) / REFERENCE_FILE
+            if path.is_file():
+                saved = json.loads(path.read_text())
+                if len(saved["train"]) == len(train) and len(saved["held_out"]) == len(held):
+                    text = path.read_text()
+                    return {k: torch.tensor(v, dtype=torch.float32).reshape(-1, 2) for k, v in saved.items()}, \
+                        {REFERENCE_FILE: text}
+        b = recipe.train.batch_size
+        refs = {"train": precompute(backbone.model, train, pad, b, self.rt.device),
+                "held_out": precompute(backbone.model, held, pad, b, self.rt.device)}
+        return refs, {REFERENCE_FILE: json.dumps({k: v.tolist() for k, v in refs.items()})}
+
+    def report(self, recipe, run_dir: Path) -> dict[str, Any]:
+        """The best checkpoint's held-out metrics against the run's reference: printed, and eval.json."""
+        backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        results = self.score(recipe, backbone, None, None, 0, say=False)
+        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        return results
+
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """`tfcli eval dpo`: reward accuracy, margins and log-probabilities on the held-out pairs (the
+        first --limit N of each split) against --reference (default: the run's own reference)."""
+        results = self.score(recipe, backbone, options.data, options.reference, options.limit)
+        run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
+        out = Path(options.out) if options.out else run / ("eval-dpo" + (f"-{Path(options.data).stem}" if options.data else "")
+                                                          + (f"-limit{options.limit}" if options.limit else "") + ".json")
+        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data,
+                                   "reference": options.reference, **results}, indent=1))
+        console.print(f"report: {out}")
+        return results
+
+    def score(self, recipe, backbone, data: Optional[str], reference: Optional[str], limit: int,
+              say: bool = True) -> dict[str, dict]:
+        splits = self.pairs(recipe, backbone, data, need_train=False, say=say)
+        held = {s: p.pairs[: limit or None] for i, (s, p) in enumerate(splits.items()) if i > 0 and p.pairs}
+        if not held:
+            raise UserError("dpo: no held-out pairs to evaluate on (give --data with pairs to hold out)")
+        loss, device = self.eval_reference(recipe, backbone, reference), next(backbone.model.parameters()).device
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        results = {}
+        for split, pairs in held.items():
+            batches = sequential_batches(PairBatches(pairs, pad), recipe.train.batch_size, 0)
+            with phase(f"scoring {split} pairs"):
+                m = held_out_metrics(ObjectiveModule(backbone.model, nn.ModuleDict(), loss), batches, device,
+                                     recipe.train.precision, pair_count)
+            results[split] = {**m, "acc": m["rewards/accuracies"], "n": len(pairs)}
+        if not self.quiet:
+            for split, m in results.items():
+                console.print(f"dpo {split} ({m['n']} pairs): reward accuracy {100 * m['rewards/accuracies']:.2f}%, "
+                              f"margin {m['rewards/margins']:.4f}, rewards chosen {m['rewards/chosen']:.4f} / rejected "
+                              f"{m['rewards/rejected']:.4f}, logps chosen {m['logps/chosen']:.2f} / rejected "
+                              f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}")
+        return results
+
+    def eval_reference(self, recipe, backbone, reference: Optional[str]) -> Preference:
+        """What an evaluation compares the model with: --reference, else the run's: its adapters off
+        when it trained adapters, else the model it started from."""
+        cfg = recipe.settings
+        if reference is None and recipe.finetune.train in ("lora", "ia3") and backbone.recipe is not None:
+            return Preference(cfg, "base", {})
+        source = reference or (recorded(run_dir_of(Path(backbone.checkpoint))).get("from")
+                               if backbone.recipe is not None else None)
+        if not source:
+            raise UserError("eval dpo: name the reference model (--reference MODEL)")
+        device = next(backbone.model.parameters()).device
+        return Preference(cfg, "copy", {"reference": for_inference(Path(source), device=str(device)).model})
+
+    def hints(self, run_dir) -> list[str]:
+        return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
+                f"chat with it: tfcli chat --checkpoint {run_dir}",
+                f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
