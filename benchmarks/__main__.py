@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-ALL = ["gpt", "bert", "t5", "mae", "loop", "busy", "generation", "smollm2", "gpu"]
+ALL = ["gpt", "bert", "t5", "mae", "loop", "busy", "generation", "smollm2", "sft", "dpo", "gpu"]
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

@@ -57,3 +57,33 @@ def test_finetune_from_a_cached_hub_id(hf_cache, mnli_dir, tmp_path):
     import json
 
     assert json.loads((tmp_path / "run" / "run.json").read_text())["from"] == str(hf_cache.resolve())
+
+
+def test_smollm2s_hub_id_reads_a_cached_llama_and_is_one_line_when_absent(tmp_path, monkeypatch):
+    """HuggingFaceTB/SmolLM2-135M-Instruct as the hub id of a (tiny, random) llama in the local cache:
+    generate and finetune sft read it offline; with an empty cache it is one line naming the cache."""
+    from tfcli import hf
+
+    from .test_gguf import tiny_backbone
+
+    constants = pytest.importorskip("huggingface_hub").constants
+    cache = tmp_path / "hub"
+    repo = cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    hf.export(tiny_backbone(max_seq_len=128), None, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    result = invoke("generate", "--checkpoint", hub_id, "--chat", "--prompt", "hi", "--greedy", "--max-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join('{"prompt": "2+%d?", "completion": "%d"}\n' % (i, 2 + i) for i in range(20)))
+    result = invoke("finetune", "sft", "--from", hub_id, "--data", rows, "--steps", 1, "--batch-size", 2,
+                    "--out", tmp_path / "run", "--quiet", "--set", "sft.generate_limit=0")
+    assert result.exit_code == 0, result.output
+    shutil.rmtree(repo)
+    result = invoke("finetune", "sft", "--from", hub_id, "--data", rows, "--steps", 1, "--out", tmp_path / "again")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "not in the Hugging Face cache" in result.output and not (tmp_path / "again").exists()

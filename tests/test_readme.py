@@ -39,8 +39,8 @@ def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
         return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
-    if raw.get("task") == "sft":
-        return "sft"
+    if raw.get("task") in ("sft", "dpo"):
+        return raw["task"]
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
     return KINDS[raw["task"]]
@@ -70,6 +70,11 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
     (root / "qa.csv").write_text("question,answer\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in sums))
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": [  # short: ChatML's markers are many tokens here
         {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}) + "\n" for r in sums))
+    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": "I do not know."} for r in sums]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    (root / "hh.jsonl").write_text("".join(json.dumps({"chosen": f"\n\nHuman: {r['prompt']}\n\nAssistant: {r['chosen']}",
+                                                       "rejected": f"\n\nHuman: {r['prompt']}\n\nAssistant: No."})
+                                           + "\n" for r in pairs))
     (root / "gsm8k").mkdir()
     for split in ("train", "test"):
         (root / "gsm8k" / f"{split}.jsonl").write_text("".join(

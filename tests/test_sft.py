@@ -310,3 +310,14 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
         assert 0 < record["trained"] < record["total"] / 10, (strategy, record)
         weights = next((out / "checkpoints").glob("step-*/model.safetensors"))
         assert weights.stat().st_size < 200_000, (strategy, weights.stat().st_size)  # the subset, not the model
+
+
+def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_model):
+    data = write_rows(tmp_path / "rows.jsonl", rows(20))
+    result = invoke("compare", "--task", "sft", "--from", chat_model, "--train", "0shot,lora", "--budget", "2steps",
+                    "--data", data, "--set", "sft.max_new_tokens=3", "--set", "data.val_fraction=0.2",
+                    "--out", tmp_path / "study")
+    assert result.exit_code == 0, result.output
+    table = (tmp_path / "study" / "results.md").read_text()
+    lines = [line for line in table.splitlines() if line.startswith("| sft-")]
+    assert len(lines) == 2 and "dev_loss" in table and "none (prompting)" in lines[0] and "-0shot" in lines[0], table

@@ -391,11 +391,13 @@ def eval_(
     key, settings, defaults = None, {}, {}
     if task is not None:
         key, settings, defaults = (task, {}, {}) if task in registry.OBJECTIVES else task_target(task)
-    for item in set_:
+    for item in set_:  # the evaluated task's own settings (how long replies are, ...): not training's
         path, value = recipes.parse_override(item)
-        if "." not in path:
-            raise UserError(f"--set {item}: name the task's setting, e.g. --set sft.max_new_tokens=64")
-        settings[path.split(".", 1)[1]] = value
+        section, _, name = path.partition(".")
+        if not name or (key is not None and section != key):
+            raise UserError(f"--set {item}: eval takes settings of the task it runs, e.g. --set "
+                            f"{key or 'sft'}.max_new_tokens=64")
+        settings[name] = value
     evaluate(newest(checkpoint), key, settings, EvalOptions(
         data=data, limit=limit, batches=batches, out=out, inputs=inputs, few_shot=few_shot, cloze=cloze, seed=seed,
         device=device or "auto", precision=precision, quiet=quiet, reference=reference), defaults)

@@ -1,0 +1,108 @@
+"""What the SFT and DPO benchmarks share: a tfcli run and a TRL run, each in a fresh process of its own,
+read back as per-step losses and seconds, and the report comparing them (same batches: losses and
+speed; TRL as shipped: speed)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, ROOT
+
+SKIP = 3  # steps left out of the speed medians: both processes are still warming their allocators
+
+
+def run_tfcli(args: list[str], out: Path) -> dict:
+    """`tfcli <args> --out out` in a fresh process -> its per-step losses, seconds per step, peak RSS."""
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "tfcli", *args, "--out", str(out), "--quiet",
+                           "--set", "train.log_interval=1", "--set", "train.threads=2"],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError(f"tfcli {args[:2]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+    train = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["split"] == "train"]
+    ends = [m["elapsed_s"] for m in train]
+    return {"loss": [m["loss"] for m in train], "step_s": [b - a for a, b in zip([0.0] + ends, ends)],
+            "peak_rss_mb": max(m["peak_mem_mb"] for m in train), "wall_s": time.time() - started}
+
+
+def run_peer(module: str, *args: str) -> dict:
+    """`python -m module trl args` in a fresh process; its last line of output as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{module} trl {args[:1]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def trl_callbacks(losses: list, times: list):
+    """A transformers callback recording each step's logged loss and its wall seconds."""
+    import transformers
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+    return [Clock()]
+
+
+def in_order(trainer_class):
+    """`trainer_class` reading its training set in order (the order tfcli's sampler drew)."""
+    import torch
+
+    class InOrder(trainer_class):
+        def _get_train_sampler(self, *a, **k):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+    return InOrder
+
+
+def plain_copy(gguf: Path, out: Path) -> Path:
+    """transformers' own reading of the GGUF, saved as a plain fp32 directory: its Trainer refuses to
+    train a model it loaded from a GGUF ("purely quantized"), though the weights are dequantized."""
+    if not out.is_dir():
+        import torch
+        import transformers
+
+        transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32) \
+            .save_pretrained(out)
+        transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(name: str, ours: dict, theirs: dict, shipped: dict, unit: str, gap_target: float = 0.02,
+           speed_target: float = 1.3) -> dict:
+    """Print and save: the largest relative gap between the per-step losses, seconds per step of each
+    side on the same batches and of TRL as shipped, and peak RSS."""
+    gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["loss"], theirs["loss"])]
+    mine, peer = statistics.median(ours["step_s"][SKIP:]), statistics.median(theirs["step_s"][SKIP:])
+    peer_shipped = statistics.median(shipped["step_s"][SKIP:])
+    print(f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
+          f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
+          f"on the same batches: {peer / mine:.2f}x (target {speed_target}x); TRL as shipped {peer_shipped:.2f} s/step "
+          f"for the same {unit} per step: {peer_shipped / mine:.2f}x; peak RSS tfcli {ours['peak_rss_mb']:,.0f} MB, "
+          f"TRL {theirs['peak_rss_mb']:,.0f} MB")
+    print(f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}")
+    result = {"benchmark": name, "max_loss_gap": max(gaps), "tfcli_s_per_step": mine, "trl_s_per_step": peer,
+              "trl_shipped_s_per_step": peer_shipped, "ratio": peer / mine, "ratio_shipped": peer_shipped / mine,
+              "tfcli_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": theirs["peak_rss_mb"],
+              "tfcli_loss": ours["loss"], "trl_loss": theirs["loss"]}
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "results.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
