@@ -67,15 +67,14 @@ def in_order(trainer_class):
 
 
 def plain_copy(gguf: Path, out: Path) -> Path:
-    """transformers' own reading of the GGUF, saved as a plain fp32 directory: its Trainer refuses to
-    train a model it loaded from a GGUF ("purely quantized"), though the weights are dequantized."""
+    """The GGUF's dequantized weights as a plain transformers directory (tfcli's exporter, the same
+    tensors tfcli trains): transformers' Trainer refuses to train a model it read from a GGUF ("purely
+    quantized") and cannot save one either."""
     if not out.is_dir():
-        import torch
-        import transformers
+        from tfcli import hf
+        from tfcli.backbone import for_inference
 
-        transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32) \
-            .save_pretrained(out)
-        transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+        hf.export(for_inference(gguf), None, out)
     return out
 
 

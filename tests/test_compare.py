@@ -149,3 +149,14 @@ def test_strategies_read_as_finetune_flags(spec, flags):
 def test_a_bad_strategy_is_one_line(spec, message):
     with pytest.raises(UserError, match=message):
         compare.parse_strategy(spec)
+
+
+def test_a_varied_setting_is_one_more_dimension_of_the_grid_but_not_for_prompting():
+    grid = compare.load_grid(None, "dpo", "m1", "lora,all,0shot", "2steps", None, None, [], vary=["dpo.beta=0.1,0.3"])
+    cells = grid.cells()
+    assert [c.name for c in cells] == ["dpo-m1-lora-beta0.1", "dpo-m1-lora-beta0.3", "dpo-m1-all-beta0.1",
+                                       "dpo-m1-all-beta0.3", "dpo-m1-0shot"]
+    command = compare.cell_command(cells[1], grid, compare.Path("/tmp/nowhere"))
+    assert command[command.index("dpo.beta=0.3") - 1] == "--set"
+    with pytest.raises(compare.UserError, match="--vary"):
+        compare.load_grid(None, "dpo", "m1", "lora", "2steps", None, None, [], vary=["dpo.beta="])

@@ -578,7 +578,7 @@ def chat_command(
 @app.command()
 @user_errors
 def compare(
-    task: Optional[str] = typer.Option(None, help="Task(s), comma-separated: mnli, classify, image-classify."),
+    task: Optional[str] = typer.Option(None, help="Task(s), comma-separated: mnli, classify, image-classify, sft, gsm8k, dpo."),
     from_: Optional[str] = typer.Option(None, "--from", help="The models, comma-separated: tfcli runs, Hugging Face directories or hub ids."),
     train: Optional[str] = typer.Option(None, help="Strategies, comma-separated: all, head, lora, ia3, bitfit; X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all]."),
     budget: Optional[str] = typer.Option(None, help="Each cell's budget: 500steps, 10000ex (one epoch over N rows), 10m / 1h (training time) or 1epoch [default: 1epoch]."),
@@ -587,6 +587,7 @@ def compare(
     grid: Optional[Path] = typer.Option(None, help="A YAML file with tasks, from, train, budget, data, lr and set; flags win."),
     out: Path = typer.Option(..., help="The study's directory: cells/, logs/, results.md, results.csv, results.png."),
     set_: List[str] = typer.Option([], "--set", help="key.path=value for every cell (repeatable)."),
+    vary: List[str] = typer.Option([], "--vary", help="key.path=v1,v2: run every training cell at each value, e.g. --vary dpo.beta=0.1,0.3 (repeatable: all combinations)."),
     report_limit: Optional[int] = typer.Option(None, help="Score every cell on the same balanced sample of N examples of each evaluation split [default: all of them]."),
     quiet: bool = QUIET,
 ):
@@ -595,10 +596,11 @@ def compare(
     from .display import configure, console
 
     configure(not quiet)
-    spec = study.load_grid(grid, task, from_, train, budget, data, lr, set_, report_limit)
+    spec = study.load_grid(grid, task, from_, train, budget, data, lr, set_, report_limit, vary)
     if not quiet:
+        varied = "".join(f" x {len(v)} {k}" for k, v in spec.vary.items())
         console.print(f"{len(spec.cells())} cells ({len(spec.tasks)} task(s) x {len(spec.backbones)} model(s) x "
-                      f"{len(spec.strategies)} strategies), {spec.budget} each, in {out}")
+                      f"{len(spec.strategies)} strategies{varied}), {spec.budget} each, in {out}")
     rows = study.run_grid(spec, out, quiet)
     md, csv_path = study.write_tables(rows, out)
     picture = study.chart(rows, out)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from itertools import product
+
 import yaml
 
 from .errors import UserError
@@ -123,6 +125,7 @@ class Cell:
     backbone: str
     train: str  # the strategy as written
     name: str
+    sets: tuple[str, ...] = ()  # this cell's values of the grid's varied settings ("dpo.beta=0.3")
 
     @property
     def strategy(self) -> Strategy:
@@ -141,11 +144,22 @@ class Grid:
     lr: dict[str, float] = field(default_factory=dict)  # strategy -> learning rate (else the recipe's)
     sets: list[str] = field(default_factory=list)  # key=value overrides for every cell
     report_limit: int = 0  # every cell scored on a balanced sample of N examples of each split (0: all)
+    vary: dict[str, list[str]] = field(default_factory=dict)  # key -> values: one more grid dimension each
 
     def cells(self) -> list[Cell]:
+        """Tasks x models x strategies x every combination of the varied settings (a prompting cell
+        trains nothing, so it is not repeated for them)."""
         slugs = unique_slugs(self.backbones)
-        return [Cell(t, b, s, f"{t}-{slugs[b]}-{parse_strategy(s).slug}")
-                for t in self.tasks for b in self.backbones for s in self.strategies]
+        combos = [tuple(f"{k}={v}" for k, v in zip(self.vary, values)) for values in product(*self.vary.values())]
+        out = []
+        for t in self.tasks:
+            for b in self.backbones:
+                for s in self.strategies:
+                    base = f"{t}-{slugs[b]}-{parse_strategy(s).slug}"
+                    for sets in ([()] if parse_strategy(s).prompting else combos):
+                        suffix = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in (x.split("=", 1) for x in sets))
+                        out.append(Cell(t, b, s, base + suffix, sets))
+        return out
 
 
 def unique_slugs(paths: list[str]) -> dict[str, str]:
@@ -165,6 +179,17 @@ def split_list(text: Optional[str]) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
+def parse_vary(items: list[str]) -> dict[str, list[str]]:
+    """['dpo.beta=0.1,0.3'] -> {'dpo.beta': ['0.1', '0.3']}: a setting the grid runs at each value."""
+    out = {}
+    for item in items:
+        key, _, values = item.partition("=")
+        if not key.strip() or not split_list(values):
+            raise UserError(f"--vary {item!r}: give key.path=value1,value2, e.g. dpo.beta=0.1,0.3")
+        out[key.strip()] = split_list(values)
+    return out
+
+
 def parse_lr(text: Optional[str]) -> dict[str, float]:
     """'all=5e-5,lora=5e-4' -> {strategy: lr} (a strategy as written in --train, or its base: lora
     also sets lora+head's)."""
@@ -180,9 +205,9 @@ def parse_lr(text: Optional[str]) -> dict[str, float]:
 
 def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[str], strategies: Optional[str],
               budget: Optional[str], data: Optional[str], lr: Optional[str], sets: list[str],
-              report_limit: Optional[int] = None) -> Grid:
-    """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set, report_limit) with
-    the flags over it."""
+              report_limit: Optional[int] = None, vary: Optional[list[str]] = None) -> Grid:
+    """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set, vary, report_limit)
+    with the flags over it."""
     spec: dict = {}
     if path is not None:
         try:
@@ -191,7 +216,7 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
             raise UserError(f"--grid {path}: unreadable ({e.__class__.__name__})") from None
         if not isinstance(spec, dict):
             raise UserError(f"--grid {path}: a mapping of tasks, from, train, budget, ...")
-        keys = ("tasks", "task", "from", "train", "budget", "data", "lr", "set", "report_limit")
+        keys = ("tasks", "task", "from", "train", "budget", "data", "lr", "set", "vary", "report_limit")
         unknown = set(spec) - set(keys)
         if unknown:
             raise UserError(f"--grid {path}: unknown key {sorted(unknown)[0]!r} ({', '.join(keys)})")
@@ -207,7 +232,9 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
                 budget=parse_budget(budget or spec.get("budget") or "1epoch"), data=data or spec.get("data"),
                 lr={**{k: float(v) for k, v in (spec.get("lr") or {}).items()}, **parse_lr(lr)},
                 sets=[f"{k}={v}" for k, v in (spec.get("set") or {}).items()] + list(sets),
-                report_limit=int(report_limit if report_limit is not None else spec.get("report_limit", 0)))
+                report_limit=int(report_limit if report_limit is not None else spec.get("report_limit", 0)),
+                vary={**{k: [str(x) for x in (v if isinstance(v, list) else split_list(str(v)))]
+                         for k, v in (spec.get("vary") or {}).items()}, **parse_vary(vary or [])})
     check(grid)
     return grid
 
@@ -246,7 +273,7 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
     lr = grid.lr.get(cell.train, grid.lr.get(strategy.train))
     if lr is not None:
         cmd += ["--lr", str(lr)]
-    for s in [f"finetune.report_limit={grid.report_limit}"] * bool(grid.report_limit) + grid.sets:
+    for s in [f"finetune.report_limit={grid.report_limit}"] * bool(grid.report_limit) + grid.sets + list(cell.sets):
         cmd += ["--set", s]
     return cmd
 
@@ -260,7 +287,8 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
     (out / "logs").mkdir(exist_ok=True)
     (out / "grid.yaml").write_text(yaml.safe_dump({"tasks": grid.tasks, "from": grid.backbones, "train": grid.strategies,
                                                     "budget": str(grid.budget), "data": grid.data, "lr": grid.lr,
-                                                    "set": grid.sets, "report_limit": grid.report_limit}, sort_keys=False))
+                                                    "set": grid.sets, "vary": grid.vary,
+                                                    "report_limit": grid.report_limit}, sort_keys=False))
     cells = grid.cells()
     for i, cell in enumerate(cells, 1):
         run_dir = out / "cells" / cell.name
@@ -318,7 +346,8 @@ def last_line(log: Path) -> str:
 def collect(cell: Cell, out: Path) -> dict:
     """One cell's row, from its directory (status only, for a cell that did not finish)."""
     run = out / "cells" / cell.name
-    row: dict = {"cell": cell.name, "task": cell.task, "backbone": cell.backbone, "train": cell.train}
+    row: dict = {"cell": cell.name, "task": cell.task, "backbone": cell.backbone, "train": cell.train,
+                 **({"setting": " ".join(cell.sets)} if cell.sets else {})}
     if not (run / "eval.json").is_file():
         log = out / "logs" / f"{cell.name}.log"
         row["status"] = f"failed: {last_line(log)}" if log.is_file() else "not run"
