@@ -113,10 +113,12 @@ def test_rows_that_cannot_be_examples_are_counted_by_reason(tokenizer):  # noqa:
         {"prompt": "hi", "completion": "hello"}, {"prompt": "hi"}, {"prompt": "hi", "completion": "  "},
         {"messages": [{"role": "assistant", "content": "first"}]},
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
-        {"messages": [{"role": "user", "content": "q"}]}, {"prompt": "word " * 100, "completion": "x"}, "not a row"])
+        {"messages": [{"role": "user", "content": "q"}]}, {"prompt": "word " * 100, "completion": "x"},
+        {"prompt": "hi", "completion": "word " * 100}, "not a row"])
     assert len(out.examples) == 1
     assert out.skipped == {"empty 'completion'": 2, "roles out of order": 1, "empty reply": 1,
-                           "no assistant reply at the end": 1, "longer than data.seq_len": 1, "not a row of fields": 1}
+                           "no assistant reply at the end": 1, "prompt alone longer than data.seq_len": 1,
+                           "longer than data.seq_len": 1, "not a row of fields": 1}
 
 
 # --- packing and gradient accumulation --------------------------------------------------------------

@@ -97,6 +97,18 @@ class Examples:
         return int(sum(len(e.ids) for e in self.examples))
 
 
+def built(rows: list, make) -> tuple[list, Counter]:
+    """make(row) for every row: what it built, and the reasons ('skip:<why>') of the rows it skipped, counted."""
+    out, skipped = [], Counter()
+    for row in rows:
+        item = make(row) if isinstance(row, dict) else "skip:not a row of fields"
+        if isinstance(item, str):
+            skipped[item[len("skip:"):]] += 1
+        else:
+            out.append(item)
+    return out, skipped
+
+
 def row_format(row: dict, fields: Fields, wanted: str = "auto") -> str:
     """prompt, messages or text: the first the row has, unless the recipe says which."""
     if wanted != "auto":
@@ -158,14 +170,7 @@ class ExampleBuilder:
             raise UserError("this tokenizer has no end-of-text token; a reply would have nothing to end with")
 
     def build_all(self, rows: list) -> Examples:
-        out = Examples([])
-        for row in rows:
-            example = self.example(row) if isinstance(row, dict) else "skip:not a row of fields"
-            if isinstance(example, str):
-                out.skipped[example[len("skip:"):]] += 1
-            else:
-                out.examples.append(example)
-        return out
+        return Examples(*built(rows, self.example))
 
     def example(self, row: dict) -> Union[AnyExample, str]:
         parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .conversations import Example, ExampleBuilder, why_out_of_order
+from .conversations import Example, ExampleBuilder, built, why_out_of_order
 from .chat import check_messages
 
 from ..errors import UserError
@@ -112,14 +112,7 @@ class PairBuilder:
         self.examples, self.fields = examples, fields
 
     def build_all(self, rows: list) -> Pairs:
-        out = Pairs([])
-        for row in rows:
-            pair = self.pair(row) if isinstance(row, dict) else "skip:not a row of fields"
-            if isinstance(pair, str):
-                out.skipped[pair[len("skip:"):]] += 1
-            else:
-                out.pairs.append(pair)
-        return out
+        return Pairs(*built(rows, self.pair))
 
     def pair(self, row: dict) -> Union[Pair, str]:
         parsed = split_pair(row, self.fields)

@@ -33,7 +33,7 @@ from ..backbone import for_inference, from_run, recorded
 from ..checkpoint import run_dir_of
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
-from ..data.labelled import TextSpec, raw_splits
+from ..data.labelled import TextSpec
 from ..data.preferences import PairBuilder, PairFields, Pairs
 from ..display import console, phase
 from ..errors import UserError
@@ -46,7 +46,7 @@ from ..recipe import require
 from ..sampler import sequential_batches
 from ..train import ObjectiveModule
 from .reply_batches import PairBatches, pair_count
-from .sft import count_tokens, evaluated_file, summary_line, template_for
+from .sft import count_tokens, read_splits, summary_line, template_for
 
 REFERENCE_FILE = "reference_logps.json"
 
@@ -149,21 +149,12 @@ class DPO(Plugin):
     def pairs(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
               say: bool = True) -> dict[str, Pairs]:
         """Every split's pairs (the training split first), each split's skipped rows named (say)."""
-        cfg, d, ft = recipe.settings, recipe.data, recipe.finetune
-        template = template_for(cfg.chat_template, backbone)
-        build = PairBuilder(DecoderExamples(backbone.tokenizer, template, "last", min(d.seq_len, backbone.cfg.max_seq_len)),
-                            PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.system))
-        with phase("reading preference pairs"):
-            raw = raw_splits(TextSpec("dpo", ()), data or d.source, evaluated_file(data, need_train) or
-                             ("" if data else d.val_source), d.val_fraction, recipe.train.seed, need_train)
-        out = {}
-        for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
-            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
-            out[split] = build.build_all(rows)
-            out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
-            if say and self.rt.is_main and not self.quiet and (rows or need_train):
-                console.print(summary_line(f"dpo {split}", len(out[split].pairs), "pairs", out[split].skipped, where))
-        return out
+        cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        examples = DecoderExamples(backbone.tokenizer, template_for(cfg.chat_template, backbone), "last", length)
+        build = PairBuilder(examples, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.system))
+        describe = (lambda split, built, where: summary_line(f"dpo {split}", len(built.pairs), "pairs", built.skipped, where))
+        return read_splits(recipe, TextSpec("dpo", ()), build, data, need_train,
+                           describe if say and self.rt.is_main and not self.quiet else None)
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings

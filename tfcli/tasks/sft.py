@@ -128,20 +128,9 @@ class SFT(Plugin):
     def examples(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
                  say: bool = True) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
-        cfg, d, ft = recipe.settings, recipe.data, recipe.finetune
-        template = self.template(recipe, backbone)
-        build = self.builder(recipe, backbone, template)
-        with phase("reading sft data"):
-            raw = raw_splits(data_spec(cfg), data or d.source, evaluated_file(data, need_train) or
-                             ("" if data else d.val_source), d.val_fraction, recipe.train.seed, need_train)
-        out = {}
-        for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
-            rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
-            out[split] = build.build_all(rows)
-            out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
-            if say and self.rt.is_main and not self.quiet and (rows or need_train):
-                console.print(summary(split, out[split], where))
-        return out
+        build = self.builder(recipe, backbone, self.template(recipe, backbone))
+        return read_splits(recipe, data_spec(recipe.settings), build, data, need_train,
+                           summary if say and self.rt.is_main and not self.quiet else None)
 
     def setup(self, recipe, backbone) -> Job:
         self.check(recipe, backbone)
@@ -246,9 +235,23 @@ class SFT(Plugin):
                 f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
 
 
-def evaluated_file(data: Optional[str], need_train: bool) -> str:
-    """An evaluation's --data FILE is evaluated whole (no share of it held out as from training data)."""
-    return data if data and not need_train and Path(data).is_file() else ""
+def read_splits(recipe, spec: TextSpec, build, data: Optional[str], need_train: bool, describe=None) -> dict:
+    """Every split's rows (the recipe's data, or `data`) through `build` (.build_all), the training split
+    first: its first finetune.limit rows, or none for an evaluation, whose --data FILE is evaluated
+    whole. describe(split, built, where), when given, is the line printed for each split."""
+    d, ft = recipe.data, recipe.finetune
+    held_out_file = data if data and not need_train and Path(data).is_file() else ""
+    with phase(f"reading {spec.name} data"):
+        raw = raw_splits(spec, data or d.source, held_out_file or ("" if data else d.val_source), d.val_fraction,
+                         recipe.train.seed, need_train)
+    out = {}
+    for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
+        rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
+        out[split] = build.build_all(rows)
+        out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
+        if describe is not None and (rows or need_train):
+            console.print(describe(split, out[split], where))
+    return out
 
 
 def template_for(name: str, backbone) -> Optional[ChatTemplate]:
