@@ -105,6 +105,9 @@ def export(backbone, recipe) -> Export:
     """ViTForImageClassification for a classifier run ([CLS] pooling), ViTMAEForPreTraining for an MAE
     run; sin-cos positions are written out as the fixed tensors transformers keeps."""
     cfg, heads = backbone.cfg, backbone.heads
+    if cfg.stem == "conv":
+        raise UserError("a ViT with a convolutional stem (model.stem conv) has no transformers class; it stays a "
+                        "tfcli run (tfcli eval, finetune --from, probe read it)")
     extra = {}
     if cfg.pos_embed == "sincos":
         extra[_ENCODER] = sincos_2d(cfg.grid, cfg.d_model)

@@ -32,6 +32,7 @@ class ViTConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-6
     pos_embed: Literal["learned", "sincos"] = "sincos"  # learned 1-D, or MAE's fixed 2-D sin-cos
+    stem: Literal["patch", "conv"] = "patch"  # patchify (P x P, stride P), or Xiao et al.'s 3x3 stride-2 convolutions
     decoder_d_model: int = 128
     decoder_n_layer: int = 2
     decoder_n_head: int = 4
@@ -51,6 +52,9 @@ class ViTConfig:
                 raise ValueError(f"model.{name}d_model ({d}) must be divisible by 4 for sin-cos positions")
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ValueError(f"model.mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if self.stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            raise ValueError(f"model.stem conv halves the image log2(patch_size) times: model.patch_size must be a "
+                             f"power of 2 (>= 2), got {self.patch_size}")
 
     @property
     def grid(self) -> int:
@@ -148,8 +152,52 @@ def _init_linear_(module: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+class ChannelNorm(nn.Module):
+    """LayerNorm over the channels of every position of a (B, C, H, W) map: independent of the batch,
+    the same in training and evaluation."""
+
+    def __init__(self, channels: int, eps: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvStem(nn.Module):
+    """Xiao et al. 2021 ("Early convolutions help transformers see better"): log2(P) convolutions of
+    3x3, stride 2, each followed by a norm and ReLU (channels doubling up to D), then a 1x1 projection
+    to D: the same (H/P) x (W/P) token grid as P x P patches.
+
+    `keep` (B, 1, H, W), 1 on the pixels of visible patches: MAE's encoder may not see a masked patch,
+    and a 3x3 convolution reaches across patch borders, so masked pixels are zeroed before every
+    convolution (ConvMAE's masked convolution)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        steps = cfg.patch_size.bit_length() - 1  # log2(P)
+        widths = [max(8, cfg.d_model >> (steps - i)) for i in range(1, steps + 1)]  # ..., D/2, D
+        layers, c = [], cfg.channels
+        for w in widths:
+            layers.append(nn.ModuleDict({"conv": nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
+                                         "norm": ChannelNorm(w, cfg.layer_norm_eps)}))
+            c = w
+        self.layers = nn.ModuleList(layers)
+        self.proj = nn.Conv2d(c, cfg.d_model, 1)
+
+    def forward(self, pixels: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+        """(B, C, H, W) -> (B, D, H/P, W/P)."""
+        x = pixels
+        for layer in self.layers:
+            if keep is not None:
+                x = x * nn.functional.interpolate(keep, size=x.shape[-2:], mode="nearest")
+            x = torch.relu(layer["norm"](layer["conv"](x)))
+        return self.proj(x)
+
+
 class ViT(nn.Module):
-    """ViT encoder: Conv2d patchify (kernel = stride = P), [CLS], positions, pre-norm blocks."""
+    """ViT encoder: Conv2d patchify (kernel = stride = P) or a convolutional stem, [CLS], positions,
+    pre-norm blocks."""
 
     kind = VISION_ENCODER
     special_tokens = ()  # reads pixels
@@ -158,16 +206,18 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size) \
+            if cfg.stem == "patch" else ConvStem(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
         _positions(self, cfg, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = _blocks(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.layer_norm_eps, cfg.dropout)
         self.norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps)
         _init_linear_(self)
-        w = self.patch_embed.weight
-        nn.init.xavier_uniform_(w.view(w.size(0), -1))  # like a linear layer on flattened patches
-        nn.init.zeros_(self.patch_embed.bias)
+        if cfg.stem == "patch":
+            w = self.patch_embed.weight
+            nn.init.xavier_uniform_(w.view(w.size(0), -1))  # like a linear layer on flattened patches
+            nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.cls_token, std=0.02)
 
     def embed(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
@@ -175,12 +225,30 @@ class ViT(nn.Module):
         B, _, H, W = pixels.shape
         if H != self.cfg.image_size or W != self.cfg.image_size:
             raise ValueError(f"images are {H}x{W}, the model takes {self.cfg.image_size}x{self.cfg.image_size}")
-        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = self.tokens(pixels, ids_keep).flatten(2).transpose(1, 2)  # (B, N, D)
         x = x + self.pos_embed[:, 1:]
         if ids_keep is not None:
             x = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, x.size(-1)))  # (B, K, D)
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(B, -1, -1)  # (B, 1, D)
         return self.drop(torch.cat([cls, x], dim=1))
+
+    def describe(self) -> str:
+        """A line for the run's banner: the stem, its tokens and its parameters."""
+        params = sum(p.numel() for p in self.patch_embed.parameters())
+        patchify = self.cfg.patch_size ** 2 * self.cfg.channels * self.cfg.d_model + self.cfg.d_model
+        what = "patchify" if self.cfg.stem == "patch" else f"convolutional stem ({len(self.patch_embed.layers)} 3x3 " \
+            f"stride-2 convolutions + 1x1; patchify would have {patchify:,})"
+        return f"{what}: {self.cfg.n_patches} tokens ({self.cfg.grid}x{self.cfg.grid}) + [CLS], {params:,} parameters"
+
+    def tokens(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+        """The stem: (B, C, H, W) -> (B, D, H/P, W/P). A convolutional stem given the kept patches sees
+        only their pixels."""
+        if self.cfg.stem == "patch" or ids_keep is None:
+            return self.patch_embed(pixels)
+        g, p = self.cfg.grid, self.cfg.patch_size
+        keep = torch.zeros(pixels.size(0), g * g, device=pixels.device).scatter_(1, ids_keep, 1.0)  # (B, N)
+        keep = keep.view(-1, 1, g, g).repeat_interleave(p, 2).repeat_interleave(p, 3)  # (B, 1, H, W)
+        return self.patch_embed(pixels, keep)
 
     def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
         """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks."""
