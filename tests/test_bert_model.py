@@ -18,7 +18,7 @@ def test_all_layers_and_padding_do_not_leak():
         other = ids.clone()
         other[:, 6:] = 7  # changing padded tokens must not change real positions
         again = model(other, attention_mask=mask)
-    assert len(layers) == 2 and layers[-1].shape == (1, 10, 32)
+    assert len(layers) == 3 and layers[-1].shape == (1, 10, 32)  # the embeddings, then each block
     assert torch.allclose(layers[-1][:, :6], again[:, :6], atol=1e-6)
 
 

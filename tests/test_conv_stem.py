@@ -1,9 +1,10 @@
 """The convolutional stem for ViT (Xiao et al. 2021): the same token grid as patchify for every shipped ViT
-recipe, an MAE encoder that never sees a masked patch's pixels, pretraining and probing through the
-CLI, and an export refused in one line."""
+recipe, an MAE encoder that never sees a masked patch's pixels, pretraining, a linear probe and
+`tfcli probe` of every layer through the CLI, and an export refused in one line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -57,5 +58,10 @@ def test_conv_stem_pretrains_probes_and_refuses_export(tmp_path):
     result = invoke("finetune", "image-classify", "--from", tmp_path / "mae", "--data", npz, "--train", "head",
                     "--steps", 2, "--out", tmp_path / "probe", "--quiet")
     assert result.exit_code == 0, result.output
+    result = invoke("probe", "image-classify", "--from", tmp_path / "mae", "--data", npz, "--out", tmp_path / "layers",
+                    "--limit", 48, "--eval-limit", 16)
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "layers" / "probe.json").read_text())["results"][str(tmp_path / "mae")]
+    assert list(saved["test"]) == ["0", "1", "2"]  # the stem's tokens, then each block
     result = invoke("export", "--checkpoint", tmp_path / "mae", "--hf", tmp_path / "hf")
     assert result.exit_code == 2 and "convolutional stem" in result.output and result.output.count("\n") == 1

@@ -19,7 +19,7 @@ from . import __version__
 from . import recipe as recipes
 from . import registry
 from .errors import Interrupted, UserError
-from .tasks.presets import PRESETS
+from .tasks.presets import task_target
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Pretrain, finetune, evaluate and sample transformers.")
@@ -272,16 +272,6 @@ def prepare(
     if not quiet:
         console.print(f"{out}: {len(store):,} tokens ({store.index['dtype']})\n"
                       f"train on it:  tfcli pretrain --objective {objective} --data {out}")
-
-
-def task_target(name: str) -> tuple[str, dict, dict]:
-    """(task key, its recipe-section overrides, default recipes by family) for a task or a preset."""
-    if name in PRESETS:
-        p = PRESETS[name]
-        return p.task, {"preset": name}, p.recipes
-    if name not in registry.TASKS:
-        raise UserError(f"unknown task {name!r} (known: {', '.join(sorted([*registry.TASKS, *PRESETS]))})")
-    return name, {}, registry.plugin_class("task", name).recipes
 
 
 def run_task(run: Path) -> str:
@@ -610,6 +600,36 @@ def compare(
     failed = [r for r in rows if r.get("status") != "done"]
     if failed:
         raise UserError(f"{len(failed)} of {len(rows)} cells did not finish (see {out}/logs); run the same command again to retry them")
+
+
+@app.command(context_settings=TRAINING)
+@user_errors
+def probe(
+    ctx: typer.Context,
+    task: str = typer.Argument(..., help="What to probe for: a preset (mnli), classify (your labelled text) or image-classify."),
+    from_: str = typer.Option(..., "--from", help="The model(s), comma-separated: tfcli runs, Hugging Face directories or hub ids, GGUF files."),
+    data: Optional[str] = typer.Option(None, help="The task's data, as finetune reads it [default: the recipe's]."),
+    layers: str = typer.Option("all", help="all, or depths such as 0,3,6 (0: the embeddings, n: the n-th block)."),
+    pooling: str = typer.Option("mean", help="mean (of tokens or patches), last (a decoder's last token) or cls (an encoder's first)."),
+    method: str = typer.Option("ridge", help="ridge (closed form, its penalty picked on a fifth of the training set) or logistic (L-BFGS)."),
+    limit: int = typer.Option(2000, help="Training examples for the probes: a seeded, class-balanced sample (0: all)."),
+    eval_limit: int = typer.Option(1000, help="Examples of each evaluation split (0: all)."),
+    out: Path = typer.Option(Path("probe"), help="Directory for probe.json and probe.png."),
+    seed: int = typer.Option(0, help="Seed of the samples."),
+    set_: List[str] = typer.Option([], "--set", help="A recipe field for reading the data, e.g. --set classify.text_fields=[title] (repeatable)."),
+):
+    """A linear probe on every layer: how much of a task each depth of a model holds (features cached)."""
+    from .probe import ProbeRequest, run
+
+    sets = dict(recipes.parse_override(x) for x in overrides(set_, ctx.args))
+    sources = [str(resolve_hub(x)) for x in from_.split(",") if x.strip()]
+    run(ProbeRequest(task, sources, data, layers, pooling, method, limit, eval_limit, sets, out, seed))
+
+
+def resolve_hub(source: str) -> Path:
+    from .hub import resolve
+
+    return resolve(source.strip())
 
 
 @app.command()

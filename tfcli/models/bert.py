@@ -58,10 +58,11 @@ def encoder_blocks(cfg: BertConfig) -> nn.ModuleList:
 
 
 def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor], all_layers: bool = False):
-    """x (B, T, D) through the blocks with padded keys masked -> (B, T, D), or every block's output."""
+    """x (B, T, D) through the blocks with padded keys masked -> (B, T, D), or (all_layers) the embeddings
+    and every block's output (n_layer + 1)."""
     # no mask at all when nothing is padded: SDPA's fastest path
     mask = padding_mask(attention_mask) if attention_mask is not None and not bool(attention_mask.all()) else None
-    layers = []
+    layers = [x]
     for block in blocks:
         x = block(x, mask=mask)
         layers.append(x)

@@ -79,14 +79,15 @@ class GPT(nn.Module):
     def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False,
                 doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
-        all_layers: every block's output, each through the final norm (features for a classifier).
+        all_layers: the embeddings and every block's output (n_layer + 1), each through the final norm
+        (features for a classifier or a probe of every depth)
         doc_ids (B, T): packed documents; a token attends within its own document only and its
         position counts from its document's first token in the block.
         key_mask (B, cached + T) of 1 = token, 0 = left padding (batched generation): pads are never
         attended to and positions count real tokens only."""
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
-        layers = []
+        layers = [x]
         for i, block in enumerate(self.blocks):
             x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None)
             layers.append(x)

@@ -110,7 +110,7 @@ class Llama(nn.Module):
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         rope = self.rotary(pos if pos.dim() == 2 else pos[None])  # each (B or 1, T, hs)
         x = self.drop(self.wte(input_ids))  # (B, T, D)
-        layers = []
+        layers = [x]  # with all_layers: the embeddings, then every block's output
         for i, block in enumerate(self.blocks):
             x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
             layers.append(x)

@@ -250,12 +250,15 @@ class ViT(nn.Module):
         keep = keep.view(-1, 1, g, g).repeat_interleave(p, 2).repeat_interleave(p, 3)  # (B, 1, H, W)
         return self.patch_embed(pixels, keep)
 
-    def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
-        """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks."""
+    def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None, all_layers: bool = False):
+        """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks. all_layers: the
+        embeddings and every block's output (n_layer + 1), each normalised (a probe of every depth)."""
         x = self.embed(pixels, ids_keep)
+        layers = [x]
         for block in self.blocks:
             x = block(x)
-        return self.norm(x)
+            layers.append(x)
+        return [self.norm(h) for h in layers] if all_layers else self.norm(x)
 
     def forward(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
         return self.forward_features(pixels, ids_keep)

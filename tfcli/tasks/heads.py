@@ -82,6 +82,23 @@ def features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
     return _last4(model(*args, all_layers=True), lambda h: h[:, 0], pooling)
 
 
+def layer_features(model: nn.Module, batch: Batch, pooling: str) -> list[Tensor]:
+    """Pooled features of every depth, n_layer + 1 of (B, D): the embeddings, then each block's output
+    (what `tfcli probe` fits a linear classifier on). Pooling: mean (of real tokens or patches), last
+    (a decoder's last real token) or cls (an encoder's first token, not BERT's pooler)."""
+    if model.kind == kinds.VISION_ENCODER:
+        return [model.pool(h, pooling) for h in model.forward_features(batch["pixels"], all_layers=True)]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if model.kind == kinds.DECODER:
+        layers = model(ids, all_layers=True)
+        rows, last = torch.arange(ids.size(0), device=ids.device), mask.sum(1) - 1
+        return [h[rows, last] if pooling == "last" else _masked_mean(h, mask) for h in layers]
+    if model.kind == kinds.TEXT_ENCODER:
+        layers = model(ids, batch["token_type_ids"], mask, all_layers=True)
+        return [h[:, 0] if pooling == "cls" else _masked_mean(h, mask) for h in layers]
+    raise UserError(f"probe reads a decoder, a text encoder or a vision encoder, not a {model.kind}")
+
+
 def matmul_params(model: nn.Module) -> int:
     """Parameters in matrix products (embedding tables are lookups and do not count towards MFU)."""
     return sum(p.numel() for p in model.parameters()) - sum(

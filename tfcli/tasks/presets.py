@@ -73,3 +73,16 @@ PRESETS = {
 def presets_of(task: str) -> dict:
     """The presets of one task, by name."""
     return {name: p for name, p in PRESETS.items() if p.task == task}
+
+
+def task_target(name: str) -> tuple[str, dict, dict]:
+    """(task key, its recipe-section overrides, default recipes by family) for a task or a preset."""
+    from ..errors import UserError
+    from ..registry import TASKS, plugin_class
+
+    if name in PRESETS:
+        p = PRESETS[name]
+        return p.task, {"preset": name}, p.recipes
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r} (known: {', '.join(sorted([*TASKS, *PRESETS]))})")
+    return name, {}, plugin_class("task", name).recipes
