@@ -156,8 +156,8 @@ def load_hf_weights(model, state: dict, path: Path):
 
 def fresh(recipe, plugin, rt: Runtime) -> Backbone:
     """The recipe's model, randomly initialised (seeded), with the tokenizer the recipe describes."""
-    tok = shared_tokenizer(recipe, plugin, rt) if recipe.model.family in TEXT_FAMILIES else None
-    cfg = with_vocab(recipe.model, tok)
+    tok = shared_tokenizer(recipe, plugin, rt) if recipe.model.family in TEXT_FAMILIES and plugin.reads_text else None
+    cfg = with_vocab(plugin.model_shape(recipe), tok)
     torch.manual_seed(recipe.train.seed)
     return Backbone(build_model(cfg), tok, "scratch")
 

@@ -301,6 +301,7 @@ def finetune(
     head: Optional[str] = typer.Option(None, help="classifier | text: a classifier on pooled features, or the label word as text (T5, GPT) [default: the recipe's finetune.head]."),
     pooling: Optional[str] = typer.Option(None, help="cls | mean | last | last4-sum | last4-concat | encoder-mean | decoder-first [default: the recipe's finetune.pooling]."),
     head_lr: Optional[float] = typer.Option(None, help="Learning rate of the head (finetune.head_lr; 0 = --lr)."),
+    layer: Optional[int] = typer.Option(None, help="The depth a classifier reads: -1 the last block, n the n-th (0: the embeddings) (finetune.layer)."),
     limit: Optional[int] = typer.Option(None, help="Use only the first N training rows [default: the recipe's finetune.limit]."),
     text_fields: Optional[str] = typer.Option(None, help="classify: the column(s) holding the text, e.g. title,body (classify.text_fields)."),
     label_field: Optional[str] = typer.Option(None, help="classify: the column holding the label (classify.label_field)."),
@@ -326,7 +327,7 @@ def finetune(
     default = defaults.get(family or "", next(iter(defaults.values()), ""))
     shortcuts = {"task": key, "data.source": data, "train.steps": steps, "finetune.epochs": epochs,
                  "train.batch_size": batch_size, "optim.lr": lr, "finetune.pooling": pooling, "finetune.train": train, "finetune.head": head,
-                 "finetune.head_lr": head_lr, "finetune.limit": limit, "train.device": device,
+                 "finetune.head_lr": head_lr, "finetune.layer": layer, "finetune.limit": limit, "train.device": device,
                  "train.precision": precision, "train.seed": seed, **{f"{key}.{k}": v for k, v in settings.items()}}
     if steps is not None and epochs is None:
         shortcuts["finetune.epochs"] = 0.0  # --steps wins over the recipe's epochs
@@ -484,9 +485,12 @@ def generate(
     greedy: bool = GREEDY,
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
     seed: Optional[int] = SAMPLING_SEED,
+    images: int = typer.Option(0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."),
+    out: Optional[Path] = typer.Option(None, help="--images: the PNG to write [default: RUN/samples.png]."),
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
 ):
-    """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made."""
+    """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made;
+    or, from an ImageGPT run (--images N), images."""
     from .data.chat import for_model
     from .generate import reply, stream
     from .models import kinds
@@ -495,6 +499,18 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     backbone, dev = generator("generate --chat" if chat else "generate", checkpoint, device,
                               (kinds.DECODER,) if chat else None)
+    reads_colours = backbone.recipe is not None and backbone.recipe.objective == "igpt"
+    if images > 0 or reads_colours:
+        if not reads_colours:
+            raise UserError(f"--images needs an igpt run (tfcli pretrain --objective igpt); {backbone.checkpoint} "
+                            f"holds a text model")
+        from .checkpoint import run_dir_of
+        from .objectives.igpt import sample_grid
+
+        path = sample_grid(backbone, images or 8, out or run_dir_of(Path(backbone.checkpoint)) / "samples.png",
+                           0.0 if greedy else temperature, top_k, seed or 0)
+        typer.echo(f"wrote {path}")
+        return
     sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
                     top_p=top_p, use_cache=not no_cache, seed=seed)
     if chat:

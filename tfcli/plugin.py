@@ -87,6 +87,7 @@ class Plugin:
     recipes: ClassVar[dict[str, str]] = {}  # derived: family -> its shipped default recipe (the first: the plug-in's)
     describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
     streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
+    reads_text: ClassVar[bool] = True  # False: a text family's model without a tokenizer (ImageGPT reads colours)
 
     def __init__(self, rt: Runtime, quiet: bool = False):
         self.rt, self.quiet = rt, quiet
@@ -118,6 +119,10 @@ class Plugin:
     def tokenizer_key(self, recipe) -> Optional[str]:
         """A fingerprint of the text tokenizer_texts reads, to cache a trained tokenizer by (None: never)."""
         return None
+
+    def model_shape(self, recipe):
+        """The model a fresh run builds (the recipe's; ImageGPT sets its vocabulary and context)."""
+        return recipe.model
 
     def resolve(self, recipe, backbone):
         """The recipe this run saves, given its backbone: the backbone's own model shape, so that the

@@ -125,13 +125,14 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
     rt = setup_runtime("auto")
     backbone = for_inference(Path(source), device=str(rt.device))
     family = family or backbone.family
-    if family not in defaults:
+    plugin_families = make_plugin("task", key, rt, quiet=True).families
+    if family not in plugin_families:
         raise unknown_source("--from", source) if family is None else \
-            UserError(f"probe {req.task}: no recipe reads a {family!r} model ({', '.join(defaults) or 'none'})")
+            UserError(f"probe {req.task}: it reads {' or '.join(plugin_families)} models, not a {family!r}")
     overrides = {**{f"{key}.{k}": v for k, v in settings.items()}, "finetune.head": "classifier",
                  "finetune.pooling": {"mean": "mean", "last": "last", "cls": "cls"}.get(req.pooling, req.pooling), **req.sets}
     plugin = make_plugin("task", key, rt, quiet=True)
-    recipe = plugin.resolve(recipes.load(defaults[family], overrides), backbone)
+    recipe = plugin.resolve(recipes.load(defaults.get(family) or next(iter(defaults.values())), overrides), backbone)
     data = plugin.load(recipe, backbone, req.data)
     head = plugin.head(recipe, backbone, data)
     splits = {"train": plugin.sample(data.train, req.limit, req.seed),

@@ -159,8 +159,10 @@ class FinetuneConfig:
     limit: int = 0  # use the first N training examples (0 = all)
     eval_limit: int = 0  # evaluate during training on a balanced sample of N examples of each split (0 = all)
     report_limit: int = 0  # the final report (eval.json) on a balanced sample of N examples of each split (0 = all)
+    layer: int = -1  # the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)
 
     def __post_init__(self):
+        require(self.layer >= -1, "finetune.layer", ">= -1 (-1: the last block)", self.layer)
         for name in ("head_lr", "epochs", "limit", "eval_limit", "report_limit"):
             require(getattr(self, name) >= 0, f"finetune.{name}", ">= 0", getattr(self, name))
         require(0 <= self.warmup_fraction < 1, "finetune.warmup_fraction", "in [0, 1)", self.warmup_fraction)

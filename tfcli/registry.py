@@ -16,6 +16,7 @@ OBJECTIVES = {
     "span": "span_corruption:SpanCorruption",
     "mae": "mae:MaskedAutoencoder",
     "electra": "electra:Electra",
+    "igpt": "igpt:ImageGPT",
 }
 
 TASKS = {

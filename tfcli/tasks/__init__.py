@@ -42,6 +42,7 @@ class Head:
 
     heads: nn.ModuleDict
     item_name = "ex"
+    files: dict[str, str] = {}  # what the run directory keeps besides (an ImageGPT classifier's palette)
 
     def source(self, data, train: bool) -> Source:
         """Training batches (train=True) or scoring batches (train=False); both carry batch["labels"]."""
@@ -121,7 +122,7 @@ class ClassificationTask(Plugin):
                    val=head.source(limited[first], train=True), evaluate=evaluate, best_key=f"{first}_acc",
                    flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train),
                    count_items=head.count_items, item_name=head.item_name, examples=len(data.train),
-                   labels=data.labels)
+                   labels=data.labels, files=head.files)
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
         """Metrics of every evaluation split (a sample of options.limit examples each)."""

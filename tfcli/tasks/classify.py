@@ -225,7 +225,8 @@ class Classify(ClassificationTask):
         sample = encode_rows(data.train[:2000]) if data.train else []
         mean_len = float(np.mean([len(e[0]) for e in sample])) if sample else float(max_length)
         ft = recipe.finetune or FinetuneConfig()
-        return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout)
+        return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout,
+                              layer=ft.layer)
 
     def cloze(self, recipe, backbone, data: TaskData) -> ClozeHead:
         """Zero-shot: label words scored at the template's [MASK] by the BERT's MLM head."""

@@ -68,8 +68,14 @@ def decoder_features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
     return hidden[rows, last] if pooling == "last" else _masked_mean(hidden, mask)
 
 
-def features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
-    """A batch's inputs -> (B, F) features for the classifier."""
+def features(model: nn.Module, batch: Batch, pooling: str, layer: int = -1) -> Tensor:
+    """A batch's inputs -> (B, F) features for the classifier: of the last block, or (layer >= 0) of
+    that depth (0: the embeddings; an encoder's cls is then its first token, not BERT's pooler)."""
+    if layer >= 0:
+        layers = layer_features(model, batch, pooling)
+        if layer >= len(layers):
+            raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {len(layers) - 1}")
+        return layers[layer]
     if model.kind == kinds.VISION_ENCODER:
         return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)
     if model.kind in kinds.GENERATIVE:
@@ -122,10 +128,13 @@ class ClassifierHead(Head):
     """A linear layer on dropout(pooled features); cross-entropy; the logits are the scores."""
 
     def __init__(self, cfg, pooling: str, n_labels: int, make_source: Callable[[object, bool], Source],
-                 tokens_per_item: float, dropout: float = 0.0, init_std: float = 0.02, item_name: str = "ex"):
+                 tokens_per_item: float, dropout: float = 0.0, init_std: float = 0.02, item_name: str = "ex",
+                 layer: int = -1):
         pooling = resolve_pooling(cfg.family, pooling)
         check_pooling(cfg, pooling)
-        self.item_name = item_name
+        if layer > cfg.n_layer:
+            raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {cfg.n_layer}")
+        self.item_name, self.layer = item_name, layer
         self.pooling, self.dropout, self.make_source, self.tokens_per_item = pooling, dropout, make_source, tokens_per_item
         linear = nn.Linear(feature_dim(cfg, pooling), n_labels)
         nn.init.trunc_normal_(linear.weight, std=init_std)
@@ -136,10 +145,10 @@ class ClassifierHead(Head):
         return self.make_source(data, train)
 
     def scores(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch) -> Tensor:
-        return heads["classifier"](features(model, batch, self.pooling))  # (B, n_labels)
+        return heads["classifier"](features(model, batch, self.pooling, self.layer))  # (B, n_labels)
 
     def loss(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch):
-        feats = F.dropout(features(model, batch, self.pooling), self.dropout, training=model.training)
+        feats = F.dropout(features(model, batch, self.pooling, self.layer), self.dropout, training=model.training)
         logits = heads["classifier"](feats)  # (B, n_labels)
         value = F.cross_entropy(logits.float(), batch["labels"])
         return value, {"loss": value.detach(), "acc": (logits.argmax(-1) == batch["labels"]).float().mean()}

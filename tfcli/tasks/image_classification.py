@@ -23,7 +23,7 @@ from .heads import ClassifierHead
 
 class ImageClassify(ClassificationTask):
     key = "image-classify"
-    model_kinds = (kinds.VISION_ENCODER,)
+    model_kinds = (kinds.VISION_ENCODER, kinds.DECODER)  # a decoder: an ImageGPT run, reading colours
     recipe_pattern = "{family}-tiny-image-classify"
     Config = ImageConfig
     describe = "image classification"
@@ -38,7 +38,7 @@ class ImageClassify(ClassificationTask):
         if splits.train.labels is None:
             raise UserError(f"{source}: images without labels; image-classify needs class sub-folders, "
                             f"y_train/y_test in a .npz, or a labelled dataset")
-        if backbone is not None:
+        if backbone is not None and backbone.model.kind == kinds.VISION_ENCODER:
             check_images(splits.train, backbone.cfg.patch_size, source)
         test = splits.test or splits.train
         n_classes = int(max(splits.train.labels.max(), test.labels.max())) + 1
@@ -51,14 +51,35 @@ class ImageClassify(ClassificationTask):
         return images.take(balanced_sample(images.labels, n, seed))
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> ClassifierHead:
-        cfg, settings = backbone.cfg, recipe.settings
+        cfg, settings, ft = backbone.cfg, recipe.settings, recipe.finetune or FinetuneConfig()
+        if backbone.model.kind == kinds.DECODER:
+            return self.colour_head(backbone, data, ft)
 
         def make_source(images: ImageSet, train: bool) -> ImageSource:
             return ImageSource(images, ImageTransform.from_config(settings, cfg.image_size, train))
 
-        ft = recipe.finetune or FinetuneConfig()
         return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, cfg.n_patches + 1, init_std=0.01,
-                              item_name="img")
+                              item_name="img", layer=ft.layer)
+
+    def colour_head(self, backbone, data: TaskData, ft: FinetuneConfig) -> ClassifierHead:
+        """An ImageGPT run's classifier: the images in the run's palette, features average-pooled from
+        finetune.layer (the paper's best features sit in the middle layers)."""
+        from ..checkpoint import run_dir_of
+        from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
+
+        if backbone.checkpoint is None or backbone.recipe is None:
+            raise UserError(f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective "
+                            f"igpt); {backbone.source} is a text model")
+        palette, side = read_palette(run_dir_of(backbone.checkpoint))
+
+        def make_source(images: ImageSet, train: bool) -> PaletteSource:
+            return PaletteSource(palette_tokens(images, side, palette), start_id(palette), images.labels,
+                                 with_target=False)
+
+        head = ClassifierHead(backbone.cfg, ft.pooling, len(data.labels), make_source, side * side + 1,
+                              init_std=0.01, item_name="img", layer=ft.layer)
+        head.files = palette_file(palette, side)  # the classifier's run reads its images the same way
+        return head
 
     def resolve(self, recipe, backbone):
         """The encoder's own shape, and a pretrained run's normalisation (its pixels' statistics)."""
