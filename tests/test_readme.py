@@ -18,7 +18,8 @@ import yaml
 
 from .conftest import REPO, tiny_npz
 
-KINDS = {"clm": "gpt", "mlm": "bert", "span": "t5", "mae": "mae", "electra": "electra", "image-classify": "probe"}
+KINDS = {"clm": "gpt", "mlm": "bert", "span": "t5", "mae": "mae", "electra": "electra", "igpt": "igpt",
+         "image-classify": "probe"}
 TINY_PRETRAIN = ["--steps", "2", "--set", "train.log_interval=1", "--set", "train.eval_interval=2",
                  "--set", "train.ckpt_interval=2", "--set", "train.eval_batches=1",
                  "--set", "tokenizer.train_chars=200000", "--set", "tokenizer.vocab_size=600", "--quiet"]
