@@ -9,6 +9,7 @@ checks that a graph was really compiled (a fall-back to eager would pass silentl
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -27,8 +28,19 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
         npz = tiny_npz(tmp_path / "images.npz", n=8, size=32)
         return (["pretrain", "--objective", plugin] if raw.get("objective") else ["finetune", plugin]), \
             ["--data", npz, "--set", "model.image_size=32"]
+    if plugin == "igpt":  # images as colours: a tiny palette of tiny images
+        return ["pretrain", "--objective", plugin], ["--data", tiny_npz(tmp_path / "images.npz", n=16, size=16),
+                                                     "--set", "igpt.image_size=4", "--set", "igpt.palette=8",
+                                                     "--set", "igpt.kmeans_pixels=200"]
     if raw.get("objective"):
         return ["pretrain", "--objective", plugin], ["--data", small_text, "--set", "tokenizer.train_chars=20000"]
+    if plugin in ("sft", "dpo"):  # prompt/reply rows or preference pairs, a small vocabulary learned from them
+        rows = [{"prompt": f"add {i} and 1", "completion": f"{i + 1}", "chosen": f"{i + 1}", "rejected": f"{i}"}
+                for i in range(24)]
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return ["finetune", plugin], ["--data", tmp_path / "rows.jsonl", "--set", "tokenizer.vocab_size=300",
+                                      "--set", "data.val_fraction=0.2"] + \
+            (["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=2"] if plugin == "sft" else [])
     preset = (raw.get(plugin) or {}).get("preset")
     if preset == "mnli":
         return ["finetune", "mnli"], ["--data", mnli_dir, "--limit", 16]

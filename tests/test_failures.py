@@ -220,7 +220,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["finetune", "mnli", "--from", "{picklebin}"], "refused or unreadable with weights_only=True"),
     (["finetune", "mnli", "--from", "noimg"], "neither a tfcli run nor a Hugging Face model directory"),
     (["finetune", "mnli", "--from", "/no/such/model"], "--from /no/such/model: not found"),
-    (["finetune", "image-classify", "--from", "run"], "describes a 'gpt' model; task 'image-classify' trains 'vit'"),
+    (["finetune", "image-classify", "--from", "run"], "image-classify reads a decoder only from an igpt run"),
 ]
 
 

@@ -21,7 +21,7 @@ def test_every_shipped_recipe_validates_and_pins_every_field(name):
 
 
 def test_the_plugin_key_is_validated_with_the_known_keys(tmp_path):
-    with pytest.raises(RecipeError, match=r"^objective: unknown objective 'lm' \(known: clm, electra, mae, mlm, span\)"):
+    with pytest.raises(RecipeError, match=r"^objective: unknown objective 'lm' \(known: clm, electra, igpt, mae, mlm, span\)"):
         recipes.from_dict(tiny_gpt_recipe(tmp_path, objective="lm"))
     with pytest.raises(RecipeError, match="exactly one of `objective`"):
         recipes.from_dict({**tiny_gpt_recipe(tmp_path), "task": "classify"})

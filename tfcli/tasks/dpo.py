@@ -166,15 +166,16 @@ class DPO(Plugin):
         if not train.pairs:
             reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
             raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
-        held = next((p.pairs for _, p in held_out if p.pairs), [])
+        held_split, held = next(((s, p.pairs) for s, p in held_out if p.pairs), ("", []))
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         frozen = {"reference": copy.deepcopy(backbone.model).requires_grad_(False)} if mode == "copy" else {}
         refs, files = self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
         loss = Preference(cfg, mode, frozen)
         full = flops_per_token(backbone.model, int(np.mean([p.length for p in train.pairs[:500]])))
         extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
-        return Job(heads=nn.ModuleDict(), loss=loss, train=PairBatches(train.pairs, pad, refs.get("train")),
-                   val=PairBatches(held, pad, refs.get("held_out")) if held else None,
+        val = PairBatches(held, pad, refs.get("held_out")) if held else None
+        self.trained = (held_split, loss, val)  # what the final report measures against, as training did
+        return Job(heads=nn.ModuleDict(), loss=loss, train=PairBatches(train.pairs, pad, refs.get("train")), val=val,
                    flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0, count_items=count_tokens,
                    best_key="rewards/accuracies" if held else "", examples=len(train.pairs), loss_weight=pair_count,
                    frozen=frozen, files=files)
@@ -196,9 +197,18 @@ class DPO(Plugin):
         return refs, {REFERENCE_FILE: json.dumps({k: v.tolist() for k, v in refs.items()})}
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
-        """The best checkpoint's held-out metrics against the run's reference: printed, and eval.json."""
+        """The best checkpoint's metrics on all the held-out pairs, against the reference training used
+        (its frozen copy, the base, or the precomputed log-probabilities): printed, and eval.json."""
+        split, loss, val = getattr(self, "trained", ("", None, None))
+        if val is None:
+            return {}
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
-        results = self.score(recipe, backbone, None, None, 0, say=False)
+        batches = sequential_batches(val, recipe.train.batch_size, 0)
+        with phase(f"scoring {split} pairs"):
+            m = held_out_metrics(ObjectiveModule(backbone.model, nn.ModuleDict(), loss), batches, self.rt.device,
+                                 recipe.train.precision, pair_count)
+        results = {split: {**m, "acc": m["rewards/accuracies"], "n": val.epoch_size(0)}}
+        self.say(results)
         (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
         return results
 
@@ -229,13 +239,17 @@ class DPO(Plugin):
                 m = held_out_metrics(ObjectiveModule(backbone.model, nn.ModuleDict(), loss), batches, device,
                                      recipe.train.precision, pair_count)
             results[split] = {**m, "acc": m["rewards/accuracies"], "n": len(pairs)}
-        if not self.quiet:
-            for split, m in results.items():
-                console.print(f"dpo {split} ({m['n']} pairs): reward accuracy {100 * m['rewards/accuracies']:.2f}%, "
-                              f"margin {m['rewards/margins']:.4f}, rewards chosen {m['rewards/chosen']:.4f} / rejected "
-                              f"{m['rewards/rejected']:.4f}, logps chosen {m['logps/chosen']:.2f} / rejected "
-                              f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}")
+        self.say(results)
         return results
+
+    def say(self, results: dict[str, dict]) -> None:
+        if self.quiet:
+            return
+        for split, m in results.items():
+            console.print(f"dpo {split} ({m['n']} pairs): reward accuracy {100 * m['rewards/accuracies']:.2f}%, "
+                          f"margin {m['rewards/margins']:.4f}, rewards chosen {m['rewards/chosen']:.4f} / rejected "
+                          f"{m['rewards/rejected']:.4f}, logps chosen {m['logps/chosen']:.2f} / rejected "
+                          f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}")
 
     def eval_reference(self, recipe, backbone, reference: Optional[str]) -> Preference:
         """What an evaluation compares the model with: --reference, else the run's: its adapters off

@@ -6,6 +6,7 @@ fresh initialisation (the baseline a probe on a pretrained encoder must beat).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 
@@ -47,6 +48,17 @@ class ImageClassify(ClassificationTask):
             raise UserError(f"{source}: labels go up to {n_classes - 1}, but the classifier has {len(names)} classes")
         return TaskData(splits.train.subset(ft.limit, recipe.train.seed), {"test": test}, names)
 
+    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+        """A decoder reads images only as an ImageGPT run's colours: a text model is refused before the
+        images are read."""
+        from ..checkpoint import run_dir_of
+        from ..data.palette import PALETTE_FILE
+
+        if backbone.model.kind == kinds.DECODER and (
+                backbone.checkpoint is None or not (run_dir_of(Path(backbone.checkpoint)) / PALETTE_FILE).is_file()):
+            raise UserError(f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective igpt); "
+                            f"{backbone.source} is not one")
+
     def sample(self, images: ImageSet, n: int, seed: int) -> ImageSet:
         return images.take(balanced_sample(images.labels, n, seed))
 
@@ -67,9 +79,7 @@ class ImageClassify(ClassificationTask):
         from ..checkpoint import run_dir_of
         from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
 
-        if backbone.checkpoint is None or backbone.recipe is None:
-            raise UserError(f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective "
-                            f"igpt); {backbone.source} is a text model")
+        self.check(None, backbone)
         palette, side = read_palette(run_dir_of(backbone.checkpoint))
 
         def make_source(images: ImageSet, train: bool) -> PaletteSource:
