@@ -124,6 +124,8 @@ def prepare(command: str, runs: dict[str, Path], n: int) -> list[str] | None:
         extra = ["--quiet"] if "--resume" in argv else TINY_FINETUNE
     elif verb == "generate":
         extra = ["--max-new-tokens", "5"]
+    elif verb == "compare":  # every cell a couple of steps (the last --budget wins)
+        extra = ["--budget", "2steps", "--quiet"]
     return [sys.executable, "-m", "tfcli", *argv[1:], *extra]
 
 
