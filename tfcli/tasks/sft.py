@@ -60,6 +60,7 @@ class SFTConfig:
     max_new_tokens: int = 256  # generated replies (eval sft and the final report)
     temperature: float = 0.0  # 0: greedy
     generate_limit: int = 50  # the final report generates replies for the first N held-out examples
+    generate_batch: int = 32  # replies generated together (decoding reads every weight once per step for all)
 
     def __post_init__(self):
         require(not self.preset or self.preset in presets_of("sft"), "sft.preset",
@@ -67,6 +68,7 @@ class SFTConfig:
         require(self.max_new_tokens >= 1, "sft.max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.temperature >= 0, "sft.temperature", ">= 0 (0: greedy)", self.temperature)
         require(self.generate_limit >= 0, "sft.generate_limit", ">= 0", self.generate_limit)
+        require(self.generate_batch >= 1, "sft.generate_batch", ">= 1", self.generate_batch)
 
 
 def fields(cfg: SFTConfig) -> Fields:
@@ -213,7 +215,7 @@ class SFT(Plugin):
                                            next(model.parameters()).device, recipe.train.precision, weight)
             generated = e.examples[:n_generated]
             texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
-                                     cfg.temperature, recipe.train.batch_size, stop_ids(backbone.tokenizer), pad,
+                                     cfg.temperature, cfg.generate_batch, stop_ids(backbone.tokenizer), pad,
                                      f"{split} replies") if generated else []
             results[split] = {**with_perplexity(metrics), "n": len(scored), "generated": len(texts), "metric": metric(cfg),
                               **(answers.scores(texts, [x.reply for x in generated], metric(cfg)) if texts else {})}
