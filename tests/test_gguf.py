@@ -6,6 +6,7 @@ GGUF; unknown architectures, other tokenizers and truncated files are one-line e
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,11 +132,16 @@ def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_tex
     shutil.rmtree(tmp_path / "ft")
 
 
+def chat_gguf_file(tmp_path_factory, **cfg) -> Path:
+    """A tiny random llama with ChatML (<|im_end|> ends a turn and the text), as a GGUF file."""
+    out = tmp_path_factory.mktemp("chat") / "chat.gguf"
+    hf.export_gguf(tiny_backbone(**cfg), None, out, "f32")
+    return out
+
+
 @pytest.fixture(scope="module")
 def chat_gguf(tmp_path_factory):
-    out = tmp_path_factory.mktemp("chat") / "chat.gguf"
-    hf.export_gguf(tiny_backbone(), None, out, "f32")
-    return out
+    return chat_gguf_file(tmp_path_factory)
 
 
 def test_generate_chat_answers_one_templated_turn(chat_gguf):

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from tfcli import hf
 from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate, shipped_templates
 from tfcli.data.conversations import DecoderExamples, Fields
@@ -20,9 +19,9 @@ from tfcli.driver import RunRequest, train
 from tfcli.tasks import answers
 from tfcli.tasks.reply_batches import PackedReplies, decoder_loss, decoder_rows, decoder_targets, pack
 
-from .conftest import invoke, read_metrics, train_losses
+from .conftest import invoke, read_metrics, train_losses, write_jsonl
 from .test_chat import CONVERSATIONS, END_OF_TURN, hf_ids, tokenizer  # noqa: F401  (the fixture)
-from .test_gguf import tiny_backbone
+from .test_gguf import chat_gguf_file, tiny_backbone
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,17 +36,9 @@ def rows(n: int = 20, seed: int = 0) -> list[dict]:
     return out
 
 
-def write_rows(path, items) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in items))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """A tiny random llama with ChatML (<|im_end|> ends a turn and the text), as a GGUF file."""
-    out = tmp_path_factory.mktemp("sft-model") / "chat.gguf"
-    hf.export_gguf(tiny_backbone(max_seq_len=512), None, out, "f32")
-    return out
+    return chat_gguf_file(tmp_path_factory, max_seq_len=512)
 
 
 # --- which tokens are trained ---------------------------------------------------------------------
@@ -201,7 +192,7 @@ def test_four_accumulated_micro_batches_give_the_gradient_of_one_batch_four_time
 # --- the tool ---------------------------------------------------------------------------------------
 
 def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
-    data = write_rows(tmp_path / "rows.jsonl", rows(20) + [{"prompt": "no reply"}])
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(20) + [{"prompt": "no reply"}])
     result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 12, "--batch-size", 4,
                     "--lr", 3e-3, "--out", tmp_path / "run", "--set", "data.val_fraction=0.2",
                     "--set", "train.log_interval=1", "--set", "train.eval_interval=6", "--set", "sft.max_new_tokens=6")
@@ -224,7 +215,7 @@ def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
 
 
 def test_an_sft_run_resumes_bit_for_bit_packed(tmp_path, chat_model):
-    data = write_rows(tmp_path / "rows.jsonl", rows(40))
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(40))
     raw = recipes.load_raw("sft-llama-mini")
     raw.update(data={**raw["data"], "source": data, "seq_len": 64})
     raw["sft"].update(pack=True, generate_limit=0)
@@ -268,7 +259,7 @@ def test_scores_of_generated_replies():
 def test_gpt_and_t5_finetune_on_prompt_reply_rows(tmp_path, small_text):
     from .conftest import pretrained_run
 
-    data = write_rows(tmp_path / "rows.jsonl", rows(16))
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(16))
     for objective, model in (("clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}),
                              ("span", {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64,
                                        "max_seq_len": 64})):
@@ -284,8 +275,8 @@ def test_gpt_and_t5_finetune_on_prompt_reply_rows(tmp_path, small_text):
 
 
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
-    empty = write_rows(tmp_path / "empty.jsonl", [{"prompt": "q", "completion": ""}] * 5)
-    good = write_rows(tmp_path / "good.jsonl", rows(8))
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": "q", "completion": ""}] * 5)
+    good = write_jsonl(tmp_path / "good.jsonl", rows(8))
     cases = [
         (["sft", "--from", chat_model, "--data", empty], "sft train: no usable example (4 empty 'completion')"),
         (["sft", "--from", chat_model, "--data", good, "--train", "head"], "no classifier head"),
@@ -302,7 +293,7 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
 
 
 def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_model):
-    data = write_rows(tmp_path / "rows.jsonl", rows(12))
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(12))
     for strategy in ("lora", "ia3", "bitfit"):
         out = tmp_path / strategy
         result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--train", strategy, "--steps", 2,
@@ -315,7 +306,7 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
 
 
 def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_model):
-    data = write_rows(tmp_path / "rows.jsonl", rows(20))
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(20))
     result = invoke("compare", "--task", "sft", "--from", chat_model, "--train", "0shot,lora", "--budget", "2steps",
                     "--data", data, "--set", "sft.max_new_tokens=3", "--set", "data.val_fraction=0.2",
                     "--out", tmp_path / "study")
