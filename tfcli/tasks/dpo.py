@@ -203,11 +203,7 @@ class DPO(Plugin):
         if val is None:
             return {}
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
-        batches = sequential_batches(val, recipe.train.batch_size, 0)
-        with phase(f"scoring {split} pairs"):
-            m = held_out_metrics(ObjectiveModule(backbone.model, nn.ModuleDict(), loss), batches, self.rt.device,
-                                 recipe.train.precision, pair_count)
-        results = {split: {**m, "acc": m["rewards/accuracies"], "n": val.epoch_size(0)}}
+        results = {split: measure(recipe, backbone.model, loss, val, split, self.rt.device)}
         self.say(results)
         (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
         return results
@@ -234,11 +230,7 @@ class DPO(Plugin):
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         results = {}
         for split, pairs in held.items():
-            batches = sequential_batches(PairBatches(pairs, pad), recipe.train.batch_size, 0)
-            with phase(f"scoring {split} pairs"):
-                m = held_out_metrics(ObjectiveModule(backbone.model, nn.ModuleDict(), loss), batches, device,
-                                     recipe.train.precision, pair_count)
-            results[split] = {**m, "acc": m["rewards/accuracies"], "n": len(pairs)}
+            results[split] = measure(recipe, backbone.model, loss, PairBatches(pairs, pad), split, device)
         self.say(results)
         return results
 
@@ -268,3 +260,12 @@ class DPO(Plugin):
         return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
                 f"chat with it: tfcli chat --checkpoint {run_dir}",
                 f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
+
+
+def measure(recipe, model: nn.Module, loss: "Preference", pairs: PairBatches, split: str, device) -> dict[str, float]:
+    """Loss and TRL's reward metrics of `model` against `loss`'s reference on every pair, in order."""
+    batches = sequential_batches(pairs, recipe.train.batch_size, 0)
+    with phase(f"scoring {split} pairs"):
+        m = held_out_metrics(ObjectiveModule(model, nn.ModuleDict(), loss), batches, device,
+                             recipe.train.precision, pair_count)
+    return {**m, "acc": m["rewards/accuracies"], "n": pairs.epoch_size(0)}
