@@ -7,7 +7,7 @@ a fresh process of its own (benchmarks.trl_peer):
                rejected as assistant messages: TRL renders them with the same chat template), with the
                base as reference (peft's adapters switched off, as tfcli's `base`): per-step losses
                (target: within 2%) and seconds per step (target: tfcli >= 1.3x).
-  as shipped   TRL's own shuffled order.
+  as shipped   TRL's own shuffled order (BENCH_SHIPPED=0 leaves it out).
   memory       tfcli's peak RSS with the reference as `copy`, `base` and `precompute` (10 steps each;
                target: base and precompute below copy).
 
@@ -26,7 +26,8 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
+from benchmarks.trl_peer import (in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, shipped_wanted,
+                                 trl_callbacks)
 
 STEPS, BATCH, PAIRS, LR, BETA = int(os.environ.get("BENCH_STEPS", 30)), 8, 256, 5e-4, 0.1
 HH = ROOT.parent / "shared" / "data" / "preference" / "hh-rlhf-harmless" / "pairs.jsonl"
@@ -115,7 +116,7 @@ def main() -> None:
         same, shipped_rows = trl_rows(data, tmp)
         ours = run_tfcli(tfcli_args(data, "base", STEPS), tmp / "tfcli")
         theirs = run_peer("benchmarks.dpo", str(same), str(tmp / "trl"), "same")
-        shipped = run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / "trl-s"), "shipped")
+        shipped = run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / "trl-s"), "shipped") if shipped_wanted() else None
         report(f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs)", ours, theirs, shipped, "8 pairs")
         rss = {mode: run_tfcli(tfcli_args(data, mode, 10), tmp / f"rss-{mode}")["peak_rss_mb"]
                for mode in ("copy", "base", "precompute")}

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, trl_callbacks
+from benchmarks.trl_peer import (in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, shipped_wanted,
+                                 trl_callbacks)
 
 STEPS, BATCH, ROWS, SEED = int(os.environ.get("BENCH_STEPS", 30)), 8, 512, 1337
 GSM8K = ROOT.parent / "shared" / "data" / "sft" / "gsm8k"
@@ -125,7 +126,7 @@ def main() -> None:
             ours = run_tfcli(tfcli_args(mode, data), tmp / f"tfcli-{mode}")
             theirs = run_peer("benchmarks.sft", mode, str(data), str(tmp / "order.json"), str(tmp / f"trl-{mode}"), "same")
             shipped = run_peer("benchmarks.sft", mode, str(data), str(tmp / "order.json"), str(tmp / f"trl-{mode}-s"),
-                               "shipped")
+                               "shipped") if shipped_wanted() else None
             report(f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH})", ours, theirs, shipped, "8 examples")
 
 
