@@ -111,17 +111,17 @@ def report(name: str, ours: dict, theirs: dict, shipped: dict | None, unit: str,
     side on the same batches and of TRL as shipped (when it ran), and peak RSS."""
     gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["loss"], theirs["loss"])]
     mine, peer = _step_s(ours), _step_s(theirs)
-    peer_shipped = _step_s(shipped) if shipped else float("nan")
-    as_shipped = (f"; TRL as shipped {peer_shipped:.2f} s/step for the same {unit} per step: {peer_shipped / mine:.2f}x"
-                  if shipped else "")
+    peer_shipped = _step_s(shipped) if shipped else None
+    ratio_shipped = peer_shipped / mine if peer_shipped else None
+    as_shipped = (f"; TRL as shipped {peer_shipped:.2f} s/step for the same {unit} per step: {ratio_shipped:.2f}x"
+                  if peer_shipped else "")
     print(f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
           f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
           f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
           f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB")
     print(f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}")
     result = {"benchmark": name, "max_loss_gap": max(gaps), "tfcli_s_per_step": mine, "trl_s_per_step": peer,
-              "trl_shipped_s_per_step": peer_shipped if shipped else None, "ratio": peer / mine,
-              "ratio_shipped": peer_shipped / mine if shipped else None,
+              "trl_shipped_s_per_step": peer_shipped, "ratio": peer / mine, "ratio_shipped": ratio_shipped,
               "tfcli_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": theirs["peak_rss_mb"],
               "tfcli_loss": ours["loss"], "trl_loss": theirs["loss"]}
     RESULTS.mkdir(exist_ok=True)
