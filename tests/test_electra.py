@@ -3,6 +3,8 @@ are exactly where the sampled token differs, the 50x weighted loss, pretraining 
 discriminator that finetunes like any BERT."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -87,8 +89,36 @@ def test_pretrain_electra_learns_and_its_discriminator_finetunes_as_a_bert(tmp_p
     assert (ft / "eval.json").is_file()
 
 
+def test_the_discriminator_learns_to_rank_replacements_it_can_tell_apart(tmp_path, small_text):
+    """Near-uniform samples (temperature 50: rare tokens where frequent ones belong) are detectable from
+    the token itself, so within 40 steps the discriminator must rank them above the originals and beat
+    the base rate. Labels that missed the replaced positions, or a head the loss does not train, stay at
+    AUC 0.5. (The generator's own samples, frequency-matched, take context, which needs far longer.)"""
+    raw = tiny_bert_recipe(small_text, "electra", train={"steps": 40, "eval_interval": 40, "ckpt_interval": 40})
+    raw["electra"]["temperature"] = 50.0
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    result = invoke("pretrain", "--objective", "electra", "--recipe", tmp_path / "r.yaml", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    val = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "val"][-1]
+    p = val["replaced"]
+    prior = -(p * math.log(p) + (1 - p) * math.log(1 - p))  # the loss of always predicting the base rate
+    assert val["disc_auc"] > 0.7, val
+    assert val["disc_loss"] < prior - 0.015, (val, prior)
+
+
 def test_electra_settings_are_checked():
     from tfcli import recipe as recipes
 
     with pytest.raises(recipes.RecipeError, match=r"electra.generator_size must be in \(0, 1\]"):
         recipes.load("electra-mini", {"electra.generator_size": 2.0})
+
+
+def test_disc_auc_is_the_share_of_replaced_original_pairs_ranked_right():
+    from tfcli.objectives.electra import ranking_auc
+
+    g = torch.Generator().manual_seed(0)
+    scores, positive = torch.randn(200, generator=g), torch.rand(200, generator=g) < 0.2
+    pairs = (scores[positive][:, None] > scores[~positive][None, :]).float().mean()  # every (replaced, original)
+    assert abs(float(ranking_auc(scores, positive)) - float(pairs)) < 1e-6
+    assert float(ranking_auc(positive.float() + 0.01 * scores, positive)) == 1.0
+    assert float(ranking_auc(scores, torch.zeros(200, dtype=torch.bool))) == 0.5  # one class: undefined, chance

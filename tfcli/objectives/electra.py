@@ -77,6 +77,20 @@ class DiscriminatorHead(nn.Module):
         return self.prediction(self.act(self.dense(hidden))).squeeze(-1)  # (B, T)
 
 
+def ranking_auc(scores: Tensor, positive: Tensor) -> Tensor:
+    """Area under the ROC curve of `scores` (N,) for the boolean labels `positive` (N,): the chance that a
+    replaced token scores above an original one (Mann-Whitney U over ranks; 0.5 is a constant score).
+    Unlike disc_acc it says whether the discriminator ranks at all while it still predicts the base rate."""
+    n_pos = positive.sum()
+    n_neg = positive.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return scores.new_tensor(0.5)  # one class only: no ranking to measure
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[scores.argsort()] = torch.arange(1, scores.numel() + 1, dtype=torch.float64, device=scores.device)
+    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2
+    return (u / (n_pos * n_neg)).float()
+
+
 def make_loss(disc_weight: float, temperature: float):
     def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Generator MLM at the masked positions, then the discriminator on the sampled replacements."""
@@ -97,6 +111,7 @@ def make_loss(disc_weight: float, temperature: float):
         metrics = {"loss": total.detach(), "gen_loss": gen_loss.detach(),
                    "gen_acc": (logits.argmax(-1) == labels[chosen]).float().mean(), "disc_loss": disc_loss.detach(),
                    "disc_acc": ((disc_logits[valid] > 0).float() == replaced[valid]).float().mean(),
+                   "disc_auc": ranking_auc(disc_logits[valid].detach().float(), replaced[valid].bool()),
                    "replaced": replaced[valid].mean()}
         return total, metrics
     return loss
