@@ -76,8 +76,9 @@ class ImageTransform:
         else:  # the central square (after which the resize makes it S x S)
             side = min(h, w)
             top, left, ch, cw = (h - side) // 2, (w - side) // 2, side, side
-        x = torch.from_numpy(np.ascontiguousarray(image[top: top + ch, left: left + cw]))
-        x = x.permute(2, 0, 1).float().div_(255.0)  # (3, ch, cw) in [0, 1]
+        # one copy to fp32, which is also writable (the image may be a read-only memory map)
+        x = torch.from_numpy(np.array(image[top: top + ch, left: left + cw], dtype=np.float32))
+        x = x.permute(2, 0, 1).div_(255.0)  # (3, ch, cw) in [0, 1]
         if (ch, cw) != (self.size, self.size):
             x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", align_corners=False,
                               antialias=True)[0].clamp_(0.0, 1.0)
