@@ -133,15 +133,11 @@ def run_command(argv: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     """A tfcli command in this process (CliRunner, cwd = the sandbox): importing torch and the rest
     again for each of ~80 commands cost half of this test's time. torchrun commands get a process."""
     if argv[1:3] == ["-m", "tfcli"]:
-        old_cwd, old_env = Path.cwd(), dict(os.environ)
-        os.chdir(cwd)
-        os.environ.update(env)
-        try:
+        with pytest.MonkeyPatch.context() as mp:  # cwd and environment restored afterwards
+            mp.chdir(cwd)
+            for key, value in env.items():
+                mp.setenv(key, value)
             result = invoke(*argv[3:])
-        finally:
-            os.chdir(old_cwd)
-            os.environ.clear()
-            os.environ.update(old_env)
         return result.exit_code, result.output + (repr(result.exception) if result.exception else "")
     result = subprocess.run(argv, cwd=cwd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=600)

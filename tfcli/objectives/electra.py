@@ -81,14 +81,14 @@ def ranking_auc(scores: Tensor, positive: Tensor) -> Tensor:
     """Area under the ROC curve of `scores` (N,) for the boolean labels `positive` (N,): the chance that a
     replaced token scores above an original one (Mann-Whitney U over ranks; 0.5 is a constant score).
     Unlike disc_acc it says whether the discriminator ranks at all while it still predicts the base rate."""
-    n_pos = positive.sum()
+    n_pos = positive.sum(dtype=torch.float64)
     n_neg = positive.numel() - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return scores.new_tensor(0.5)  # one class only: no ranking to measure
     ranks = torch.empty_like(scores, dtype=torch.float64)
     ranks[scores.argsort()] = torch.arange(1, scores.numel() + 1, dtype=torch.float64, device=scores.device)
-    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2
-    return (u / (n_pos * n_neg)).float()
+    u = (ranks * positive).sum() - n_pos * (n_pos + 1) / 2
+    pairs = n_pos * n_neg
+    # one class only: no ranking to measure, 0.5; chosen on the device, as a metric must not sync each step
+    return torch.where(pairs > 0, u / pairs.clamp(min=1), 0.5).float()
 
 
 def make_loss(disc_weight: float, temperature: float):
@@ -106,13 +106,13 @@ def make_loss(disc_weight: float, temperature: float):
             replaced = (corrupted != original).float()  # (B, T): a sample equal to the original is not "replaced"
         disc_logits = heads["discriminator"](model(corrupted, types, attn))  # (B, T)
         valid = attn.bool()
-        disc_loss = F.binary_cross_entropy_with_logits(disc_logits[valid].float(), replaced[valid])
+        scores, targets = disc_logits[valid].float(), replaced[valid]  # (N_tokens,) each
+        disc_loss = F.binary_cross_entropy_with_logits(scores, targets)
         total = gen_loss + disc_weight * disc_loss
         metrics = {"loss": total.detach(), "gen_loss": gen_loss.detach(),
                    "gen_acc": (logits.argmax(-1) == labels[chosen]).float().mean(), "disc_loss": disc_loss.detach(),
-                   "disc_acc": ((disc_logits[valid] > 0).float() == replaced[valid]).float().mean(),
-                   "disc_auc": ranking_auc(disc_logits[valid].detach().float(), replaced[valid].bool()),
-                   "replaced": replaced[valid].mean()}
+                   "disc_acc": ((scores > 0).float() == targets).float().mean(),
+                   "disc_auc": ranking_auc(scores.detach(), targets.bool()), "replaced": targets.mean()}
         return total, metrics
     return loss
 
