@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import UserError
-from .models.blocks import MLP, Attention
+from .models.blocks import MLP, Attention, linear
 from .recipe import AdapterConfig
 
 def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> Optional[tuple[tuple[str, int], ...]]:
@@ -133,7 +133,7 @@ class IA3Linear(nn.Module):
             return self.base(x * self.ia3)
         s = self.scale_vector()
         bias = self.base.bias
-        return F.linear(x, self.base.weight * s[:, None], bias * s if bias is not None else None)
+        return linear(x, self.base.weight * s[:, None], bias * s if bias is not None else None)
 
     def merged(self) -> nn.Linear:
         with torch.no_grad():

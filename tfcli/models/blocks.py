@@ -78,6 +78,33 @@ def causal_mask(t_query: int, t_key: int, device=None, window: int = 0) -> Tenso
     return allowed.triu(diagonal=t_key - t_query - window + 1) if window else allowed
 
 
+FEW_ROWS = 32  # up to this many rows of input, a CPU linear runs as a batch of weight slices (below)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, weight, bias), which on a multi-threaded CPU with few rows of x (decoding: one
+    position per sequence) computes the product as a batch of row slices of the weight, one per
+    torch thread. MKL runs such a product as a matrix-vector product on one thread only: SmolLM2's
+    block weights read at 16 GB/s, as slices 29 GB/s on 2 cores (a 1.45x faster decoding step). The
+    slices are views: nothing is copied. Beyond FEW_ROWS rows MKL's own threading is faster."""
+    parts, rows = torch.get_num_threads(), x.numel() // max(1, x.size(-1))
+    out, d_in = weight.shape
+    if (parts < 2 or not 0 < rows <= FEW_ROWS or out % parts or x.device.type != "cpu"
+            or not weight.is_contiguous() or x.dtype != weight.dtype):
+        return F.linear(x, weight, bias)
+    slices = weight.view(parts, out // parts, d_in).transpose(1, 2)  # (P, D_in, out/P), a view
+    y = torch.bmm(x.reshape(1, rows, d_in).expand(parts, rows, d_in), slices)  # (P, rows, out/P)
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], out)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) computed by `linear`: fast at decoding on a CPU."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     """Multi-head scaled dot-product attention, self or cross, through one fused SDPA call, built
     from parts (as torchtune's MultiHeadAttention and litgpt's CausalSelfAttention):
@@ -119,11 +146,11 @@ class Attention(nn.Module):
         self.kv_inner = self.n_kv_head * self.head_dim  # key and value width each
         self.cross, self.scale, self.dropout, self.window = cross, scale, dropout, window
         if cross:
-            self.q = nn.Linear(d_model, self.inner, bias=bias)
-            self.kv = nn.Linear(d_model, 2 * self.kv_inner, bias=bias)
+            self.q = Linear(d_model, self.inner, bias=bias)
+            self.kv = Linear(d_model, 2 * self.kv_inner, bias=bias)
         else:
-            self.qkv = nn.Linear(d_model, self.inner + 2 * self.kv_inner, bias=bias)
-        self.out = nn.Linear(self.inner, d_model, bias=bias if out_bias is None else out_bias)
+            self.qkv = Linear(d_model, self.inner + 2 * self.kv_inner, bias=bias)
+        self.out = Linear(self.inner, d_model, bias=bias if out_bias is None else out_bias)
         self.q_norm = qk_norm(self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim) if qk_norm else None
 
@@ -255,9 +282,9 @@ class MLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[activation]
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.gate = nn.Linear(d_model, d_ff, bias=bias) if gated else None
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.gate = Linear(d_model, d_ff, bias=bias) if gated else None
+        self.down = Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
