@@ -55,3 +55,23 @@ def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monke
     assert losses._cpu_chunk["logits"].numel() == 5 * 90  # grown once, reused after
     for _, grad, copy in results:
         assert torch.equal(grad, copy)
+
+
+def test_a_frozen_head_gets_no_weight_gradient_and_the_hidden_gradient_is_unchanged(monkeypatch):
+    """LoRA and probes freeze the LM head: its (V, D) gradient is not computed at all (a third of the
+    head's FLOPs), and the gradient that flows back into the model is the one a trainable head gives."""
+    counted = []
+    real_addmm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: counted.append(1) or real_addmm(self, *a, **k))
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16, requires_grad=True)
+    weight = torch.randn(40, 16)
+    targets = torch.randint(0, 40, (3, 5))
+    linear_cross_entropy(hidden, weight, targets)[0].backward()
+    frozen_grad, frozen_products = hidden.grad.clone(), len(counted)
+    hidden.grad = None
+    trainable = weight.clone().requires_grad_(True)
+    linear_cross_entropy(hidden, trainable, targets)[0].backward()
+    assert frozen_products == 0 and len(counted) > 0  # the weight-gradient product ran only for a trainable head
+    assert torch.equal(frozen_grad, hidden.grad)
+    assert weight.grad is None and trainable.grad is not None
