@@ -10,7 +10,9 @@ from tfcli.models import blocks
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    """Two threads, and the sliced product for weights of any size (these are tiny)."""
+    monkeypatch.setattr(blocks, "SLICED_MIN_WEIGHT", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -43,6 +45,8 @@ def test_few_rows_take_the_sliced_product_and_many_rows_or_one_thread_do_not(two
     assert calls == [(2, 24, 5)]  # two slices of 5 output rows each, read as (D_in, 5) views
     blocks.linear(torch.randn(blocks.FEW_ROWS + 1, 24), w)
     blocks.linear(torch.randn(1, 24), torch.randn(9, 24))  # 9 outputs do not split in two
+    monkeypatch.setattr(blocks, "SLICED_MIN_WEIGHT", w.numel() + 1)
+    blocks.linear(torch.randn(1, 24), w)  # too small to be worth slicing
     torch.set_num_threads(1)
     blocks.linear(torch.randn(1, 24), w)
     assert len(calls) == 1
