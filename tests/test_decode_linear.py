@@ -59,3 +59,11 @@ def test_the_block_linears_are_blocks_linear_with_nn_linears_state_dict():
     plain = torch.nn.Linear(16, 32)
     mlp.up.load_state_dict(plain.state_dict())
     assert set(mlp.up.state_dict()) == {"weight", "bias"}
+
+
+def test_torch_compile_traces_the_block_linears_in_one_graph():
+    """The thread count is read outside compiled code only: under torch.compile every linear is F.linear,
+    so a block compiles to one graph (reading it broke the graph at each linear)."""
+    mlp = blocks.MLP(16, 32, activation="silu", gated=True)
+    explained = torch._dynamo.explain(mlp)(torch.randn(2, 8, 16))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)

@@ -89,11 +89,14 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     torch thread. MKL runs such a product as a matrix-vector product on one thread only: SmolLM2's
     block weights read at 16 GB/s, as slices 29 GB/s on 2 cores (a 1.45x faster decoding step). The
     slices are views: nothing is copied. Beyond FEW_ROWS rows MKL's own threading is faster, and
-    below SLICED_MIN_WEIGHT elements one thread is."""
+    below SLICED_MIN_WEIGHT elements one thread is. Under torch.compile it is F.linear: asking for the
+    thread count would break the graph at every linear."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
     parts, rows = torch.get_num_threads(), x.numel() // max(1, x.size(-1))
     out, d_in = weight.shape
     if (parts < 2 or not 0 < rows <= FEW_ROWS or weight.numel() < SLICED_MIN_WEIGHT or out % parts
-            or x.device.type != "cpu" or not weight.is_contiguous() or x.dtype != weight.dtype):
+            or not weight.is_contiguous() or x.dtype != weight.dtype):
         return F.linear(x, weight, bias)
     slices = weight.view(parts, out // parts, d_in).transpose(1, 2)  # (P, D_in, out/P), a view
     y = torch.bmm(x.reshape(1, rows, d_in).expand(parts, rows, d_in), slices)  # (P, rows, out/P)
