@@ -132,3 +132,51 @@ def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(CONVERSATIONS[0], tokenize=True)
     theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
     assert ChatTemplate(source).render(again, CONVERSATIONS[0], bos_token=exported["bos_token"]).ids == theirs
+
+
+# Each shipped template against its model family's documented prompt format, written out by hand (not
+# transformers rendering the same file, which would reproduce a stray indent or line break in it):
+# a system message, a user turn, a reply, a second user turn, and the generation prompt.
+S, U, A, U2 = "You answer briefly.", "Capital of France?", "Paris.", "And of Italy?"
+DOCUMENTED = {
+    # ChatML (OpenAI; Qwen, SmolLM2): no BOS, each turn `<|im_start|>role\n...<|im_end|>\n`
+    "chatml": ("<s>", "</s>", f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
+               f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n"),
+    "qwen2.5-instruct": ("<s>", "</s>", f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
+                         f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n"),
+    # Meta Llama 3 model card
+    "llama-3-instruct": ("<|begin_of_text|>", "<|eot_id|>",
+                         f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{S}<|eot_id|>"
+                         f"<|start_header_id|>user<|end_header_id|>\n\n{U}<|eot_id|>"
+                         f"<|start_header_id|>assistant<|end_header_id|>\n\n{A}<|eot_id|>"
+                         f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"
+                         f"<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    # HuggingFaceH4/zephyr-7b-beta
+    "zephyr": ("<s>", "</s>", f"<|system|>\n{S}</s>\n<|user|>\n{U}</s>\n<|assistant|>\n{A}</s>\n<|user|>\n{U2}</s>\n"
+               "<|assistant|>\n"),
+    # Mistral-7B-Instruct: `<s>[INST] ... [/INST] reply</s>[INST] ... [/INST]`; the system text leads
+    "mistral-instruct": ("<s>", "</s>", f"<s>{S}\n\n[INST] {U} [/INST] {A}</s>[INST] {U2} [/INST]"),
+    # Llama 2 chat: the system prompt inside the first [INST], each exchange its own <s>...</s>
+    "llama-2-chat": ("<s>", "</s>", f"<s>[INST] <<SYS>>\n{S}\n<</SYS>>\n\n{U} [/INST] {A} </s><s>[INST] {U2} [/INST]"),
+    # Gemma instruction-tuned: <bos>, roles user and model, the system text in the first user turn
+    "gemma-it": ("<bos>", "<eos>", f"<bos><start_of_turn>user\n{S}\n\n{U}<end_of_turn>\n<start_of_turn>model\n{A}"
+                 f"<end_of_turn>\n<start_of_turn>user\n{U2}<end_of_turn>\n<start_of_turn>model\n"),
+    # Phi-3
+    "phi-3": ("<s>", "<|endoftext|>", f"<|system|>\n{S}<|end|>\n<|user|>\n{U}<|end|>\n<|assistant|>\n{A}<|end|>\n"
+              f"<|user|>\n{U2}<|end|>\n<|assistant|>\n"),
+    # Stanford Alpaca's instruction format
+    "alpaca": ("<s>", "</s>", f"<s>{S}\n\n### Instruction:\n{U}\n\n### Response:\n{A}</s>\n\n### Instruction:\n{U2}"
+               "\n\n### Response:\n"),
+}
+
+
+def test_every_shipped_template_has_a_documented_reference():
+    assert sorted(DOCUMENTED) == shipped_templates()
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_a_shipped_template_renders_its_models_documented_format(name):
+    bos, eos, expected = DOCUMENTED[name]
+    messages = [{"role": "system", "content": S}, {"role": "user", "content": U},
+                {"role": "assistant", "content": A}, {"role": "user", "content": U2}]
+    assert ChatTemplate.load(name).text(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos) == expected

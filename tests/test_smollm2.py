@@ -94,3 +94,14 @@ def test_chat_and_a_lora_finetune_run_on_the_real_file(tmp_path, mnli_dir):
                     "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=6",
                     "--set", "finetune.limit=16")
     assert result.exit_code == 0, result.output
+
+
+def test_smollm2_answers_through_the_shipped_chatml_template():
+    """The shipped chatml file renders what SmolLM2 was trained on (it answered "I'm glad you're here"
+    through the raw, indented file)."""
+    from .conftest import invoke
+
+    result = invoke("generate", "--checkpoint", GGUF, "--chat", "--chat-template", "chatml", "--greedy",
+                    "--max-new-tokens", 12, "--prompt", "What is the capital of France? Answer in one word.")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output, result.output
