@@ -18,7 +18,7 @@ from . import recipe as recipes
 from .data.sources import cache_dir
 from .data.store import is_store
 from .data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
-from .display import phase
+from .display import console, phase
 from .errors import UserError
 from .models import TEXT_FAMILIES, build_model, model_class
 from .plugin import Backbone
@@ -187,9 +187,23 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
         return fresh(recipe, plugin, rt)
     if is_run(Path(source)):
         backbone = from_run(Path(source), which="best")
-        backbone.model.train()
+        merged = merge_adapters(backbone.model)
+        if merged and rt.is_main and not plugin.quiet:
+            console.print(f"[yellow]note:[/] --from {source}: {merged} merged into its base; this run starts "
+                          f"from the merged model")
+        backbone.model.train().requires_grad_(True)  # what this run trains is its own strategy's to choose
         return backbone
     return from_hf(Path(source), plugin.special_tokens(family))
+
+
+def merge_adapters(model) -> str:
+    """Fold a finetuning run's adapters into its base in place, so that a run trained from it sees one
+    plain model, as `export --hf` writes it (TRL merges an SFT adapter the same way); say what was
+    merged ('' when nothing was)."""
+    kinds = {"LoRA": adapters.LoRALinear, "IA3": adapters.IA3Linear}
+    counts = {name: sum(isinstance(m, cls) for m in model.modules()) for name, cls in kinds.items()}
+    adapters.merge(model)
+    return " and ".join(f"{name} adapters ({n} linears)" for name, n in counts.items() if n)
 
 
 def with_vocab(cfg, tokenizer: Optional[TextTokenizer]):

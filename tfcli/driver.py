@@ -14,10 +14,13 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
 
 from . import backbone as backbones
 from . import adapters, checkpoint, hub, registry
@@ -61,6 +64,9 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
                             f"clm and span (for a large corpus, tfcli prepare it once and train on the store)")
         run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
         ckpt = resume_point(req.resume)
+        # everything random that is built from here (a fresh model, adapters, a task's heads) is built the
+        # same way in every run of the same recipe: a process's initial seed differs from run to run
+        torch.manual_seed(req.recipe.train.seed)
         source = str(hub.resolve(req.source)) if req.source else \
             (backbones.recorded(req.resume).get("from") if req.resume else None)
         backbone = backbones.for_resume(req.resume, req.recipe, ckpt) if ckpt else \
@@ -80,7 +86,8 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
         if ckpt is not None:
             trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
-        with run_lock(run_dir, rt):
+        created = req.resume is None and not run_dir.exists()  # not an empty --out the user made
+        with run_lock(run_dir, rt), removed_on_failure(run_dir, rt, created):
             write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module))
             trainer.forget_after(trainer.step)
             if rt.is_main and not req.quiet:
@@ -178,6 +185,18 @@ def run_lock(run_dir: Path, rt: Runtime):
     with checkpoint.lock(run_dir):
         rt.barrier()
         yield
+
+
+@contextlib.contextmanager
+def removed_on_failure(run_dir: Path, rt: Runtime, created: bool):
+    """A run directory this run created is removed when the run fails before its first checkpoint
+    (nothing in it could be resumed or read); one with a checkpoint is kept, to be resumed."""
+    try:
+        yield
+    except BaseException:
+        if created and rt.is_main and not (run_dir / checkpoint.CHECKPOINTS / "latest").is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def resolve_schedule(recipe: Recipe, job: Job, rt: Runtime) -> Recipe:
