@@ -191,3 +191,15 @@ def test_disabled_adapters_give_the_base_model_and_come_back(method):
     with pytest.raises(UserError, match="no LoRA or IA3 adapters"):
         with adapters.disabled(plain):
             pass
+
+
+@pytest.mark.parametrize("pooling,trains_pooler", [("cls", True), ("mean", False)])
+def test_the_pooler_trains_only_when_the_classifier_reads_it(pooling, trains_pooler, hf_bert, mnli_dir, tmp_path):
+    """BERT's pooler is read by [CLS] pooling alone: with mean pooling BitFit leaves its bias out of
+    what trains (and so out of the checkpoint and the optimizer)."""
+    result = invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--train", "bitfit", "--pooling", pooling,
+                    "--steps", 1, "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=4")
+    assert result.exit_code == 0, result.output
+    weights = checkpoint.load_weights(checkpoint.find(tmp_path / "run"))
+    assert ("model.pooler.bias" in weights) == trains_pooler
+    assert any(k.endswith(".bias") and "pooler" not in k for k in weights)  # the other biases train

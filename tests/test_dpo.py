@@ -219,3 +219,17 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and result.output.count("\n") == 1, result.output
         assert not (tmp_path / "run").exists()
+
+
+def test_no_held_out_pairs_trains_without_evaluation_and_says_so(tmp_path, chat_model):
+    """A held-out file whose pairs are all unusable holds out none: the run says so in one line, logs no
+    empty held-out records, and writes no eval.json."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"prompt": "q", "chosen": "same", "rejected": "same"}])
+    result = invoke("finetune", "dpo", "--from", chat_model, "--data", data, "--train", "lora", "--steps", 3,
+                    "--batch-size", 4, "--out", tmp_path / "run", "--set", "train.eval_interval=1",
+                    "--set", f"data.val_source={dev}")
+    assert result.exit_code == 0, result.output
+    assert "no held-out pairs" in result.output and "without held-out evaluation" in result.output, result.output
+    assert not [m for m in read_metrics(tmp_path / "run") if m["split"] == "val"]
+    assert not (tmp_path / "run" / "eval.json").exists()

@@ -314,3 +314,18 @@ def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_m
     table = (tmp_path / "study" / "results.md").read_text()
     lines = [line for line in table.splitlines() if line.startswith("| sft-")]
     assert len(lines) == 2 and "dev_loss" in table and "none (prompting)" in lines[0] and "-0shot" in lines[0], table
+
+
+def test_plain_text_rows_are_evaluated_by_loss_alone_and_the_banner_says_train_on_all(tmp_path, chat_model):
+    """Text rows have no prompt to answer: no replies are generated or scored (exact match of a
+    continuation of "The" against the whole text means nothing), and every token is trained."""
+    rows = [{"text": f"The number {i} comes after {i - 1} and before {i + 1}."} for i in range(1, 41)]
+    data = write_jsonl(tmp_path / "text.jsonl", rows)
+    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 2, "--batch-size", 4,
+                    "--out", tmp_path / "run", "--set", "data.val_fraction=0.1")
+    assert result.exit_code == 0, result.output
+    assert "train_on all" in result.output and "train_on assistant" not in result.output, result.output
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["dev"]["loss"] > 0 and report["dev"]["ppl"] > 1 and report["dev"]["generated"] == 0
+    assert "acc" not in report["dev"] and "metric" not in report["dev"]
+    assert (tmp_path / "run" / "predictions.jsonl").read_text() == ""

@@ -168,7 +168,7 @@ def for_resume(run_dir: Path, recipe, ckpt: Path) -> Backbone:
     tok = TextTokenizer.from_run(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
     partial = bool(checkpoint.read_meta(ckpt).get("partial"))
     model = base_model(run_dir, recipe) if partial else build_model(recipe.model)
-    return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir))
+    return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 
 def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:

@@ -78,9 +78,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         if source is not None and ckpt is None and plugin.kind == "objective":
             carry_heads(job, backbone, rt.is_main and not req.quiet)
         recipe = resolve_schedule(recipe, job, rt)
-        if recipe.finetune is not None:
-            adapters.apply(backbone.model, recipe.finetune.train, recipe.adapter)
-        module = ObjectiveModule(backbone.model, job.heads, job.loss)
+        module = trained_module(recipe, job, backbone.model)
         if ckpt is not None:
             recipe = keep_global_batch(recipe, ckpt, rt)
         trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
@@ -98,6 +96,16 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     if rt.is_main:
         plugin.report(recipe, run_dir)
     return run_dir, plugin
+
+
+def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
+    """The model (with what finetune.train trains: adapters.apply) and the Job's heads behind one
+    forward; what the loss never reads (Job.unread) is frozen."""
+    if recipe.finetune is not None:
+        adapters.apply(model, recipe.finetune.train, recipe.adapter)
+    for p in job.unread:
+        p.requires_grad_(False)
+    return ObjectiveModule(model, job.heads, job.loss)
 
 
 def carry_heads(job: Job, backbone: Backbone, say: bool) -> None:

@@ -73,6 +73,9 @@ class Job:
     # global (accumulated, all-process) batch whatever grad_accum is, and held-out means are per item
     loss_weight: Optional[Callable[[Batch], Tensor]] = None
     files: dict[str, str] = field(default_factory=dict)  # name -> text the run directory keeps (DPO's reference log-probs)
+    # parameters of the model the loss never reads (a BERT pooler that mean pooling does not call): the
+    # driver freezes them, so that no strategy trains, counts or expects optimizer state for them
+    unread: tuple = ()
 
 
 class Plugin:
@@ -154,6 +157,7 @@ class Backbone:
     recipe: Any = None  # the recipe of the tfcli run it came from
     checkpoint: Optional[Path] = None  # the checkpoint it was read from
     labels: tuple[str, ...] = ()  # a classifier's class names, in id order
+    resumed: bool = False  # a run being resumed: the model's weights come from its checkpoint, after setup
 
     @property
     def cfg(self):

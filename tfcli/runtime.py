@@ -64,7 +64,7 @@ class Strategy:
                 any(isinstance(p, int) for g in state.get("param_groups", []) for p in g["params"]):
             optimizer.load_state_dict(state)  # a checkpoint from before 0.3: keyed by position
             return
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
 
 
 class DDPStrategy(Strategy):
@@ -123,7 +123,20 @@ class FSDPStrategy(Strategy):
         return get_optimizer_state_dict(module, optimizer, options=self.FULL)
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                         options: StateDictOptions) -> None:
+    """Optimizer state by parameter name into `optimizer`. AdamW makes a parameter's state at its first
+    gradient, so a checkpoint has none for one that never had a gradient; after loading it has none
+    either (torch.distributed.checkpoint initialises every parameter's state first), so the resumed run
+    takes the same steps as the run that saved it, whichever parameters happened to get gradients."""
+    saved = set(state.get("state", {}))
+    set_optimizer_state_dict(module, optimizer, state, options=options)
+    for name, p in module.named_parameters():
+        if p.requires_grad and name not in saved:
+            optimizer.state.pop(p, None)
 
 
 STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy}

@@ -290,6 +290,8 @@ class Trainer:
         self.doing = f"the held-out evaluation at step {self.step}"
         with phase(f"evaluating at step {self.step}"):
             val = self._held_out()
+        if not val:  # nothing held out (the plug-in said so when it was set up)
+            return False
         self._write({"step": self.step, "split": "val", **{k: round(v, 6) for k, v in val.items()}})
         if self.rt.is_main:
             plots.run_curves(self.run_dir, self.run_dir / "curves.png")

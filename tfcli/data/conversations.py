@@ -50,6 +50,7 @@ class Example:
     trained: np.ndarray
     prompt: list[int]
     reply: str
+    plain_text: bool = False  # a text row: no prompt to answer, so nothing to generate and score
 
     @property
     def targets(self) -> int:
@@ -208,7 +209,7 @@ class DecoderExamples(ExampleBuilder):
     def build(self, parsed):
         if isinstance(parsed, str):  # plain text: every token a target
             ids = self.tok.encode(parsed) + [self.eos]
-            return Example(np.array(ids), np.array([0] + [1] * (len(ids) - 1)), ids[:1], parsed)
+            return Example(np.array(ids), np.array([0] + [1] * (len(ids) - 1)), ids[:1], parsed, plain_text=True)
         if self.template is not None:
             return self.templated(parsed)
         if len(parsed) != 2:  # a system message or several turns: only a template says how to write them

@@ -117,6 +117,11 @@ class Bert(nn.Module):
         """(B, T, D) -> (B, D): tanh(dense(hidden of [CLS]))."""
         return torch.tanh(self.pooler(hidden[:, 0]))
 
+    def pool_parameters(self) -> list[nn.Parameter]:
+        """The pooler's weights: read by pool() and nothing else, so a run that never pools (mean
+        pooling, MLM without NSP, ELECTRA) does not train them."""
+        return list(self.pooler.parameters())
+
 
 # --- BERT's pretraining head and special tokens: the MLM objective trains them, cloze scoring reads them
 

@@ -69,6 +69,8 @@ class TextEncoder(Protocol):
 
     def pool(self, hidden: Tensor) -> Tensor: ...
 
+    def pool_parameters(self) -> list: ...  # what pool() alone reads: frozen when nothing calls it
+
 
 @runtime_checkable
 class VisionEncoder(Protocol):

@@ -135,4 +135,5 @@ class Electra(MaskedLM):
         attention = 12.0 * T * (cfg.n_layer * cfg.d_model + gen.n_layer * gen.d_model)
         return Job(heads=heads, loss=make_loss(s.disc_weight, s.temperature), train=train, val=val,
                    flops_per_item=6.0 * (n_disc + n_gen) + attention,
-                   count_items=lambda b: int(b["attention_mask"].sum()))
+                   count_items=lambda b: int(b["attention_mask"].sum()),
+                   unread=tuple(backbone.model.pool_parameters()))  # no NSP: nothing pools

@@ -179,7 +179,8 @@ class MaskedLM(TextObjective):
         train, val = self.example_sources(recipe, backbone, recipe.settings.nsp)
         return Job(heads=build_heads(backbone.cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
                    flops_per_item=flops_per_token(backbone.model, recipe.data.seq_len),
-                   count_items=lambda b: int(b["attention_mask"].sum()))
+                   count_items=lambda b: int(b["attention_mask"].sum()),
+                   unread=() if recipe.settings.nsp else tuple(backbone.model.pool_parameters()))
 
     def hints(self, run_dir) -> list[str]:
         return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..backbone import from_run
 from ..display import console, counted, phase
 from ..errors import UserError
+from ..models import kinds
 from ..plugin import Batch, EvalOptions, Job, Plugin
 from ..runtime import autocast_context, to_device
 from ..sampler import Source, sequential_batches
@@ -61,6 +62,11 @@ class Head:
 
     def count_items(self, batch: Batch) -> int:
         return int(batch["labels"].numel())
+
+    def unread(self, model: nn.Module) -> tuple:
+        """The model's parameters this head never reaches (Job.unread): a text encoder's pooler, which
+        only a classifier on its [CLS] reads."""
+        return tuple(model.pool_parameters()) if model.kind == kinds.TEXT_ENCODER else ()
 
     def notes(self) -> dict[str, float]:
         """Facts about the last scoring this head did, for its report (e.g. k-shot prompts that fit)."""
@@ -122,7 +128,7 @@ class ClassificationTask(Plugin):
                    val=head.source(limited[first], train=True), evaluate=evaluate, best_key=f"{first}_acc",
                    flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train),
                    count_items=head.count_items, item_name=head.item_name, examples=len(data.train),
-                   labels=data.labels, files=head.files)
+                   labels=data.labels, files=head.files, unread=head.unread(backbone.model))
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
         """Metrics of every evaluation split (a sample of options.limit examples each)."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import adapters
-from ..backbone import for_inference, from_run, recorded
+from ..backbone import base_model, for_inference, from_run, recorded
 from ..checkpoint import run_dir_of
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
@@ -167,8 +167,11 @@ class DPO(Plugin):
             reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
             raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
         held_split, held = next(((s, p.pairs) for s, p in held_out if p.pairs), ("", []))
+        if not held and self.rt.is_main and not self.quiet:
+            console.print("[yellow]note:[/] dpo: no held-out pairs; training without held-out evaluation (give more "
+                          "pairs, a larger data.val_fraction, or a dev split with usable pairs)")
         pad = type(backbone.model).pad_id(backbone.tokenizer)
-        frozen = {"reference": copy.deepcopy(backbone.model).requires_grad_(False)} if mode == "copy" else {}
+        frozen = {"reference": self.starting_model(recipe, backbone).requires_grad_(False)} if mode == "copy" else {}
         refs, files = self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
         loss = Preference(cfg, mode, frozen)
         full = flops_per_token(backbone.model, int(np.mean([p.length for p in train.pairs[:500]])))
@@ -179,6 +182,11 @@ class DPO(Plugin):
                    flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0, count_items=count_tokens,
                    best_key="rewards/accuracies" if held else "", examples=len(train.pairs), loss_weight=pair_count,
                    frozen=frozen, files=files)
+
+    def starting_model(self, recipe, backbone) -> nn.Module:
+        """A copy of the model training starts from (dpo.reference copy). A resumed run's model holds
+        fresh weights until its checkpoint is loaded, so its --from model is read again."""
+        return base_model(self.run_dir, recipe) if backbone.resumed else copy.deepcopy(backbone.model)
 
     def reference_file(self, recipe, backbone, train: list, held: list, pad: int) -> tuple[dict, dict]:
         """dpo.reference precompute: the log-probabilities the run directory holds (a resumed run), or

@@ -141,6 +141,10 @@ class ClassifierHead(Head):
         nn.init.zeros_(linear.bias)
         self.heads = nn.ModuleDict({"classifier": linear})
 
+    def unread(self, model: nn.Module) -> tuple:
+        """A text encoder's pooler, unless these features are the last layer's [CLS] through it."""
+        return () if self.pooling == "cls" and self.layer < 0 else super().unread(model)
+
     def source(self, data, train: bool) -> Source:
         return self.make_source(data, train)
 

@@ -141,6 +141,7 @@ class SFT(Plugin):
         splits = self.examples(recipe, backbone)
         (train_split, train), *held_out = splits.items()
         require_targets(train_split, train)
+        self.plain_text = all(getattr(e, "plain_text", False) for e in train.examples)  # every token trained
         if self.rt.is_main and not self.quiet:
             console.print(preview(backbone.tokenizer, train.examples[0]))
         pad = type(backbone.model).pad_id(backbone.tokenizer)
@@ -213,12 +214,13 @@ class SFT(Plugin):
             with phase(f"reply loss on {split}"):
                 metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), batches,
                                            next(model.parameters()).device, recipe.train.precision, weight)
-            generated = e.examples[:n_generated]
+            generated = [x for x in e.examples if not getattr(x, "plain_text", False)][:n_generated]
             texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
                                      cfg.temperature, cfg.generate_batch, stop_ids(backbone.tokenizer), pad,
                                      f"{split} replies") if generated else []
-            results[split] = {**with_perplexity(metrics), "n": len(scored), "generated": len(texts), "metric": metric(cfg),
-                              **(answers.scores(texts, [x.reply for x in generated], metric(cfg)) if texts else {})}
+            results[split] = {**with_perplexity(metrics), "n": len(scored), "generated": len(texts),
+                              **({"metric": metric(cfg), **answers.scores(texts, [x.reply for x in generated], metric(cfg))}
+                                 if texts else {})}
             lines += [{"split": split, "prompt": backbone.tokenizer.decode(x.prompt, skip_special_tokens=False),
                        "reference": x.reply, "prediction": t, "correct": answers.correct(t, x.reply, metric(cfg))}
                       for x, t in zip(generated, texts)]
@@ -228,7 +230,8 @@ class SFT(Plugin):
         return results
 
     def title(self, recipe, backbone) -> str:
-        return f"sft ({recipe.settings.preset or 'own data'}, train_on {recipe.settings.train_on}" + \
+        train_on = "all (plain text)" if getattr(self, "plain_text", False) else recipe.settings.train_on
+        return f"sft ({recipe.settings.preset or 'own data'}, train_on {train_on}" + \
             (", packed)" if recipe.settings.pack else ")")
 
     def hints(self, run_dir) -> list[str]:
@@ -311,5 +314,5 @@ def results_table(results: dict[str, dict]) -> Table:
         acc = f"{100 * r['acc']:.2f}%" + (f" (strict {100 * r['strict_acc']:.2f}%)" if "strict_acc" in r else "") \
             if "acc" in r else "-"
         table.add_row(split, f"{r.get('loss', float('nan')):.4f}", f"{r.get('ppl', float('nan')):.2f}", str(r["n"]),
-                      str(r["generated"]), r["metric"], acc)
+                      str(r["generated"]), r.get("metric", "-"), acc)
     return table
