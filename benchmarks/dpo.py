@@ -26,8 +26,8 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import (in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, shipped_wanted,
-                                 trl_callbacks)
+from benchmarks.trl_peer import (checkpointing_args, checkpointing_settings, in_order, missing, peak_rss_mb, plain_copy,
+                                 report, run_peer, run_tfcli, setting_name, shipped_wanted, trl_callbacks)
 
 STEPS, BATCH, PAIRS, LR, BETA = int(os.environ.get("BENCH_STEPS", 30)), 8, 256, 5e-4, 0.1
 HH = ROOT.parent / "shared" / "data" / "preference" / "hh-rlhf-harmless" / "pairs.jsonl"
@@ -77,7 +77,7 @@ def tfcli_args(data: Path, reference: str, steps: int) -> list[str]:
     return args
 
 
-def trl_main(rows_file: str, out: str, order: str) -> None:
+def trl_main(rows_file: str, out: str, order: str, checkpointing: str) -> None:
     """One TRL run in this process: DPOTrainer with a LoRA adapter on SmolLM2 (the reference: adapters
     off) over the rows of `rows_file`, in their order ("same") or shuffled as TRL does; prints losses and
     step times as JSON."""
@@ -97,7 +97,8 @@ def trl_main(rows_file: str, out: str, order: str) -> None:
     args = trl.DPOConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
                          beta=BETA, loss_type=["sigmoid"], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
                          max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], max_length=None,
-                         use_cpu=True, seed=SEED, dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True)
+                         use_cpu=True, seed=SEED, dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True,
+                         gradient_checkpointing=checkpointing == "on")
     losses, times = [], []
     cls = in_order(trl.DPOTrainer) if order == "same" else trl.DPOTrainer
     cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -114,17 +115,22 @@ def main() -> None:
         tmp = Path(tmp)
         data = data_file(tmp)
         same, shipped_rows = trl_rows(data, tmp)
-        ours = run_tfcli(tfcli_args(data, "base", STEPS), tmp / "tfcli")
-        theirs = run_peer("benchmarks.dpo", str(same), str(tmp / "trl"), "same")
-        shipped = run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / "trl-s"), "shipped") if shipped_wanted() else None
-        report(f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs)", ours, theirs, shipped, "8 pairs")
+        for on in checkpointing_settings():
+            setting = "on" if on else "off"
+            ours = run_tfcli(tfcli_args(data, "base", STEPS) + checkpointing_args(on), tmp / f"tfcli-{setting}")
+            theirs = run_peer("benchmarks.dpo", str(same), str(tmp / f"trl-{setting}"), "same", setting)
+            shipped = run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / f"trl-{setting}-s"), "shipped", setting) \
+                if shipped_wanted() else None
+            report(f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs, {setting_name(on)})", ours, theirs,
+                   shipped, "8 pairs")
         rss = {mode: run_tfcli(tfcli_args(data, mode, 10), tmp / f"rss-{mode}")["peak_rss_mb"]
                for mode in ("copy", "base", "precompute")}
-        print("dpo peak RSS by reference (10 LoRA steps): " + ", ".join(f"{k} {v:,.0f} MB" for k, v in rss.items()))
+        print("dpo peak RSS by reference (10 LoRA steps, tfcli alone, no checkpointing): "
+              + ", ".join(f"{k} {v:,.0f} MB" for k, v in rss.items()))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["trl"]:
-        trl_main(*sys.argv[2:5])
+        trl_main(*sys.argv[2:6])
     else:
         main()

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import (in_order, missing, peak_rss_mb, plain_copy, report, run_peer, run_tfcli, shipped_wanted,
-                                 trl_callbacks)
+from benchmarks.trl_peer import (checkpointing_args, checkpointing_settings, in_order, missing, peak_rss_mb, plain_copy,
+                                 report, run_peer, run_tfcli, setting_name, shipped_wanted, trl_callbacks)
 
 STEPS, BATCH, ROWS, SEED = int(os.environ.get("BENCH_STEPS", 30)), 8, 512, 1337
 GSM8K = ROOT.parent / "shared" / "data" / "sft" / "gsm8k"
@@ -80,9 +80,10 @@ def tfcli_args(mode: str, data: Path) -> list[str]:
     return args
 
 
-def trl_main(mode: str, data: str, order_file: str, out: str, order: str) -> None:
+def trl_main(mode: str, data: str, order_file: str, out: str, order: str, checkpointing: str) -> None:
     """One TRL run in this process: SFTTrainer on SmolLM2 with the rows of `data` (in tfcli's order with
-    a sequential sampler, or TRL's own shuffled order); prints losses and step times as JSON."""
+    a sequential sampler, or TRL's own shuffled order), gradient checkpointing on or off as tfcli's run
+    had it; prints losses and step times as JSON."""
     import datasets
     import torch
     import transformers
@@ -106,7 +107,8 @@ def trl_main(mode: str, data: str, order_file: str, out: str, order: str) -> Non
                          lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
                          adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, save_strategy="no",
                          report_to=[], max_length=512, completion_only_loss=True, use_cpu=True, seed=SEED,
-                         dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True)
+                         dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True,
+                         gradient_checkpointing=checkpointing == "on")
     losses, times = [], []
     cls = in_order(trl.SFTTrainer) if order == "same" else trl.SFTTrainer
     cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
@@ -122,16 +124,20 @@ def main() -> None:
         tmp = Path(tmp)
         data = data_dir(tmp)
         (tmp / "order.json").write_text(json.dumps(tfcli_order(data)))
-        for mode in ("full", "lora"):
-            ours = run_tfcli(tfcli_args(mode, data), tmp / f"tfcli-{mode}")
-            theirs = run_peer("benchmarks.sft", mode, str(data), str(tmp / "order.json"), str(tmp / f"trl-{mode}"), "same")
-            shipped = run_peer("benchmarks.sft", mode, str(data), str(tmp / "order.json"), str(tmp / f"trl-{mode}-s"),
-                               "shipped") if shipped_wanted() else None
-            report(f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH})", ours, theirs, shipped, "8 examples")
+        for on in checkpointing_settings():
+            setting = "on" if on else "off"
+            for mode in ("full", "lora"):
+                ours = run_tfcli(tfcli_args(mode, data) + checkpointing_args(on), tmp / f"tfcli-{mode}-{setting}")
+                peer = [mode, str(data), str(tmp / "order.json")]
+                theirs = run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}"), "same", setting)
+                shipped = run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}-s"), "shipped", setting) \
+                    if shipped_wanted() else None
+                report(f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH}, {setting_name(on)})", ours, theirs,
+                       shipped, "8 examples")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["trl"]:
-        trl_main(*sys.argv[2:7])
+        trl_main(*sys.argv[2:8])
     else:
         main()

@@ -96,6 +96,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def checkpointing_settings() -> list[bool]:
+    """Both sides run the same gradient checkpointing (TRL turns it on by default, tfcli off): every
+    row runs with it off and on, unless BENCH_CHECKPOINTING=off or on picks one."""
+    wanted = os.environ.get("BENCH_CHECKPOINTING", "both")
+    return {"off": [False], "on": [True]}.get(wanted, [False, True])
+
+
+def checkpointing_args(on: bool) -> list[str]:
+    """tfcli's side of the setting (TRL's is gradient_checkpointing in its config)."""
+    return ["--set", f"train.activation_checkpointing={'true' if on else 'false'}"]
+
+
+def setting_name(on: bool) -> str:
+    return f"gradient checkpointing {'on' if on else 'off'} on both sides"
+
+
 def shipped_wanted() -> bool:
     """BENCH_SHIPPED=0 leaves out the run of TRL as shipped (its own order): the longest, and not a target."""
     return os.environ.get("BENCH_SHIPPED", "1") != "0"
@@ -120,7 +136,7 @@ def report(name: str, ours: dict, theirs: dict, shipped: dict | None, unit: str,
           f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
           f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB")
     print(f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}")
-    result = {"benchmark": name, "max_loss_gap": max(gaps), "tfcli_s_per_step": mine, "trl_s_per_step": peer,
+    result = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "max_loss_gap": max(gaps), "tfcli_s_per_step": mine, "trl_s_per_step": peer,
               "trl_shipped_s_per_step": peer_shipped, "ratio": peer / mine, "ratio_shipped": ratio_shipped,
               "tfcli_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": theirs["peak_rss_mb"],
               "tfcli_loss": ours["loss"], "trl_loss": theirs["loss"]}

@@ -68,7 +68,8 @@ def test_unknown_label_missing_column_and_missing_split_are_one_line_errors(tmp_
     with pytest.raises(UserError, match=r"no column 'hypothesis' \(columns: premise, label\)"):
         load_splits(MNLI, str(tmp_path))
     (tmp_path / "dev_matched.jsonl").unlink()
-    with pytest.raises(UserError, match=r"no dev_matched file \(dev_matched.tsv, dev_matched.csv"):
+    (tmp_path / "dev_mismatched.jsonl").unlink()
+    with pytest.raises(UserError, match=r"no evaluation split file \(dev_matched.tsv or dev_mismatched.tsv"):
         load_splits(MNLI, str(tmp_path))
     with pytest.raises(UserError, match="data not found"):
         load_splits(MNLI, str(tmp_path / "nope"))

@@ -193,7 +193,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv", "--text-fields", "body"], "no column 'body'"),
     (["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv"], "classify.text_fields: name the column"),
     (["finetune", "classify", "--from", "{hfbert}", "--data", "header.csv", "--text-fields", "title"], "no rows"),
-    (["finetune", "mnli", "--from", "{hfbert}", "--data", "mnli"], "no dev_matched file"),
+    (["finetune", "mnli", "--from", "{hfbert}", "--data", "mnli"], "no evaluation split file"),
     # checkpoints and runs
     (["eval", "--checkpoint", "/no/such/run"], "--checkpoint /no/such/run: not found"),
     (["generate", "--checkpoint", "/no/such/run"], "--checkpoint /no/such/run: not found"),

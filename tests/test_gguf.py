@@ -105,8 +105,19 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     garbage = tmp_path / "text.gguf"
     garbage.write_text("not a gguf at all")
-    for path, message in ((unknown, "GGUF architecture 'mamba' is not supported"), (truncated, "not a readable GGUF"),
-                          (garbage, "not a readable GGUF")):
+    no_tokens = tmp_path / "no-tokens.gguf"  # a llama without a vocabulary size or a token list
+    writer = gguf.GGUFWriter(str(no_tokens), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    size = good.stat().st_size
+    for path, message in ((unknown, "GGUF architecture 'mamba' is not supported"),
+                          (truncated, f"truncated GGUF file: its tensors need {size:,} bytes, the file has {size // 2:,}"),
+                          (garbage, "not a readable GGUF"), (no_tokens, "its vocabulary size is unknown")):
         result = invoke("generate", "--checkpoint", path, "--prompt", "hi", "--max-new-tokens", 2)
         assert result.exit_code == 2 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output

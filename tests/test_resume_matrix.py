@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from .conftest import TINY_VIT, invoke, pretrained_run, set_args, tiny_npz, train_losses, write_jsonl
+from .conftest import invoke, pretrained_run, set_args, tiny_npz, train_losses, write_jsonl
 from .test_dpo import PAIRS
 from .test_from_runs import ROWS
 from .test_gguf import chat_gguf_file

@@ -251,9 +251,9 @@ def test_final_number(text, number):
 
 def test_scores_of_generated_replies():
     assert answers.scores(["The answer is 18.", "#### 5", "7"], ["x\n#### 18", "#### 5", "#### 8"], "final-number") == \
-        {"acc": 2 / 3, "strict_acc": 1 / 3}
-    assert answers.scores(["Paris.", "paris"], ["paris", "Paris"], "exact")["acc"] == 0.5
-    assert answers.scores(["It is Paris, of course"], ["paris"], "contains")["acc"] == 1.0
+        {"exact_match": 2 / 3, "strict_exact_match": 1 / 3}
+    assert answers.scores(["Paris.", "paris"], ["paris", "Paris"], "exact") == {"exact_match": 0.5}
+    assert answers.scores(["It is Paris, of course"], ["paris"], "contains") == {"contains_match": 1.0}
 
 
 def test_gpt_and_t5_finetune_on_prompt_reply_rows(tmp_path, small_text):
@@ -314,6 +314,15 @@ def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_m
     table = (tmp_path / "study" / "results.md").read_text()
     lines = [line for line in table.splitlines() if line.startswith("| sft-")]
     assert len(lines) == 2 and "dev_loss" in table and "none (prompting)" in lines[0] and "-0shot" in lines[0], table
+    # every cell is scored on the same held-out rows, with the same settings
+    cells = sorted((tmp_path / "study" / "cells").iterdir())
+    reports = [json.loads((c / "eval.json").read_text()) for c in cells]
+    assert [r["dev"]["n"] for r in reports] == [4, 4] and [r["dev"]["generated"] for r in reports] == [4, 4], reports
+    predictions = [sorted(json.loads(x)["reference"] for x in next(c.glob("*predictions.jsonl")).read_text().splitlines())
+                   for c in cells]
+    assert predictions[0] == predictions[1]
+    assert "sft.max_new_tokens=3" in (tmp_path / "study" / "logs" / f"{cells[0].name}.log").read_text()
+    assert all(len(line) <= 80 for line in result.output.splitlines() if "│" in line or "┃" in line), result.output
 
 
 def test_plain_text_rows_are_evaluated_by_loss_alone_and_the_banner_says_train_on_all(tmp_path, chat_model):
@@ -327,5 +336,32 @@ def test_plain_text_rows_are_evaluated_by_loss_alone_and_the_banner_says_train_o
     assert "train_on all" in result.output and "train_on assistant" not in result.output, result.output
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert report["dev"]["loss"] > 0 and report["dev"]["ppl"] > 1 and report["dev"]["generated"] == 0
-    assert "acc" not in report["dev"] and "metric" not in report["dev"]
+    assert "exact_match" not in report["dev"] and "metric" not in report["dev"]
     assert (tmp_path / "run" / "predictions.jsonl").read_text() == ""
+
+
+def test_the_final_report_is_proportionate_to_the_run_and_its_phases_have_totals(tmp_path, chat_model, monkeypatch):
+    """A 2-step run of 4 examples a step scores 32 held-out examples (the floor), not all 120; the
+    reply-loss pass and the generation report their size (batches, rows) so the display shows an ETA."""
+    import contextlib
+
+    from tfcli import display
+    from tfcli.tasks import sft
+
+    phases = []
+
+    @contextlib.contextmanager
+    def recorded(label, total=None, unit=""):
+        phases.append((label, total, unit))
+        yield lambda n=1: None
+
+    monkeypatch.setattr(display, "phase", recorded)
+    monkeypatch.setattr(sft, "phase", recorded)
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(240))
+    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 2, "--batch-size", 4,
+                    "--out", tmp_path / "run", "--quiet", "--set", "data.val_fraction=0.5", "--set", "sft.max_new_tokens=2",
+                    "--set", "sft.generate_limit=10")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["dev"]["n"] == 32 and report["dev"]["generated"] == 10, report
+    assert ("reply loss on dev", 8, "batches") in phases and ("generating dev replies", 10, "rows") in phases, phases

@@ -16,10 +16,32 @@ import typer
 from typer._click import exceptions as click_errors  # typer vendors click
 
 from . import __version__
-from . import recipe as recipes
 from . import registry
 from .errors import Interrupted, UserError
-from .tasks.presets import task_target
+
+
+def _lazy(name: str):
+    """A module imported when first used (importlib's LazyLoader): tfcli.recipe reads the model
+    families, which import torch, and --help must not wait for that."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+recipes = _lazy("tfcli.recipe")
+
+
+def task_target(name: str):
+    from .tasks.presets import task_target as target
+
+    return target(name)
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Pretrain, finetune, evaluate and sample transformers.")
@@ -289,7 +311,7 @@ def run_task(run: Path) -> str:
 @user_errors
 def finetune(
     ctx: typer.Context,
-    task: Optional[str] = typer.Argument(None, help="Task: classify, image-classify, sft, or a preset (mnli, gsm8k) [default with --resume: the run's]."),
+    task: Optional[str] = typer.Argument(None, help=f"Task: {', '.join(registry.TASKS)}, or a preset (mnli, gsm8k) [default with --resume: the run's]."),
     from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
     data: Optional[str] = typer.Option(None, help="Task data: a file, a directory of split files, or hf:name [default: the recipe's data.source]."),
@@ -542,7 +564,7 @@ def chat_command(
     device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
 ):
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
-    /reset starts over, /exit (or end of input) ends."""
+    Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends."""
     from .data.chat import for_model
     from .generate import reply
     from .models import kinds
@@ -557,12 +579,17 @@ def chat_command(
                     top_p=top_p, seed=seed)
     interactive = sys.stdin.isatty()
     if interactive:
-        sys.stdout.write(f"chatting with {backbone.checkpoint} (/reset starts over, /exit ends)\n")
+        sys.stdout.write(f"chatting with {backbone.checkpoint} (Ctrl-C stops a reply, /reset starts over, "
+                         f"/exit or Ctrl-D ends)\n")
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt (a second one, after a stopped reply): the end
+            sys.stdout.write("\n")
+            return
         if not line or line.strip() == "/exit":
             return
         if line.strip() == "/reset":
@@ -572,11 +599,14 @@ def chat_command(
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         answer = []
-        with autocast_context(precision or "fp32", dev):
-            for text in reply(backbone, template, messages, **sampling):
-                answer.append(text)
-                sys.stdout.write(text)
-                sys.stdout.flush()
+        try:
+            with autocast_context(precision or "fp32", dev):
+                for text in reply(backbone, template, messages, **sampling):
+                    answer.append(text)
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:  # Ctrl-C stops this reply (what it wrote is kept) and returns to the prompt
+            sys.stdout.write(" [stopped]")
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(answer)})
 

@@ -256,14 +256,71 @@ def check(grid: Grid) -> None:
         raise UserError(f"compare: --report-limit {grid.report_limit}: give N >= 0 (0: every example)")
 
 
+def cell_recipe(cell: Cell, grid: Grid):
+    """The recipe a training cell of this task and model starts from: the task's default for the
+    model's family, with the grid's settings."""
+    from . import recipe as recipes
+    from .backbone import family_of
+    from .hub import resolve
+    from .tasks.presets import task_target
+
+    key, settings, defaults = task_target(cell.task)
+    family = family_of(str(resolve(cell.backbone, "--from")))
+    if family not in defaults:
+        raise UserError(f"compare: {cell.task} has no recipe for {cell.backbone} (a {family!r} model)")
+    overrides = dict(recipes.parse_override(s) for s in grid.sets)
+    return recipes.load(defaults[family], {**{f"{key}.{k}": v for k, v in settings.items()}, **overrides})
+
+
+def held_out_file(cell: Cell, grid: Grid, out: Path) -> Optional[Path]:
+    """One data file is split by every training cell (data.val_fraction, seeded by train.seed): the
+    prompting cells score exactly those held-out rows, written once to OUT/held-out/<task>-<family>.jsonl."""
+    if not grid.data or not Path(grid.data).is_file():
+        return None
+    from .data.labelled import held_out_rows
+
+    recipe = cell_recipe(cell, grid)
+    path = Path(out) / "held-out" / f"{cell.task}-{recipe.model.family}.jsonl"
+    if not path.is_file():
+        rows = held_out_rows(Path(grid.data), recipe.data.val_fraction, recipe.train.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def task_sets(cell: Cell, grid: Grid) -> list[str]:
+    """The grid's settings of the task's own section (sft.max_new_tokens, ...): what an evaluation of
+    a prompting cell takes, so that it scores as the training cells' reports do."""
+    from .tasks.presets import task_target
+
+    key = task_target(cell.task)[0]
+    return [s for s in grid.sets if s.startswith(f"{key}.")]
+
+
+def reply_limits(cell: Cell, grid: Grid, out: Path) -> list[str]:
+    """A generative task (sft) generates replies for its first sft.generate_limit held-out rows at the
+    end of training, and an evaluation for its first --limit: every cell generates for the same rows
+    (--report-limit N, else every held-out row of a single data file)."""
+    from .tasks.presets import task_target
+
+    if task_target(cell.task)[0] != "sft":
+        return []
+    held = held_out_file(cell, grid, out)
+    n = grid.report_limit or (len(Path(held).read_text().splitlines()) if held else 0)
+    return ["--set", f"sft.generate_limit={n}", "--set", f"finetune.report_limit={n}"] if n else []
+
+
 def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
     """The tfcli command of one cell: `finetune` (a new run, or the resumption of an interrupted
-    one), or `eval --few-shot K` for a prompting cell."""
-    strategy = cell.strategy
+    one), or `eval --few-shot K` for a prompting cell. Every cell is scored on the same held-out rows
+    with the same settings of the task."""
+    strategy, out = cell.strategy, run_dir.parent.parent
     if strategy.prompting:
         cmd = [sys.executable, "-m", "tfcli", "eval", cell.task, "--quiet", "--checkpoint", cell.backbone,
                "--few-shot", str(strategy.shots), "--limit", str(grid.report_limit), "--out", str(run_dir / "eval.json")]
-        return cmd + (["--data", grid.data] if grid.data else [])
+        held = held_out_file(cell, grid, out)
+        cmd += ["--data", str(held or grid.data)] if grid.data else []
+        return cmd + [x for s in task_sets(cell, grid) for x in ("--set", s)]
     base = [sys.executable, "-m", "tfcli", "finetune", cell.task, "--quiet"]
     if (run_dir / "config.yaml").is_file():
         return base + ["--resume", str(run_dir)]
@@ -275,7 +332,7 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
         cmd += ["--lr", str(lr)]
     for s in [f"finetune.report_limit={grid.report_limit}"] * bool(grid.report_limit) + grid.sets + list(cell.sets):
         cmd += ["--set", s]
-    return cmd
+    return cmd + reply_limits(cell, grid, out)
 
 
 def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
@@ -354,11 +411,14 @@ def collect(cell: Cell, out: Path) -> dict:
         return row
     report = json.loads((run / "eval.json").read_text())
     usage = json.loads((run / "usage.json").read_text()) if (run / "usage.json").is_file() else {}
-    splits = [k for k, v in report.items() if isinstance(v, dict) and "acc" in v]
+    from .runs import split_scores
+
+    scores = split_scores(report)
+    splits = list(scores)
     row["status"] = "done"
     row.update(prompting_row(cell, report, splits, usage) if cell.strategy.prompting else training_row(run))
-    for split in splits:
-        row[f"{split}_acc"] = round(report[split]["acc"], 4)
+    for split, (_, value) in scores.items():
+        row[f"{split}_acc"] = round(value, 4)
         if "loss" in report[split]:  # a generative task's held-out reply loss (sft)
             row[f"{split}_loss"] = round(report[split]["loss"], 4)
     majority = report[splits[0]].get("majority") if splits else None

@@ -20,6 +20,19 @@ def _series(records: list[dict], split: str, metric: str) -> tuple[list[int], li
     return [r["step"] for r in rows], [r[metric] for r in rows]
 
 
+NOT_METRICS = {"step", "split", "reason", "lr", "elapsed_s"}
+
+
+def require_metric(records: list[list[dict]], metric: str) -> None:
+    """A metric none of the runs logged is a one-line error listing the ones they did."""
+    if any(metric in r for rows in records for r in rows):
+        return
+    known = sorted({k for rows in records for r in rows for k, v in r.items()
+                    if k not in NOT_METRICS and isinstance(v, (int, float))})
+    shown = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
+    raise UserError(f"--metric {metric}: no run logged it; they have {shown or 'no metrics yet'}")
+
+
 def figure():
     """matplotlib's pyplot, drawing to files only (a plot is never a window)."""
     import matplotlib
@@ -32,8 +45,9 @@ def figure():
 
 def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
     """One run: training and held-out `metric` against the step, the learning rate on a second axis."""
-    plt = figure()
     records = read_metrics(run_dir)
+    require_metric([records], metric)
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for split, style in (("train", "-"), ("val", "o-")):
         steps, values = _series(records, split, metric)
@@ -54,20 +68,16 @@ def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
 
 def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str = "val") -> Path:
     """Several runs' `metric` on one split, overlaid (the train split when a run has no held-out rows)."""
+    every = [read_metrics(run) for run in runs]
+    require_metric(every, metric)
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    drawn = 0
-    for run in runs:
-        records = read_metrics(run)
+    for run, records in zip(runs, every):
         steps, values = _series(records, split, metric)
         if not steps:
             steps, values = _series(records, "train", metric)
         if steps:
             ax.plot(steps, values, "-", marker="o" if len(steps) < 30 else None, markersize=3, label=Path(run).name)
-            drawn += 1
-    if not drawn:
-        plt.close(fig)
-        raise UserError(f"none of the runs logged {metric!r}")
     ax.set_xlabel("step")
     ax.set_ylabel(f"{split} {metric}")
     ax.grid(alpha=0.3)

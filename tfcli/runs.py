@@ -54,14 +54,28 @@ def describe(run: Path) -> Optional[RunInfo]:
                    (latest if latest.is_file() else config).stat().st_mtime)
 
 
+SCORES = ("acc", "exact_match", "contains_match")  # what a split of eval.json is judged by, by kind of task
+
+
+def split_scores(report: dict) -> dict[str, tuple[str, float]]:
+    """Each split of an eval.json with its headline score: a classifier's accuracy (acc), or the share
+    of generated replies right (exact_match, contains_match)."""
+    out = {}
+    for split, result in report.items():
+        key = next((k for k in SCORES if isinstance(result, dict) and k in result), None)
+        if key is not None:
+            out[split] = (key, float(result[key]))
+    return out
+
+
 def _best(run: Path, meta: dict) -> str:
-    """A task's first-split accuracy from its report, else the held-out loss of the last evaluation."""
+    """A task's first-split score from its report, else the held-out loss of the last evaluation."""
     report = run / "eval.json"
     if report.is_file():
-        splits = {k: v for k, v in json.loads(report.read_text()).items() if isinstance(v, dict) and "acc" in v}
-        if splits:
-            split, result = next(iter(splits.items()))
-            return f"{split} acc {100 * result['acc']:.2f}%"
+        scores = split_scores(json.loads(report.read_text()))
+        if scores:
+            split, (key, value) = next(iter(scores.items()))
+            return f"{split} {key} {100 * value:.2f}%"
     for key in ("val_loss", "loss"):
         if key in meta:
             return f"{key} {meta[key]:.4f}"

@@ -88,6 +88,7 @@ class Examples:
 
     examples: list
     skipped: Counter = field(default_factory=Counter)
+    columns: tuple[str, ...] = ()  # the fields the rows have (the first rows'), to name when none fit
 
     @property
     def trained_tokens(self) -> int:
@@ -171,7 +172,8 @@ class ExampleBuilder:
             raise UserError("this tokenizer has no end-of-text token; a reply would have nothing to end with")
 
     def build_all(self, rows: list) -> Examples:
-        return Examples(*built(rows, self.example))
+        columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
+        return Examples(*built(rows, self.example), columns=tuple(columns))
 
     def example(self, row: dict) -> Union[AnyExample, str]:
         parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
@@ -257,7 +259,10 @@ def require_targets(split: str, examples: Examples) -> None:
     """A split in which nothing would be trained is a mistake in the data or the template."""
     if not examples.examples:
         reasons = ", ".join(f"{n} {why}" for why, n in examples.skipped.most_common(3)) or "no rows"
-        raise UserError(f"sft {split}: no usable example ({reasons})")
+        missing = any(why.startswith("no '") for why in examples.skipped)
+        fields = (f"; the rows have {', '.join(repr(c) for c in examples.columns)}: name yours with --prompt-field and "
+                  f"--response-field (or --set sft.messages_field=... / sft.text_field=...)") if missing and examples.columns else ""
+        raise UserError(f"sft {split}: no usable example ({reasons}){fields}")
     if examples.trained_tokens == 0:
         raise UserError(f"sft {split}: no token is trained (the replies are empty or the template hides them); "
                         f"check sft.train_on and the chat template")

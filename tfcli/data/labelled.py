@@ -83,7 +83,7 @@ def raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float
         return {s: _hub_split(name, config or None, "validation" if s == "dev" else s) for s in spec.splits}
     path = Path(source)
     if path.is_dir():
-        return {s: _split_file(path, s, optional=not need_train and s == spec.splits[0]) for s in spec.splits}
+        return _directory_splits(path, spec, need_train)
     if not path.is_file():
         raise UserError(f"data not found: {source}")
     train = _numbered(*read_table(path), str(path))
@@ -92,8 +92,33 @@ def raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float
     return _held_out(train, spec.splits[0], val_fraction, seed)
 
 
+def held_out_rows(path: Path, fraction: float, seed: int) -> list[dict]:
+    """The rows of one data file that training holds out (data.val_fraction, seeded by train.seed):
+    what an evaluation of the same model without training must score to be compared with it."""
+    return _held_out(_numbered(*read_table(Path(path)), str(path)), "train", fraction, seed)["dev"][0]
+
+
 def _numbered(rows: list, skipped: int, where: str) -> tuple:
     return rows, skipped, where, list(range(1, len(rows) + 1))
+
+
+def _directory_splits(directory: Path, spec: TextSpec, need_train: bool) -> dict:
+    """The split files a directory holds: the training split (required to train; empty for an
+    evaluation), then every evaluation split that is there (at least one must be); the ones that are
+    not are named in one note line."""
+    first, *evaluation = spec.splits
+    found = {s: _split_file(directory, s, optional=True) for s in evaluation}
+    present = {s: v for s, v in found.items() if v[3] or Path(v[2]).is_file()}
+    if evaluation and not present:
+        wanted = " or ".join(f"{s}{EXTENSIONS[0]}" for s in evaluation)
+        raise UserError(f"{directory}: no evaluation split file ({wanted}, or another of {', '.join(EXTENSIONS)})")
+    absent = [s for s in evaluation if s not in present]
+    if absent:
+        from ..display import console
+
+        console.print(f"[yellow]note:[/] {directory} has no {' or '.join(absent)} file: "
+                      f"{'scoring' if not need_train else 'evaluating on'} {', '.join(present)} only")
+    return {first: _split_file(directory, first, optional=not need_train), **present}
 
 
 def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
@@ -102,7 +127,7 @@ def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
             if (directory / f"{name}{ext}").is_file():
                 return _numbered(*read_table(directory / f"{name}{ext}"), str(directory / f"{name}{ext}"))
     if optional:
-        return [], 0, str(directory / split), []
+        return [], 0, str(directory / split), []  # no file: no rows, and a where that is no file
     raise UserError(f"{directory}: no {split} file ({', '.join(split + e for e in EXTENSIONS)})")
 
 

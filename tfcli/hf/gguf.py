@@ -64,12 +64,37 @@ def forget_parsed() -> None:
     _open_cached.cache_clear()
 
 
+class Truncated(Exception):
+    """A GGUF whose tensor table reaches past the end of the file: (bytes it needs, bytes it has)."""
+
+
 def _reader(path: Path):
     import gguf
 
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            """The tensor table's end checked against the file's size before any tensor is viewed (a
+            short file otherwise fails in numpy, with a message about reshaping)."""
+            end = start_offs
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+                end = max(end, start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block)
+            if end > len(self.data):
+                raise Truncated(end, len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    size = Path(path).stat().st_size
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # a truncated file, a wrong magic number, a bad tensor table
+        return CheckedReader(str(path), "r")
+    except Truncated as e:
+        needs, has = e.args
+        raise UserError(f"{path}: truncated GGUF file: its tensors need {needs:,} bytes, the file has {has:,} "
+                        f"(an interrupted download or copy?)") from None
+    except Exception as e:  # a wrong magic number, a bad header
+        if isinstance(e, (IndexError, ValueError)) and size and "magic" not in str(e).lower():
+            raise UserError(f"{path}: not a readable GGUF file: it ends inside its header ({size:,} bytes; "
+                            f"truncated?)") from None
         raise UserError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
 
 
@@ -104,6 +129,9 @@ def _config(meta: dict, path: Path) -> dict:
     n_head, d = get("attention.head_count"), get("embedding_length")
     if n_head is None or d is None or get("block_count") is None:
         raise UserError(f"{path}: GGUF lacks {arch}.block_count, embedding_length or attention.head_count")
+    if not (get("vocab_size") or meta.get("tokenizer.ggml.tokens")):
+        raise UserError(f"{path}: GGUF has neither {arch}.vocab_size nor a tokenizer token list "
+                        f"(tokenizer.ggml.tokens), so its vocabulary size is unknown")
     raw = {"model_type": arch, "num_hidden_layers": get("block_count"), "hidden_size": d,
            "intermediate_size": get("feed_forward_length"), "num_attention_heads": n_head,
            "num_key_value_heads": get("attention.head_count_kv", n_head),

@@ -149,7 +149,7 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
     labels, valid = labels[:, :last], valid[:, :last]
     hidden = model.decode(batch["decoder_input_ids"][:, :last], model.encode(batch["input_ids"], mask), mask)
     value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, labels[valid], with_accuracy=True)
-    return value, {"loss": value.detach(), "accuracy": correct.float() / valid.sum().clamp(min=1)}
+    return value, {"loss": value.detach(), "token_acc": correct.float() / valid.sum().clamp(min=1)}
 
 
 def flops_per_token(model, inputs_len: int, targets_len: int) -> float:

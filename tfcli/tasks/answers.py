@@ -41,14 +41,19 @@ def correct(prediction: str, reference: str, metric: str) -> bool:
     return normalise(prediction) == normalise(reference)
 
 
+SCORE_NAMES = {"exact": "exact_match", "final-number": "exact_match", "contains": "contains_match"}
+
+
 def scores(predictions: list[str], references: list[str], metric: str) -> dict[str, float]:
-    """acc (the metric's share of correct replies) and, for final-number, strict (only replies that
-    wrote '#### N' count)."""
+    """The share of replies right, named for how they are matched (SCORE_NAMES: exact_match, as
+    lm-evaluation-harness names it, for the whole reply or GSM8K's final number; contains_match), and
+    for final-number the strict share (only replies that wrote '#### N' count)."""
     n = max(1, len(predictions))
-    out = {"acc": sum(correct(p, r, metric) for p, r in zip(predictions, references)) / n}
+    out = {SCORE_NAMES[metric]: sum(correct(p, r, metric) for p, r in zip(predictions, references)) / n}
     if metric == "final-number":
-        out["strict_acc"] = sum(final_number(p, strict=True) is not None and final_number(p, strict=True) == final_number(r)
-                                for p, r in zip(predictions, references)) / n
+        out["strict_exact_match"] = sum(final_number(p, strict=True) is not None and
+                                        final_number(p, strict=True) == final_number(r)
+                                        for p, r in zip(predictions, references)) / n
     return out
 
 
@@ -57,17 +62,18 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     """The reply generated for every prompt (greedy at temperature 0), in the prompts' order. Prompts
     of similar length go together (less padding), `batch_size` at a time, each row ending at its
     first stop token (end of text, end of turn)."""
-    from ..display import counted, phase
+    from ..display import phase
     from ..generate import generate_batch
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[str] = [""] * len(prompts)
     groups = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-    with phase(f"generating {what}", len(groups), "batches") as advance:
-        for group in counted(groups, advance):
+    with phase(f"generating {what}", len(prompts), "rows") as advance:
+        for group in groups:
             rows = generate_batch(model, [prompts[i] for i in group], max_new_tokens=max_new_tokens, stop_ids=stops,
                                   temperature=temperature, top_k=0, top_p=1.0, seed=seed,
                                   start_id=pad_id, pad_id=pad_id)
             for i, ids in zip(group, rows):
                 out[i] = tokenizer.decode(ids).strip()
+            advance(len(group))
     return out

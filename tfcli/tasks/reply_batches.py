@@ -31,7 +31,7 @@ def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor
     targets = batch["targets"]  # (B, T), IGNORE where nothing is learned
     valid = targets != IGNORE
     value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, targets[valid], with_accuracy=True)
-    return value, {"loss": value.detach(), "accuracy": correct.float() / valid.sum().clamp(min=1)}
+    return value, {"loss": value.detach(), "token_acc": correct.float() / valid.sum().clamp(min=1)}
 
 
 def decoder_targets(batch: dict[str, Tensor]) -> Tensor:

@@ -27,7 +27,7 @@ from ..backbone import from_run
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import DecoderExamples, Examples, Fields, Seq2SeqExamples, require_targets
 from ..data.labelled import TextSpec, raw_splits
-from ..display import console, phase
+from ..display import console, counted, phase
 from ..errors import UserError
 from ..evaluate import held_out_metrics
 from ..models import kinds
@@ -170,12 +170,13 @@ class SFT(Plugin):
         return full * training_flops_multiplier(recipe.finetune.train) / 6.0
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
-        """The reply loss of the run's last checkpoint on every held-out split (finetune.report_limit
-        examples of each, 0: all), and sft.generate_limit generated replies scored: printed, and saved
-        as eval.json and predictions.jsonl."""
+        """The reply loss of the run's best checkpoint on the first report_rows(recipe) examples of every
+        held-out split, and replies generated for the first sft.generate_limit of those, scored:
+        printed, and saved as eval.json and predictions.jsonl."""
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
-        results = self.score(recipe, backbone, None, recipe.finetune.report_limit or None,
-                             recipe.settings.generate_limit, Path(run_dir) / "predictions.jsonl", say=False)
+        n = report_rows(recipe)
+        results = self.score(recipe, backbone, None, n, min(recipe.settings.generate_limit, n),
+                             Path(run_dir) / "predictions.jsonl", say=False)
         (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
         return results
 
@@ -210,9 +211,9 @@ class SFT(Plugin):
         results, lines = {}, []
         for split, e in held_out.items():
             scored = e.examples[:n_loss]
-            batches = sequential_batches(self.source(recipe, backbone, scored, pad), recipe.train.batch_size, 0)
-            with phase(f"reply loss on {split}"):
-                metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), batches,
+            batches = list(sequential_batches(self.source(recipe, backbone, scored, pad), recipe.train.batch_size, 0))
+            with phase(f"reply loss on {split}", len(batches), "batches") as advance:
+                metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), counted(batches, advance),
                                            next(model.parameters()).device, recipe.train.precision, weight)
             generated = [x for x in e.examples if not getattr(x, "plain_text", False)][:n_generated]
             texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
@@ -238,6 +239,17 @@ class SFT(Plugin):
         return [f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 50",
                 f"chat with it: tfcli chat --checkpoint {run_dir}",
                 f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
+
+
+REPORT_FLOOR = 32  # the fewest held-out examples a proportionate final report scores
+
+
+def report_rows(recipe) -> int:
+    """How many examples of each held-out split the final report scores: finetune.report_limit, or (0)
+    as many as the run trained on (steps x batch x accumulation), at least REPORT_FLOOR: a two-step
+    run is not followed by minutes of evaluation over a whole test set."""
+    t = recipe.train
+    return recipe.finetune.report_limit or max(REPORT_FLOOR, t.steps * t.batch_size * t.grad_accum)
 
 
 def read_splits(recipe, spec: TextSpec, build, data: Optional[str], need_train: bool, describe=None) -> dict:
@@ -288,11 +300,14 @@ def summary(split: str, examples: Examples, where: str) -> str:
             f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)")
 
 
-def preview(tok, example) -> Text:
-    """One example as the model reads it, the trained tokens highlighted."""
+def preview(tok, example, colour: Optional[bool] = None) -> Text:
+    """One example as the model reads it, the trained tokens highlighted; without colour (output piped
+    to a file or a pager) they are marked [[between double brackets]]."""
+    colour = console.color_system is not None if colour is None else colour
+    marks = ("", "") if colour else ("[[", "]]")
     text = Text("one training example (")
-    text.append("trained", style="bold green")
-    text.append(" / not trained):\n")
+    text.append("trained" if colour else "trained tokens [[between double brackets]]", style="bold green")
+    text.append(" / not trained):\n" if colour else "):\n")
     if hasattr(example, "trained"):
         runs, start = [], 0
         flags = example.trained.tolist()
@@ -303,16 +318,18 @@ def preview(tok, example) -> Text:
     else:
         runs = [(example.source.tolist(), 0), (example.target.tolist(), 1)]
     for ids, trained in runs:
-        text.append(tok.decode(ids, skip_special_tokens=False) + ("" if hasattr(example, "trained") else "\n"),
+        piece = tok.decode(ids, skip_special_tokens=False)
+        text.append((f"{marks[0]}{piece}{marks[1]}" if trained else piece) + ("" if hasattr(example, "trained") else "\n"),
                     style="bold green" if trained else "dim")
     return text
 
 
 def results_table(results: dict[str, dict]) -> Table:
-    table = Table("split", "reply loss", "ppl", "scored", "generated", "metric", "accuracy", title="sft evaluation")
+    table = Table("split", "reply loss", "ppl", "scored", "generated", "metric", "replies right", title="sft evaluation")
     for split, r in results.items():
-        acc = f"{100 * r['acc']:.2f}%" + (f" (strict {100 * r['strict_acc']:.2f}%)" if "strict_acc" in r else "") \
-            if "acc" in r else "-"
+        key = answers.SCORE_NAMES.get(r.get("metric", ""), "")
+        acc = f"{100 * r[key]:.2f}%" + (f" (strict {100 * r['strict_exact_match']:.2f}%)" if "strict_exact_match" in r
+                                         else "") if key in r else "-"
         table.add_row(split, f"{r.get('loss', float('nan')):.4f}", f"{r.get('ppl', float('nan')):.2f}", str(r["n"]),
                       str(r["generated"]), r.get("metric", "-"), acc)
     return table
