@@ -303,11 +303,25 @@ def reply_limits(cell: Cell, grid: Grid, out: Path) -> list[str]:
     (--report-limit N, else every held-out row of a single data file)."""
     from .tasks.presets import task_target
 
-    if task_target(cell.task)[0] != "sft":
+    if task_target(cell.task)[0] != "sft" or not grid.data:
         return []
-    held = held_out_file(cell, grid, out)
-    n = grid.report_limit or (len(Path(held).read_text().splitlines()) if held else 0)
+    n = grid.report_limit or held_out_count(cell, grid, out)
     return ["--set", f"sft.generate_limit={n}", "--set", f"finetune.report_limit={n}"] if n else []
+
+
+def held_out_count(cell: Cell, grid: Grid, out: Path) -> int:
+    """The most rows of any held-out split of the grid's data: of the held-out file a single data file
+    gives, or of the evaluation split files of a directory (GSM8K's test.jsonl)."""
+    held = held_out_file(cell, grid, out)
+    if held is not None:
+        return len(Path(held).read_text().splitlines())
+    from .data.labelled import raw_splits
+    from .tasks.sft import data_spec
+
+    recipe = cell_recipe(cell, grid)
+    splits = raw_splits(data_spec(recipe.settings), grid.data, "", recipe.data.val_fraction, recipe.train.seed,
+                        need_train=False)
+    return max((len(rows) for rows, *_ in list(splits.values())[1:]), default=0)
 
 
 def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
