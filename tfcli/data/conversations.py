@@ -66,6 +66,8 @@ class Seq2SeqExample:
     target: np.ndarray
     reply: str
 
+    plain_text = False  # (a class attribute, not a field) an encoder-decoder's example always has a reply
+
     @property
     def ids(self) -> np.ndarray:
         return self.source

@@ -107,8 +107,7 @@ def _directory_splits(directory: Path, spec: TextSpec, need_train: bool) -> dict
     evaluation), then every evaluation split that is there (at least one must be); the ones that are
     not are named in one note line."""
     first, *evaluation = spec.splits
-    found = {s: _split_file(directory, s, optional=True) for s in evaluation}
-    present = {s: v for s, v in found.items() if v[3] or Path(v[2]).is_file()}
+    present = {s: _split_file(directory, s) for s in evaluation if _split_path(directory, s) is not None}
     if evaluation and not present:
         wanted = " or ".join(f"{s}{EXTENSIONS[0]}" for s in evaluation)
         raise UserError(f"{directory}: no evaluation split file ({wanted}, or another of {', '.join(EXTENSIONS)})")
@@ -121,13 +120,21 @@ def _directory_splits(directory: Path, spec: TextSpec, need_train: bool) -> dict
     return {first: _split_file(directory, first, optional=not need_train), **present}
 
 
-def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
+def _split_path(directory: Path, split: str) -> Optional[Path]:
+    """The file holding `split` in `directory` (its name or an alias, any known extension), if any."""
     for name in SPLIT_ALIASES.get(split, (split,)):
         for ext in EXTENSIONS:
             if (directory / f"{name}{ext}").is_file():
-                return _numbered(*read_table(directory / f"{name}{ext}"), str(directory / f"{name}{ext}"))
+                return directory / f"{name}{ext}"
+    return None
+
+
+def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
+    path = _split_path(directory, split)
+    if path is not None:
+        return _numbered(*read_table(path), str(path))
     if optional:
-        return [], 0, str(directory / split), []  # no file: no rows, and a where that is no file
+        return [], 0, str(directory / split), []
     raise UserError(f"{directory}: no {split} file ({', '.join(split + e for e in EXTENSIONS)})")
 
 

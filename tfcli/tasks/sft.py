@@ -98,6 +98,7 @@ class SFT(Plugin):
     recipe_pattern = "sft-{family}-mini"
     Config = SFTConfig
     describe = "supervised finetuning"
+    plain_text = False  # set by setup: every training row is plain text (every token trained)
 
     def tokenizer_texts(self, recipe):
         """A fresh model's tokenizer learns from the training rows' texts."""
@@ -141,7 +142,7 @@ class SFT(Plugin):
         splits = self.examples(recipe, backbone)
         (train_split, train), *held_out = splits.items()
         require_targets(train_split, train)
-        self.plain_text = all(getattr(e, "plain_text", False) for e in train.examples)  # every token trained
+        self.plain_text = all(e.plain_text for e in train.examples)  # every token trained
         if self.rt.is_main and not self.quiet:
             console.print(preview(backbone.tokenizer, train.examples[0]))
         pad = type(backbone.model).pad_id(backbone.tokenizer)
@@ -215,7 +216,7 @@ class SFT(Plugin):
             with phase(f"reply loss on {split}", len(batches), "batches") as advance:
                 metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), counted(batches, advance),
                                            next(model.parameters()).device, recipe.train.precision, weight)
-            generated = [x for x in e.examples if not getattr(x, "plain_text", False)][:n_generated]
+            generated = [x for x in e.examples if not x.plain_text][:n_generated]
             texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
                                      cfg.temperature, cfg.generate_batch, stop_ids(backbone.tokenizer), pad,
                                      f"{split} replies") if generated else []
@@ -231,7 +232,7 @@ class SFT(Plugin):
         return results
 
     def title(self, recipe, backbone) -> str:
-        train_on = "all (plain text)" if getattr(self, "plain_text", False) else recipe.settings.train_on
+        train_on = "all (plain text)" if self.plain_text else recipe.settings.train_on
         return f"sft ({recipe.settings.preset or 'own data'}, train_on {train_on}" + \
             (", packed)" if recipe.settings.pack else ")")
 
