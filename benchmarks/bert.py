@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Contenders, hf_peer, isolated, report, train_step
-from tfcli import hf
+from tfcli.hf import interop as hf
 from tfcli.data.labelled import load_splits
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.models.bert import Bert, BertConfig

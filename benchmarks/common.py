@@ -79,7 +79,7 @@ def hf_peer(cls, model: torch.nn.Module, heads: dict | None = None):
     make one: `tfcli export`'s writer, then `from_pretrained`."""
     import tempfile
 
-    from tfcli import hf
+    from tfcli.hf import interop as hf
     from tfcli.plugin import Backbone
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ HH = ROOT.parent / "shared" / "data" / "preference" / "hh-rlhf-harmless" / "pair
 
 
 def pair_builder():
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
     from tfcli.data.conversations import DecoderExamples
     from tfcli.data.preferences import PairBuilder

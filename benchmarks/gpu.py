@@ -13,7 +13,7 @@ command (built-in data, prefetch, metrics.jsonl) and its throughput is read from
 after the compile warm-up; transformers gets its batch already on the GPU. Every contender runs in a
 process of its own. MFU: each family's training FLOPs per item (tfcli's count, the same shape for
 every side) over the GPU's bf16 matmul peak measured here; peak memory: torch.cuda.max_memory_allocated
-(tfcli.perf.peak_memory_mb: the process's peak RSS on the CPU).
+(tfcli.engine.perf.peak_memory_mb: the process's peak RSS on the CPU).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import RESULTS, ROOT, hf_peer, in_fresh_process
 from tfcli import recipe as recipes
-from tfcli.perf import _measure, device_name, flops_per_token, peak_memory_mb
+from tfcli.engine.perf import _measure, device_name, peak_memory_mb
 
 
 def nanogpt_dir() -> Path:
@@ -104,10 +104,10 @@ def flops_per_item(name: str, cfg, recipe) -> float:
 
     with torch.device("meta"):
         if name in ("gpt", "bert"):
-            return flops_per_token((gpt.GPT if name == "gpt" else bert.Bert)(cfg), recipe.data.seq_len)
+            return (gpt.GPT if name == "gpt" else bert.Bert)(cfg).flops_per_token(recipe.data.seq_len)
         if name == "t5":
             targets = span_corruption.compute_input_and_target_lengths(recipe.data.seq_len)[1]
-            return span_corruption.flops_per_token(t5.T5(cfg), recipe.data.seq_len, targets)
+            return t5.T5(cfg).flops_per_token(recipe.data.seq_len, targets)
         return mae.flops_per_image(vit.ViT(cfg), vit.MAEDecoder(cfg))
 
 
@@ -204,7 +204,7 @@ def run_nanogpt(settings: Settings, smoke: bool) -> dict:
                     dtype="bfloat16" if settings.precision == "bf16" else "float32")
         runner = ("import atexit, runpy, sys, torch\n"
                   f"sys.path.insert(0, {str(nanogpt)!r}); sys.argv = ['train.py'] + sys.argv[1:]\n"
-                  "from tfcli.perf import peak_memory_mb\n"
+                  "from tfcli.engine.perf import peak_memory_mb\n"
                   f"atexit.register(lambda: print('PEAK_MEM_MB', peak_memory_mb(torch.device({settings.device!r}))))\n"
                   f"runpy.run_path({str(nanogpt / 'train.py')!r}, run_name='__main__')\n")
         out = subprocess.run([sys.executable, "-c", runner, *[f"--{k}={v}" for k, v in args.items()]],

@@ -34,7 +34,7 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def examples_builder():
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
     from tfcli.data.conversations import DecoderExamples, Fields
 
@@ -56,7 +56,7 @@ def data_dir(tmp: Path) -> Path:
 
 def sampler_order(source, batch: int, steps: int) -> list[int]:
     """The examples tfcli's sampler draws for `steps` steps of `batch`, in order (the run's seed)."""
-    from tfcli.sampler import Sampler
+    from tfcli.data.sampler import Sampler
 
     sampler = Sampler(source, batch, SEED)
     return [int(i) for _ in range(steps) for i in sampler.draw().indices]

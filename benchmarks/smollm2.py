@@ -31,7 +31,7 @@ def gguf_file() -> Path | None:
 
 
 def ours():
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
 
     return for_inference(gguf_file())
 

@@ -83,8 +83,8 @@ def plain_copy(gguf: Path, out: Path) -> Path:
     tensors tfcli trains): transformers' Trainer refuses to train a model it read from a GGUF ("purely
     quantized") and cannot save one either."""
     if not out.is_dir():
-        from tfcli import hf
-        from tfcli.backbone import for_inference
+        from tfcli.hf import interop as hf
+        from tfcli.engine.backbone import for_inference
 
         hf.export(for_inference(gguf), None, out)
     return out

@@ -16,14 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 
 
-from tfcli.runtime import busy_cores as measured_busy_cores  # noqa: E402  (the real one, for its own test)
+from tfcli.engine.runtime import busy_cores as measured_busy_cores  # noqa: E402, F401  (the real one, for its own test)
 
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
     """Runs in the tests choose their CPU threads as on a quiet machine (the suite's own process is
     the busy one), so that thread counts, and with them floating-point sums, are the same every time."""
-    from tfcli import runtime
+    from tfcli.engine import runtime
 
     monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 0.0)
 

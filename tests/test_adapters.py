@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from tfcli import adapters, checkpoint
+from tfcli import adapters
+from tfcli.engine import checkpoint
 from tfcli.errors import UserError
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.models.gpt import GPT, GPTConfig
@@ -127,7 +128,7 @@ def test_a_lora_run_saves_only_adapters_resumes_evaluates_and_exports_merged(hf_
     transformers = pytest.importorskip("transformers")
     assert invoke("export", "--checkpoint", whole, "--hf", tmp_path / "hf").exit_code == 0
     hf = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
-    from tfcli.backbone import from_run
+    from tfcli.engine.backbone import from_run
     from tfcli.tasks.heads import features
 
     ours = from_run(whole, which="best")

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from tfcli.backbone import from_run
+from tfcli.engine.backbone import from_run
 from tfcli.objectives.mlm_nsp import build_heads
 from tfcli.tasks.heads import features
 

@@ -121,7 +121,7 @@ def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_
     again = TextTokenizer.from_run(run)
     assert again.specials == tok.specials and again.chat_template == source
     # export writes the template back: transformers renders the conversation as tfcli does
-    from tfcli import hf
+    from tfcli.hf import interop as hf
     from tfcli.models.gpt import GPT, GPTConfig
     from tfcli.plugin import Backbone
 

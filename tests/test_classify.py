@@ -175,8 +175,8 @@ def test_finetune_mnli_from_a_hugging_face_dir_then_eval(tiny_hf_bert, mnli_dir,
 
 
 def test_head_only_training_leaves_the_backbone_untouched(tiny_hf_bert, mnli_dir, tmp_path):
-    from tfcli import hf
-    from tfcli.checkpoint import find, load_weights
+    from tfcli.hf import interop as hf
+    from tfcli.engine.checkpoint import find, load_weights
 
     out = tmp_path / "run"
     result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 3, "--train", "head",
@@ -185,7 +185,7 @@ def test_head_only_training_leaves_the_backbone_untouched(tiny_hf_bert, mnli_dir
     weights = load_weights(find(out))
     assert set(weights) == {"heads.classifier.weight", "heads.classifier.bias"}  # the frozen backbone is not copied
     assert weights["heads.classifier.weight"].shape == (3, 32)
-    from tfcli.backbone import from_run
+    from tfcli.engine.backbone import from_run
 
     _, original = hf.read_pretrained(tiny_hf_bert)
     model = from_run(out).model.state_dict()

@@ -120,7 +120,7 @@ def test_generate_without_a_checkpoint_takes_the_newest_run_that_can_generate(tm
     from .conftest import tiny_bert_recipe
 
     monkeypatch.chdir(tmp_path)
-    gpt = gpt_run(tmp_path, small_text, "runs/gpt")
+    gpt_run(tmp_path, small_text, "runs/gpt")
     time.sleep(0.05)
     (tmp_path / "bert.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(small_text, train={"steps": 2,
                                                                                          "ckpt_interval": 2})))
@@ -165,7 +165,7 @@ def test_flops_count_what_runs_and_mfu_is_never_a_pinned_cap():
     (4 FLOPs per parameter and token, not 6); an MFU above 1 is shown as n/a, not as 100%."""
     from tfcli.display import _fmt
     from tfcli.models.t5 import T5, T5Config
-    from tfcli.perf import mfu
+    from tfcli.engine.perf import mfu
     from tfcli.tasks.heads import ClassifierHead
 
     model = T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=100))
@@ -222,7 +222,7 @@ def test_errors_about_users_data_stay_one_short_line(tmp_path, shared_data, hf_b
 
 
 def test_threads_are_this_process_share_of_the_cores_nobody_else_uses(monkeypatch, tmp_path, small_text):
-    from tfcli import runtime
+    from tfcli.engine import runtime
 
     monkeypatch.setattr(runtime, "usable_cores", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

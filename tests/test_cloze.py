@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tfcli.backbone import from_hf
+from tfcli.engine.backbone import from_hf
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.errors import UserError
 from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, build_heads, special_ids

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from tfcli import compare
+from tfcli.commands import compare
 from tfcli.errors import UserError
 
 from .conftest import invoke
@@ -99,7 +99,7 @@ def test_the_terminal_table_never_cuts_a_cell_name(monkeypatch, tmp_path):
 
     from rich.console import Console
 
-    from tfcli import compare as study_module
+    from tfcli.commands import compare as study_module
     from tfcli import display
 
     out = io.StringIO()
@@ -116,7 +116,7 @@ def test_the_terminal_table_never_cuts_a_cell_name(monkeypatch, tmp_path):
 def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path):
     """0-shot prompting (an eval cell: nothing trained) beside LoRA with a mean-pooled classifier,
     from a GGUF file; every cell's CPU time and peak memory come from the operating system."""
-    from tfcli import hf
+    from tfcli.hf import interop as hf
 
     from .test_gguf import tiny_backbone
 

@@ -129,7 +129,7 @@ def test_a_collective_that_times_out_ends_the_run_in_one_line_naming_the_rank(tm
     script = tmp_path / "mismatch.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
-        "from tfcli.runtime import abort_on_collective_failure, setup_runtime\n"
+        "from tfcli.engine.runtime import abort_on_collective_failure, setup_runtime\n"
         "rt = setup_runtime('cpu', 1, 'ddp', collective_timeout_min=0.05)\n"
         "try:\n"
         "    dist.all_reduce(torch.ones(2))\n"

@@ -11,14 +11,16 @@ import shutil
 import pytest
 import torch
 
-from tfcli import adapters, hf
+from tfcli import adapters
+from tfcli.hf import convert
+from tfcli.hf import interop as hf
 from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate
 from tfcli.data.conversations import DecoderExamples
 from tfcli.data.preferences import PairBuilder, dialogue
 from tfcli.driver import RunRequest, train
 from tfcli.recipe import AdapterConfig
-from tfcli.sampler import Draw
+from tfcli.data.sampler import Draw
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
 
@@ -116,7 +118,7 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected"):
         assert float(metrics[name]) == pytest.approx(their_metrics[name], abs=1e-5), name
-    grads = hf.convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, hf.llama.rules(model.cfg))
+    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, hf.llama.rules(model.cfg))
     assert set(grads) == set(their_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.objectives.electra import DiscriminatorHead, Generator, make_loss
 

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tfcli import adapters, hf
+from tfcli import adapters
+from tfcli.hf import interop as hf
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.errors import UserError
 from tfcli.hf.convert import auto_class
@@ -27,9 +28,10 @@ from tfcli.models import FAMILIES, model_class
 from tfcli.models.llama import Llama, LlamaConfig
 from tfcli.tasks.heads import feature_dim, features
 
+from .test_hf import jiggle_
+
 POOLINGS = {family: model_class(family).poolings for family in FAMILIES}
 
-from .test_hf import jiggle_
 
 transformers = pytest.importorskip("transformers")
 LABELS = ("entailment", "neutral", "contradiction")

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli import cli
 
 from .conftest import TINY_VIT, read_metrics, tiny_gpt_recipe, tiny_npz, train_losses

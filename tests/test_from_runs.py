@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tfcli import adapters
-from tfcli.backbone import from_run
+from tfcli.engine.backbone import from_run
 from tfcli.errors import UserError
 
 from .conftest import invoke, read_metrics, train_losses, write_jsonl
@@ -41,10 +41,10 @@ def logits_of(model, ids=torch.arange(3, 19).view(2, 8)):
 
 
 def test_an_adapter_run_as_from_is_its_base_with_the_adapters_merged(sft_lora):
-    from tfcli.backbone import load
+    from tfcli.engine.backbone import load
     from tfcli.driver import make_plugin
     from tfcli import recipe as recipes
-    from tfcli.runtime import setup_runtime
+    from tfcli.engine.runtime import setup_runtime
 
     adapted = from_run(sft_lora, which="best").model
     assert any(isinstance(m, adapters.LoRALinear) for m in adapted.modules())
@@ -83,7 +83,7 @@ def test_sft_lora_then_full_finetuning_trains_every_parameter_and_loads(sft_lora
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_directory(chat_model, tmp_path, monkeypatch):
-    from tfcli import train as trainer
+    from tfcli.engine import trainer as trainer
 
     def fail(self):
         raise UserError("the loss was poisoned")

@@ -9,7 +9,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 from tfcli.objectives.next_token import NextToken

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfcli import hf
-from tfcli.backbone import for_inference
+from tfcli.hf import interop as hf
+from tfcli.engine.backbone import for_inference
 from tfcli.data.chat import ChatTemplate
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.models.llama import Llama, LlamaConfig
@@ -164,7 +164,7 @@ def test_generate_chat_answers_one_templated_turn(chat_gguf):
 
 
 def test_chat_keeps_the_conversation_and_starts_over_on_reset(chat_gguf):
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
     from tfcli.generate import reply
 

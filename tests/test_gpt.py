@@ -66,7 +66,7 @@ def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_
     from typer.testing import CliRunner
 
     transformers = pytest.importorskip("transformers")
-    from tfcli.backbone import from_run as load_run
+    from tfcli.engine.backbone import from_run as load_run
     from tfcli.cli import app
 
     from .conftest import tiny_gpt_recipe

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tfcli import hf
-from tfcli.backbone import from_hf
+from tfcli.hf import interop as hf
+from tfcli.engine.backbone import from_hf
 from tfcli.errors import UserError
 from tfcli.models import build_model
 from tfcli.models.bert import Bert, BertConfig

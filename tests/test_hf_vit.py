@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tfcli.backbone import from_run
+from tfcli.engine.backbone import from_run
 from tfcli.models.vit import MAEDecoder, ViT
 
 from .conftest import invoke, mae_overrides, set_args, tiny_npz

@@ -71,7 +71,7 @@ def test_the_hints_after_mae_and_prepare_run(tmp_path, small_text, monkeypatch):
 def test_an_interrupted_finetuning_run_prints_a_resume_command_that_runs(hf_bert, mnli_dir, tmp_path, monkeypatch):
     """Ctrl-C during `finetune mnli`: a checkpoint, exit 130 and `tfcli finetune --resume RUN`, which
     continues the run (no task argument needed: the run knows its task)."""
-    from tfcli import train as training
+    from tfcli.engine import trainer as training
 
     step = training.Trainer._train_step
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tfcli import hub
+from tfcli.hf import hub
 from tfcli.errors import UserError
 
 from .conftest import invoke
@@ -62,7 +62,7 @@ def test_finetune_from_a_cached_hub_id(hf_cache, mnli_dir, tmp_path):
 def test_smollm2s_hub_id_reads_a_cached_llama_and_is_one_line_when_absent(tmp_path, monkeypatch):
     """HuggingFaceTB/SmolLM2-135M-Instruct as the hub id of a (tiny, random) llama in the local cache:
     generate and finetune sft read it offline; with an empty cache it is one line naming the cache."""
-    from tfcli import hf
+    from tfcli.hf import interop as hf
 
     from .test_gguf import tiny_backbone
 

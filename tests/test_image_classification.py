@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.models.vit import ViT
 from tfcli.plugin import Backbone
-from tfcli.runtime import Runtime
-from tfcli.sampler import Sampler
-from tfcli.tasks import predict
+from tfcli.engine.runtime import Runtime
+from tfcli.data.sampler import Sampler
+from tfcli.tasks.classification import predict
 from tfcli.tasks.image_classification import ImageClassify
-from tfcli.train import ObjectiveModule
+from tfcli.engine.trainer import ObjectiveModule
 
 from .conftest import TINY_VIT, invoke, mae_overrides, set_args, tiny_npz
 
@@ -38,7 +38,7 @@ def mae_run(tmp_path_factory):
 
 def _encoder_weights(run):
     """The encoder a run holds (a head-only run's is its base's, read again)."""
-    from tfcli.backbone import from_run
+    from tfcli.engine.backbone import from_run
 
     return from_run(run).model.state_dict()
 

@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tfcli import adapters, hf  # noqa: E402
+from tfcli import adapters  # noqa: E402
+from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.generate import generate_batch  # noqa: E402
 from tfcli.models import build_model, kinds  # noqa: E402
 from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402

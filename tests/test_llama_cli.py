@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 
@@ -84,7 +84,7 @@ def test_generate_streams_greedy_text(llama_run):
 
 def test_export_loads_in_transformers_as_llama_with_the_same_logits(llama_run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
 
     result = invoke("export", "--checkpoint", llama_run, "--hf", tmp_path / "hf")
     assert result.exit_code == 0, result.output

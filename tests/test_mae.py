@@ -12,8 +12,8 @@ from tfcli import recipe as recipes
 from tfcli.models.vit import MAEDecoder, ViT, ViTConfig, patchify, random_masking
 from tfcli.objectives import mae
 from tfcli.plugin import Backbone
-from tfcli.runtime import Runtime
-from tfcli.sampler import Sampler, sequential_batches
+from tfcli.engine.runtime import Runtime
+from tfcli.data.sampler import Sampler, sequential_batches
 
 from .conftest import TINY_VIT, invoke, mae_overrides, set_args, tiny_npz
 
@@ -122,7 +122,7 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
 
 
 def test_reconstruction_picture_pastes_visible_patches():
-    from tfcli.pictures import reconstruct
+    from tfcli.objectives.mae_pictures import reconstruct
     cfg = ViTConfig(**TINY_VIT)
     enc, dec = ViT(cfg).eval(), MAEDecoder(cfg).eval()
     x = torch.rand(2, 3, 16, 16)

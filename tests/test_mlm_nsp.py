@@ -99,7 +99,7 @@ def test_no_nsp_is_refused_for_other_objectives():
 
 
 def test_resumed_mlm_run_ends_with_the_same_weights(small_text, write_recipe, tmp_path):
-    from tfcli.checkpoint import find, load_weights
+    from tfcli.engine.checkpoint import find, load_weights
 
     text = small_text.read_text()
     tok = build_tokenizer("wordpiece", vocab_size=400, path="", lowercase=True, texts=[text], specials=SPECIAL_TOKENS)

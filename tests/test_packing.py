@@ -17,7 +17,7 @@ from tfcli.data.tokenizers import build_tokenizer
 from tfcli.models.gpt import GPT, GPTConfig, document_positions
 from tfcli.objectives.losses import IGNORE
 from tfcli.objectives.next_token import shifted_pairs
-from tfcli.sampler import Draw
+from tfcli.data.sampler import Draw
 
 from .conftest import invoke, read_metrics, tiny_gpt_recipe
 

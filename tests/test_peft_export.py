@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tfcli.backbone import from_run
+from tfcli.engine.backbone import from_run
 from tfcli.data.tokenizers import load_tokenizer_files
 
 from .conftest import invoke

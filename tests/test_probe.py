@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from tfcli import hf, probe
-from tfcli.backbone import from_run
+from tfcli.hf import interop as hf
+from tfcli.commands import probe
 
 from .conftest import invoke, pretrained_run
 from .test_gguf import tiny_backbone

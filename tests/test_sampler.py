@@ -10,7 +10,7 @@ from tfcli.data.image_batches import ImageSource, ImageTransform
 from tfcli.data.images import ImageSet
 from tfcli.data.packing import BlockSource, WindowSource
 from tfcli.objectives.mlm_nsp import Masker, PairSource
-from tfcli.sampler import PaddingBatch, Sampler, grouped_order, sequential_batches
+from tfcli.data.sampler import PaddingBatch, Sampler, grouped_order, sequential_batches
 
 IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 

@@ -154,8 +154,8 @@ def test_packing_is_best_fit_and_keeps_examples_whole():
 
 def sft_trainer(tmp_path, model, **train):
     from tfcli.plugin import Job
-    from tfcli.runtime import setup_runtime
-    from tfcli.train import ObjectiveModule, Trainer
+    from tfcli.engine.runtime import setup_runtime
+    from tfcli.engine.trainer import ObjectiveModule, Trainer
 
     recipe = recipes.load("sft-llama-mini", {"train.steps": 1, "train.device": "cpu", "train.prefetch": 0,
                                              **{f"train.{k}": v for k, v in train.items()}})

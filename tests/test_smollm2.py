@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Question: What is 1
 @pytest.fixture(scope="module")
 def both():
     transformers = pytest.importorskip("transformers")
-    from tfcli.backbone import for_inference
+    from tfcli.engine.backbone import for_inference
 
     ours = for_inference(GGUF)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name).eval()

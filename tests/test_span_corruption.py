@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from tfcli.cli import app
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
-from tfcli.sampler import Sampler
+from tfcli.data.sampler import Sampler
 
 SENTINELS = np.arange(1000, 1100)  # ids outside the raw tokens' range, so they are recognisable
 EOS, PAD = 1, 0
@@ -229,7 +229,7 @@ def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
 def test_export_a_t5_run_that_transformers_loads(span_run, tmp_path):
     from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-    from tfcli.backbone import from_run as load_run
+    from tfcli.engine.backbone import from_run as load_run
 
     result = CliRunner().invoke(app, ["export", "--checkpoint", str(span_run), "--hf", str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli.data.documents import open_source
 from tfcli.data.streaming import BlockStream
 from tfcli.data.tokenizers import build_tokenizer
 from tfcli.objectives.next_token import shifted_pairs
-from tfcli.sampler import StreamSampler
+from tfcli.data.sampler import StreamSampler
 
 from .conftest import invoke, tiny_gpt_recipe, train_losses
 

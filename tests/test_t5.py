@@ -2,7 +2,6 @@
 size (parity with transformers: test_hf)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tfcli import recipe as recipes

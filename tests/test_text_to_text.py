@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
 from tfcli.cli import app
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
 from tfcli.recipe import load_resolved
-from tfcli.sampler import Sampler, sequential_batches
+from tfcli.data.sampler import Sampler, sequential_batches
 from tfcli.tasks import prompts
 from tfcli.tasks.text_to_text import TextHead
 

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from tfcli import checkpoint
+from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
-from tfcli.train import _Window, lr_multiplier
+from tfcli.engine.trainer import _Window, lr_multiplier
 
 from .conftest import read_metrics, tiny_bert_recipe, tiny_gpt_recipe, train_losses
 

@@ -22,16 +22,18 @@ from typing import Any, Optional
 
 import torch
 
-from . import backbone as backbones
-from . import adapters, checkpoint, hub, registry
+from .engine import backbone as backbones
+from . import adapters, registry
+from .engine import checkpoint
+from .hf import hub
 from . import recipe as recipes
 from . import display
 from .display import console
 from .errors import UserError
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
-from .runtime import Runtime, resolve_precision, setup_runtime, teardown
-from .train import ObjectiveModule, Trainer
+from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
+from .engine.trainer import ObjectiveModule, Trainer
 
 
 @dataclass

@@ -159,7 +159,7 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token")
     width = max(lengths)
-    if model.kind == kinds.ENCODER_DECODER:  # the input right-padded, the decoder from start_id
+    if kinds.is_seq2seq(model):  # the input right-padded, the decoder from start_id
         ids, mask = _right_padded(prompts, pad_id, device)
         encoded = model.encode(ids, mask)  # (B, S, D)
         steps = min(max_new_tokens, model.cfg.max_seq_len)
@@ -232,7 +232,7 @@ def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, to
     device = next(model.parameters()).device
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     eos_id=tok.eos_id, use_cache=use_cache, seed=seed)
-    if model.kind != kinds.ENCODER_DECODER:
+    if not kinds.is_seq2seq(model):
         ids = tok.encode(prompt) if prompt else []
         if not ids:
             if tok.eos_id is None:

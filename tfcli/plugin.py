@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from .models import families_of, model_class
 from .recipe import shipped_recipes
-from .runtime import Runtime
-from .sampler import Source
+from .engine.runtime import Runtime
+from .data.sampler import Source
 
 Batch = dict[str, Tensor]
 LossFn = Callable[[nn.Module, nn.ModuleDict, Batch], tuple[Tensor, dict[str, Tensor]]]

@@ -60,7 +60,7 @@ class TokenizerConfig:
 class DataConfig:
     """source: 'builtin', a file/glob/directory (comma-separated for several), or 'hf:name[:config]'."""
 
-    source: str = "builtin"
+    source: str = "builtin"  # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
     text_field: str = "text"
     val_fraction: float = 0.1  # the last fraction of the token stream (or a seeded share of rows) is held out
     val_source: str = ""  # optional separate held-out data instead of val_fraction
@@ -80,7 +80,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only, never to biases, norms or 1-D parameters
@@ -105,8 +105,8 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 16  # per process; the global batch is batch_size * grad_accum * processes
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 16  # per-process batch size; the global batch is batch_size x grad_accum x processes
     grad_accum: int = 1
     clip_grad: float = 1.0  # 0 disables clipping
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPUs that have it, else fp32
@@ -148,15 +148,17 @@ class TrainConfig:
 class FinetuneConfig:
     """What a task trains and for how long (task recipes only)."""
 
-    # all | head (frozen backbone: a linear probe) | lora | ia3 | bitfit (tfcli.adapters)
+    # what trains: all | head (frozen backbone: a linear probe) | lora | ia3 | bitfit (tfcli.adapters)
     train: Literal["all", "head", "lora", "ia3", "bitfit"] = "all"
-    head: Literal["auto", "classifier", "text"] = "auto"  # auto: a classifier on encoders, the label word as text on T5/GPT
-    # classifier features; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)
+    # classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on
+    # encoders, the label word as text on T5 and GPT
+    head: Literal["auto", "classifier", "text"] = "auto"
+    # the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)
     pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = "auto"
-    head_lr: float = 0.0  # 0 = optim.lr
-    epochs: float = 0.0  # > 0: train.steps is derived from the epochs and the training examples
+    head_lr: float = 0.0  # learning rate of the head (0: optim.lr)
+    epochs: float = 0.0  # epochs over the training examples (> 0: train.steps is derived from them)
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
-    limit: int = 0  # use the first N training examples (0 = all)
+    limit: int = 0  # use only the first N training examples (0 = all)
     eval_limit: int = 0  # evaluate during training on a balanced sample of N examples of each split (0 = all)
     report_limit: int = 0  # the final report (eval.json) on a balanced sample of N examples of each split (0 = all)
     layer: int = -1  # the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)

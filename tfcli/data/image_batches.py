@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UserError
-from ..sampler import Draw, Source
+from .sampler import Draw, Source
 from .images import ImageSet
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from . import IGNORE
-from ..sampler import Draw, Source
+from .sampler import Draw, Source
 from .store import TokenStore
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UserError
-from ..sampler import Draw, Source
+from .sampler import Draw, Source
 from .images import ImageSet
 
 PALETTE_FILE = "palette.json"  # an igpt run's colours and image side (and a classifier's trained from it)

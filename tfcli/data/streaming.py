@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from ..errors import UserError
-from ..sampler import Draw, Source, Stream
+from .sampler import Draw, Source, Stream
 from .documents import DocumentSource
 from .tokenizers import TextTokenizer
 

@@ -11,9 +11,10 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from .pooling import text_encoder_features, text_encoder_layer_features
 from .kinds import TEXT_ENCODER
 from ..errors import UserError
-from .blocks import ACTIVATIONS, Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
+from .blocks import ACTIVATIONS, dense_flops_per_token, Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Bert(nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
 
     kind = TEXT_ENCODER
+    features, layer_features = text_encoder_features, text_encoder_layer_features  # what a classifier / probe reads
     special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
     poolings = ("cls", "mean", "last4-sum", "last4-concat")
 
@@ -112,6 +114,11 @@ class Bert(nn.Module):
         """input_ids (B, T), token_type_ids (B, T), attention_mask (B, T) of 1 = token, 0 = pad
         -> hidden states (B, T, D), or with all_layers the list of every block's output (last = final)."""
         return run_blocks(self.blocks, self.embed(input_ids, token_type_ids), attention_mask, all_layers)
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        """Training FLOPs per token: every weight but the learned positions (the MLM decoder is tied to
+        the token embedding)."""
+        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model, lookups=(self.wpe,))
 
     def pool(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, D): tanh(dense(hidden of [CLS]))."""

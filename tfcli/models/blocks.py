@@ -375,3 +375,11 @@ def scale_residual_projections_(blocks: nn.ModuleList, n_layer: int, std: float 
     for block in blocks:
         for proj in (block.attn.out, block.mlp.down):
             nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * n_layer))
+
+
+def dense_flops_per_token(module: nn.Module, n_layer: int, seq_len: int, width: int, lookups: tuple = ()) -> float:
+    """Training FLOPs per token of a stack of blocks (torchtitan's get_nparams_and_flops, PaLM appendix
+    B): 6 N (forward 2 + backward 4 per parameter; N without the lookup tables in `lookups`, learned
+    positions, which multiply nothing) plus attention's 12 L T D (D the query width)."""
+    n = sum(p.numel() for p in module.parameters()) - sum(t.weight.numel() for t in lookups)
+    return 6.0 * n + 12.0 * n_layer * seq_len * width

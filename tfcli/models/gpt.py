@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
+from .pooling import decoder_features, decoder_layer_features
 from .kinds import DECODER, DECODER_POOLINGS
-from .blocks import (Attention, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
+from .blocks import (Attention, dense_flops_per_token, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
                      init_normal_, make_norm, scale_residual_projections_)
 
 
@@ -39,6 +39,7 @@ class GPT(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the tied head."""
 
     kind, poolings = DECODER, DECODER_POOLINGS
+    features, layer_features = decoder_features, decoder_layer_features  # what a classifier / probe reads
     special_tokens = ("<|endoftext|>",)
 
     @staticmethod
@@ -92,6 +93,10 @@ class GPT(nn.Module):
             x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None)
             layers.append(x)
         return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        """Training FLOPs per token: every weight but the learned positions (the tied LM head included)."""
+        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model, lookups=(self.wpe,))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""

@@ -24,6 +24,12 @@ DECODER_POOLINGS = ("last", "mean", "last4-sum", "last4-concat")  # what a decod
 GENERATIVE = (DECODER, ENCODER_DECODER)  # what `tfcli generate` and text-to-text tasks run
 
 
+def is_seq2seq(model) -> bool:
+    """How the model is given a prompt and a target: the prompt to its encoder and the target to its
+    decoder (an encoder-decoder), rather than both in one sequence (a decoder)."""
+    return model.kind == ENCODER_DECODER
+
+
 @runtime_checkable
 class DecoderLM(Protocol):
     """forward(input_ids (B, T), caches, all_layers, doc_ids, key_mask) -> hidden (B, T, D)."""
@@ -37,6 +43,12 @@ class DecoderLM(Protocol):
     def logits(self, hidden: Tensor) -> Tensor: ...
 
     def new_caches(self, max_len: Optional[int] = None) -> list: ...
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
+
+    def features(self, batch: dict, pooling: str) -> Tensor: ...  # (B, F): what a classifier reads (models/pooling.py)
+
+    def layer_features(self, batch: dict, pooling: str) -> list: ...  # n_layer + 1 of (B, D): what a probe reads
 
 
 @runtime_checkable
@@ -56,6 +68,12 @@ class EncoderDecoder(Protocol):
 
     def new_caches(self, max_len: Optional[int] = None) -> list: ...
 
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
+
+    def features(self, batch: dict, pooling: str) -> Tensor: ...  # (B, F): what a classifier reads (models/pooling.py)
+
+    def layer_features(self, batch: dict, pooling: str) -> list: ...  # n_layer + 1 of (B, D): what a probe reads
+
 
 @runtime_checkable
 class TextEncoder(Protocol):
@@ -71,6 +89,12 @@ class TextEncoder(Protocol):
 
     def pool_parameters(self) -> list: ...  # what pool() alone reads: frozen when nothing calls it
 
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
+
+    def features(self, batch: dict, pooling: str) -> Tensor: ...  # (B, F): what a classifier reads (models/pooling.py)
+
+    def layer_features(self, batch: dict, pooling: str) -> list: ...  # n_layer + 1 of (B, D): what a probe reads
+
 
 @runtime_checkable
 class VisionEncoder(Protocol):
@@ -82,6 +106,12 @@ class VisionEncoder(Protocol):
     def forward_features(self, pixels: Tensor) -> Tensor: ...
 
     def pool(self, hidden: Tensor, pooling: str) -> Tensor: ...
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
+
+    def features(self, batch: dict, pooling: str) -> Tensor: ...  # (B, F): what a classifier reads (models/pooling.py)
+
+    def layer_features(self, batch: dict, pooling: str) -> list: ...  # n_layer + 1 of (B, D): what a probe reads
 
 
 PROTOCOLS = {DECODER: DecoderLM, ENCODER_DECODER: EncoderDecoder, TEXT_ENCODER: TextEncoder,

@@ -9,8 +9,9 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from .pooling import decoder_features, decoder_layer_features
 from .kinds import DECODER, DECODER_POOLINGS
-from .blocks import Attention, Block, KVCache, MLP, check_config, decoder_positions, init_normal_, make_norm
+from .blocks import Attention, dense_flops_per_token, Block, KVCache, MLP, check_config, decoder_positions, init_normal_, make_norm
 from .rotary import RopeScaling, Rotary, check_rope
 
 
@@ -63,6 +64,7 @@ class Llama(nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the LM head."""
 
     kind, poolings = DECODER, DECODER_POOLINGS
+    features, layer_features = decoder_features, decoder_layer_features  # what a classifier / probe reads
     special_tokens = ("<|endoftext|>",)
 
     @staticmethod
@@ -115,6 +117,11 @@ class Llama(nn.Module):
             x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
             layers.append(x)
         return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        """Training FLOPs per token: every weight (rotary positions are computed, not learned); attention
+        at the query width n_head x head_dim."""
+        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.n_head * self.cfg.head_dim)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab)."""

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from .pooling import encoder_decoder_features, encoder_decoder_layer_features
 from .kinds import ENCODER_DECODER
 from .blocks import Attention, Block, KVCache, MLP, causal_mask, check_config, make_norm, padding_mask
 
@@ -109,6 +110,7 @@ class T5(nn.Module):
     """Encoder-decoder. encode() and decode() return hidden states; logits() applies the LM head."""
 
     kind = ENCODER_DECODER
+    features, layer_features = encoder_decoder_features, encoder_decoder_layer_features  # what a classifier / probe reads
     special_tokens = ("<pad>", "</s>", "<unk>") + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
     poolings = ("encoder-mean", "decoder-first")
 
@@ -166,6 +168,19 @@ class T5(nn.Module):
         """(self-attention, cross-attention) caches for each decoder layer."""
         n = max_len or self.cfg.max_seq_len
         return [(KVCache(n), KVCache(0)) for _ in self.decoder]
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        """Training FLOPs per (encoder + decoder) token, seq_len encoder and target_len decoder tokens:
+        6 x parameters each token passes through (cross-attention keys/values run on encoder tokens, the
+        LM head on decoder tokens) plus attention's 12 x layers x Tq x Tk x inner width."""
+        cfg = self.cfg
+        count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
+        kv = count(b.cross_attn.kv for b in self.decoder)
+        n_enc = count(self.encoder) + kv
+        n_dec = count(self.decoder) - kv + cfg.vocab_size * cfg.d_model
+        inner = cfg.n_head * cfg.d_kv
+        attn = 12 * inner * (cfg.n_layer * seq_len ** 2 + cfg.n_decoder_layer * (target_len ** 2 + target_len * seq_len))
+        return (6.0 * (n_enc * seq_len + n_dec * target_len) + attn) / (seq_len + target_len)
 
     def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """input_ids (B, S), attention_mask (B, S) of 1 = token, 0 = pad -> (B, S, D)."""

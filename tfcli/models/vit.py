@@ -13,8 +13,9 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
+from .pooling import vision_features, vision_layer_features
 from .kinds import VISION_ENCODER
-from .blocks import Attention, Block, MLP, check_config, make_norm
+from .blocks import Attention, dense_flops_per_token, Block, MLP, check_config, make_norm
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,7 @@ class ViT(nn.Module):
     pre-norm blocks."""
 
     kind = VISION_ENCODER
+    features, layer_features = vision_features, vision_layer_features  # what a classifier / probe reads
     special_tokens = ()  # reads pixels
     poolings = ("cls", "mean")
 
@@ -250,6 +252,13 @@ class ViT(nn.Module):
         keep = keep.view(-1, 1, g, g).repeat_interleave(p, 2).repeat_interleave(p, 3)  # (B, 1, H, W)
         return self.patch_embed(pixels, keep)
 
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        """Training FLOPs per token of seq_len tokens ([CLS] and seq_len - 1 patches): the blocks, and
+        the patch projection on the patches."""
+        cfg = self.cfg
+        embed = cfg.d_model * cfg.channels * cfg.patch_size ** 2 * (seq_len - 1) / seq_len
+        return dense_flops_per_token(self.blocks, cfg.n_layer, seq_len, cfg.d_model) + 6.0 * embed
+
     def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None, all_layers: bool = False):
         """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks. all_layers: the
         embeddings and every block's output (n_layer + 1), each normalised (a probe of every depth)."""
@@ -285,6 +294,10 @@ class MAEDecoder(nn.Module):
         self.pred = nn.Linear(d, cfg.patch_size ** 2 * cfg.channels)
         _init_linear_(self)
         nn.init.normal_(self.mask_token, std=0.02)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the decoder's seq_len tokens (every position: visible and masked)."""
+        return dense_flops_per_token(self, self.cfg.decoder_n_layer, seq_len, self.cfg.decoder_d_model)
 
     def forward(self, latent: Tensor, ids_restore: Tensor) -> Tensor:
         """latent (B, 1 + K, D), ids_restore (B, N) -> predicted patches (B, N, P*P*C) in raster order."""

@@ -130,10 +130,9 @@ class Electra(MaskedLM):
         heads = nn.ModuleDict({"generator": Generator(cfg, s.generator_size, s.generator_layers),
                                "discriminator": DiscriminatorHead(cfg)})
         gen = heads["generator"].cfg
-        n_disc = sum(p.numel() for p in backbone.model.parameters()) - backbone.model.wpe.weight.numel()
-        n_gen = sum(p.numel() for p in heads.parameters())
-        attention = 12.0 * T * (cfg.n_layer * cfg.d_model + gen.n_layer * gen.d_model)
+        n_gen = sum(p.numel() for p in heads.parameters())  # the generator (and the discriminator's head)
+        generator = 6.0 * n_gen + 12.0 * T * gen.n_layer * gen.d_model
         return Job(heads=heads, loss=make_loss(s.disc_weight, s.temperature), train=train, val=val,
-                   flops_per_item=6.0 * (n_disc + n_gen) + attention,
+                   flops_per_item=backbone.model.flops_per_token(T) + generator,
                    count_items=lambda b: int(b["attention_mask"].sum()),
                    unread=tuple(backbone.model.pool_parameters()))  # no NSP: nothing pools

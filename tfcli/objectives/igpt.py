@@ -24,10 +24,9 @@ from ..data.palette import (PALETTE_FILE, PaletteSource, dequantize, fit_palette
 from ..display import phase
 from ..errors import UserError
 from ..models import kinds
-from ..perf import flops_per_token
 from ..plugin import Job
 from ..recipe import require
-from . import Objective
+from .objective import Objective
 from .next_token import loss, with_perplexity
 
 
@@ -93,7 +92,7 @@ class ImageGPT(Objective):
         start = start_id(palette)
         return Job(heads=nn.ModuleDict(), loss=loss, train=PaletteSource(train, start),
                    val=PaletteSource(test, start) if test is not None and len(test) else None,
-                   flops_per_item=flops_per_token(model, cfg.length), count_items=lambda b: b["input_ids"].numel(),
+                   flops_per_item=model.flops_per_token(cfg.length), count_items=lambda b: b["input_ids"].numel(),
                    held_out_metrics=with_perplexity, files=palette_file(palette, cfg.image_size))
 
     def hints(self, run_dir) -> list[str]:
@@ -114,7 +113,7 @@ def sample_grid(backbone, n: int, out: Path, temperature: float, top_k: int, see
     model, and the original; under them n unconditional samples. Written as a PNG."""
     from PIL import Image
 
-    from ..checkpoint import run_dir_of
+    from ..engine.checkpoint import run_dir_of
     from ..generate import generate_batch
 
     run, recipe = run_dir_of(Path(backbone.checkpoint)), backbone.recipe

@@ -7,8 +7,10 @@ tensor, its log-softmax and their backward passes never exist. Same FLOPs, far l
 """
 from __future__ import annotations
 
+import math
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
 
@@ -145,3 +147,39 @@ def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor
     rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target: only
     token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows])  # they reach the head
     return token.new_zeros(b).index_add(0, rows // t, token)  # (B,)
+
+
+# --- the losses of the text objectives, which text-to-text tasks (SFT, classification as text) train too
+
+def next_token_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean next-token cross-entropy; `targets` are the inputs shifted left by one (IGNORE where a
+    packed block crosses into the next document, with data.document_mask)."""
+    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
+    value, _ = linear_cross_entropy(hidden, model.lm_head_weight, batch["targets"])
+    return value, {"loss": value.detach()}
+
+
+def with_perplexity(metrics: dict[str, float]) -> dict[str, float]:
+    return {**metrics, "ppl": math.exp(min(metrics["loss"], 50.0))}
+
+
+def shift_right(labels: Tensor, start_id: int) -> Tensor:
+    """(B, T) targets -> decoder inputs: start token, then the targets up to T-1 (ignored ones as start)."""
+    shifted = labels.new_full(labels.shape, start_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == IGNORE, start_id)
+
+
+def seq2seq_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy.
+
+    Padding costs nothing it need not: decoder positions after every row's last target are cut
+    (causal attention: they cannot change earlier positions), and padded targets never reach the
+    (large) output projection."""
+    mask, labels = batch.get("attention_mask"), batch["labels"]
+    valid = labels != IGNORE  # (B, T)
+    last = int(valid.any(0).nonzero().max()) + 1 if bool(valid.any()) else 1
+    labels, valid = labels[:, :last], valid[:, :last]
+    hidden = model.decode(batch["decoder_input_ids"][:, :last], model.encode(batch["input_ids"], mask), mask)
+    value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, labels[valid], with_accuracy=True)
+    return value, {"loss": value.detach(), "token_acc": correct.float() / valid.sum().clamp(min=1)}

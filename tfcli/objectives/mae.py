@@ -18,13 +18,13 @@ from ..data.images import ImageSet, load_images
 from ..display import console, phase
 from ..errors import UserError
 from ..models import kinds
-from ..evaluate import held_out_metrics, metrics_table
+from ..engine.evaluate import held_out_metrics, metrics_table
 from ..models.vit import MAEDecoder, n_visible, patchify, random_masking
-from ..pictures import reconstruction_png
+from .mae_pictures import reconstruction_png
 from ..plugin import EvalOptions, Job
-from ..sampler import HELD_OUT, Draw, sequential_batches
-from ..train import ObjectiveModule
-from . import Objective
+from ..data.sampler import HELD_OUT, Draw, sequential_batches
+from ..engine.trainer import ObjectiveModule
+from .objective import Objective
 
 PICTURE_IMAGES = 8  # held-out images drawn in each reconstruction grid
 
@@ -51,14 +51,9 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
 
 
 def flops_per_image(model: nn.Module, decoder: nn.Module) -> float:
-    """6 x parameters x tokens for encoder (1 + K tokens) and decoder (1 + N), plus attention 12 L T^2 D."""
-    cfg = model.cfg
-    k, n = n_visible(cfg.n_patches, cfg.mask_ratio) + 1, cfg.n_patches + 1
-    enc = sum(p.numel() for p in model.blocks.parameters())
-    dec = sum(p.numel() for p in decoder.parameters() if p.requires_grad)
-    embed = cfg.d_model * cfg.channels * cfg.patch_size ** 2 * (k - 1)
-    attn = 12 * (cfg.n_layer * k * k * cfg.d_model + cfg.decoder_n_layer * n * n * cfg.decoder_d_model)
-    return 6.0 * (enc * k + dec * n + embed) + attn
+    """The encoder's FLOPs on its 1 + K visible tokens and the decoder's on all 1 + N (the models' counts)."""
+    k, n = n_visible(model.cfg.n_patches, model.cfg.mask_ratio) + 1, model.cfg.n_patches + 1
+    return model.flops_per_token(k) * k + decoder.flops_per_token(n) * n
 
 
 def held_out(data, seed: int) -> ImageSet:

@@ -20,10 +20,9 @@ from ..errors import UserError
 from ..recipe import require
 from ..models import kinds
 from ..models.bert import Bert, MLMHead, build_heads, special_ids  # noqa: F401 (electra and tests read them here)
-from ..perf import flops_per_token
 from ..plugin import Job
-from ..sampler import Draw, Source
-from . import TextObjective
+from ..data.sampler import Draw, Source
+from .objective import TextObjective
 from .losses import IGNORE, linear_cross_entropy
 
 SPECIAL_TOKENS = list(Bert.special_tokens)  # [PAD] [UNK] [CLS] [SEP] [MASK]
@@ -178,7 +177,7 @@ class MaskedLM(TextObjective):
     def setup(self, recipe, backbone) -> Job:
         train, val = self.example_sources(recipe, backbone, recipe.settings.nsp)
         return Job(heads=build_heads(backbone.cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
-                   flops_per_item=flops_per_token(backbone.model, recipe.data.seq_len),
+                   flops_per_item=backbone.model.flops_per_token(recipe.data.seq_len),
                    count_items=lambda b: int(b["attention_mask"].sum()),
                    unread=() if recipe.settings.nsp else tuple(backbone.model.pool_parameters()))
 

@@ -1,7 +1,6 @@
 """GPT next-token prediction: cross-entropy of token t+1 given tokens <= t over packed blocks."""
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Optional
 
@@ -11,22 +10,10 @@ from torch import Tensor, nn
 from ..data.packing import BlockSource, WindowSource, documents_from_eos, split_stores, within_documents
 from ..errors import UserError
 from ..models import kinds
-from ..perf import flops_per_token
 from ..plugin import Job
-from . import TextObjective
-from .losses import linear_cross_entropy
-
-
-def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean next-token cross-entropy; `targets` are the inputs shifted left by one (IGNORE where a
-    packed block crosses into the next document, with data.document_mask)."""
-    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
-    value, _ = linear_cross_entropy(hidden, model.lm_head_weight, batch["targets"])
-    return value, {"loss": value.detach()}
-
-
-def with_perplexity(metrics: dict[str, float]) -> dict[str, float]:
-    return {**metrics, "ppl": math.exp(min(metrics["loss"], 50.0))}
+from .objective import TextObjective
+from .losses import next_token_loss as loss  # noqa: F401  (the objective's loss; text-to-text tasks train it too)
+from .losses import with_perplexity
 
 
 def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:
@@ -61,7 +48,7 @@ class NextToken(TextObjective):
                 BlockSource(train, d.seq_len, recipe.train.seed, document_mask=mask)
             held_out = BlockSource(val, d.seq_len, shift=False, document_mask=mask) if len(val) > d.seq_len else None
         return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
-                   flops_per_item=flops_per_token(backbone.model, d.seq_len),
+                   flops_per_item=backbone.model.flops_per_token(d.seq_len),
                    count_items=lambda b: b["input_ids"].numel(), held_out_metrics=with_perplexity)
 
     def hints(self, run_dir) -> list[str]:

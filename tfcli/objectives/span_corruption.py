@@ -23,9 +23,10 @@ from ..data.packing import BlockSource, split_stores
 from ..errors import UserError
 from ..models import kinds, t5
 from ..plugin import Job
-from ..sampler import Draw
-from . import TextObjective
-from .losses import IGNORE, linear_cross_entropy
+from ..data.sampler import Draw
+from .objective import TextObjective
+from .losses import seq2seq_loss as loss  # noqa: F401  (the objective's loss; text-to-text tasks train it too)
+from .losses import shift_right
 
 SENTINELS = list(t5.SENTINELS)  # <extra_id_0> ... <extra_id_99>
 N_SENTINELS = len(SENTINELS)
@@ -99,13 +100,6 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinels: np.ndarray, eos_id:
     return np.append(inputs, eos_id), np.append(targets, eos_id)
 
 
-def shift_right(labels: Tensor, start_id: int) -> Tensor:
-    """(B, T) targets -> decoder inputs: start token, then the targets up to T-1 (ignored ones as start)."""
-    shifted = labels.new_full(labels.shape, start_id)
-    shifted[:, 1:] = labels[:, :-1]
-    return shifted.masked_fill(shifted == IGNORE, start_id)
-
-
 @dataclass
 class SpanCorruptor:
     """Turns raw blocks of `raw_len` tokens into encoder inputs, targets and decoder inputs."""
@@ -135,35 +129,6 @@ class CorruptedBlocks(BlockSource):
     def batch(self, draw: Draw) -> dict[str, Tensor]:
         raw = self.blocks(self.starts(draw)).numpy()  # (B, raw_len)
         return self.corruptor(raw, [draw.rng(i) for i in range(len(draw))])
-
-
-def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Cross-entropy of the targets given the noised input (teacher forcing); token accuracy.
-
-    Padding costs nothing it need not: decoder positions after every row's last target are cut
-    (causal attention: they cannot change earlier positions), and padded targets never reach the
-    (large) output projection."""
-    mask, labels = batch.get("attention_mask"), batch["labels"]
-    valid = labels != IGNORE  # (B, T)
-    last = int(valid.any(0).nonzero().max()) + 1 if bool(valid.any()) else 1
-    labels, valid = labels[:, :last], valid[:, :last]
-    hidden = model.decode(batch["decoder_input_ids"][:, :last], model.encode(batch["input_ids"], mask), mask)
-    value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, labels[valid], with_accuracy=True)
-    return value, {"loss": value.detach(), "token_acc": correct.float() / valid.sum().clamp(min=1)}
-
-
-def flops_per_token(model, inputs_len: int, targets_len: int) -> float:
-    """Training FLOPs per (encoder + decoder) token: 6 x parameters each token passes through
-    (cross-attention keys/values run on encoder tokens, the LM head on decoder tokens) plus
-    attention's 12 x layers x Tq x Tk x inner width."""
-    cfg = model.cfg
-    count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
-    kv = count(b.cross_attn.kv for b in model.decoder)
-    n_enc = count(model.encoder) + kv
-    n_dec = count(model.decoder) - kv + cfg.vocab_size * cfg.d_model
-    inner = cfg.n_head * cfg.d_kv
-    attn = 12 * inner * (cfg.n_layer * inputs_len ** 2 + cfg.n_decoder_layer * (targets_len ** 2 + targets_len * inputs_len))
-    return (6.0 * (n_enc * inputs_len + n_dec * targets_len) + attn) / (inputs_len + targets_len)
 
 
 def make_corruptor(tokenizer) -> SpanCorruptor:
@@ -199,7 +164,7 @@ class SpanCorruption(TextObjective):
             source = CorruptedBlocks(train, raw_len, corruptor, recipe.train.seed)
             held_out = CorruptedBlocks(val, raw_len, corruptor, shift=False) if len(val) >= raw_len else None
         return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
-                   flops_per_item=flops_per_token(backbone.model, d.seq_len, targets_len),
+                   flops_per_item=backbone.model.flops_per_token(d.seq_len, targets_len),
                    count_items=lambda b: b["input_ids"].numel() + b["labels"].numel())
 
     def hints(self, run_dir) -> list[str]:

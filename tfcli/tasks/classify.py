@@ -21,10 +21,10 @@ from ..errors import UserError, listing
 from ..models import kinds
 from ..models.bert import build_heads, special_ids
 from ..plugin import EvalOptions
-from ..runtime import to_device
-from ..sampler import sequential_batches
+from ..engine.runtime import to_device
+from ..data.sampler import sequential_batches
 from ..recipe import FinetuneConfig
-from . import ClassificationTask, Head, TaskData, with_data
+from .classification import ClassificationTask, Head, TaskData, with_data
 from . import cloze, prompts
 from .cloze import ClozeHead
 from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
@@ -38,8 +38,8 @@ class ClassifyConfig:
     """The `classify:` recipe section. Fields left empty come from the preset."""
 
     preset: str = ""  # e.g. "mnli": its data source, text fields and labels
-    text_fields: tuple[str, ...] = ()  # the column(s) holding the text: one, or two for a pair
-    label_field: str = ""  # the column holding the label ("" = the preset's, else "label")
+    text_fields: tuple[str, ...] = ()  # the column(s) holding the text: one, or two for a pair (e.g. title,body)
+    label_field: str = ""  # the column holding the label ("": the preset's, else label)
     labels: tuple[str, ...] = ()  # label names in id order ("" = the preset's, else the training data's, sorted)
     # zero-shot cloze (eval --cloze, BERT): the texts as {field}s around one [MASK]; "" = PET's pattern
     cloze_template: str = ""
@@ -98,7 +98,7 @@ def text_encoder(backbone, spec: TextSpec, max_length: int):
     """(encode rows, collate) for a decoder or encoder-decoder classifier: the task's text, right-padded
     with the family's pad; an encoder-decoder's input ends in end of text (T5's </s>) and its decoder
     starts from the pad."""
-    tok, seq2seq = backbone.tokenizer, backbone.model.kind == kinds.ENCODER_DECODER
+    tok, seq2seq = backbone.tokenizer, kinds.is_seq2seq(backbone.model)
     eos = [tok.eos_id] if seq2seq and tok.eos_id is not None else []
     pad = type(backbone.model).pad_id(tok)
 
@@ -253,7 +253,7 @@ class Classify(ClassificationTask):
 
     def text_head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions]) -> TextHead:
         """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""
-        ft, spec = recipe.finetune or FinetuneConfig(), text_spec(recipe.settings)
+        spec = text_spec(recipe.settings)
         self.check(recipe, backbone)
         finetuned = backbone.recipe is not None and backbone.recipe.task == self.key
         k = options.few_shot if options is not None else -1
@@ -261,7 +261,7 @@ class Classify(ClassificationTask):
             raise UserError(f"{backbone.checkpoint} was not finetuned on {spec.name}; score it with --few-shot K "
                             f"(K solved examples in the prompt, 0 for none)")
         demos, max_length = [], recipe.data.seq_len
-        seq2seq = backbone.model.kind == kinds.ENCODER_DECODER
+        seq2seq = kinds.is_seq2seq(backbone.model)
         if k >= 0:
             max_length = max(backbone.cfg.max_seq_len, T5_PROMPT_TOKENS if seq2seq else 0)
         if k > 0:

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ..plugin import Batch
-from ..sampler import Source
-from . import Head
+from ..data.sampler import Source
+from .classification import Head
 
 MASK = "[MASK]"
 _PIECES = re.compile(r"(\{[^{}]*\}|\[MASK\])")

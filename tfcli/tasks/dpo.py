@@ -29,22 +29,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import adapters
-from ..backbone import base_model, for_inference, from_run, recorded
-from ..checkpoint import run_dir_of
+from ..engine.backbone import base_model, for_inference, from_run, recorded
+from ..engine.checkpoint import run_dir_of
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
 from ..data.labelled import TextSpec
 from ..data.preferences import PairBuilder, PairFields, Pairs
 from ..display import console, phase
 from ..errors import UserError
-from ..evaluate import held_out_metrics
+from ..engine.evaluate import held_out_metrics
 from ..models import kinds
 from ..objectives.losses import sequence_logprobs
-from ..perf import flops_per_token, training_flops_multiplier
+from ..engine.perf import training_flops_multiplier
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
-from ..sampler import sequential_batches
-from ..train import ObjectiveModule
+from ..data.sampler import sequential_batches
+from ..engine.trainer import ObjectiveModule
 from .reply_batches import PairBatches, pair_count
 from .sft import count_tokens, read_splits, summary_line, template_for
 
@@ -174,7 +174,7 @@ class DPO(Plugin):
         frozen = {"reference": self.starting_model(recipe, backbone).requires_grad_(False)} if mode == "copy" else {}
         refs, files = self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
         loss = Preference(cfg, mode, frozen)
-        full = flops_per_token(backbone.model, int(np.mean([p.length for p in train.pairs[:500]])))
+        full = backbone.model.flops_per_token(int(np.mean([p.length for p in train.pairs[:500]])))
         extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
         val = PairBatches(held, pad, refs.get("held_out")) if held else None
         self.trained = (held_split, loss, val)  # what the final report measures against, as training did

@@ -1,25 +1,23 @@
-"""A linear classifier on pooled backbone features, for text (BERT) and images (ViT) alike.
+"""A linear classifier on pooled backbone features, for text (BERT, GPT, T5) and images (ViT) alike.
 
-`features` is the one place that knows how each family's hidden states become a feature vector:
-BERT's pooled [CLS] (transformers' BertForSequenceClassification exactly), the mean of the token
-outputs, or the [CLS] vectors of the last four layers summed or concatenated; ViT's [CLS] vector
-or the mean of its patch vectors.
+How a model's hidden states become a feature vector is the model's to say (its `features` and
+`layer_features`, models/pooling.py): BERT's pooled [CLS], the mean of the token outputs, the last
+four layers; a decoder's last token; T5's encoder mean; ViT's [CLS] or the mean of its patches.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
 from ..models import kinds, model_class
-from ..perf import training_flops_multiplier
+from ..engine.perf import training_flops_multiplier
 from ..plugin import Batch
-from ..sampler import Draw, Source
-from . import Head
+from ..data.sampler import Draw, Source
+from .classification import Head
 
 def resolve_pooling(family: str, pooling: str) -> str:
     """`auto`: the family's natural summary, the first of its declared poolings: [CLS] (BERT, ViT),
@@ -39,70 +37,16 @@ def feature_dim(cfg, pooling: str) -> int:
     return 4 * cfg.d_model if pooling == "last4-concat" else cfg.d_model
 
 
-def _masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
-    """(B, T, D), (B, T) of 1 = token -> (B, D): the mean over real tokens only."""
-    m = mask[..., None].to(hidden.dtype)
-    return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-
-
-def _last4(layers: list[Tensor], pick, pooling: str) -> Tensor:
-    picked = [pick(h) for h in layers[-4:]]  # 4 x (B, D)
-    return torch.stack(picked).sum(0) if pooling == "last4-sum" else torch.cat(picked, dim=-1)
-
-
-def decoder_features(model: nn.Module, batch: Batch, pooling: str) -> Tensor:
-    """A decoder: the last real token (right padding: causal attention never sees it), the mean, or the
-    last token of the last four layers. An encoder-decoder: the mean of the encoder's outputs, or the
-    decoder's first position reading the encoder (as a span-corruption decoder fills its first sentinel)."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    if model.kind == kinds.ENCODER_DECODER:
-        encoded = model.encode(ids, mask)  # (B, S, D)
-        if pooling == "encoder-mean":
-            return _masked_mean(encoded, mask)
-        return model.decode(batch["decoder_input_ids"], encoded, mask)[:, 0]  # (B, D)
-    last = mask.sum(1) - 1  # (B,)
-    rows = torch.arange(ids.size(0), device=ids.device)
-    if pooling.startswith("last4"):
-        return _last4(model(ids, all_layers=True), lambda h: h[rows, last], pooling)
-    hidden = model(ids)  # (B, T, D)
-    return hidden[rows, last] if pooling == "last" else _masked_mean(hidden, mask)
-
-
 def features(model: nn.Module, batch: Batch, pooling: str, layer: int = -1) -> Tensor:
     """A batch's inputs -> (B, F) features for the classifier: of the last block, or (layer >= 0) of
-    that depth (0: the embeddings; an encoder's cls is then its first token, not BERT's pooler)."""
-    if layer >= 0:
-        layers = layer_features(model, batch, pooling)
-        if layer >= len(layers):
-            raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {len(layers) - 1}")
-        return layers[layer]
-    if model.kind == kinds.VISION_ENCODER:
-        return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)
-    if model.kind in kinds.GENERATIVE:
-        return decoder_features(model, batch, pooling)
-    args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
-    if pooling == "cls":
-        return model.pool(model(*args))  # BERT's pooler: tanh(dense([CLS]))
-    if pooling == "mean":
-        return _masked_mean(model(*args), batch["attention_mask"])
-    return _last4(model(*args, all_layers=True), lambda h: h[:, 0], pooling)
-
-
-def layer_features(model: nn.Module, batch: Batch, pooling: str) -> list[Tensor]:
-    """Pooled features of every depth, n_layer + 1 of (B, D): the embeddings, then each block's output
-    (what `tfcli probe` fits a linear classifier on). Pooling: mean (of real tokens or patches), last
-    (a decoder's last real token) or cls (an encoder's first token, not BERT's pooler)."""
-    if model.kind == kinds.VISION_ENCODER:
-        return [model.pool(h, pooling) for h in model.forward_features(batch["pixels"], all_layers=True)]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    if model.kind == kinds.DECODER:
-        layers = model(ids, all_layers=True)
-        rows, last = torch.arange(ids.size(0), device=ids.device), mask.sum(1) - 1
-        return [h[rows, last] if pooling == "last" else _masked_mean(h, mask) for h in layers]
-    if model.kind == kinds.TEXT_ENCODER:
-        layers = model(ids, batch["token_type_ids"], mask, all_layers=True)
-        return [h[:, 0] if pooling == "cls" else _masked_mean(h, mask) for h in layers]
-    raise UserError(f"probe reads a decoder, a text encoder or a vision encoder, not a {model.kind}")
+    that depth (0: the embeddings; an encoder's cls is then its first token, not BERT's pooler). The
+    model says how it pools (models/pooling.py)."""
+    if layer < 0:
+        return model.features(batch, pooling)
+    layers = model.layer_features(batch, pooling)
+    if layer >= len(layers):
+        raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {len(layers) - 1}")
+    return layers[layer]
 
 
 def matmul_params(model: nn.Module) -> int:

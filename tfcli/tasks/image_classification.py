@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..models import kinds
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
-from . import ClassificationTask, TaskData
+from .classification import ClassificationTask, TaskData
 from .heads import ClassifierHead
 
 
@@ -51,7 +51,7 @@ class ImageClassify(ClassificationTask):
     def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
         """A decoder reads images only as an ImageGPT run's colours: a text model is refused before the
         images are read."""
-        from ..checkpoint import run_dir_of
+        from ..engine.checkpoint import run_dir_of
         from ..data.palette import PALETTE_FILE
 
         if backbone.model.kind == kinds.DECODER and (
@@ -76,7 +76,7 @@ class ImageClassify(ClassificationTask):
     def colour_head(self, backbone, data: TaskData, ft: FinetuneConfig) -> ClassifierHead:
         """An ImageGPT run's classifier: the images in the run's palette, features average-pooled from
         finetune.layer (the paper's best features sit in the middle layers)."""
-        from ..checkpoint import run_dir_of
+        from ..engine.checkpoint import run_dir_of
         from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
 
         self.check(None, backbone)

@@ -10,17 +10,18 @@ An encoder-decoder's batch is the padded source and the reply as T5 targets.
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..data import IGNORE
-from ..data.conversations import Example, Seq2SeqExample
-from ..objectives import next_token, span_corruption
-from ..objectives.losses import linear_cross_entropy
-from ..sampler import Draw, Source
+from ..data.conversations import DecoderExamples, Example, Seq2SeqExample, Seq2SeqExamples
+from ..models import kinds
+from ..objectives.losses import linear_cross_entropy, seq2seq_loss, shift_right
+from ..data.sampler import Draw, Source
 
 
 def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -41,10 +42,6 @@ def decoder_targets(batch: dict[str, Tensor]) -> Tensor:
 
 def seq2seq_targets(batch: dict[str, Tensor]) -> Tensor:
     return (batch["labels"] != IGNORE).sum()
-
-
-LOSSES = {"decoder": (decoder_loss, decoder_targets), "seq2seq": (span_corruption.loss, seq2seq_targets)}
-with_perplexity = next_token.with_perplexity
 
 
 def decoder_rows(rows: list[list[Example]], pad_id: int) -> dict[str, Tensor]:
@@ -136,7 +133,7 @@ class Seq2SeqReplies(Source):
             ids[r, : len(e.source)], mask[r, : len(e.source)] = torch.from_numpy(e.source), 1
             labels[r, : len(e.target)] = torch.from_numpy(e.target)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                "decoder_input_ids": span_corruption.shift_right(labels, self.pad)}
+                "decoder_input_ids": shift_right(labels, self.pad)}
 
 
 class PairBatches(Source):
@@ -163,3 +160,41 @@ class PairBatches(Source):
 def pair_count(batch: dict[str, Tensor]) -> Tensor:
     """A preference batch's pairs: what its loss averages over."""
     return torch.tensor(batch["input_ids"].size(0) // 2)
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How a model is given a prompt and its reply, asked of the model once (reply_format): a decoder
+    reads both as one sequence (a chat template, packing); an encoder-decoder reads the prompt with
+    its encoder and writes the reply with its decoder (no template, no packing). Everything SFT does
+    differently for the two follows from here."""
+
+    seq2seq: bool
+    loss: Callable
+    loss_weight: Callable  # the trained tokens of a batch: what its loss averages over
+
+    def builder(self, tokenizer, template, train_on: str, length: int, fields, fmt):
+        if self.seq2seq:
+            return Seq2SeqExamples(tokenizer, length, fields, fmt)
+        return DecoderExamples(tokenizer, template, train_on, length, fields, fmt)
+
+    def batches(self, examples: list, pad: int, pack_length: int = 0, seed: int = 0) -> Source:
+        """Right-padded rows, or (pack_length > 0, a decoder's training split) rows packed to that length."""
+        if self.seq2seq:
+            return Seq2SeqReplies(examples, pad)
+        return PackedReplies(examples, pack_length, pad, seed) if pack_length else PaddedReplies(examples, pad)
+
+    def lengths(self, examples: list) -> tuple[int, int]:
+        """(input, target) mean token counts for the model's flops_per_token: an encoder-decoder's
+        source and target; a decoder's whole sequence."""
+        if self.seq2seq:
+            return int(np.mean([len(e.source) for e in examples])), int(np.mean([len(e.target) for e in examples]))
+        return int(np.mean([len(e.ids) for e in examples])), 0
+
+
+DECODER_REPLIES = ReplyFormat(False, decoder_loss, decoder_targets)
+SEQ2SEQ_REPLIES = ReplyFormat(True, seq2seq_loss, seq2seq_targets)
+
+
+def reply_format(model) -> ReplyFormat:
+    return SEQ2SEQ_REPLIES if kinds.is_seq2seq(model) else DECODER_REPLIES

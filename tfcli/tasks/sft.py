@@ -18,28 +18,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import numpy as np
 import torch
 from rich.table import Table
 from rich.text import Text
 
-from ..backbone import from_run
+from ..engine.backbone import from_run
 from ..data.chat import ChatTemplate, stop_ids
-from ..data.conversations import DecoderExamples, Examples, Fields, Seq2SeqExamples, require_targets
+from ..data.conversations import Examples, Fields, require_targets
 from ..data.labelled import TextSpec, raw_splits
 from ..display import console, counted, phase
 from ..errors import UserError
-from ..evaluate import held_out_metrics
+from ..engine.evaluate import held_out_metrics
 from ..models import kinds
-from ..perf import flops_per_token, training_flops_multiplier
+from ..engine.perf import training_flops_multiplier
+from ..objectives.losses import with_perplexity
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
-from ..sampler import sequential_batches
-from ..train import ObjectiveModule
+from ..data.sampler import sequential_batches
+from ..engine.trainer import ObjectiveModule
 from . import answers
 from .presets import presets_of
-from ..objectives import span_corruption
-from .reply_batches import LOSSES, PackedReplies, PaddedReplies, Seq2SeqReplies, with_perplexity
+from .reply_batches import reply_format
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,16 @@ class SFTConfig:
 
     preset: str = ""  # gsm8k: GSM8K's fields, splits and scoring
     format: Literal["auto", "prompt", "messages", "text"] = "auto"  # auto: by the fields each row has
-    prompt_field: str = ""  # "" = the preset's, else "prompt"
-    response_field: str = ""  # "" = the preset's, else "completion"
+    prompt_field: str = ""  # the column holding the prompt ("": the preset's, else prompt)
+    response_field: str = ""  # the column holding the reply ("": the preset's, else completion)
     messages_field: str = "messages"
     text_field: str = "text"
     system: str = ""  # a system message before every prompt/reply row
-    chat_template: str = ""  # "": the model's own (none when it has none); none; a shipped name or a .jinja file
-    train_on: Literal["assistant", "all", "last"] = "assistant"  # every reply, every token, the last reply
+    # a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none ("": the model's
+    # own, none when it has none)
+    chat_template: str = ""
+    # which tokens are learned: assistant (every reply), all (every token), last (the last reply)
+    train_on: Literal["assistant", "all", "last"] = "assistant"
     pack: bool = False  # several examples per row, each attending only to itself
     metric: Literal["", "exact", "contains", "final-number"] = ""  # "" = the preset's, else exact
     max_new_tokens: int = 256  # generated replies (eval sft and the final report)
@@ -115,7 +117,7 @@ class SFT(Plugin):
         if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
             raise UserError("sft trains the model to write replies: there is no classifier head or pooling "
                             "(--train all, lora, ia3 or bitfit)")
-        if backbone.model.kind == kinds.ENCODER_DECODER and (cfg.pack or cfg.chat_template not in ("", "none")):
+        if reply_format(backbone.model).seq2seq and (cfg.pack or cfg.chat_template not in ("", "none")):
             raise UserError(f"a {backbone.family} reads the prompt with its encoder: sft.pack and sft.chat_template "
                             f"are for decoders")
 
@@ -124,9 +126,8 @@ class SFT(Plugin):
 
     def builder(self, recipe, backbone, template: Optional[ChatTemplate]):
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
-        if backbone.model.kind == kinds.ENCODER_DECODER:
-            return Seq2SeqExamples(backbone.tokenizer, length, fields(cfg), cfg.format)
-        return DecoderExamples(backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format)
+        return reply_format(backbone.model).builder(backbone.tokenizer, template, cfg.train_on, length, fields(cfg),
+                                                    cfg.format)
 
     def examples(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
                  say: bool = True) -> dict[str, Examples]:
@@ -148,26 +149,19 @@ class SFT(Plugin):
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         source = self.source(recipe, backbone, train.examples, pad, for_training=True)
         val = next((self.source(recipe, backbone, e.examples, pad) for _, e in held_out if e.examples), None)
-        loss, weight = LOSSES["seq2seq" if backbone.model.kind == kinds.ENCODER_DECODER else "decoder"]
-        return Job(heads=torch.nn.ModuleDict(), loss=loss, train=source, val=val,
+        replies = reply_format(backbone.model)
+        return Job(heads=torch.nn.ModuleDict(), loss=replies.loss, train=source, val=val,
                    flops_per_item=self.flops(recipe, backbone, train), count_items=count_tokens,
-                   held_out_metrics=with_perplexity, examples=source.epoch_size(0), loss_weight=weight)
+                   held_out_metrics=with_perplexity, examples=source.epoch_size(0), loss_weight=replies.loss_weight)
 
     def source(self, recipe, backbone, examples: list, pad: int, for_training: bool = False):
-        if backbone.model.kind == kinds.ENCODER_DECODER:
-            return Seq2SeqReplies(examples, pad)
-        if for_training and recipe.settings.pack:
-            return PackedReplies(examples, min(recipe.data.seq_len, backbone.cfg.max_seq_len), pad, recipe.train.seed)
-        return PaddedReplies(examples, pad)
+        pack = min(recipe.data.seq_len, backbone.cfg.max_seq_len) if for_training and recipe.settings.pack else 0
+        return reply_format(backbone.model).batches(examples, pad, pack, recipe.train.seed)
 
     def flops(self, recipe, backbone, train: Examples) -> float:
         """Training FLOPs per token at the mean example length (scaled for adapters)."""
         sample = train.examples[:500]
-        if backbone.model.kind == kinds.ENCODER_DECODER:
-            full = span_corruption.flops_per_token(backbone.model, int(np.mean([len(e.source) for e in sample])),
-                                                   int(np.mean([len(e.target) for e in sample])))
-        else:
-            full = flops_per_token(backbone.model, int(np.mean([len(e.ids) for e in sample])))
+        full = backbone.model.flops_per_token(*reply_format(backbone.model).lengths(sample))
         return full * training_flops_multiplier(recipe.finetune.train) / 6.0
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
@@ -208,7 +202,7 @@ class SFT(Plugin):
             raise UserError("sft: no held-out examples to evaluate on (give --data with a dev or test split)")
         cfg, model = recipe.settings, backbone.model.eval()
         pad = type(model).pad_id(backbone.tokenizer)
-        loss, weight = LOSSES["seq2seq" if model.kind == kinds.ENCODER_DECODER else "decoder"]
+        loss, weight = reply_format(model).loss, reply_format(model).loss_weight
         results, lines = {}, []
         for split, e in held_out.items():
             scored = e.examples[:n_loss]
@@ -276,7 +270,7 @@ def template_for(name: str, backbone) -> Optional[ChatTemplate]:
     """The template examples are rendered in: `name` (a shipped template or a file), else the model's
     own, else none (name "none", a model without one, an encoder-decoder)."""
     tok = backbone.tokenizer
-    if backbone.model.kind == kinds.ENCODER_DECODER or name == "none":
+    if reply_format(backbone.model).seq2seq or name == "none":
         return None
     if name:
         return ChatTemplate.load(name)

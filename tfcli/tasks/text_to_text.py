@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ..models import kinds
-from ..objectives import next_token, span_corruption
 from ..data import IGNORE
-from ..perf import flops_per_token, training_flops_multiplier
+from ..engine.perf import training_flops_multiplier
+from ..objectives.losses import next_token_loss, seq2seq_loss, shift_right
 from ..plugin import Batch
-from . import Head
+from .classification import Head
 from . import prompts
 from .heads import ExampleSource
 
@@ -55,7 +55,7 @@ class Seq2SeqReader:
     after the sentinel it sits where pretraining taught the decoder to fill a gap from the input.
     """
 
-    loss = staticmethod(span_corruption.loss)
+    loss = staticmethod(seq2seq_loss)
 
     def __init__(self, tokenizer, label_words):
         self.tok = tokenizer
@@ -71,7 +71,7 @@ class Seq2SeqReader:
     def batch(self, prompt_ids: list[list[int]], labels: list[int]) -> Batch:
         targets = _pad([self.answers[y] for y in labels], IGNORE)
         return {"input_ids": _pad(prompt_ids, self.pad), "attention_mask": _mask(prompt_ids),
-                "labels": targets, "decoder_input_ids": span_corruption.shift_right(targets, self.pad)}
+                "labels": targets, "decoder_input_ids": shift_right(targets, self.pad)}
 
     def scores(self, model: nn.Module, prompt_ids: list[list[int]]) -> Tensor:
         """(N, n_labels) log p(answer | prompt)."""
@@ -85,7 +85,7 @@ class Seq2SeqReader:
 class DecoderReader:
     """GPT: the prompt ends in "answer:"; the label word's tokens are its continuation."""
 
-    loss = staticmethod(next_token.loss)
+    loss = staticmethod(next_token_loss)
 
     def __init__(self, tokenizer, label_words):
         self.tok = tokenizer
@@ -132,7 +132,7 @@ def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[T
                      start_id: int, ignore_id: int = IGNORE) -> Tensor:
     """Sum of log p(target token) over each row's target: targets (B, T) with ignore_id padding -> (B,).
     Teacher-forced: the decoder input is the target shifted right behind the start token."""
-    dec = span_corruption.shift_right(targets, start_id)
+    dec = shift_right(targets, start_id)
     logp = model.logits(model.decode(dec, encoded, encoder_mask)).float().log_softmax(-1)  # (B, T, V)
     picked = logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (B, T)
     return (picked * (targets != ignore_id)).sum(-1)
@@ -165,7 +165,7 @@ class TextHead(Head):
     def __init__(self, model: nn.Module, tokenizer, task: str, fields: tuple[str, ...],
                  labels: tuple[str, ...], max_length: int, cue: bool, demos: list[str] = ()):
         self.task, self.fields, self.cue, self.demos = task, fields, cue, list(demos)
-        self.seq2seq = model.kind == kinds.ENCODER_DECODER
+        self.seq2seq = kinds.is_seq2seq(model)
         self.reader = READERS[model.kind](tokenizer, labels)
         self.budget = max_length if self.seq2seq else \
             min(max_length, model.cfg.max_seq_len - max(len(a) for a in self.reader.answers))
@@ -224,6 +224,5 @@ class TextHead(Head):
         every weight: scaled for adapters, perf.training_flops_multiplier)."""
         prompt = int(np.mean([len(self.fit(texts, self.budget)) for texts, _ in rows[:500]]))
         answer = int(np.mean([len(a) for a in self.reader.answers]))
-        full = span_corruption.flops_per_token(model, prompt, answer) if self.seq2seq else \
-            flops_per_token(model, prompt + answer)
+        full = model.flops_per_token(prompt, answer) if self.seq2seq else model.flops_per_token(prompt + answer)
         return full * training_flops_multiplier(train) / 6.0

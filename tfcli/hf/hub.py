@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 # what a model directory needs; pytorch_model.bin only when a repository has no safetensors
 FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",

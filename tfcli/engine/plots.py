@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 from torch import Tensor
 
-from .errors import UserError
+from ..errors import UserError
 
 HELD_OUT = 2**31  # the epoch number in held-out examples' random streams: never a training epoch
 

@@ -32,7 +32,7 @@ from itertools import product
 
 import yaml
 
-from .errors import UserError
+from ..errors import UserError
 
 STRATEGIES = ("all", "head", "lora", "ia3", "bitfit")
 POOLINGS = ("cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first")
@@ -240,8 +240,8 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
 
 
 def check(grid: Grid) -> None:
-    from . import registry
-    from .tasks.presets import PRESETS
+    from .. import registry
+    from ..tasks.presets import PRESETS
 
     if not grid.tasks:
         raise UserError("compare: name the task(s) (--task mnli)")
@@ -259,10 +259,10 @@ def check(grid: Grid) -> None:
 def cell_recipe(cell: Cell, grid: Grid):
     """The recipe a training cell of this task and model starts from: the task's default for the
     model's family, with the grid's settings."""
-    from . import recipe as recipes
-    from .backbone import family_of
-    from .hub import resolve
-    from .tasks.presets import task_target
+    from .. import recipe as recipes
+    from ..engine.backbone import family_of
+    from ..hf.hub import resolve
+    from ..tasks.presets import task_target
 
     key, settings, defaults = task_target(cell.task)
     family = family_of(str(resolve(cell.backbone, "--from")))
@@ -277,7 +277,7 @@ def held_out_file(cell: Cell, grid: Grid, out: Path) -> Optional[Path]:
     prompting cells score exactly those held-out rows, written once to OUT/held-out/<task>-<family>.jsonl."""
     if not grid.data or not Path(grid.data).is_file():
         return None
-    from .data.labelled import held_out_rows
+    from ..data.labelled import held_out_rows
 
     recipe = cell_recipe(cell, grid)
     path = Path(out) / "held-out" / f"{cell.task}-{recipe.model.family}.jsonl"
@@ -291,7 +291,7 @@ def held_out_file(cell: Cell, grid: Grid, out: Path) -> Optional[Path]:
 def task_sets(cell: Cell, grid: Grid) -> list[str]:
     """The grid's settings of the task's own section (sft.max_new_tokens, ...): what an evaluation of
     a prompting cell takes, so that it scores as the training cells' reports do."""
-    from .tasks.presets import task_target
+    from ..tasks.presets import task_target
 
     key = task_target(cell.task)[0]
     return [s for s in grid.sets if s.startswith(f"{key}.")]
@@ -301,7 +301,7 @@ def reply_limits(cell: Cell, grid: Grid, out: Path) -> list[str]:
     """A generative task (sft) generates replies for its first sft.generate_limit held-out rows at the
     end of training, and an evaluation for its first --limit: every cell generates for the same rows
     (--report-limit N, else every held-out row of a single data file)."""
-    from .tasks.presets import task_target
+    from ..tasks.presets import task_target
 
     if task_target(cell.task)[0] != "sft" or not grid.data:
         return []
@@ -315,8 +315,8 @@ def held_out_count(cell: Cell, grid: Grid, out: Path) -> int:
     held = held_out_file(cell, grid, out)
     if held is not None:
         return len(Path(held).read_text().splitlines())
-    from .data.labelled import raw_splits
-    from .tasks.sft import data_spec
+    from ..data.labelled import raw_splits
+    from ..tasks.sft import data_spec
 
     recipe = cell_recipe(cell, grid)
     splits = raw_splits(data_spec(recipe.settings), grid.data, "", recipe.data.val_fraction, recipe.train.seed,
@@ -351,7 +351,7 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
 
 def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
     """Run every unfinished cell, one after another; return every cell's row."""
-    from .display import console, phase
+    from ..display import console, phase
 
     out = Path(out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
@@ -463,7 +463,7 @@ def training_row(run: Path) -> dict:
 
 def prompting_row(cell: Cell, report: dict, splits: list[str], usage: dict) -> dict:
     """A k-shot cell trains nothing: its speed is examples scored per second of the whole command."""
-    from .backbone import family_of
+    from ..engine.backbone import family_of
 
     scored = sum(report[s].get("n", 0) for s in splits)
     wall = usage.get("wall_s")
@@ -535,7 +535,7 @@ def params_text(r: dict) -> str:
 def chart(rows: list[dict], out: Path) -> Optional[Path]:
     """Accuracy on the first evaluation split against trained parameters (log scale): one colour per
     family, one marker per strategy, the majority class as a dashed line."""
-    from .plots import figure, save_figure
+    from ..engine.plots import figure, save_figure
 
     done = [r for r in rows if r.get("status") == "done" and r.get("trained_params")]
     if not done:
@@ -579,7 +579,7 @@ def marker(spec: str) -> str:
 def show(rows: list[dict]) -> None:
     from rich.table import Table
 
-    from .display import console
+    from ..display import console
 
     from rich.table import Column
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import yaml
 
-from . import checkpoint
-from .errors import UserError
+from ..engine import checkpoint
+from ..errors import UserError
 
 
 @dataclass

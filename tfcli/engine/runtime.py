@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class Strategy:
@@ -91,7 +91,7 @@ class FSDPStrategy(Strategy):
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from .models import transformer_blocks
+        from ..models import transformer_blocks
 
         cuda = next(module.parameters()).device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

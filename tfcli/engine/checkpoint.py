@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .errors import UserError
+from ..errors import UserError
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "model.safetensors"

@@ -13,15 +13,17 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
-from . import adapters, checkpoint, hf
-from . import recipe as recipes
-from .data.sources import cache_dir
-from .data.store import is_store
-from .data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
-from .display import console, phase
-from .errors import UserError
-from .models import TEXT_FAMILIES, build_model, model_class
-from .plugin import Backbone
+from .. import adapters
+from . import checkpoint
+from ..hf import convert, gguf, interop
+from .. import recipe as recipes
+from ..data.sources import cache_dir
+from ..data.store import is_store
+from ..data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
+from ..display import console, phase
+from ..errors import UserError
+from ..models import TEXT_FAMILIES, build_model, model_class
+from ..plugin import Backbone
 from .runtime import Runtime
 
 LABELS_FILE = "labels.json"  # a classifier run's class names, in id order
@@ -50,7 +52,7 @@ def base_model(run_dir: Path, recipe):
     if is_run(Path(source)):
         model = adapters.merge(from_run(Path(source)).model)  # a base that was itself adapted
     else:
-        cfg, state = hf.read_pretrained(Path(source))
+        cfg, state = interop.read_pretrained(Path(source))
         model = load_hf_weights(build_model(cfg), state, Path(source))
     if model.cfg != recipe.model:
         raise UserError(f"{run_dir}: its base model {source} is no longer the model the run trained on")
@@ -84,8 +86,8 @@ def family_of(path: Optional[str]) -> Optional[str]:
     path = Path(path)
     if is_run(path):
         return recipes.load_resolved(checkpoint.run_dir_of(path) / "config.yaml").model.family
-    if (path / hf.convert.CONFIG).is_file() or hf.gguf.is_gguf(path):
-        return hf.family_of_config(hf.read_source_config(path), path)
+    if (path / convert.CONFIG).is_file() or gguf.is_gguf(path):
+        return interop.family_of_config(interop.read_source_config(path), path)
     return None
 
 
@@ -116,7 +118,7 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
 def for_inference(path: Path, device: str = "cpu") -> Backbone:
     """What `--checkpoint` names, in eval mode on `device`: a tfcli run or checkpoint, a local Hugging
     Face directory, or a hub id in the local cache (generate and eval take the same things)."""
-    from . import hub
+    from ..hf import hub
 
     path = hub.resolve(str(path), "--checkpoint")
     if is_run(path) or looks_like_run(path):
@@ -133,11 +135,11 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
 def from_hf(path: Path, specials: list[str]) -> Backbone:
     """A local Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer."""
     with phase(f"reading {path}"):
-        cfg, state = hf.read_pretrained(Path(path))
+        cfg, state = interop.read_pretrained(Path(path))
     model = load_hf_weights(build_model(cfg), state, path)
     heads = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
-    if hf.gguf.is_gguf(path):
-        tok = hf.gguf.read_tokenizer(Path(path))
+    if gguf.is_gguf(path):
+        tok = gguf.read_tokenizer(Path(path))
     else:
         tok = load_tokenizer_files(str(path), specials) if cfg.family in TEXT_FAMILIES else None
     return Backbone(model, tok, str(path), heads)

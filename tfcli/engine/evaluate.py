@@ -8,7 +8,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from .runtime import autocast_context, to_device
-from .sampler import PaddingBatch
+from ..data.sampler import PaddingBatch
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .models.vit import patchify, random_masking, unpatchify
+from ..models.vit import patchify, random_masking, unpatchify
 
 GREY = 0.5  # masked patches are drawn in mid grey
 

@@ -6,10 +6,11 @@ best of several timed rounds at two sizes (another program on the cores only eve
 slower, so the best round is the machine's), and cached. The peak is never below what a run
 achieves: MFU is at most 100%.
 
-What MFU counts: the training FLOPs of the model's matrix products per item (6 x matmul parameters
-per token: forward 2, backward 4; attention's 12 x layers x sequence x width; forward only, 2 x,
-through a frozen backbone, 4 x through one with adapters), times items per second, over this peak x
-processes.
+What MFU counts: the training FLOPs of the model's matrix products per item (each model kind gives
+its own count, `flops_per_token` in models/kinds.py: 6 x matmul parameters per token, forward 2 and
+backward 4, plus attention's 12 x layers x sequence x width; forward only, 2 x, through a frozen
+backbone, 4 x through one with adapters: training_flops_multiplier), times items per second, over
+this peak x processes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .data.sources import cache_dir
+from ..data.sources import cache_dir
 
 # dense TFLOP/s by (GPU name fragment, dtype); the first fragment that the device's name contains wins
 GPU_PEAKS = [
@@ -63,17 +64,6 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
     return table[key]
-
-
-def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of a decoder or BERT: 6 N (forward 2 + backward 4 per parameter, N
-    without learned positions, a lookup) plus attention's 12 L T D (PaLM appendix B; D the query
-    width n_head * head_dim where a family sets head_dim)."""
-    cfg = model.cfg
-    positions = getattr(model, "wpe", None)
-    n = sum(p.numel() for p in model.parameters()) - (positions.weight.numel() if positions is not None else 0)
-    width = cfg.n_head * getattr(cfg, "head_dim", 0) or cfg.d_model
-    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * width
 
 
 def training_flops_multiplier(train: str) -> float:

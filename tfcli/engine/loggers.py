@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .errors import UserError
+from ..errors import UserError
 
 LOGGERS = ("csv", "tensorboard", "wandb")
 EXTRAS = {"tensorboard": ("tensorboard", "pip install 'tfcli[tensorboard]'"), "wandb": ("wandb", "pip install 'tfcli[wandb]'")}

@@ -17,15 +17,15 @@ import torch
 from torch import Tensor, nn
 
 from . import checkpoint, plots
-from .display import TrainDisplay, phase
-from .errors import Interrupted, UserError
+from ..display import TrainDisplay, phase
+from ..errors import Interrupted, UserError
 from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
-from .plugin import Batch, Job, LossFn
+from ..plugin import Batch, Job, LossFn
 from .runtime import Runtime, abort_on_collective_failure, autocast_context, to_device
 from .prefetch import Prefetcher
-from .sampler import StreamSampler, make_sampler, sequential_batches
+from ..data.sampler import StreamSampler, make_sampler, sequential_batches
 
 
 class ObjectiveModule(nn.Module):
@@ -77,7 +77,7 @@ def compiled(module: nn.Module, setting: str, device: torch.device):
 def checkpoint_activations(module: nn.Module) -> None:
     """train.activation_checkpointing: every transformer block keeps only its input for the backward
     pass and recomputes the rest (less memory, about a third more compute)."""
-    from .models import transformer_blocks
+    from ..models import transformer_blocks
 
     for block in transformer_blocks(module):
         block.checkpointing = True

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 METHODS = ("ridge", "logistic")
 
@@ -43,7 +43,7 @@ class ProbeRequest:
 
 def run(req: ProbeRequest) -> dict[str, dict]:
     """{model: {split: [accuracy of layer 0, 1, ...]}}, printed, written to probe.json, drawn in probe.png."""
-    from .display import console
+    from ..display import console
 
     if req.method not in METHODS:
         raise UserError(f"--method {req.method}: choose {', '.join(METHODS)}")
@@ -82,7 +82,7 @@ def chosen_layers(text: str, n: int) -> list[int]:
 def features(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{split: ((n_layer + 1, N, D) features, (N,) labels)}, training split first, from the cache when
     this model, data, sample and pooling were read before."""
-    from .data.sources import cache_dir
+    from ..data.sources import cache_dir
 
     path = cache_dir() / "probe" / f"{cache_key(req, source)}.npz"
     if path.is_file():
@@ -111,14 +111,13 @@ def cache_key(req: ProbeRequest, source: str) -> str:
 
 def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Read the model and the task's data as `finetune` would, then every layer's pooled features."""
-    from . import recipe as recipes
-    from .backbone import family_of, for_inference, unknown_source
-    from .tasks.presets import task_target
-    from .display import phase
-    from .driver import make_plugin
-    from .runtime import setup_runtime
-    from .sampler import sequential_batches
-    from .tasks.heads import layer_features
+    from .. import recipe as recipes
+    from ..engine.backbone import family_of, for_inference, unknown_source
+    from ..tasks.presets import task_target
+    from ..display import phase
+    from ..driver import make_plugin
+    from ..engine.runtime import setup_runtime
+    from ..data.sampler import sequential_batches
 
     key, settings, defaults = task_target(req.task)
     family = family_of(str(source)) if Path(source).exists() else None
@@ -145,7 +144,7 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
         with phase(f"{Path(source).name}: features of every layer ({split})"), torch.no_grad():
             for batch in sequential_batches(source_, recipe.train.batch_size, 0):
                 batch = {k: v.to(rt.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                per_layer = [f.float().cpu().numpy() for f in layer_features(model, batch, req.pooling)]
+                per_layer = [f.float().cpu().numpy() for f in model.layer_features(batch, req.pooling)]
                 layers = [[f] for f in per_layer] if layers is None else [a + [f] for a, f in zip(layers, per_layer)]
                 labels.append(batch["labels"].cpu().numpy())
         out[split] = (np.stack([np.concatenate(a) for a in layers]), np.concatenate(labels))
@@ -214,7 +213,7 @@ def table(source: str, results: dict[str, dict[int, float]], majority: dict[str,
 def draw(results: dict, majority: dict[str, float], path: Path, req: ProbeRequest) -> Path:
     """Accuracy on the first evaluation split against depth, one line per model (relative depth when
     their depths differ), the majority class dashed."""
-    from .plots import figure, save_figure
+    from ..engine.plots import figure, save_figure
 
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)

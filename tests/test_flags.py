@@ -1,0 +1,57 @@
+"""The shortcut flags of pretrain and finetune are derived from the recipe's fields (commands/flags.py):
+each names a real field, parses as its type, carries the field's comment as its help, and reaches the
+field; a task's own flag is refused on another task."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from tfcli import recipe as recipes
+from tfcli import registry
+from tfcli.commands import flags
+from tfcli.commands.training import finetune, pretrain
+
+from .conftest import invoke
+
+
+def _dataclass(section: str):
+    if section in flags.RECIPE_SECTIONS:
+        return getattr(recipes, flags.RECIPE_SECTIONS[section])
+    return registry.plugin_class("task", section).Config
+
+
+@pytest.mark.parametrize("command", [pretrain, finetune], ids=["pretrain", "finetune"])
+def test_every_shortcut_flag_is_a_recipe_field_of_its_type(command):
+    assert command.recipe_flags
+    for name, path in command.recipe_flags.items():
+        section, field = path.split(".")
+        hints = typing.get_type_hints(_dataclass(section))
+        assert field in {f.name for f in dataclasses.fields(_dataclass(section))}, path
+        expected = hints[field] if hints[field] in (int, float, bool) else str
+        assert flags.field(path).python_type is expected, path
+
+
+def test_a_flags_help_is_its_fields_comment():
+    result = invoke("finetune", "--help")
+    text = " ".join(result.output.split())
+    for path in finetune.recipe_flags.values():
+        f = flags.field(path)
+        if path not in ("data.source", "train.steps"):  # the command's own words lead those
+            assert " ".join(f.comment.split())[1:30] in text, path
+        assert f"the recipe's {path}" in text, path
+
+
+def test_a_flag_reaches_its_field_and_a_tasks_flag_belongs_to_that_task(tmp_path):
+    result = invoke("finetune", "classify", "--pack", "--data", "x.csv")
+    assert result.exit_code == 2 and "--pack is an option of finetune sft (this is classify)" in result.output
+    result = invoke("finetune", "sft", "--text-fields", "a", "--data", "x.jsonl")
+    assert result.exit_code == 2 and "--text-fields is an option of finetune classify (this is sft)" in result.output
+    result = invoke("finetune", "mnli", "--layer", "-5", "--out", tmp_path / "r")
+    assert result.exit_code == 2 and "finetune.layer" in result.output and not (tmp_path / "r").exists()
+
+
+def test_an_unknown_field_is_refused_when_the_command_is_built():
+    with pytest.raises(KeyError, match="train.nope"):
+        flags.recipe_flags("train.nope", after="x")(lambda x=None, shortcuts=None: None)

@@ -1,0 +1,1 @@
+"""The typer commands, by group, and the studies they run (compare, probe, runs)."""

@@ -1,0 +1,181 @@
+"""What every command shares: the options spelled once (--seed, --device, --precision, --quiet,
+--checkpoint, --set), the one error surface (user_errors), and how a recipe is resolved from a recipe
+name, --set overrides and the shortcut flags. Heavy modules are imported by the functions that need
+them, so that --help and shell completion answer at once."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typer._click import exceptions as click_errors  # typer vendors click
+
+from ..errors import Interrupted, UserError
+
+
+def _lazy(name: str):
+    """A module imported when first used (importlib's LazyLoader): tfcli.recipe reads the model
+    families, which import torch, and --help must not wait for that."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+recipes = _lazy("tfcli.recipe")
+
+
+def task_target(name: str):
+    from ..tasks.presets import task_target as target
+
+    return target(name)
+
+
+TRAINING = {"allow_extra_args": True, "ignore_unknown_options": True}  # bare key=value overrides
+
+SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable; a bare optim.lr=3e-4 works too)."
+SEED = typer.Option(None, help="Random seed [default: the recipe's train.seed; 0 for eval].")
+DEVICE = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: the recipe's train.device; auto].")
+PRECISION = typer.Option(None, help="auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 [default: the recipe's train.precision].")
+QUIET = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary.")
+CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
+
+
+def user_errors(fn):
+    """One surface for errors: a UserError is `error: <message>` on stderr and exit code 2; a stop on
+    Ctrl-C after a checkpoint says how to resume (exit 130); anything else is one line naming where
+    the traceback was written (exit 1; TFCLI_DEBUG=1 prints it instead)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            typer.echo(f"error: {one_line(str(e))}", err=True)
+            raise typer.Exit(2)
+        except Interrupted as e:
+            typer.echo(f"interrupted at step {e.step}: a checkpoint was saved; resume with "
+                       f"tfcli {fn.__name__} --resume {e.run_dir}", err=True)
+            raise typer.Exit(130)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt, click_errors.ClickException):
+            raise
+        except Exception as e:
+            if os.environ.get("TFCLI_DEBUG", "0") not in ("0", ""):
+                raise
+            typer.echo(f"error: internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                       f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)", err=True)
+            raise typer.Exit(1)
+    return wrapper
+
+
+def one_line(message: str, most: int = 600) -> str:
+    """An error message as one line of bounded length, whatever data went into it."""
+    text = " ".join(message.split())
+    return text if len(text) <= most else f"{text[: most - 40]} … {text[-35:]}"
+
+
+def write_traceback() -> Path:
+    """The current exception's traceback, written where a bug report can pick it up."""
+    import traceback
+
+    from ..data.sources import cache_dir
+
+    path = cache_dir() / "last-error.txt"
+    path.write_text(traceback.format_exc())
+    return path
+
+
+def overrides(sets: list[str], extra: list[str]) -> list[str]:
+    """--set values and bare key=value arguments (torchtune's form), which win in the order given."""
+    for arg in extra:
+        if arg.startswith("-"):
+            raise UserError(f"no such option: {arg.split('=')[0]} (--help lists the options)")
+        if "=" not in arg:
+            raise UserError(f"unexpected argument {arg!r} (overrides look like key.path=value)")
+    return [*sets, *extra]
+
+
+def resolve_recipe(name: str, sets: list[str], shortcuts: dict) -> recipes.Recipe:
+    """Load a recipe and apply --set overrides, then the short flags (which win)."""
+    values = dict(recipes.parse_override(s) for s in sets)
+    values.update({k: v for k, v in shortcuts.items() if v is not None})
+    return recipes.load(name, values)
+
+
+def training_recipe(default: str, recipe: Optional[str], resume: Optional[str], sets: list[str],
+                    shortcuts: dict) -> tuple[recipes.Recipe, Optional[Path]]:
+    """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml);
+    `--resume auto` is the newest unfinished run of that recipe under runs/."""
+    if resume is None:
+        return resolve_recipe(recipe or default, sets, shortcuts), None
+    if resume == "auto":
+        from ..runs import newest_unfinished
+
+        resume = str(newest_unfinished(Path("runs"), recipes.load_raw(recipe or default)["name"]))
+        note(f"resuming the newest unfinished run of this recipe: {resume}")
+    config = Path(resume) / "config.yaml"
+    if not config.is_file():
+        raise UserError(f"--resume {resume}: no config.yaml there; is it a tfcli run?")
+    try:
+        recipes.load(str(config))
+    except UserError as e:
+        raise UserError(f"--resume {resume}: config.yaml is not a tfcli recipe ({e})") from None
+    rec = resolve_recipe(str(config), sets, {k: v for k, v in shortcuts.items() if k not in ("objective", "task")})
+    refuse_retroactive_changes(recipes.load(str(config)), rec, resume)
+    if recipe and recipe not in (rec.name, "auto"):
+        note(f"resuming with the run's own recipe {rec.name!r}, not {recipe!r}")
+    return rec, Path(resume)
+
+
+def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run: str) -> None:
+    """A resumed run continues what it saved (optimizer state, schedule, data order, model): an
+    override of those would be written to config.yaml without being what ran. Only how long and how
+    it runs may change (recipes.RESUMABLE_CHANGES)."""
+    wrong = [c for c in recipes.changes(saved, asked) if c[0] not in recipes.RESUMABLE_CHANGES]
+    if wrong:
+        field, old, new = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise UserError(f"--resume {run}: {field} was {old!r} and cannot change when resuming{more}; a resumed run "
+                        f"continues its saved optimizer, schedule and data (it may change train.steps, intervals, "
+                        f"device and threads); start a new run for {field}={new!r}")
+
+
+def note(text: str) -> None:
+    typer.echo(f"note: {text}", err=True)
+
+
+def newest(checkpoint: Optional[Path], families: tuple[str, ...] = ()) -> Path:
+    """--checkpoint, or the newest run under runs/ (of `families` when given), named so that nobody
+    wonders which it was."""
+    if checkpoint is not None:
+        return checkpoint
+    from ..engine.checkpoint import newest_run
+
+    run = newest_run(families=families)
+    note(f"using the newest run{' that can generate' if families else ''}: {run}")
+    return run
+
+
+def check_device(device: Optional[str]) -> None:
+    import torch
+
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available here (use cpu)")
+
+
+def run_training(rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path],
+                 quiet: bool) -> None:
+    from ..display import console
+    from ..driver import RunRequest, train
+
+    run_dir, plugin = train(RunRequest(rec, source, out, resume, quiet))
+    if int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
+        console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))

@@ -1,0 +1,130 @@
+"""Command-line shortcut flags derived from the recipe's fields: `--steps` is `train.steps`, its type
+the field's and its help the field's own comment in its dataclass (tfcli/recipe.py, or a plug-in's
+Config), so a flag and its field cannot drift apart.
+
+The dataclasses are read from their source files, not imported: importing the recipe imports torch,
+and `--help` must answer at once.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import registry
+
+RECIPE_SECTIONS = {"data": "DataConfig", "optim": "OptimConfig", "schedule": "ScheduleConfig", "train": "TrainConfig",
+                   "finetune": "FinetuneConfig", "adapter": "AdapterConfig"}  # recipe section -> its class in recipe.py
+
+
+@dataclass(frozen=True)
+class Field:
+    path: str  # section.name, e.g. train.steps
+    annotation: str  # as written, e.g. Literal["all", "head"]
+    comment: str
+
+    @property
+    def section(self) -> str:
+        return self.path.split(".")[0]
+
+    @property
+    def choices(self) -> list[str]:
+        return re.findall(r'"([^"]*)"', self.annotation) if self.annotation.startswith("Literal") else []
+
+    @property
+    def python_type(self) -> type:
+        """What typer parses: numbers and flags as themselves; text, choices and lists (comma-separated) as str."""
+        return {"int": int, "float": float, "bool": bool}.get(self.annotation, str)
+
+
+def _source(module: str) -> ast.Module:
+    return ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
+    """(the module's source lines, the dataclass) of a recipe section or a plug-in's Config."""
+    if section in RECIPE_SECTIONS:
+        module, name = "tfcli.recipe", RECIPE_SECTIONS[section]
+    else:
+        where, plugin = (registry.TASKS.get(section) or registry.OBJECTIVES[section]).split(":")
+        module = f"tfcli.{'tasks' if section in registry.TASKS else 'objectives'}.{where}"
+        config = next(n for n in _class(_source(module), plugin).body if isinstance(n, ast.Assign)
+                      and getattr(n.targets[0], "id", "") == "Config")
+        name = config.value.id
+    path = Path(importlib.util.find_spec(module).origin)
+    return path.read_text().splitlines(), _class(ast.parse(path.read_text()), name)
+
+
+@functools.lru_cache(maxsize=None)
+def field(path: str) -> Field:
+    """A recipe field's type and its comment: the one after it on its line, else the lines just above it."""
+    section, name = path.split(".")
+    lines, cls = _section_class(section)
+    node = next((n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id == name), None)
+    if node is None:
+        raise KeyError(f"{path}: no such recipe field")
+    comment = lines[node.end_lineno - 1].partition("  # ")[2].strip()
+    above, n = [], node.lineno - 2
+    while not comment and n >= 0 and lines[n].strip().startswith("#"):
+        above.insert(0, lines[n].strip().lstrip("#").strip())
+        n -= 1
+    return Field(path, ast.unparse(node.annotation), comment or " ".join(above))
+
+
+def help_text(f: Field, lead: str = "") -> str:
+    """The flag's help: `lead` (what the command adds) or the field's comment, its choices, the field."""
+    text = lead or f.comment
+    choices = " | ".join(f.choices)
+    if choices and not all(c in text for c in f.choices):
+        text = f"{choices}: {text}" if text else choices
+    if f.section not in RECIPE_SECTIONS:  # a plug-in's own setting: say whose
+        text = f"{f.section}: {text}"
+    elif text and not text.startswith(tuple(f.choices)):
+        text = text[0].upper() + text[1:]
+    return f"{text.rstrip('.')} [default: the recipe's {f.path}]."
+
+
+def recipe_flags(*specs: str, after: str, leads: Optional[dict[str, str]] = None):
+    """Add a flag per recipe field to a command, after its parameter `after`. A spec is `section.name`
+    (the flag --name) or `section.name:flag` (e.g. data.source:data, the flag --data); `leads` puts a
+    command's own words before a field's. The command receives the given ones as `shortcuts`:
+    {field path: value}, None where a flag was not given."""
+    leads = leads or {}
+
+    def wrap(fn):
+        signature = inspect.signature(fn, eval_str=True)  # the annotations as types, the flags' beside them
+        flags = {}
+        for spec in specs:
+            path, _, name = spec.partition(":")
+            name = name or path.split(".")[1]
+            f = field(path)
+            cli = f"--{name.replace('_', '-')}" + (f"/--no-{name.replace('_', '-')}" if f.python_type is bool else "")
+            flags[name] = (path, inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                   default=typer.Option(None, cli, help=help_text(f, leads.get(path, ""))),
+                                                   annotation=Optional[f.python_type]))
+        params = [p for p in signature.parameters.values() if p.name != "shortcuts"]
+        at = [p.name for p in params].index(after) + 1
+        params = params[:at] + [p for _, p in flags.values()] + params[at:]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            shortcuts = {path: kwargs.pop(name) for name, (path, _) in flags.items()}
+            return fn(*args, shortcuts=shortcuts, **kwargs)
+
+        command.__signature__ = signature.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.recipe_flags = {name: path for name, (path, _) in flags.items()}
+        return command
+
+    return wrap

@@ -1,0 +1,1 @@
+"""What runs a job: the trainer, runtime, checkpoints, backbone loading, prefetch, evaluation, perf, loggers, plots."""

@@ -1,0 +1,116 @@
+"""Hugging Face interop: read a transformers directory into tfcli weights, write a run back out.
+
+One engine (convert.py) and one table module per family; nothing here is family-specific.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import Tensor
+
+from .. import adapters
+from ..data.special_tokens import CONFIG_FILE, config_text
+from ..errors import UserError
+from . import bert, gguf, gpt2, llama, peft, t5, vit
+from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
+
+FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
+
+
+def family_of_config(raw: dict, where: Path) -> str:
+    """The tfcli family of a transformers config.json (by its model_type)."""
+    model_type = raw.get("model_type")
+    for family, module in FAMILIES.items():
+        if model_type in module.MODEL_TYPES:
+            return family
+    known = ", ".join(t for m in FAMILIES.values() for t in m.MODEL_TYPES)
+    raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def read_source_config(path: Path) -> dict:
+    """config.json of a transformers directory, or the same read from a GGUF file's metadata."""
+    return gguf.read_config(Path(path)) if gguf.is_gguf(path) else read_config(path)
+
+
+def read_pretrained(path: Path):
+    """A local transformers directory or a GGUF file -> (tfcli model config, state dict with model.* and
+    heads.* names)."""
+    raw, state = gguf.read(Path(path)) if gguf.is_gguf(path) else (read_config(path), None)
+    module = FAMILIES[family_of_config(raw, path)]
+    state = module.normalize(state if state is not None else read_state(path))
+    try:
+        cfg = module.config_from_hf(raw, state)
+    except KeyError as e:
+        raise UserError(f"{path}/config.json lacks {e.args[0]!r}") from None
+    except ValueError as e:
+        raise UserError(f"{path}/config.json: {e}") from None
+    return cfg, to_tfcli(state, module.rules(cfg))
+
+
+def tfcli_state(backbone) -> dict[str, Tensor]:
+    """A backbone's model and head weights under checkpoint names (model.*, heads.*)."""
+    return {**{f"model.{k}": v for k, v in backbone.model.state_dict().items()},
+            **{f"heads.{k}": v for k, v in backbone.heads.items()}}
+
+
+def family_module(backbone, what: str):
+    """The family's table module, or one line saying `what` is not available for it."""
+    module = FAMILIES.get(backbone.family)
+    if module is None:
+        raise UserError(f"{what} is not available for {backbone.family!r} models")
+    return module
+
+
+def merged_export(backbone, recipe, what: str):
+    """(the family's Export, the merged model's tensors under transformers' names): what a transformers
+    directory and a GGUF file both hold. LoRA / IA3 are folded in, in place."""
+    module = family_module(backbone, what)
+    adapters.merge(backbone.model)
+    spec = module.export(backbone, recipe)
+    rules = spec.rules if spec.rules is not None else module.rules(backbone.cfg)
+    return spec, to_hf(tfcli_state(backbone), rules)
+
+
+def export(backbone, recipe, out: Path) -> tuple[str, str]:
+    """Write a backbone (model, heads, tokenizer) as a transformers directory; return (its
+    architecture, how to load it)."""
+    check_writable(out)
+    spec, state = merged_export(backbone, recipe, "export to Hugging Face")
+    state = {**state, **spec.extra_tensors}
+    files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
+    files = {**files, **spec.files}
+    if backbone.tokenizer is not None and backbone.tokenizer.chat_template:  # the format the model answers in
+        base = json.loads(files.get(CONFIG_FILE, "{}"))
+        files[CONFIG_FILE] = config_text(backbone.tokenizer.specials, backbone.tokenizer.chat_template, base)
+    write_dir(out, spec.config, state, files)
+    arch = spec.config["architectures"][0]
+    return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"
+
+
+def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
+    """Write a backbone as a GGUF file (llama.cpp, Ollama, LM Studio; tfcli and transformers read it
+    back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture holds."""
+    spec, state = merged_export(backbone, recipe, "export to GGUF")
+    if spec.config.get("model_type") not in gguf.ARCHITECTURES:
+        raise UserError(f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a "
+                        f"{spec.config.get('model_type')!r}")
+    gguf.write(spec.config, state, backbone.tokenizer, Path(out), dtype)
+    return spec.config["model_type"]
+
+
+def export_peft(backbone, recipe, base: str, out: Path) -> str:
+    """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it."""
+    module = family_module(backbone, "export --peft")
+    peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
+    auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(backbone.model.kind,
+                                                                                               "AutoModel")
+    if gguf.is_gguf(base):
+        load = f"transformers.{auto}.from_pretrained({str(Path(base).parent)!r}, gguf_file={Path(base).name!r})"
+    elif (Path(base) / "config.json").is_file() or not Path(base).exists():  # a directory, or a hub id
+        load = f"transformers.{auto}.from_pretrained({base!r})"
+    else:  # a tfcli run: transformers reads its export
+        exported = f"{out}-base"
+        return (f"tfcli export --checkpoint {base} --hf {exported}, then peft.PeftModel.from_pretrained("
+                f"transformers.{auto}.from_pretrained({exported!r}), {str(out)!r})")
+    return f"peft.PeftModel.from_pretrained({load}, {str(out)!r})"
