@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test bench bench-data clean
+.PHONY: install demo test test-fast docs bench bench-data clean
 
 install: $(STAMP)
 
@@ -22,6 +22,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+docs: install
+	$(BIN)/mkdocs build --strict
+
 bench: install
 	$(BIN)/python -m benchmarks
 
@@ -29,4 +35,4 @@ bench-data: install
 	$(BIN)/python -m benchmarks data
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

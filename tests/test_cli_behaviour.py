@@ -260,3 +260,20 @@ def test_generate_takes_a_hugging_face_directory_as_eval_does(tmp_path, small_te
     assert texts[0].output.strip().splitlines()[-1] == texts[1].output.strip().splitlines()[-1]
     missing = invoke("generate", "--checkpoint", tmp_path / "nothing-here", "--prompt", "x")
     assert missing.exit_code == 2 and missing.output.startswith("error:")
+
+
+def test_two_runs_of_a_recipe_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    """runs/<recipe>-<time> is to the second: a second run started within it (two commands in a script)
+    took the first one's directory and failed on its files."""
+    import time
+
+    from tfcli import recipe as recipes
+    from tfcli.driver import new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")
+    rec = recipes.load("gpt-mini")
+    first = new_run_dir(rec, None)
+    (first / "checkpoints").mkdir(parents=True)
+    second = new_run_dir(rec, None)
+    assert second != first and not second.exists() and second.name.startswith(first.name)

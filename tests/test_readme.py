@@ -1,4 +1,4 @@
-"""Every `tfcli` command in the README's examples runs, from a directory outside the checkout with no
+"""Every `tfcli` command in the README's and the documentation's examples runs, from a directory outside the checkout with no
 ../shared beside it: built-in data and packaged assets as shipped, tiny local stand-ins where the
 README names the user's own files (mnli/, my.csv, hf-bert/, ...), and a few steps instead of
 thousands. Placeholders such as runs/<bert run> become the runs the earlier commands made."""
@@ -12,11 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from .conftest import REPO, invoke, tiny_npz
+
+pytestmark = pytest.mark.slow  # the whole module is left out of the fast tier
 
 KINDS = {"clm": "gpt", "mlm": "bert", "span": "t5", "mae": "mae", "electra": "electra", "igpt": "igpt",
          "image-classify": "probe"}
@@ -27,9 +28,13 @@ TINY_FINETUNE = ["--steps", "2", "--batch-size", "4", "--set", "finetune.eval_li
                  "--quiet"]
 
 
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
 def readme_commands() -> list[str]:
-    """The tfcli (and torchrun) lines of the README's bash blocks, comments cut, each once."""
-    text = (REPO / "README.md").read_text()
+    """The tfcli (and torchrun) lines of the bash blocks of the README and every page of the docs,
+    comments cut, each once."""
+    text = "\n".join(path.read_text() for path in DOCUMENTS)
     lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
              for line in block.splitlines()]
     out = [re.sub(r"^\.venv/bin/", "", line) for line in lines if line.startswith(("tfcli ", ".venv/bin/tfcli ", "torchrun "))]
@@ -144,7 +149,7 @@ def run_command(argv: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     return result.returncode, result.stdout[-2000:] + "\n" + result.stderr[-2000:]
 
 
-def test_every_readme_command_runs_outside_the_checkout(sandbox):
+def test_every_documented_command_runs_outside_the_checkout(sandbox):
     commands = readme_commands()
     assert len(commands) > 35 and not [c for c in commands if "shared" in c]
     env = {"TFCLI_CACHE": str(sandbox / ".cache")}

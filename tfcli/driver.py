@@ -278,9 +278,16 @@ def job_files(job: Job) -> dict[str, str]:
 
 
 def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:
-    """Where a new run goes: --out if it is absent or an empty directory, else runs/<recipe>-<time>."""
+    """Where a new run goes: --out if it is absent or an empty directory, else runs/<recipe>-<time>
+    (-2, -3, ... after it for another run of the recipe started within the same second; under torchrun
+    rank 0's choice is broadcast)."""
     if out is None:
-        return Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stamped = Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out, n = stamped, 1
+        while out.exists():
+            n += 1
+            out = stamped.with_name(f"{stamped.name}-{n}")
+        return out
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory for the run")
