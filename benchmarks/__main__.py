@@ -5,6 +5,7 @@ machine with a CUDA device, whole `tfcli pretrain` steps against transformers an
     python -m benchmarks            # all
     python -m benchmarks gpt bert   # some
 """
+
 import importlib
 import sys
 

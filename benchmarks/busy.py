@@ -7,6 +7,7 @@ each contender is a whole `tfcli pretrain` in a fresh process, timed from its lo
 the final checkpoint left out), alternating twice. Two jobs on the same cores is the point here, so
 unlike every other benchmark this one must not run beside anything else either.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,38 @@ def seconds_per_step(threads: int, work: Path, text: Path) -> tuple[float, int]:
     """(seconds per step, threads the run used) of a fresh `tfcli pretrain --recipe gpt-mini` process."""
     out = work / f"t{threads}-{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "tfcli", "pretrain", "--recipe", "gpt-mini", "--data", str(text),
-                    "--steps", str(STEPS), "--out", str(out), "--quiet", "--set", f"train.threads={threads}",
-                    "--set", f"train.log_interval={LOG_EVERY}", "--set", f"train.eval_interval={STEPS}",
-                    "--set", f"train.ckpt_interval={STEPS}", "--set", "train.device=cpu",
-                    "--set", "tokenizer.train_chars=300000"], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfcli",
+            "pretrain",
+            "--recipe",
+            "gpt-mini",
+            "--data",
+            str(text),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            f"train.threads={threads}",
+            "--set",
+            f"train.log_interval={LOG_EVERY}",
+            "--set",
+            f"train.eval_interval={STEPS}",
+            "--set",
+            f"train.ckpt_interval={STEPS}",
+            "--set",
+            "train.device=cpu",
+            "--set",
+            "tokenizer.train_chars=300000",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logs = [m for m in logs if m.get("split") == "train"]
     meta = json.loads(next((out / "checkpoints").glob("step-*/meta.json")).read_text())
@@ -74,12 +102,24 @@ def main() -> None:
                     chosen.append(used)
     med = {k: statistics.median(v) for k, v in times.items()}
     ours, default = med["tfcli's choice"], med[f"{cores} threads"]
-    print(f"busy machine, gpt-mini beside {cores} spinning processes: tfcli's choice ({chosen} threads) "
-          f"{1e3 * ours:.0f} ms/step, {cores} threads {1e3 * default:.0f} ms/step: {default / ours:.2f}x")
+    print(
+        f"busy machine, gpt-mini beside {cores} spinning processes: tfcli's choice ({chosen} threads) "
+        f"{1e3 * ours:.0f} ms/step, {cores} threads {1e3 * default:.0f} ms/step: {default / ours:.2f}x"
+    )
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
-        f.write(json.dumps({"benchmark": "busy machine (gpt-mini)", "unit": "s/step", "chosen_threads": chosen,
-                            **{k: round(v, 4) for k, v in med.items()}, "ratio": round(default / ours, 3)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "benchmark": "busy machine (gpt-mini)",
+                    "unit": "s/step",
+                    "chosen_threads": chosen,
+                    **{k: round(v, 4) for k, v in med.items()},
+                    "ratio": round(default / ours, 3),
+                }
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

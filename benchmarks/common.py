@@ -5,6 +5,7 @@ steps first (transformers' T5 step took ~10 steps to settle), then the median st
 processes alternate (tfcli, peer, tfcli, peer) so that a drift of the machine hits both sides; the
 machines are noisy (+-25% between runs), so only same-run ratios mean anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,27 +48,44 @@ def isolated(target: str, names: list[str], *, warmup: int = 5, steps: int = 10,
 
 def train_step(model_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """A full training step: forward, backward, AdamW update."""
+
     def step():
         loss = model_loss()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return step
 
 
-def report(name: str, unit: str, items: int, seconds: dict[str, float], ours: str = "tfcli",
-           peer: str = "transformers", target: float = 1.2) -> dict:
+def report(
+    name: str,
+    unit: str,
+    items: int,
+    seconds: dict[str, float],
+    ours: str = "tfcli",
+    peer: str = "transformers",
+    target: float = 1.2,
+) -> dict:
     """Print and save items/s of each contender and the ratio ours/peer."""
     rates = {k: items / v for k, v in seconds.items()}
     ratio = rates[ours] / rates[peer]
     verdict = "meets" if ratio >= target else "MISSES"
-    print(f"{name}: tfcli {rates[ours]:,.0f} {unit}/s, transformers {rates[peer]:,.0f} {unit}/s, "
-          f"ratio {ratio:.2f}x ({verdict} the {target}x target)")
+    print(
+        f"{name}: tfcli {rates[ours]:,.0f} {unit}/s, transformers {rates[peer]:,.0f} {unit}/s, "
+        f"ratio {ratio:.2f}x ({verdict} the {target}x target)"
+    )
     for k, v in rates.items():
         if k not in (ours, peer):
             print(f"  {k}: {v:,.1f} {unit}/s")
-    result = {"benchmark": name, "unit": f"{unit}/s", **{k: round(v, 2) for k, v in rates.items()},
-              "ratio": round(ratio, 3), "target": target, "torch_threads": torch.get_num_threads()}
+    result = {
+        "benchmark": name,
+        "unit": f"{unit}/s",
+        **{k: round(v, 2) for k, v in rates.items()},
+        "ratio": round(ratio, 3),
+        "target": target,
+        "torch_threads": torch.get_num_threads(),
+    }
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")

@@ -6,6 +6,7 @@ Run by `common.isolated`, never by hand. A process of its own per contender beca
 process the allocator's state, left by whichever side ran before, moved transformers' T5 step
 between 1.1 s and 1.9 s while tfcli's stayed at 1.0 s: an interleaved ratio measured the history.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -9,6 +9,7 @@ Targets (issue 12): the training process's peak RSS grows by less than 10% from 
     python -m benchmarks data            # all three sizes (about 30 minutes on 2 cores)
     BENCH_DATA_SIZES=20,200 python -m benchmarks data
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ DOC_CHARS = 20_000  # documents of about this size, as web text has
 
 def documents() -> list[str]:
     text = "\n\n".join((SHARED / name).read_text() for name in TEXTS)
-    return [text[i: i + DOC_CHARS] for i in range(0, len(text), DOC_CHARS)]
+    return [text[i : i + DOC_CHARS] for i in range(0, len(text), DOC_CHARS)]
 
 
 def write_corpus(path: Path, megabytes: int) -> Path:
@@ -58,20 +59,43 @@ def tfcli(*args: str) -> subprocess.CompletedProcess:
 def prepare(corpus: Path, out: Path, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    tfcli("prepare", "--data", str(corpus), "--tokenizer", "gpt2", "--out", str(out), "--workers", str(workers), "--quiet")
+    tfcli(
+        "prepare", "--data", str(corpus), "--tokenizer", "gpt2", "--out", str(out), "--workers", str(workers), "--quiet"
+    )
     seconds = time.perf_counter() - t0
     index = json.loads((out / "index.json").read_text())
     size = sum(f.stat().st_size for f in out.iterdir())
-    return {"seconds": round(seconds, 1), "tokens": index["tokens"], "tok_per_s": round(index["tokens"] / seconds),
-            "disk_mb": round(size / 1e6, 1)}
+    return {
+        "seconds": round(seconds, 1),
+        "tokens": index["tokens"],
+        "tok_per_s": round(index["tokens"] / seconds),
+        "disk_mb": round(size / 1e6, 1),
+    }
 
 
 def train_rss(store: Path, run: Path) -> float:
     """Peak RSS (MB) of a 50-step gpt-mini run on the store, as the run logs it."""
     shutil.rmtree(run, ignore_errors=True)
-    tfcli("pretrain", "--recipe", "gpt-mini", "--data", str(store), "--steps", "50", "--out", str(run), "--quiet",
-          "--set", "train.eval_interval=50", "--set", "train.ckpt_interval=50", "--set", "train.eval_batches=2",
-          "--set", "train.threads=2")
+    tfcli(
+        "pretrain",
+        "--recipe",
+        "gpt-mini",
+        "--data",
+        str(store),
+        "--steps",
+        "50",
+        "--out",
+        str(run),
+        "--quiet",
+        "--set",
+        "train.eval_interval=50",
+        "--set",
+        "train.ckpt_interval=50",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.threads=2",
+    )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return max(r.get("peak_mem_mb", 0) for r in rows)
 
@@ -87,22 +111,34 @@ def main() -> None:
         two = prepare(corpus, work / f"store-{mb}-w2", workers=2)
         shutil.rmtree(work / f"store-{mb}-w1")
         rss = train_rss(work / f"store-{mb}-w2", work / f"run-{mb}")
-        row = {"corpus_mb": mb, "tokens": two["tokens"], "prepare_1_worker_s": one["seconds"],
-               "prepare_2_workers_s": two["seconds"], "tok_per_s_1": one["tok_per_s"], "tok_per_s_2": two["tok_per_s"],
-               "speedup": round(two["tok_per_s"] / one["tok_per_s"], 2), "disk_mb": two["disk_mb"],
-               "train_peak_rss_mb": round(rss, 1)}
+        row = {
+            "corpus_mb": mb,
+            "tokens": two["tokens"],
+            "prepare_1_worker_s": one["seconds"],
+            "prepare_2_workers_s": two["seconds"],
+            "tok_per_s_1": one["tok_per_s"],
+            "tok_per_s_2": two["tok_per_s"],
+            "speedup": round(two["tok_per_s"] / one["tok_per_s"], 2),
+            "disk_mb": two["disk_mb"],
+            "train_peak_rss_mb": round(rss, 1),
+        }
         results.append(row)
-        print(f"{mb:>5} MB: {row['tokens']:,} tokens; prepare 1 worker {one['seconds']} s ({one['tok_per_s']:,} tok/s), "
-              f"2 workers {two['seconds']} s ({two['tok_per_s']:,} tok/s, {row['speedup']}x); "
-              f"store {row['disk_mb']} MB; 50-step gpt-mini peak RSS {row['train_peak_rss_mb']} MB", flush=True)
+        print(
+            f"{mb:>5} MB: {row['tokens']:,} tokens; prepare 1 worker {one['seconds']} s ({one['tok_per_s']:,} tok/s), "
+            f"2 workers {two['seconds']} s ({two['tok_per_s']:,} tok/s, {row['speedup']}x); "
+            f"store {row['disk_mb']} MB; 50-step gpt-mini peak RSS {row['train_peak_rss_mb']} MB",
+            flush=True,
+        )
         shutil.rmtree(work / f"store-{mb}-w2")
         shutil.rmtree(work / f"run-{mb}", ignore_errors=True)
     if len(results) > 1:
         growth = results[-1]["train_peak_rss_mb"] / results[0]["train_peak_rss_mb"] - 1
         speedups = [r["speedup"] for r in results]
-        print(f"peak RSS grows {100 * growth:+.1f}% from {results[0]['corpus_mb']} MB to {results[-1]['corpus_mb']} MB "
-              f"({'meets' if growth < 0.10 else 'MISSES'} the <10% target); 2-worker speedup "
-              f"{min(speedups)}-{max(speedups)}x ({'meets' if min(speedups) >= 1.7 else 'MISSES'} the 1.7x target)")
+        print(
+            f"peak RSS grows {100 * growth:+.1f}% from {results[0]['corpus_mb']} MB to {results[-1]['corpus_mb']} MB "
+            f"({'meets' if growth < 0.10 else 'MISSES'} the <10% target); 2-worker speedup "
+            f"{min(speedups)}-{max(speedups)}x ({'meets' if min(speedups) >= 1.7 else 'MISSES'} the 1.7x target)"
+        )
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         for r in results:

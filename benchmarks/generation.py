@@ -6,6 +6,7 @@ Both sides decode exactly `NEW` tokens (no EOS stop) and must produce the same i
 before anything is timed; then each side is timed in a process of its own (common.isolated), one
 step = one whole generation.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,18 @@ from tfcli.models.t5 import T5, T5Config
 
 NEW, PROMPT = 128, 32
 GPT_CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=256, d_ff=1024, max_seq_len=512, vocab_size=50257, dropout=0.0)
-T5_CONFIG = T5Config(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024,
-                     feed_forward="gated-gelu", dropout=0.0, max_seq_len=512, vocab_size=32128)
+T5_CONFIG = T5Config(
+    n_layer=4,
+    n_decoder_layer=4,
+    n_head=4,
+    d_model=256,
+    d_kv=64,
+    d_ff=1024,
+    feed_forward="gated-gelu",
+    dropout=0.0,
+    max_seq_len=512,
+    vocab_size=32128,
+)
 
 
 def hf_generate(class_name: str, ours: torch.nn.Module, inputs: torch.Tensor, keep_from: int, **extra):
@@ -31,9 +42,18 @@ def hf_generate(class_name: str, ours: torch.nn.Module, inputs: torch.Tensor, ke
 
     @torch.no_grad()
     def ids():
-        out = peer.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=NEW,
-                            min_new_tokens=NEW, use_cache=True, pad_token_id=0, **extra)
+        out = peer.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            use_cache=True,
+            pad_token_id=0,
+            **extra,
+        )
         return out[0, keep_from:].tolist()
+
     return ids
 
 
@@ -41,17 +61,20 @@ def decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
     ours = GPT(GPT_CONFIG).eval().to(device)
     prompt = torch.randint(0, GPT_CONFIG.vocab_size, (1, PROMPT)).to(device)
-    return {"tfcli": lambda: lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0)),
-            "transformers": lambda: hf_generate("GPT2LMHeadModel", ours, prompt, PROMPT)}
+    return {
+        "tfcli": lambda: lambda: list(generate_tokens(ours, prompt, max_new_tokens=NEW, temperature=0.0)),
+        "transformers": lambda: hf_generate("GPT2LMHeadModel", ours, prompt, PROMPT),
+    }
 
 
 def encoder_decoder(device: str = "cpu") -> Contenders:
     torch.manual_seed(0)
     ours = T5(T5_CONFIG).eval().to(device)
     source = torch.randint(100, T5_CONFIG.vocab_size - 100, (1, 114)).to(device)
-    return {"tfcli": lambda: lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW,
-                                                           temperature=0.0)),
-            "transformers": lambda: hf_generate("T5ForConditionalGeneration", ours, source, 1, decoder_start_token_id=0)}
+    return {
+        "tfcli": lambda: lambda: list(generate_seq2seq(ours, source, start_id=0, max_new_tokens=NEW, temperature=0.0)),
+        "transformers": lambda: hf_generate("T5ForConditionalGeneration", ours, source, 1, decoder_start_token_id=0),
+    }
 
 
 def decoder_cuda() -> Contenders:
@@ -65,8 +88,9 @@ def encoder_decoder_cuda() -> Contenders:
 def same_ids(name: str, contenders: Contenders) -> None:
     ours, theirs = contenders["tfcli"]()(), contenders["transformers"]()()
     if ours != theirs:
-        raise SystemExit(f"{name}: greedy ids differ at position "
-                         f"{next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}")
+        raise SystemExit(
+            f"{name}: greedy ids differ at position {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}"
+        )
 
 
 def main() -> None:
@@ -77,8 +101,13 @@ def main() -> None:
         for name, builders, what in (("gpt", "decoder", f"{PROMPT} prompt"), ("t5", "encoder_decoder", "114 source")):
             same_ids(f"{name} on {device}", globals()[builders + suffix]())
             seconds = isolated(f"generation:{builders}{suffix}", ["tfcli", "transformers"], warmup=1, steps=5)
-            report(f"{name} greedy generation ({what} + {NEW} new tokens, batch 1, KV cache, fp32{where})", "tok", NEW,
-                   seconds, target=1.5)
+            report(
+                f"{name} greedy generation ({what} + {NEW} new tokens, batch 1, KV cache, fp32{where})",
+                "tok",
+                NEW,
+                seconds,
+                target=1.5,
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Config (issue 2): 4 layers, width 256, 4 heads, context 256, batch 16, vocab 502
 2 threads, no dropout. Both sides use the same weights and torch's fused AdamW; each is timed in
 a process of its own (common.isolated).
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,9 @@ def training() -> Contenders:
     def tfcli():
         torch.manual_seed(1)
         ours = GPT(CONFIG).train()
-        return train_step(lambda: next_token_loss(ours, None, batch)[0],
-                          torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True))
+        return train_step(
+            lambda: next_token_loss(ours, None, batch)[0], torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+        )
 
     def transformers():
         import transformers
@@ -57,11 +59,14 @@ def generation(model: GPT, new_tokens: int = 200) -> None:
     rates = {}
     for use_cache in (True, False):
         t0 = time.perf_counter()
-        n = sum(1 for _ in generate_tokens(model, prompt, max_new_tokens=new_tokens, temperature=0.0,
-                                           use_cache=use_cache))
+        n = sum(
+            1 for _ in generate_tokens(model, prompt, max_new_tokens=new_tokens, temperature=0.0, use_cache=use_cache)
+        )
         rates[use_cache] = n / (time.perf_counter() - t0)
-    print(f"gpt generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
-          f"({rates[True] / rates[False]:.1f}x)")
+    print(
+        f"gpt generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
+        f"({rates[True] / rates[False]:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ process of its own. MFU: each family's training FLOPs per item (tfcli's count, t
 every side) over the GPU's bf16 matmul peak measured here; peak memory: torch.cuda.max_memory_allocated
 (tfcli.engine.perf.peak_memory_mb: the process's peak RSS on the CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,18 +52,52 @@ class Family:
 
 SMALL = {"model.n_layer": 2, "model.n_head": 2, "model.d_model": 64, "model.d_ff": 256}
 FAMILIES = {
-    "gpt": Family("gpt2-small", "GPT-2 124M, context 1024, batch 12", "tok",
-                  {"train.batch_size": 12},
-                  {**SMALL, "model.max_seq_len": 64, "data.seq_len": 64, "train.batch_size": 4}),
-    "bert": Family("bert-base", "BERT-base MLM+NSP, sequence 128, batch 256", "tok", {},
-                   {**SMALL, "train.batch_size": 8, "data.seq_len": 64}),
-    "t5": Family("t5-small", "T5-small span corruption, inputs 512, batch 128", "tok",
-                 {"tokenizer.train_chars": 5_000_000},
-                 {**SMALL, "model.d_kv": 32, "model.n_decoder_layer": 2, "train.batch_size": 4, "data.seq_len": 64,
-                  "tokenizer.vocab_size": 1000, "model.vocab_size": 1000, "tokenizer.train_chars": 300_000}),
-    "mae": Family("vit-base-16", "ViT-B/16 MAE, 224 px, batch 64", "img", {},
-                  {**SMALL, "model.image_size": 32, "model.patch_size": 8, "model.decoder_d_model": 32,
-                   "model.decoder_n_layer": 1, "model.decoder_n_head": 2, "model.decoder_d_ff": 64, "train.batch_size": 8}),
+    "gpt": Family(
+        "gpt2-small",
+        "GPT-2 124M, context 1024, batch 12",
+        "tok",
+        {"train.batch_size": 12},
+        {**SMALL, "model.max_seq_len": 64, "data.seq_len": 64, "train.batch_size": 4},
+    ),
+    "bert": Family(
+        "bert-base",
+        "BERT-base MLM+NSP, sequence 128, batch 256",
+        "tok",
+        {},
+        {**SMALL, "train.batch_size": 8, "data.seq_len": 64},
+    ),
+    "t5": Family(
+        "t5-small",
+        "T5-small span corruption, inputs 512, batch 128",
+        "tok",
+        {"tokenizer.train_chars": 5_000_000},
+        {
+            **SMALL,
+            "model.d_kv": 32,
+            "model.n_decoder_layer": 2,
+            "train.batch_size": 4,
+            "data.seq_len": 64,
+            "tokenizer.vocab_size": 1000,
+            "model.vocab_size": 1000,
+            "tokenizer.train_chars": 300_000,
+        },
+    ),
+    "mae": Family(
+        "vit-base-16",
+        "ViT-B/16 MAE, 224 px, batch 64",
+        "img",
+        {},
+        {
+            **SMALL,
+            "model.image_size": 32,
+            "model.patch_size": 8,
+            "model.decoder_d_model": 32,
+            "model.decoder_n_layer": 1,
+            "model.decoder_n_head": 2,
+            "model.decoder_d_ff": 64,
+            "train.batch_size": 8,
+        },
+    ),
 }
 
 
@@ -77,10 +112,17 @@ class Settings:
 
     @property
     def run_overrides(self) -> dict:
-        return {"train.device": self.device, "train.precision": self.precision,
-                "train.compile": "on" if self.compile else "off", "train.steps": self.warmup + self.steps,
-                "train.grad_accum": 1, "train.log_interval": self.log_interval, "train.eval_interval": 10**9,
-                "train.ckpt_interval": 10**9, "train.eval_batches": 1}
+        return {
+            "train.device": self.device,
+            "train.precision": self.precision,
+            "train.compile": "on" if self.compile else "off",
+            "train.steps": self.warmup + self.steps,
+            "train.grad_accum": 1,
+            "train.log_interval": self.log_interval,
+            "train.eval_interval": 10**9,
+            "train.ckpt_interval": 10**9,
+            "train.eval_batches": 1,
+        }
 
 
 GPU = Settings("cuda", "bf16", True, warmup=20, steps=60, log_interval=10)
@@ -112,6 +154,7 @@ def flops_per_item(name: str, cfg, recipe) -> float:
 
 
 # ---- contenders: each runs in a process of its own and returns {"rate", "peak_mem_mb"} -------------
+
 
 def run_tfcli(name: str, settings: Settings, smoke: bool) -> dict:
     """`tfcli pretrain` itself, as a user runs it; the rate is the median of its log windows after warm-up."""
@@ -179,7 +222,9 @@ def _peer(name: str, cfg, recipe, transformers):
         peer = hf_peer(transformers.T5ForConditionalGeneration, T5(cfg))
         return peer, batch, t5.peer_loss, batch["input_ids"].numel() + batch["labels"].numel()
     pixels = torch.randn(b, cfg.channels, cfg.image_size, cfg.image_size)
-    peer = hf_peer(transformers.ViTMAEForPreTraining, ViT(cfg), torch.nn.ModuleDict({"decoder": MAEDecoder(cfg)}).state_dict())
+    peer = hf_peer(
+        transformers.ViTMAEForPreTraining, ViT(cfg), torch.nn.ModuleDict({"decoder": MAEDecoder(cfg)}).state_dict()
+    )
     return peer, {"pixels": pixels}, mae.peer_loss, b
 
 
@@ -197,22 +242,47 @@ def run_nanogpt(settings: Settings, smoke: bool) -> dict:
         for split in ("train", "val"):
             tokens.tofile(data / f"{split}.bin")
         (Path(tmp) / "configurator.py").write_text((nanogpt / "configurator.py").read_text())
-        args = dict(dataset="bench", out_dir=f"{tmp}/out", batch_size=b, block_size=seq, n_layer=cfg.n_layer,
-                    n_head=cfg.n_head, n_embd=cfg.d_model, dropout=0.0, bias=True, gradient_accumulation_steps=1,
-                    max_iters=settings.warmup + settings.steps, eval_interval=10**9, eval_iters=1, log_interval=1,
-                    always_save_checkpoint=False, wandb_log=False, device=settings.device, compile=settings.compile,
-                    dtype="bfloat16" if settings.precision == "bf16" else "float32")
-        runner = ("import atexit, runpy, sys, torch\n"
-                  f"sys.path.insert(0, {str(nanogpt)!r}); sys.argv = ['train.py'] + sys.argv[1:]\n"
-                  "from tfcli.engine.perf import peak_memory_mb\n"
-                  f"atexit.register(lambda: print('PEAK_MEM_MB', peak_memory_mb(torch.device({settings.device!r}))))\n"
-                  f"runpy.run_path({str(nanogpt / 'train.py')!r}, run_name='__main__')\n")
-        out = subprocess.run([sys.executable, "-c", runner, *[f"--{k}={v}" for k, v in args.items()]],
-                             capture_output=True, text=True, cwd=tmp)
+        args = dict(
+            dataset="bench",
+            out_dir=f"{tmp}/out",
+            batch_size=b,
+            block_size=seq,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.d_model,
+            dropout=0.0,
+            bias=True,
+            gradient_accumulation_steps=1,
+            max_iters=settings.warmup + settings.steps,
+            eval_interval=10**9,
+            eval_iters=1,
+            log_interval=1,
+            always_save_checkpoint=False,
+            wandb_log=False,
+            device=settings.device,
+            compile=settings.compile,
+            dtype="bfloat16" if settings.precision == "bf16" else "float32",
+        )
+        runner = (
+            "import atexit, runpy, sys, torch\n"
+            f"sys.path.insert(0, {str(nanogpt)!r}); sys.argv = ['train.py'] + sys.argv[1:]\n"
+            "from tfcli.engine.perf import peak_memory_mb\n"
+            f"atexit.register(lambda: print('PEAK_MEM_MB', peak_memory_mb(torch.device({settings.device!r}))))\n"
+            f"runpy.run_path({str(nanogpt / 'train.py')!r}, run_name='__main__')\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", runner, *[f"--{k}={v}" for k, v in args.items()]],
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+        )
         if out.returncode:
             raise RuntimeError(f"nanoGPT failed: {(out.stderr or out.stdout).strip()[-2000:]}")
-    times = [float(line.split("time ")[1].split("ms")[0]) / 1e3 for line in out.stdout.splitlines()
-             if line.startswith("iter ") and int(line.split()[1].rstrip(":")) > settings.warmup]
+    times = [
+        float(line.split("time ")[1].split("ms")[0]) / 1e3
+        for line in out.stdout.splitlines()
+        if line.startswith("iter ") and int(line.split()[1].rstrip(":")) > settings.warmup
+    ]
     peak = next(float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("PEAK_MEM_MB"))
     return {"rate": b * seq / statistics.median(times), "peak_mem_mb": peak}
 
@@ -236,6 +306,7 @@ def _sync(device: torch.device) -> None:
 
 # ---- the benchmark -------------------------------------------------------------------------------------
 
+
 def contender(name: str, who: str, smoke: bool) -> dict:
     """One contender in a fresh process (so peak memory and compiled code are its own); a failure
     becomes the row's error."""
@@ -253,7 +324,9 @@ def main(smoke: bool = False, names: tuple[str, ...] = tuple(FAMILIES)) -> list[
     device = torch.device(settings.device)
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
     peak = _measure(device, dtype)
-    print(f"gpu benchmark on {device_name(device)}: measured {settings.precision} matmul peak {peak / 1e12:.1f} TFLOP/s")
+    print(
+        f"gpu benchmark on {device_name(device)}: measured {settings.precision} matmul peak {peak / 1e12:.1f} TFLOP/s"
+    )
     results = []
     for name in names:
         family = FAMILIES[name]
@@ -262,14 +335,20 @@ def main(smoke: bool = False, names: tuple[str, ...] = tuple(FAMILIES)) -> list[
         rows = {w: contender(name, w, smoke) for w in ("tfcli", "transformers")}
         if name == "gpt":
             found = (nanogpt_dir() / "train.py").is_file()
-            rows["nanoGPT"] = contender(name, "nanoGPT", smoke) if found else \
-                {"error": f"not found at {nanogpt_dir()} (git clone https://github.com/karpathy/nanoGPT there, or set NANOGPT)"}
+            rows["nanoGPT"] = (
+                contender(name, "nanoGPT", smoke)
+                if found
+                else {
+                    "error": f"not found at {nanogpt_dir()} (git clone https://github.com/karpathy/nanoGPT there, or set NANOGPT)"
+                }
+            )
         results.append(report(name, family, rows, flops, peak, device_name(device), settings))
     return results
 
 
-def report(name: str, family: Family, rows: dict[str, dict], flops: float, peak: float, device: str,
-           settings: Settings) -> dict:
+def report(
+    name: str, family: Family, rows: dict[str, dict], flops: float, peak: float, device: str, settings: Settings
+) -> dict:
     print(f"{family.label if settings is GPU else name + ' (smoke shapes)'}:")
     ours = rows["tfcli"].get("rate")
     for who, r in rows.items():
@@ -278,11 +357,18 @@ def report(name: str, family: Family, rows: dict[str, dict], flops: float, peak:
             continue
         r["mfu"] = r["rate"] * flops / peak
         ratio = f", tfcli {ours / r['rate']:.2f}x" if who != "tfcli" and ours else ""
-        print(f"  {who:13s} {r['rate']:>12,.0f} {family.unit}/s  MFU {100 * r['mfu']:5.1f}%  "
-              f"peak memory {r['peak_mem_mb']:,.0f} MB{ratio}")
-    result = {"benchmark": f"gpu {name}" + (" (smoke)" if settings is SMOKE else ""), "device": device,
-              "unit": f"{family.unit}/s", "flops_per_item": flops, "peak_flops": peak,
-              **{who: {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for who, r in rows.items()}}
+        print(
+            f"  {who:13s} {r['rate']:>12,.0f} {family.unit}/s  MFU {100 * r['mfu']:5.1f}%  "
+            f"peak memory {r['peak_mem_mb']:,.0f} MB{ratio}"
+        )
+    result = {
+        "benchmark": f"gpu {name}" + (" (smoke)" if settings is SMOKE else ""),
+        "device": device,
+        "unit": f"{family.unit}/s",
+        "flops_per_item": flops,
+        "peak_flops": peak,
+        **{who: {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for who, r in rows.items()},
+    }
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -295,7 +381,7 @@ if __name__ == "__main__":
     if smoke:
         torch.set_num_threads(2)
     if "--one" in args:
-        name, who = args[args.index("--one") + 1: args.index("--one") + 3]
+        name, who = args[args.index("--one") + 1 : args.index("--one") + 3]
         settings = SMOKE if smoke else GPU
         if who == "tfcli":
             result = run_tfcli(name, settings, smoke)

@@ -10,6 +10,7 @@ corpus, in one process, interleaved round by round.
 
 Run with train.prefetch 0 and 2, which also decides prefetch's default on the CPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,18 @@ STEPS, LOG_EVERY, ROUNDS = 120, 20, 2
 
 
 def whole_step_seconds(prefetch: int, workdir: Path) -> float:
-    rec = recipes.load("gpt-mini", {"train.steps": STEPS, "train.log_interval": LOG_EVERY,
-                                    "train.eval_interval": STEPS, "train.ckpt_interval": STEPS,
-                                    "train.prefetch": prefetch, "train.device": "cpu", "train.threads": 2})
+    rec = recipes.load(
+        "gpt-mini",
+        {
+            "train.steps": STEPS,
+            "train.log_interval": LOG_EVERY,
+            "train.eval_interval": STEPS,
+            "train.ckpt_interval": STEPS,
+            "train.prefetch": prefetch,
+            "train.device": "cpu",
+            "train.threads": 2,
+        },
+    )
     run, _ = train(RunRequest(rec, out=workdir / f"prefetch{prefetch}-{time.monotonic_ns()}", quiet=True))
     logs = [m for m in read_metrics(run) if m.get("split") == "train"]
     first, last = logs[0], logs[-1]
@@ -83,13 +93,23 @@ def main() -> None:
     for name in ("prefetch 0", "prefetch 2"):
         overhead = med[name] / bare - 1
         verdict = "meets" if overhead < 0.05 else "MISSES"
-        print(f"loop overhead, gpt-mini, {name}: whole step {1e3 * med[name]:.1f} ms, bare step "
-              f"{1e3 * bare:.1f} ms, overhead {100 * overhead:+.1f}% ({verdict} the <5% target)")
+        print(
+            f"loop overhead, gpt-mini, {name}: whole step {1e3 * med[name]:.1f} ms, bare step "
+            f"{1e3 * bare:.1f} ms, overhead {100 * overhead:+.1f}% ({verdict} the <5% target)"
+        )
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
-        f.write(json.dumps({"benchmark": "loop overhead (gpt-mini)", "unit": "s/step",
-                            **{k: round(v, 5) for k, v in med.items()},
-                            "rounds": {k: [round(x, 5) for x in v] for k, v in times.items()}}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "benchmark": "loop overhead (gpt-mini)",
+                    "unit": "s/step",
+                    **{k: round(v, 5) for k, v in med.items()},
+                    "rounds": {k: [round(x, 5) for x in v] for k, v in times.items()},
+                }
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

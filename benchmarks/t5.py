@@ -6,6 +6,7 @@ Batches are real span corruption of random token blocks (114 input tokens fill t
 exactly; the 26 target tokens are padded to 32 with ignored labels). Same weights, fused AdamW;
 each side timed in a process of its own (common.isolated).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,12 +21,23 @@ from tfcli.objectives import span_corruption as sc
 from tfcli.objectives.losses import IGNORE
 
 BATCH, ENCODER_LEN, DECODER_LEN, VOCAB = 32, 114, 32, 32128
-CONFIG = dict(n_layer=4, n_decoder_layer=4, n_head=4, d_model=256, d_kv=64, d_ff=1024, feed_forward="gated-gelu",
-              dropout=0.0, max_seq_len=512, vocab_size=VOCAB)
+CONFIG = dict(
+    n_layer=4,
+    n_decoder_layer=4,
+    n_head=4,
+    d_model=256,
+    d_kv=64,
+    d_ff=1024,
+    feed_forward="gated-gelu",
+    dropout=0.0,
+    max_seq_len=512,
+    vocab_size=VOCAB,
+)
 
 
-def span_batch(batch_size: int = BATCH, encoder_len: int = ENCODER_LEN, decoder_len: int = DECODER_LEN,
-               vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+def span_batch(
+    batch_size: int = BATCH, encoder_len: int = ENCODER_LEN, decoder_len: int = DECODER_LEN, vocab: int = VOCAB
+) -> dict[str, torch.Tensor]:
     """Span corruption of random token blocks: input_ids (B, encoder_len), labels and decoder_input_ids
     (B, decoder_len), the targets padded with ignored labels (0: exactly the targets' length)."""
     raw_len, targets_len = sc.compute_input_and_target_lengths(encoder_len)
@@ -58,7 +70,9 @@ def training() -> Contenders:
     def tfcli():
         torch.manual_seed(0)
         model = T5(T5Config(**CONFIG)).train()
-        return train_step(lambda: sc.loss(model, None, batch)[0], torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+        return train_step(
+            lambda: sc.loss(model, None, batch)[0], torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        )
 
     def transformers():
         peer = models()[1]
@@ -75,8 +89,12 @@ def main() -> None:
         b = peer_loss(peer, batch)
     print(f"t5 loss check: tfcli {float(a):.5f}, transformers {float(b):.5f}")
     seconds = isolated("t5:training", ["tfcli", "transformers"])
-    report(f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} "
-           f"V{VOCAB} fp32)", "tok", BATCH * (ENCODER_LEN + DECODER_LEN), seconds)
+    report(
+        f"t5 span-corruption train step (L4+4 d256 ff1024 h4 enc{ENCODER_LEN} dec{DECODER_LEN} b{BATCH} V{VOCAB} fp32)",
+        "tok",
+        BATCH * (ENCODER_LEN + DECODER_LEN),
+        seconds,
+    )
     generation(ours.eval(), batch["input_ids"][:1])
 
 
@@ -85,11 +103,17 @@ def generation(model: T5, prompt: torch.Tensor, new_tokens: int = 64) -> None:
     rates = {}
     for use_cache in (True, False):
         t0 = time.perf_counter()
-        n = sum(1 for _ in generate_seq2seq(model, prompt, start_id=0, max_new_tokens=new_tokens, temperature=0.0,
-                                            use_cache=use_cache))
+        n = sum(
+            1
+            for _ in generate_seq2seq(
+                model, prompt, start_id=0, max_new_tokens=new_tokens, temperature=0.0, use_cache=use_cache
+            )
+        )
         rates[use_cache] = n / (time.perf_counter() - t0)
-    print(f"t5 generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
-          f"({rates[True] / rates[False]:.1f}x)")
+    print(
+        f"t5 generation: {rates[True]:,.1f} tok/s with the KV cache, {rates[False]:,.1f} tok/s without "
+        f"({rates[True] / rates[False]:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

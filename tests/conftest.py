@@ -1,4 +1,5 @@
 """Shared fixtures: tiny recipes and real data from ../shared/data, sized for 2 CPU cores."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,17 @@ def tiny_gpt_recipe(data: Path, **sections) -> dict:
         "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 32},
         "optim": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.1},
         "schedule": {"warmup_steps": 5, "decay": "cosine", "min_lr": 3e-4},
-        "train": {"steps": 20, "batch_size": 8, "log_interval": 1, "eval_interval": 10, "eval_batches": 4,
-                  "ckpt_interval": 10, "keep_checkpoints": 5, "seed": 7, "device": "cpu"},
+        "train": {
+            "steps": 20,
+            "batch_size": 8,
+            "log_interval": 1,
+            "eval_interval": 10,
+            "eval_batches": 4,
+            "ckpt_interval": 10,
+            "keep_checkpoints": 5,
+            "seed": 7,
+            "device": "cpu",
+        },
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values) if isinstance(values, dict) else raw.__setitem__(section, values)
@@ -74,16 +84,32 @@ def tiny_gpt_recipe(data: Path, **sections) -> dict:
 def tiny_bert_recipe(data, objective: str = "mlm", **sections) -> dict:
     """A two-layer BERT on `data` with a small trained WordPiece vocabulary."""
     raw = {
-        "name": f"tiny-{objective}", "objective": objective,
-        "model": {"family": "bert", "n_layer": 2, "n_head": 2, "d_model": 48, "d_ff": 96, "max_seq_len": 64,
-                  "dropout": 0.0},
+        "name": f"tiny-{objective}",
+        "objective": objective,
+        "model": {
+            "family": "bert",
+            "n_layer": 2,
+            "n_head": 2,
+            "d_model": 48,
+            "d_ff": 96,
+            "max_seq_len": 64,
+            "dropout": 0.0,
+        },
         "tokenizer": {"kind": "wordpiece", "vocab_size": 400, "lowercase": True},
         "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 64},
         objective: {"documents": "paragraphs"},
         "optim": {"lr": 3e-3, "betas": [0.9, 0.99], "weight_decay": 0.01},
         "schedule": {"warmup_steps": 3, "decay": "linear", "min_lr": 0.0},
-        "train": {"steps": 30, "batch_size": 16, "log_interval": 5, "eval_interval": 30, "eval_batches": 2,
-                  "ckpt_interval": 30, "seed": 3, "device": "cpu"},
+        "train": {
+            "steps": 30,
+            "batch_size": 16,
+            "log_interval": 5,
+            "eval_interval": 30,
+            "eval_batches": 2,
+            "ckpt_interval": 30,
+            "seed": 3,
+            "device": "cpu",
+        },
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
@@ -93,10 +119,12 @@ def tiny_bert_recipe(data, objective: str = "mlm", **sections) -> dict:
 @pytest.fixture
 def write_recipe(tmp_path):
     """Write a recipe dict to a YAML file and return its path."""
+
     def write(raw: dict, name: str = "recipe.yaml") -> Path:
         path = tmp_path / name
         path.write_text(yaml.safe_dump(raw))
         return path
+
     return write
 
 
@@ -129,23 +157,46 @@ def set_args(overrides: dict) -> list[str]:
     return out
 
 
-def pretrained_run(tmp: Path, text: Path, objective: str, model: dict, tokenizer: dict = None, steps: int = 2,
-                   **sections) -> Path:
+def pretrained_run(
+    tmp: Path, text: Path, objective: str, model: dict, tokenizer: dict = None, steps: int = 2, **sections
+) -> Path:
     """A few steps of pretraining of a tiny text model (byte-level BPE of 400 tokens by default)."""
     (tmp / "text.txt").write_text(text.read_text()[:30_000])
-    raw = {"name": f"tiny-{objective}", "objective": objective, "model": model,
-           "tokenizer": tokenizer or {"kind": "bpe", "vocab_size": 400, "train_chars": 30_000},
-           "data": {"source": str(tmp / "text.txt"), "val_fraction": 0.1, "seq_len": 48},
-           "train": {"steps": steps, "batch_size": 4, "log_interval": 1, "eval_interval": steps, "eval_batches": 1,
-                     "ckpt_interval": steps, "device": "cpu"}, **sections}
+    raw = {
+        "name": f"tiny-{objective}",
+        "objective": objective,
+        "model": model,
+        "tokenizer": tokenizer or {"kind": "bpe", "vocab_size": 400, "train_chars": 30_000},
+        "data": {"source": str(tmp / "text.txt"), "val_fraction": 0.1, "seq_len": 48},
+        "train": {
+            "steps": steps,
+            "batch_size": 4,
+            "log_interval": 1,
+            "eval_interval": steps,
+            "eval_batches": 1,
+            "ckpt_interval": steps,
+            "device": "cpu",
+        },
+        **sections,
+    }
     (tmp / "r.yaml").write_text(yaml.safe_dump(raw))
     result = invoke("pretrain", "--recipe", tmp / "r.yaml", "--out", tmp / "run", "--quiet")
     assert result.exit_code == 0, result.output
     return tmp / "run"
 
 
-TINY_VIT = {"image_size": 16, "patch_size": 4, "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64,
-            "decoder_d_model": 32, "decoder_n_layer": 1, "decoder_n_head": 2, "decoder_d_ff": 64}
+TINY_VIT = {
+    "image_size": 16,
+    "patch_size": 4,
+    "n_layer": 2,
+    "n_head": 2,
+    "d_model": 32,
+    "d_ff": 64,
+    "decoder_d_model": 32,
+    "decoder_n_layer": 1,
+    "decoder_n_head": 2,
+    "decoder_d_ff": 64,
+}
 
 
 def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
@@ -162,6 +213,7 @@ def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
             imgs.append((np.clip(img / 3.5, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8))
             labels.append(i % 2)
         return np.stack(imgs), np.array(labels)
+
     xtr, ytr = make(n)
     xte, yte = make(16)
     np.savez(path, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, class_names=np.array(["a", "b"]))
@@ -170,9 +222,20 @@ def tiny_npz(path: Path, n: int = 96, size: int = 16) -> Path:
 
 def mae_overrides(npz: Path, **extra) -> dict:
     o = {f"model.{k}": v for k, v in TINY_VIT.items()}
-    o.update({"data.source": str(npz), "train.batch_size": 16, "train.steps": 4, "train.log_interval": 2,
-              "train.eval_interval": 2, "train.eval_batches": 1, "train.ckpt_interval": 2,
-              "schedule.warmup_steps": 1, "train.threads": 2, "mae.crop_scale": [0.5, 1.0]})
+    o.update(
+        {
+            "data.source": str(npz),
+            "train.batch_size": 16,
+            "train.steps": 4,
+            "train.log_interval": 2,
+            "train.eval_interval": 2,
+            "train.eval_batches": 1,
+            "train.ckpt_interval": 2,
+            "schedule.warmup_steps": 1,
+            "train.threads": 2,
+            "mae.crop_scale": [0.5, 1.0],
+        }
+    )
     o.update(extra)
     return o
 
@@ -184,8 +247,14 @@ def save_hf_bert(path: Path, shared: Path, arch: str = "BertModel") -> Path:
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=128)
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     getattr(transformers, arch)(config).save_pretrained(path)
     shutil.copy(shared / "tokenizers" / "bert-base-uncased" / "vocab.txt", path / "vocab.txt")
     return path

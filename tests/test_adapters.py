@@ -2,6 +2,7 @@
 outputs exactly as they were at initialisation; each strategy trains only its parameters; merging
 gives the adapted model's outputs; a LoRA run saves only its adapters and head, resumes bit for bit,
 evaluates, and exports a plain transformers model with the same logits."""
+
 from __future__ import annotations
 
 import copy
@@ -25,12 +26,23 @@ from .conftest import invoke, train_losses
 
 def tiny(family: str):
     torch.manual_seed(0)
-    return {"gpt": lambda: GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=50, max_seq_len=16)),
-            "bert": lambda: Bert(BertConfig(n_layer=2, n_head=2, d_model=16, vocab_size=50, dropout=0.0)),
-            "t5": lambda: T5(T5Config(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50)),
-            "vit": lambda: ViT(ViTConfig(image_size=8, patch_size=4, n_layer=2, n_head=2, d_model=16, d_ff=32,
-                                         decoder_d_model=16, decoder_n_head=2)),
-            }[family]().eval()
+    return {
+        "gpt": lambda: GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=50, max_seq_len=16)),
+        "bert": lambda: Bert(BertConfig(n_layer=2, n_head=2, d_model=16, vocab_size=50, dropout=0.0)),
+        "t5": lambda: T5(T5Config(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50)),
+        "vit": lambda: ViT(
+            ViTConfig(
+                image_size=8,
+                patch_size=4,
+                n_layer=2,
+                n_head=2,
+                d_model=16,
+                d_ff=32,
+                decoder_d_model=16,
+                decoder_n_head=2,
+            )
+        ),
+    }[family]().eval()
 
 
 def run(model, family: str) -> torch.Tensor:
@@ -98,10 +110,36 @@ def test_merging_gives_the_adapted_outputs(family, method):
 
 
 def finetune_lora(hf_bert, mnli_dir, out, *extra):
-    return invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--train", "lora", "--steps", 6,
-                  "--batch-size", 8, "--out", out, "--quiet", "--set", "train.ckpt_interval=3",
-                  "--set", "train.eval_interval=3", "--set", "train.log_interval=1", "--set", "train.keep_checkpoints=5",
-                  "--set", "finetune.eval_limit=6", "--set", "adapter.rank=4", *extra)
+    return invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        hf_bert,
+        "--data",
+        mnli_dir,
+        "--train",
+        "lora",
+        "--steps",
+        6,
+        "--batch-size",
+        8,
+        "--out",
+        out,
+        "--quiet",
+        "--set",
+        "train.ckpt_interval=3",
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.log_interval=1",
+        "--set",
+        "train.keep_checkpoints=5",
+        "--set",
+        "finetune.eval_limit=6",
+        "--set",
+        "adapter.rank=4",
+        *extra,
+    )
 
 
 def test_a_lora_run_saves_only_adapters_resumes_evaluates_and_exports_merged(hf_bert, mnli_dir, tmp_path):
@@ -135,14 +173,32 @@ def test_a_lora_run_saves_only_adapters_resumes_evaluates_and_exports_merged(hf_
     ids = torch.randint(1000, 5000, (2, 12))
     batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids)}
     with torch.no_grad():
-        logits = features(ours.model, batch, "cls") @ ours.heads["classifier.weight"].t() + ours.heads["classifier.bias"]
+        logits = (
+            features(ours.model, batch, "cls") @ ours.heads["classifier.weight"].t() + ours.heads["classifier.bias"]
+        )
         assert (logits - hf(**batch).logits).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("method", ["ia3", "bitfit", "head"])
 def test_every_strategy_trains_and_reports_what_it_trains(method, hf_bert, mnli_dir, tmp_path):
-    result = invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--train", method, "--steps", 2,
-                    "--batch-size", 8, "--out", tmp_path / "run", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        hf_bert,
+        "--data",
+        mnli_dir,
+        "--train",
+        method,
+        "--steps",
+        2,
+        "--batch-size",
+        8,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     assert f", {method})" in result.output and "training " in result.output
     weights = checkpoint.load_weights(checkpoint.find(tmp_path / "run"))
@@ -153,16 +209,40 @@ def test_a_partial_run_reads_its_base_again_and_names_it_when_gone(small_text, m
     from .conftest import pretrained_run
 
     (tmp_path / "pre").mkdir()
-    base = pretrained_run(tmp_path / "pre", small_text, "mlm", {"family": "bert", "n_layer": 2, "n_head": 2,
-                                                              "d_model": 32, "d_ff": 64, "max_seq_len": 64},
-                          tokenizer={"kind": "wordpiece", "vocab_size": 400, "train_chars": 30_000},
-                          mlm={"documents": "paragraphs"})
+    base = pretrained_run(
+        tmp_path / "pre",
+        small_text,
+        "mlm",
+        {"family": "bert", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64},
+        tokenizer={"kind": "wordpiece", "vocab_size": 400, "train_chars": 30_000},
+        mlm={"documents": "paragraphs"},
+    )
     run = tmp_path / "lora"
-    result = invoke("finetune", "mnli", "--from", base, "--data", mnli_dir, "--train", "lora", "--steps", 2,
-                    "--batch-size", 4, "--out", run, "--quiet", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        base,
+        "--data",
+        mnli_dir,
+        "--train",
+        "lora",
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        run,
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((run / "run.json").read_text())
-    assert record["from_checkpoint"].endswith("step-0000002") and record["parameters"]["trained"] < record["parameters"]["total"]
+    assert (
+        record["from_checkpoint"].endswith("step-0000002")
+        and record["parameters"]["trained"] < record["parameters"]["total"]
+    )
     assert invoke("eval", "--checkpoint", run, "--limit", 6).exit_code == 0
     shutil.rmtree(base)
     result = invoke("eval", "--checkpoint", run, "--limit", 6)
@@ -198,8 +278,27 @@ def test_disabled_adapters_give_the_base_model_and_come_back(method):
 def test_the_pooler_trains_only_when_the_classifier_reads_it(pooling, trains_pooler, hf_bert, mnli_dir, tmp_path):
     """BERT's pooler is read by [CLS] pooling alone: with mean pooling BitFit leaves its bias out of
     what trains (and so out of the checkpoint and the optimizer)."""
-    result = invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--train", "bitfit", "--pooling", pooling,
-                    "--steps", 1, "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=4")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        hf_bert,
+        "--data",
+        mnli_dir,
+        "--train",
+        "bitfit",
+        "--pooling",
+        pooling,
+        "--steps",
+        1,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=4",
+    )
     assert result.exit_code == 0, result.output
     weights = checkpoint.load_weights(checkpoint.find(tmp_path / "run"))
     assert ("model.pooler.bias" in weights) == trains_pooler

@@ -1,8 +1,10 @@
 """The seams hold: no import cycles, every registered plug-in is what its registry key says, short
 functions in the driver and the trainer, and `tfcli eval --checkpoint` works on every kind of run."""
+
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=1)
 def import_graph() -> dict[str, set[str]]:
     """tfcli module -> the tfcli modules it imports, at module level or inside functions."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -34,7 +37,9 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -53,7 +58,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -64,7 +69,9 @@ def test_no_import_cycles():
             visit(node)
 
 
-@pytest.mark.parametrize("kind,key", [("objective", k) for k in registry.OBJECTIVES] + [("task", k) for k in registry.TASKS])
+@pytest.mark.parametrize(
+    "kind,key", [("objective", k) for k in registry.OBJECTIVES] + [("task", k) for k in registry.TASKS]
+)
 def test_every_registered_plugin_is_what_its_key_says(kind, key):
     cls = registry.plugin_class(kind, key)
     assert (cls.key, cls.kind) == (key, kind)
@@ -89,37 +96,69 @@ def test_every_recipe_names_a_registered_plugin_and_presets_have_their_recipes()
 @pytest.mark.parametrize("module", ["driver.py", "engine/trainer.py"])
 def test_driver_and_trainer_functions_are_short(module):
     tree = ast.parse((PACKAGE / module).read_text())
-    long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50]
+    long = [
+        (n.name, n.end_lineno - n.lineno + 1)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50
+    ]
     assert not long, long
 
 
 def _run(kind: str, tmp: Path, text: Path, mnli: Path) -> Path:
     """A two-step run of each kind the tool makes."""
     if kind in ("clm", "span"):
-        model = {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64} if kind == "clm" else \
-            {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64}
+        model = (
+            {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}
+            if kind == "clm"
+            else {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64}
+        )
         return pretrained_run(tmp, text, kind, model)
     if kind in ("mlm", "electra"):
-        (tmp / "r.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(text, kind, train={"steps": 2, "eval_interval": 2,
-                                                                                     "ckpt_interval": 2})))
+        (tmp / "r.yaml").write_text(
+            yaml.safe_dump(tiny_bert_recipe(text, kind, train={"steps": 2, "eval_interval": 2, "ckpt_interval": 2}))
+        )
         args = ["pretrain", "--recipe", tmp / "r.yaml"]
     elif kind == "mae":
-        args = ["pretrain", "--objective", "mae", *set_args(mae_overrides(tiny_npz(tmp / "x.npz"), **{"train.steps": 2}))]
+        args = [
+            "pretrain",
+            "--objective",
+            "mae",
+            *set_args(mae_overrides(tiny_npz(tmp / "x.npz"), **{"train.steps": 2})),
+        ]
     elif kind == "image-classify":
-        args = ["finetune", "image-classify", "--data", tiny_npz(tmp / "x.npz"), "--steps", 2,
-                *set_args({k: v for k, v in mae_overrides(tmp).items() if k.startswith("model.")})]
+        args = [
+            "finetune",
+            "image-classify",
+            "--data",
+            tiny_npz(tmp / "x.npz"),
+            "--steps",
+            2,
+            *set_args({k: v for k, v in mae_overrides(tmp).items() if k.startswith("model.")}),
+        ]
     else:  # text classification of a GPT (text-to-text) or a BERT (classifier)
         base = _run("clm" if kind == "classify-gpt" else "mlm", tmp / "base", text, mnli)
-        args = ["finetune", "mnli", "--from", base, "--data", mnli, "--steps", 2, "--batch-size", 4,
-                "--set", "finetune.eval_limit=6"]
+        args = [
+            "finetune",
+            "mnli",
+            "--from",
+            base,
+            "--data",
+            mnli,
+            "--steps",
+            2,
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.eval_limit=6",
+        ]
     result = invoke(*args, "--out", tmp / kind, "--quiet")
     assert result.exit_code == 0, result.output
     return tmp / kind
 
 
-@pytest.mark.parametrize("kind", ["clm", "span", "mlm", "electra", "mae", "image-classify", "classify-gpt",
-                                  "classify-bert"])
+@pytest.mark.parametrize(
+    "kind", ["clm", "span", "mlm", "electra", "mae", "image-classify", "classify-gpt", "classify-bert"]
+)
 def test_eval_works_on_every_kind_of_run(kind, tmp_path, small_text, mnli_dir):
     (tmp_path / "base").mkdir()
     run = _run(kind, tmp_path, small_text, mnli_dir)
@@ -147,8 +186,16 @@ def test_no_upward_imports_and_no_calls_of_other_modules_private_functions():
 ROOMS = {  # room -> the rooms and root modules it must not import (each rule a layer boundary)
     "engine": ("tfcli.tasks", "tfcli.objectives", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
     "data": ("tfcli.engine", "tfcli.tasks", "tfcli.objectives", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
-    "models": ("tfcli.engine", "tfcli.data", "tfcli.tasks", "tfcli.objectives", "tfcli.commands", "tfcli.hf",
-               "tfcli.driver", "tfcli.cli"),
+    "models": (
+        "tfcli.engine",
+        "tfcli.data",
+        "tfcli.tasks",
+        "tfcli.objectives",
+        "tfcli.commands",
+        "tfcli.hf",
+        "tfcli.driver",
+        "tfcli.cli",
+    ),
     "tasks": ("tfcli.commands", "tfcli.driver", "tfcli.cli"),
     "objectives": ("tfcli.tasks", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
     "hf": ("tfcli.tasks", "tfcli.objectives", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
@@ -160,8 +207,13 @@ def test_each_room_imports_only_the_layers_below_it(room):
     """The floor plan: models at the bottom, data and hf beside it, the engine that runs a job above them,
     objectives and tasks (plug-ins) above the engine, the driver and the commands on top."""
     graph = import_graph()
-    wrong = [(module, target) for module, targets in graph.items() if module.startswith(f"tfcli.{room}")
-             for target in targets if target.startswith(ROOMS[room])]
+    wrong = [
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith(f"tfcli.{room}")
+        for target in targets
+        if target.startswith(ROOMS[room])
+    ]
     assert not wrong, wrong
 
 
@@ -179,8 +231,11 @@ def test_code_outside_models_and_hf_asks_a_models_kind_never_its_family_name():
     import re
 
     names = "|".join(FAMILIES)
-    forbidden = [re.compile(r"family\s*(==|!=)"), re.compile(r"family\s+(not\s+)?in\s*[(\[{]"),
-                 re.compile(rf"""["']({names})["']""")]
+    forbidden = [
+        re.compile(r"family\s*(==|!=)"),
+        re.compile(r"family\s+(not\s+)?in\s*[(\[{]"),
+        re.compile(rf"""["']({names})["']"""),
+    ]
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.parent.name in ("models", "hf"):
@@ -196,8 +251,17 @@ def test_every_family_declares_what_its_kind_promises():
     reads text), and implements the kind's protocol."""
     from tfcli.models import kinds
 
-    small = dict(n_layer=1, d_model=32, n_head=2, d_ff=64, vocab_size=32, decoder_d_model=32, decoder_n_head=2,
-                 decoder_d_ff=64, decoder_n_layer=1)
+    small = dict(
+        n_layer=1,
+        d_model=32,
+        n_head=2,
+        d_ff=64,
+        vocab_size=32,
+        decoder_d_model=32,
+        decoder_n_head=2,
+        decoder_d_ff=64,
+        decoder_n_layer=1,
+    )
     for family, (config, cls) in FAMILIES.items():
         assert cls.kind in kinds.KINDS and cls.poolings, family
         assert cls.kind == kinds.VISION_ENCODER or (cls.special_tokens and callable(cls.pad_id)), family
@@ -210,8 +274,13 @@ def test_tasks_import_no_objective():
     kind's FLOPs per token in its protocol), never an objective's module: only the shared losses
     (objectives/losses.py, which text-to-text finetuning trains too)."""
     graph = import_graph()
-    wrong = [(module, target) for module, targets in graph.items() if module.startswith("tfcli.tasks")
-             for target in targets if target.startswith("tfcli.objectives") and target != "tfcli.objectives.losses"]
+    wrong = [
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("tfcli.tasks")
+        for target in targets
+        if target.startswith("tfcli.objectives") and target != "tfcli.objectives.losses"
+    ]
     assert not wrong, wrong
 
 
@@ -232,7 +301,11 @@ def test_tasks_ask_what_a_model_can_do_more_than_its_kind():
     27 such tests in tasks/ and generate.py; fewer than half remain."""
     import re
 
-    tests = [f"{path.relative_to(PACKAGE)}:{n}" for path in PACKAGE.rglob("*.py") if path.parent.name != "models"
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             if re.search(r"model\.kind\s*(==|!=|in\b|not in\b)", line)]
+    tests = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in PACKAGE.rglob("*.py")
+        if path.parent.name != "models"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"model\.kind\s*(==|!=|in\b|not in\b)", line)
+    ]
     assert len(tests) < 27 / 2, tests

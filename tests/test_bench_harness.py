@@ -1,13 +1,17 @@
 """The GPU benchmark's harness, run end to end at tiny shapes on the CPU (`--smoke`): a real
 `tfcli pretrain` process and transformers' model in a process of their own, rates and MFU read
 back. It guards the harness that a lent GPU runs, so that a session with one only has to run it."""
+
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import gpu
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_harness_runs_whole_pretrain_steps_against_transformers(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "RESULTS", tmp_path)
     monkeypatch.setenv("NANOGPT", str(tmp_path / "no-nanoGPT"))

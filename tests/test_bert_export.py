@@ -1,4 +1,5 @@
 """`tfcli export --hf` of BERT runs: transformers loads the directory and gives the same logits."""
+
 import json
 
 import pytest
@@ -55,8 +56,23 @@ def test_exported_pretraining_run_loads_in_bert_for_pretraining(mlm_run, tmp_pat
 
 def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_run, mnli_dir, tmp_path):
     run = tmp_path / "ft"
-    result = invoke("finetune", "mnli", "--from", mlm_run, "--data", mnli_dir, "--steps", 2, "--batch-size", 16,
-                    "--out", run, "--quiet", "--set", "finetune.eval_limit=8")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        mlm_run,
+        "--data",
+        mnli_dir,
+        "--steps",
+        2,
+        "--batch-size",
+        16,
+        "--out",
+        run,
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=8",
+    )
     assert result.exit_code == 0, result.output
     assert invoke("export", "--hf", tmp_path / "hf", "--checkpoint", run).exit_code == 0
     hf = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
@@ -65,7 +81,10 @@ def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_ru
     ids, types, mask = _batch(loaded.model.cfg.vocab_size)
     batch = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
     with torch.no_grad():
-        ours = features(loaded.model, batch, "cls") @ loaded.heads["classifier.weight"].t() + loaded.heads["classifier.bias"]
+        ours = (
+            features(loaded.model, batch, "cls") @ loaded.heads["classifier.weight"].t()
+            + loaded.heads["classifier.bias"]
+        )
         ref = hf(**batch).logits
     assert (ours - ref).abs().max() < 1e-4
 

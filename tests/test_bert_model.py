@@ -1,4 +1,5 @@
 """Bert on its own: padding never leaks, the published size, shape checks (parity: test_hf)."""
+
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ def test_all_layers_and_padding_do_not_leak():
     assert torch.allclose(layers[-1][:, :6], again[:, :6], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bert_base_recipe_has_paper_size():
     cfg = recipes.replace(recipes.load("bert-base").model, vocab_size=30522)
     n = sum(p.numel() for p in build_model(cfg).parameters())

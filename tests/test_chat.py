@@ -2,6 +2,7 @@
 tokenizer_config.json render the ids transformers' apply_chat_template renders, on three multi-turn
 conversations; the assistant mask covers exactly the replies and their end-of-turn token; a template
 that reaches for Python internals is refused in one line."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,50 @@ from tfcli.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
-SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-END_OF_TURN = {"chatml": "<|im_end|>", "qwen2.5-instruct": "<|im_end|>", "llama-3-instruct": "<|eot_id|>",
-               "gemma-it": "<end_of_turn>", "phi-3": "<|end|>"}  # the others end a reply with eos_token
+SPECIALS = [
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|end|>",
+]
+END_OF_TURN = {
+    "chatml": "<|im_end|>",
+    "qwen2.5-instruct": "<|im_end|>",
+    "llama-3-instruct": "<|eot_id|>",
+    "gemma-it": "<end_of_turn>",
+    "phi-3": "<|end|>",
+}  # the others end a reply with eos_token
 CONVERSATIONS = [
-    [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."},
-     {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "That makes 20."}],
-    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Capital of France?"},
-     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"},
-     {"role": "assistant", "content": "Rome, since 1871."}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a short joke."}, {"role": "assistant", "content": "I would, but it is too long."},
-     {"role": "user", "content": "Fine."}, {"role": "assistant", "content": "Thanks for asking."}],
+    [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "It is 5."},
+        {"role": "user", "content": "And times 4?"},
+        {"role": "assistant", "content": "That makes 20."},
+    ],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome, since 1871."},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a short joke."},
+        {"role": "assistant", "content": "I would, but it is too long."},
+        {"role": "user", "content": "Fine."},
+        {"role": "assistant", "content": "Thanks for asking."},
+    ],
 ]
 
 
@@ -79,9 +111,15 @@ def test_a_models_own_template_from_its_tokenizer_config(tmp_path, tokenizer):
     assert ours.ids == hf_ids(tokenizer, source, CONVERSATIONS[0])
 
 
-@pytest.mark.parametrize("source", ["{{ ''.__class__.__mro__ }}", "{{ messages.__class__.__base__.__subclasses__() }}",
-                                    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
-                                    "{% set x = messages.append({'role': 'user'}) %}"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages.__class__.__base__.__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{% set x = messages.append({'role': 'user'}) %}",
+    ],
+)
 def test_a_template_that_reaches_for_python_internals_is_refused(source):
     with pytest.raises(UserError, match="refused") as e:
         ChatTemplate(source, "evil.jinja").text([{"role": "user", "content": "hi"}])
@@ -110,8 +148,11 @@ def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_
     model = tmp_path / "model"
     model.mkdir()
     tokenizer.save(model)
-    (model / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": source, "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "</s>"}))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": source, "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "</s>"}
+        )
+    )
     tok = load_tokenizer_files(str(model), [])
     assert tok.specials == SpecialTokens(eos="<|im_end|>", pad="</s>") and tok.chat_template == source
     assert tok.eos_id == tokenizer.token_id("<|im_end|>")
@@ -129,7 +170,9 @@ def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_
     hf.export(Backbone(model_, again), None, tmp_path / "hf")
     exported = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert exported["chat_template"] == source and exported["eos_token"] == "<|im_end|>"
-    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(CONVERSATIONS[0], tokenize=True)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(
+        CONVERSATIONS[0], tokenize=True
+    )
     theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
     assert ChatTemplate(source).render(again, CONVERSATIONS[0], bos_token=exported["bos_token"]).ids == theirs
 
@@ -140,33 +183,58 @@ def test_special_tokens_and_the_template_travel_from_a_model_directory_to_a_run_
 S, U, A, U2 = "You answer briefly.", "Capital of France?", "Paris.", "And of Italy?"
 DOCUMENTED = {
     # ChatML (OpenAI; Qwen, SmolLM2): no BOS, each turn `<|im_start|>role\n...<|im_end|>\n`
-    "chatml": ("<s>", "</s>", f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
-               f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n"),
-    "qwen2.5-instruct": ("<s>", "</s>", f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
-                         f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n"),
+    "chatml": (
+        "<s>",
+        "</s>",
+        f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
+        f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "qwen2.5-instruct": (
+        "<s>",
+        "</s>",
+        f"<|im_start|>system\n{S}<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n"
+        f"<|im_start|>assistant\n{A}<|im_end|>\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n",
+    ),
     # Meta Llama 3 model card
-    "llama-3-instruct": ("<|begin_of_text|>", "<|eot_id|>",
-                         f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{S}<|eot_id|>"
-                         f"<|start_header_id|>user<|end_header_id|>\n\n{U}<|eot_id|>"
-                         f"<|start_header_id|>assistant<|end_header_id|>\n\n{A}<|eot_id|>"
-                         f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"
-                         f"<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "llama-3-instruct": (
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{S}<|eot_id|>"
+        f"<|start_header_id|>user<|end_header_id|>\n\n{U}<|eot_id|>"
+        f"<|start_header_id|>assistant<|end_header_id|>\n\n{A}<|eot_id|>"
+        f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"
+        f"<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
     # HuggingFaceH4/zephyr-7b-beta
-    "zephyr": ("<s>", "</s>", f"<|system|>\n{S}</s>\n<|user|>\n{U}</s>\n<|assistant|>\n{A}</s>\n<|user|>\n{U2}</s>\n"
-               "<|assistant|>\n"),
+    "zephyr": (
+        "<s>",
+        "</s>",
+        f"<|system|>\n{S}</s>\n<|user|>\n{U}</s>\n<|assistant|>\n{A}</s>\n<|user|>\n{U2}</s>\n<|assistant|>\n",
+    ),
     # Mistral-7B-Instruct: `<s>[INST] ... [/INST] reply</s>[INST] ... [/INST]`; the system text leads
     "mistral-instruct": ("<s>", "</s>", f"<s>{S}\n\n[INST] {U} [/INST] {A}</s>[INST] {U2} [/INST]"),
     # Llama 2 chat: the system prompt inside the first [INST], each exchange its own <s>...</s>
     "llama-2-chat": ("<s>", "</s>", f"<s>[INST] <<SYS>>\n{S}\n<</SYS>>\n\n{U} [/INST] {A} </s><s>[INST] {U2} [/INST]"),
     # Gemma instruction-tuned: <bos>, roles user and model, the system text in the first user turn
-    "gemma-it": ("<bos>", "<eos>", f"<bos><start_of_turn>user\n{S}\n\n{U}<end_of_turn>\n<start_of_turn>model\n{A}"
-                 f"<end_of_turn>\n<start_of_turn>user\n{U2}<end_of_turn>\n<start_of_turn>model\n"),
+    "gemma-it": (
+        "<bos>",
+        "<eos>",
+        f"<bos><start_of_turn>user\n{S}\n\n{U}<end_of_turn>\n<start_of_turn>model\n{A}"
+        f"<end_of_turn>\n<start_of_turn>user\n{U2}<end_of_turn>\n<start_of_turn>model\n",
+    ),
     # Phi-3
-    "phi-3": ("<s>", "<|endoftext|>", f"<|system|>\n{S}<|end|>\n<|user|>\n{U}<|end|>\n<|assistant|>\n{A}<|end|>\n"
-              f"<|user|>\n{U2}<|end|>\n<|assistant|>\n"),
+    "phi-3": (
+        "<s>",
+        "<|endoftext|>",
+        f"<|system|>\n{S}<|end|>\n<|user|>\n{U}<|end|>\n<|assistant|>\n{A}<|end|>\n"
+        f"<|user|>\n{U2}<|end|>\n<|assistant|>\n",
+    ),
     # Stanford Alpaca's instruction format
-    "alpaca": ("<s>", "</s>", f"<s>{S}\n\n### Instruction:\n{U}\n\n### Response:\n{A}</s>\n\n### Instruction:\n{U2}"
-               "\n\n### Response:\n"),
+    "alpaca": (
+        "<s>",
+        "</s>",
+        f"<s>{S}\n\n### Instruction:\n{U}\n\n### Response:\n{A}</s>\n\n### Instruction:\n{U2}\n\n### Response:\n",
+    ),
 }
 
 
@@ -177,6 +245,10 @@ def test_every_shipped_template_has_a_documented_reference():
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
 def test_a_shipped_template_renders_its_models_documented_format(name):
     bos, eos, expected = DOCUMENTED[name]
-    messages = [{"role": "system", "content": S}, {"role": "user", "content": U},
-                {"role": "assistant", "content": A}, {"role": "user", "content": U2}]
+    messages = [
+        {"role": "system", "content": S},
+        {"role": "user", "content": U},
+        {"role": "assistant", "content": A},
+        {"role": "user", "content": U2},
+    ]
     assert ChatTemplate.load(name).text(messages, add_generation_prompt=True, bos_token=bos, eos_token=eos) == expected

@@ -1,6 +1,7 @@
 """Text classification: a user's own CSV / JSONL (bad rows skipped and counted, unknown labels and
 missing columns one line each), MNLI as a preset (GLUE TSV, JSON Lines, the hub), finetuning and
 evaluation through the CLI, every pooling."""
+
 import json
 import shutil
 
@@ -17,8 +18,20 @@ from .conftest import invoke, read_metrics
 
 MNLI = text_spec(ClassifyConfig(preset="mnli"))
 LABELS = ("entailment", "neutral", "contradiction")
-HEADER = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
-          "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]
+HEADER = [
+    "index",
+    "promptID",
+    "pairID",
+    "genre",
+    "sentence1_binary_parse",
+    "sentence2_binary_parse",
+    "sentence1_parse",
+    "sentence2_parse",
+    "sentence1",
+    "sentence2",
+    "label1",
+    "gold_label",
+]
 
 
 def _tsv(path, rows):
@@ -30,25 +43,35 @@ def _tsv(path, rows):
 
 def test_glue_tsv_maps_labels_and_counts_skipped_rows(tmp_path):
     for split in ("train", "dev_matched", "dev_mismatched"):
-        _tsv(tmp_path / f"{split}.tsv", [("A man eats.", "Someone eats.", "entailment"),
-                                         ("It rains \"hard\".", "It is dry.", "contradiction"),
-                                         ("No gold.", "None.", "-"),  # annotators disagreed: GLUE's '-'
-                                         ("A cat.", "An animal maybe.", "neutral")])
+        _tsv(
+            tmp_path / f"{split}.tsv",
+            [
+                ("A man eats.", "Someone eats.", "entailment"),
+                ('It rains "hard".', "It is dry.", "contradiction"),
+                ("No gold.", "None.", "-"),  # annotators disagreed: GLUE's '-'
+                ("A cat.", "An animal maybe.", "neutral"),
+            ],
+        )
     (tmp_path / "dev_matched.tsv").open("a").write("5\t1\t1n\tfiction\tshort row\n")  # missing fields
     splits, labels = load_splits(MNLI, str(tmp_path))
     assert labels == LABELS
-    assert splits["dev_matched"].rows == [(("A man eats.", "Someone eats."), 0), (('It rains "hard".', "It is dry."), 2),
-                                          (("A cat.", "An animal maybe."), 1)]
+    assert splits["dev_matched"].rows == [
+        (("A man eats.", "Someone eats."), 0),
+        (('It rains "hard".', "It is dry."), 2),
+        (("A cat.", "An animal maybe."), 1),
+    ]
     assert splits["dev_matched"].skipped == 2 and splits["train"].skipped == 1
 
 
 def test_jsonl_takes_words_or_glue_ids_and_skips_bad_rows(tmp_path):
-    lines = [{"premise": "p1", "hypothesis": "h1", "label": "Neutral"},
-             {"premise": "p2", "hypothesis": "h2", "label": 2},
-             {"premise": "p3", "hypothesis": "h3", "label": "0"},
-             {"premise": "p4", "hypothesis": "h4", "label": -1},
-             {"premise": "p5", "label": "entailment"},
-             {"premise": "p6", "hypothesis": "", "label": "entailment"}]
+    lines = [
+        {"premise": "p1", "hypothesis": "h1", "label": "Neutral"},
+        {"premise": "p2", "hypothesis": "h2", "label": 2},
+        {"premise": "p3", "hypothesis": "h3", "label": "0"},
+        {"premise": "p4", "hypothesis": "h4", "label": -1},
+        {"premise": "p5", "label": "entailment"},
+        {"premise": "p6", "hypothesis": "", "label": "entailment"},
+    ]
     for split in ("train", "dev_matched", "dev_mismatched"):
         (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
     splits, _ = load_splits(MNLI, str(tmp_path))
@@ -82,8 +105,11 @@ def test_unreachable_hub_is_a_clear_error(monkeypatch):
 
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub\nmore lines")
+
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(UserError, match=r"could not load Hugging Face dataset 'nyu-mll/glue:mnli' \(Couldn't reach.*--data"):
+    with pytest.raises(
+        UserError, match=r"could not load Hugging Face dataset 'nyu-mll/glue:mnli' \(Couldn't reach.*--data"
+    ):
         load_splits(MNLI, "")
 
 
@@ -99,8 +125,14 @@ def tiny_hf_bert(tmp_path_factory, shared_data):
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("hf-bert")
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=128)
+    cfg = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     transformers.BertModel(cfg).save_pretrained(d)
     shutil.copy(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt", d / "vocab.txt")
     return d
@@ -122,9 +154,28 @@ def reviews(path, fmt: str):
 def test_classify_a_users_own_file(tiny_hf_bert, tmp_path, fmt):
     data = reviews(tmp_path / f"reviews.{fmt}", fmt)
     out = tmp_path / "run"
-    result = invoke("finetune", "classify", "--from", tiny_hf_bert, "--data", data, "--text-fields", "title,body",
-                    "--label-field", "label", "--steps", 4, "--batch-size", 8, "--out", out,
-                    "--set", "train.eval_interval=2", "--set", "data.val_fraction=0.25")
+    result = invoke(
+        "finetune",
+        "classify",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        data,
+        "--text-fields",
+        "title,body",
+        "--label-field",
+        "label",
+        "--steps",
+        4,
+        "--batch-size",
+        8,
+        "--out",
+        out,
+        "--set",
+        "train.eval_interval=2",
+        "--set",
+        "data.val_fraction=0.25",
+    )
     assert result.exit_code == 0, result.output
     assert "classify train: 36 rows, 2 skipped" in result.output and "classify dev: 12 rows, 0 skipped" in result.output
     assert json.loads((out / "labels.json").read_text()) == ["neg", "pos"]  # learned from the data, sorted
@@ -139,11 +190,15 @@ def test_classify_a_users_own_file(tiny_hf_bert, tmp_path, fmt):
 def test_classify_errors_name_the_problem_in_one_line(tiny_hf_bert, tmp_path):
     data = reviews(tmp_path / "reviews.csv", "csv")
     base = ["finetune", "classify", "--from", tiny_hf_bert, "--data", data, "--steps", 1, "--out", tmp_path / "run"]
-    for extra, message in ((["--text-fields", "title,summary"], "no column 'summary' (columns: title, body, label)"),
-                           (["--text-fields", "title", "--label-field", "stars"], "no column 'stars'"),
-                           ([], "classify.text_fields: name the column(s) holding the text"),
-                           (["--text-fields", "title", "--set", "classify.labels=[pos,neutral]"],
-                            "row 25: unknown label 'neg' (labels: pos, neutral)")):
+    for extra, message in (
+        (["--text-fields", "title,summary"], "no column 'summary' (columns: title, body, label)"),
+        (["--text-fields", "title", "--label-field", "stars"], "no column 'stars'"),
+        ([], "classify.text_fields: name the column(s) holding the text"),
+        (
+            ["--text-fields", "title", "--set", "classify.labels=[pos,neutral]"],
+            "row 25: unknown label 'neg' (labels: pos, neutral)",
+        ),
+    ):
         result = invoke(*base, *extra)
         assert result.exit_code == 2 and result.output.count("\n") == 1 and message in result.output, result.output
         assert not (tmp_path / "run").exists()  # nothing written for bad input
@@ -151,9 +206,29 @@ def test_classify_errors_name_the_problem_in_one_line(tiny_hf_bert, tmp_path):
 
 def test_finetune_mnli_from_a_hugging_face_dir_then_eval(tiny_hf_bert, mnli_dir, tmp_path):
     out = tmp_path / "run"
-    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 6, "--batch-size", 16,
-                    "--lr", "1e-3", "--pooling", "last4-concat", "--out", out, "--quiet",
-                    "--set", "train.eval_interval=3", "--set", "train.log_interval=1")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        mnli_dir,
+        "--steps",
+        6,
+        "--batch-size",
+        16,
+        "--lr",
+        "1e-3",
+        "--pooling",
+        "last4-concat",
+        "--out",
+        out,
+        "--quiet",
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.log_interval=1",
+    )
     assert result.exit_code == 0, result.output
     val = [r for r in read_metrics(out) if r.get("split") == "val"]
     assert len(val) == 2 and {"dev_matched_acc", "dev_mismatched_acc"} <= set(val[0])
@@ -175,12 +250,29 @@ def test_finetune_mnli_from_a_hugging_face_dir_then_eval(tiny_hf_bert, mnli_dir,
 
 
 def test_head_only_training_leaves_the_backbone_untouched(tiny_hf_bert, mnli_dir, tmp_path):
-    from tfcli.hf import interop as hf
     from tfcli.engine.checkpoint import find, load_weights
+    from tfcli.hf import interop as hf
 
     out = tmp_path / "run"
-    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 3, "--train", "head",
-                    "--head-lr", "1e-2", "--out", out, "--quiet", "--set", "finetune.eval_limit=8")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        mnli_dir,
+        "--steps",
+        3,
+        "--train",
+        "head",
+        "--head-lr",
+        "1e-2",
+        "--out",
+        out,
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=8",
+    )
     assert result.exit_code == 0, result.output
     weights = load_weights(find(out))
     assert set(weights) == {"heads.classifier.weight", "heads.classifier.bias"}  # the frozen backbone is not copied
@@ -195,15 +287,46 @@ def test_head_only_training_leaves_the_backbone_untouched(tiny_hf_bert, mnli_dir
 def test_epochs_set_the_steps_and_warmup_and_steps_win(tiny_hf_bert, mnli_dir, tmp_path):
     from tfcli import recipe as recipes
 
-    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--epochs", 0.5, "--batch-size", 16,
-                    "--out", tmp_path / "a", "--quiet", "--set", "finetune.eval_limit=8",
-                    "--set", "finetune.warmup_fraction=0.2", "--set", "finetune.limit=160")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        mnli_dir,
+        "--epochs",
+        0.5,
+        "--batch-size",
+        16,
+        "--out",
+        tmp_path / "a",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=8",
+        "--set",
+        "finetune.warmup_fraction=0.2",
+        "--set",
+        "finetune.limit=160",
+    )
     assert result.exit_code == 0, result.output
     rec = recipes.load_resolved(tmp_path / "a" / "config.yaml")
     assert rec.train.steps == 5 and rec.schedule.warmup_steps == 1  # 0.5 * 160 / 16; 20% of 5
     assert rec.model.n_layer == 4 and rec.model.d_model == 32  # the backbone's own shape
-    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 3, "--out",
-                    tmp_path / "b", "--quiet", "--set", "finetune.eval_limit=8")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        mnli_dir,
+        "--steps",
+        3,
+        "--out",
+        tmp_path / "b",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=8",
+    )
     assert result.exit_code == 0 and recipes.load_resolved(tmp_path / "b" / "config.yaml").train.steps == 3
 
 
@@ -238,9 +361,31 @@ def test_finetune_resume_is_bit_exact(tiny_hf_bert, mnli_dir, tmp_path):
     from .conftest import train_losses
 
     whole = tmp_path / "whole"
-    result = invoke("finetune", "mnli", "--from", tiny_hf_bert, "--data", mnli_dir, "--steps", 6, "--batch-size", 8,
-                    "--out", whole, "--quiet", "--set", "train.ckpt_interval=3", "--set", "train.eval_interval=3",
-                    "--set", "train.log_interval=1", "--set", "train.keep_checkpoints=5", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        tiny_hf_bert,
+        "--data",
+        mnli_dir,
+        "--steps",
+        6,
+        "--batch-size",
+        8,
+        "--out",
+        whole,
+        "--quiet",
+        "--set",
+        "train.ckpt_interval=3",
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.log_interval=1",
+        "--set",
+        "train.keep_checkpoints=5",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     cut = tmp_path / "cut"
     shutil.copytree(whole, cut)

@@ -1,4 +1,5 @@
 """Each subcommand through Typer's CliRunner; user errors are one line and exit code 2."""
+
 from __future__ import annotations
 
 import subprocess
@@ -25,8 +26,19 @@ def trained_run(tmp_path_factory, small_text):
     root = tmp_path_factory.mktemp("cli")
     recipe = root / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text)))
-    result = invoke("pretrain", "--recipe", recipe, "--out", root / "run", "--steps", 12, "--lr", "2e-3",
-                    "--set", "train.eval_interval=6")
+    result = invoke(
+        "pretrain",
+        "--recipe",
+        recipe,
+        "--out",
+        root / "run",
+        "--steps",
+        12,
+        "--lr",
+        "2e-3",
+        "--set",
+        "train.eval_interval=6",
+    )
     assert result.exit_code == 0, result.output
     return root / "run", result.output
 
@@ -50,15 +62,21 @@ def test_resume_extends_a_finished_run(trained_run, tmp_path):
 
 
 def test_generate_streams_text_after_the_prompt(trained_run):
-    result = invoke("generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 30,
-                    "--seed", 1)
+    result = invoke(
+        "generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 30, "--seed", 1
+    )
     assert result.exit_code == 0, result.output
     assert result.output.startswith("ROMEO:") and len(result.output.strip()) > len("ROMEO:") + 10
-    again = invoke("generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 30,
-                   "--seed", 1)
+    again = invoke(
+        "generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 30, "--seed", 1
+    )
     assert again.output == result.output  # seeded sampling is reproducible
-    greedy = [invoke("generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 20,
-                     "--greedy", *flag).output for flag in ([], ["--no-cache"])]
+    greedy = [
+        invoke(
+            "generate", "--checkpoint", trained_run[0], "--prompt", "ROMEO:", "--max-new-tokens", 20, "--greedy", *flag
+        ).output
+        for flag in ([], ["--no-cache"])
+    ]
     assert greedy[0] == greedy[1]
 
 
@@ -77,17 +95,20 @@ def test_recipes_list_and_show():
     assert shown.exit_code == 0 and "n_layer: 4" in shown.output and "batch_size: 16" in shown.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["pretrain", "--recipe", "nope"], "error: unknown recipe 'nope'"),
-    (["pretrain", "--objective", "xyz"], "error: unknown objective 'xyz'"),
-    (["pretrain", "--data", "/no/such/file.txt", "--steps", "1"], "error: data not found: /no/such/file.txt"),
-    (["pretrain", "--set", "optim.lrr=1"], "error: optim.lrr: unknown key"),
-    (["pretrain", "--set", "train.steps=ten"], "error: train.steps: expected an integer"),
-    (["generate", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
-    (["eval", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
-    (["recipes", "show", "nope"], "error: unknown recipe 'nope'"),
-    (["finetune", "no-such-task"], "error: unknown task 'no-such-task'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["pretrain", "--recipe", "nope"], "error: unknown recipe 'nope'"),
+        (["pretrain", "--objective", "xyz"], "error: unknown objective 'xyz'"),
+        (["pretrain", "--data", "/no/such/file.txt", "--steps", "1"], "error: data not found: /no/such/file.txt"),
+        (["pretrain", "--set", "optim.lrr=1"], "error: optim.lrr: unknown key"),
+        (["pretrain", "--set", "train.steps=ten"], "error: train.steps: expected an integer"),
+        (["generate", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
+        (["eval", "--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: not found"),
+        (["recipes", "show", "nope"], "error: unknown recipe 'nope'"),
+        (["finetune", "no-such-task"], "error: unknown task 'no-such-task'"),
+    ],
+)
 def test_user_errors_are_one_line_with_exit_code_2(args, message):
     result = invoke(*args)
     assert result.exit_code == 2, result.output
@@ -98,14 +119,18 @@ def test_user_errors_are_one_line_with_exit_code_2(args, message):
 def test_wrong_family_for_an_objective_is_named(tmp_path, small_text, write_recipe):
     raw = tiny_gpt_recipe(small_text)
     path = write_recipe(raw)
-    result = invoke("pretrain", "--objective", "clm", "--recipe", path, "--set", "objective=clm",
-                    "--set", "model.family=nonesuch")
+    result = invoke(
+        "pretrain", "--objective", "clm", "--recipe", path, "--set", "objective=clm", "--set", "model.family=nonesuch"
+    )
     assert result.exit_code == 2 and "model.family: unknown family 'nonesuch'" in result.output
 
 
 def test_console_script_usage_errors_are_one_line():
-    result = subprocess.run([sys.executable, "-c", "from tfcli.cli import main; main()", "pretrain", "--bogus"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", "from tfcli.cli import main; main()", "pretrain", "--bogus"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: no such option: --bogus (--help lists the options)"
     assert "Traceback" not in result.stderr

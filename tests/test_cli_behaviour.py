@@ -1,6 +1,7 @@
 """What a new user met on the command line (issue 22): resume overrides, dev-only evaluation data,
 `--train head` on decoders, the newest run that can generate, few-shot that does not fit, checks
 before data is read, warmup longer than the run, capped lists in errors."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ from .conftest import invoke, read_metrics, tiny_gpt_recipe
 
 def gpt_run(tmp_path, small_text, name="run", **train):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 4, "eval_interval": 4,
-                                                                        "ckpt_interval": 2, **train})))
+    recipe.write_text(
+        yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 4, "eval_interval": 4, "ckpt_interval": 2, **train}))
+    )
     result = invoke("pretrain", "--recipe", recipe, "--out", tmp_path / name, "--quiet")
     assert result.exit_code == 0, result.output
     return tmp_path / name
@@ -27,7 +29,8 @@ def test_resume_refuses_an_override_that_would_not_be_what_ran(tmp_path, small_t
     assert result.output.strip().splitlines() == [
         f"error: --resume {run}: optim.lr was 0.003 and cannot change when resuming; a resumed run continues its "
         f"saved optimizer, schedule and data (it may change train.steps, intervals, device and threads); start a new "
-        f"run for optim.lr=0.5"]
+        f"run for optim.lr=0.5"
+    ]
     assert (run / "config.yaml").read_text() == before
     longer = invoke("pretrain", "--resume", run, "--steps", 6, "--quiet")  # training longer is what resume is for
     assert longer.exit_code == 0, longer.output
@@ -53,10 +56,26 @@ def test_each_strategy_reads_its_own_defaults_and_the_command_line_wins(tmp_path
 def test_train_head_on_a_decoder_trains_a_classifier_on_its_frozen_features(tmp_path, small_text, mnli_dir):
     from .conftest import pretrained_run
 
-    run = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32,
-                                                        "d_ff": 64, "max_seq_len": 64})
-    result = invoke("finetune", "mnli", "--from", run, "--data", mnli_dir, "--train", "head", "--steps", 2,
-                    "--out", tmp_path / "probe")
+    run = pretrained_run(
+        tmp_path,
+        small_text,
+        "clm",
+        {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64},
+    )
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        run,
+        "--data",
+        mnli_dir,
+        "--train",
+        "head",
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "probe",
+    )
     assert result.exit_code == 0, result.output
     assert "--train head on a gpt: a classifier on its frozen last-layer features" in " ".join(result.output.split())
     saved = yaml.safe_load((tmp_path / "probe" / "config.yaml").read_text())["finetune"]
@@ -69,8 +88,12 @@ def test_eval_reads_a_directory_of_evaluation_files_alone(hf_bert, mnli_dir, tmp
     import shutil
 
     run = tmp_path / "ft"
-    assert invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--steps", 1, "--out", run,
-                  "--quiet").exit_code == 0
+    assert (
+        invoke(
+            "finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--steps", 1, "--out", run, "--quiet"
+        ).exit_code
+        == 0
+    )
     dev = tmp_path / "dev-only"
     dev.mkdir()
     for split in ("dev_matched", "dev_mismatched"):
@@ -87,28 +110,67 @@ def test_continued_pretraining_starts_from_the_weights_it_is_given(tmp_path, sma
     follows the family); a BERT without an MLM head gets fresh heads, named in one line."""
     source = gpt_run(tmp_path, small_text, "source", steps=30, ckpt_interval=30, eval_interval=30)
     ended = [m["loss"] for m in read_metrics(source) if m.get("split") == "train"][-1]
-    result = invoke("pretrain", "--from", source, "--data", small_text, "--steps", 1, "--out", tmp_path / "more",
-                    "--set", "schedule.warmup_steps=0", "--set", "data.seq_len=32", "--set", "train.log_interval=1")
+    result = invoke(
+        "pretrain",
+        "--from",
+        source,
+        "--data",
+        small_text,
+        "--steps",
+        1,
+        "--out",
+        tmp_path / "more",
+        "--set",
+        "schedule.warmup_steps=0",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "train.log_interval=1",
+    )
     assert result.exit_code == 0, result.output
     first = [m["loss"] for m in read_metrics(tmp_path / "more") if m.get("split") == "train"][0]
     assert abs(first - ended) < 0.3 and first < 3.7, (first, ended)  # a fresh model starts near ln(65) = 4.2
     assert json.loads((tmp_path / "more" / "run.json").read_text())["from"] == str(source.resolve())
     text = tmp_path / "paragraphs.txt"
-    text.write_text("\n\n".join(small_text.read_text()[i:i + 400] for i in range(0, 20_000, 400)))
+    text.write_text("\n\n".join(small_text.read_text()[i : i + 400] for i in range(0, 20_000, 400)))
     for model, missing in ((hf_bert, "mlm and nsp heads"), (hf_bert_mlm, "nsp head")):
-        result = invoke("pretrain", "--objective", "mlm", "--from", model, "--data", text, "--steps", 1,
-                        "--batch-size", 4, "--out", tmp_path / model.name, "--set", "data.seq_len=64")
+        result = invoke(
+            "pretrain",
+            "--objective",
+            "mlm",
+            "--from",
+            model,
+            "--data",
+            text,
+            "--steps",
+            1,
+            "--batch-size",
+            4,
+            "--out",
+            tmp_path / model.name,
+            "--set",
+            "data.seq_len=64",
+        )
         assert result.exit_code == 0, result.output
-        assert f"has no weights for the objective's {missing}; initialised as a new run's" in " ".join(result.output.split())
+        assert f"has no weights for the objective's {missing}; initialised as a new run's" in " ".join(
+            result.output.split()
+        )
 
 
 def test_a_warmup_longer_than_the_run_is_clipped_with_a_note(tmp_path, small_text):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, schedule={"warmup_steps": 40},
-                                                     optim={"lr": 1e-3}, train={"steps": 20, "eval_interval": 20})))
+    recipe.write_text(
+        yaml.safe_dump(
+            tiny_gpt_recipe(
+                small_text, schedule={"warmup_steps": 40}, optim={"lr": 1e-3}, train={"steps": 20, "eval_interval": 20}
+            )
+        )
+    )
     result = invoke("pretrain", "--recipe", recipe, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
-    assert "schedule.warmup_steps 40 is longer than the run's 20 steps: warming up for 2" in " ".join(result.output.split())
+    assert "schedule.warmup_steps 40 is longer than the run's 20 steps: warming up for 2" in " ".join(
+        result.output.split()
+    )
     lrs = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("split") == "train"]
     assert max(lrs) > 0.9e-3 and lrs[-1] < lrs[2]  # it reaches its peak, then decays
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["schedule"]["warmup_steps"] == 2
@@ -122,8 +184,9 @@ def test_generate_without_a_checkpoint_takes_the_newest_run_that_can_generate(tm
     monkeypatch.chdir(tmp_path)
     gpt_run(tmp_path, small_text, "runs/gpt")
     time.sleep(0.05)
-    (tmp_path / "bert.yaml").write_text(yaml.safe_dump(tiny_bert_recipe(small_text, train={"steps": 2,
-                                                                                         "ckpt_interval": 2})))
+    (tmp_path / "bert.yaml").write_text(
+        yaml.safe_dump(tiny_bert_recipe(small_text, train={"steps": 2, "ckpt_interval": 2}))
+    )
     assert invoke("pretrain", "--recipe", tmp_path / "bert.yaml", "--out", "runs/bert", "--quiet").exit_code == 0
     result = invoke("generate", "--prompt", "ROMEO:", "--max-new-tokens", 3, "--greedy")
     assert result.exit_code == 0, result.output
@@ -133,8 +196,12 @@ def test_generate_without_a_checkpoint_takes_the_newest_run_that_can_generate(tm
 def test_few_shot_scoring_where_no_example_fits_is_an_error_not_zero_shot(tmp_path, small_text, mnli_dir):
     from .conftest import pretrained_run
 
-    run = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32,
-                                                        "d_ff": 64, "max_seq_len": 48})
+    run = pretrained_run(
+        tmp_path,
+        small_text,
+        "clm",
+        {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 48},
+    )
     result = invoke("eval", "mnli", "--checkpoint", run, "--data", mnli_dir, "--few-shot", 4, "--limit", 3)
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()[-1:]
@@ -146,17 +213,56 @@ def test_few_shot_scoring_where_no_example_fits_is_an_error_not_zero_shot(tmp_pa
 def test_a_request_the_model_cannot_serve_is_refused_before_any_data_is_read(tmp_path, small_text, mnli_dir, hf_bert):
     from .conftest import pretrained_run
 
-    gpt = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32,
-                                                        "d_ff": 64, "max_seq_len": 48})
+    gpt = pretrained_run(
+        tmp_path,
+        small_text,
+        "clm",
+        {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 48},
+    )
     for args, message in (
-            (["eval", "mnli", "--checkpoint", gpt, "--cloze", "--data", mnli_dir], "--cloze reads a BERT's masked-LM head"),
-            (["finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--head", "text", "--steps", 1,
-              "--out", tmp_path / "x"], "a BERT cannot answer as text"),
-            (["finetune", "mnli", "--from", gpt, "--data", mnli_dir, "--head", "classifier", "--pooling", "cls",
-              "--steps", 1, "--out", tmp_path / "y"], "--pooling cls: a gpt classifier pools")):
+        (["eval", "mnli", "--checkpoint", gpt, "--cloze", "--data", mnli_dir], "--cloze reads a BERT's masked-LM head"),
+        (
+            [
+                "finetune",
+                "mnli",
+                "--from",
+                hf_bert,
+                "--data",
+                mnli_dir,
+                "--head",
+                "text",
+                "--steps",
+                1,
+                "--out",
+                tmp_path / "x",
+            ],
+            "a BERT cannot answer as text",
+        ),
+        (
+            [
+                "finetune",
+                "mnli",
+                "--from",
+                gpt,
+                "--data",
+                mnli_dir,
+                "--head",
+                "classifier",
+                "--pooling",
+                "cls",
+                "--steps",
+                1,
+                "--out",
+                tmp_path / "y",
+            ],
+            "--pooling cls: a gpt classifier pools",
+        ),
+    ):
         result = invoke(*args)
         assert result.exit_code == 2, result.output
-        assert result.output.strip().splitlines() == [next(l for l in result.output.splitlines() if l.startswith("error:"))]
+        assert result.output.strip().splitlines() == [
+            next(l for l in result.output.splitlines() if l.startswith("error:"))
+        ]
         assert message in result.output and "rows" not in result.output, result.output
 
 
@@ -164,8 +270,8 @@ def test_flops_count_what_runs_and_mfu_is_never_a_pinned_cap():
     """A T5 classifier on encoder features runs the encoder alone; adapters do no weight gradients
     (4 FLOPs per parameter and token, not 6); an MFU above 1 is shown as n/a, not as 100%."""
     from tfcli.display import _fmt
-    from tfcli.models.t5 import T5, T5Config
     from tfcli.engine.perf import mfu
+    from tfcli.models.t5 import T5, T5Config
     from tfcli.tasks.heads import ClassifierHead
 
     model = T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=100))
@@ -203,19 +309,48 @@ def test_errors_about_users_data_stay_one_short_line(tmp_path, shared_data, hf_b
     that shows a few values, not 7,473 multi-line ones; an unknown label lists a capped label set."""
     rows = (shared_data / "sft" / "gsm8k" / "train.jsonl").read_text().splitlines()[:400]
     (tmp_path / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
-    result = invoke("finetune", "classify", "--from", hf_bert, "--data", tmp_path / "gsm8k.jsonl", "--text-fields",
-                    "question", "--label-field", "answer", "--steps", 1, "--out", tmp_path / "run")
+    result = invoke(
+        "finetune",
+        "classify",
+        "--from",
+        hf_bert,
+        "--data",
+        tmp_path / "gsm8k.jsonl",
+        "--text-fields",
+        "question",
+        "--label-field",
+        "answer",
+        "--steps",
+        1,
+        "--out",
+        tmp_path / "run",
+    )
     assert result.exit_code == 2
     (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
     assert "column 'answer' has 360 distinct values in 360 rows" in line and "and 357 more): not a label column" in line
     assert len(line) < 600 and not (tmp_path / "run").exists()
     (tmp_path / "many").mkdir()
     labels = [f"topic{i}" for i in range(60)]
-    (tmp_path / "many" / "train.jsonl").write_text("".join(json.dumps({"text": f"t {i}", "label": labels[i % 60]}) + "\n"
-                                                         for i in range(600)))
+    (tmp_path / "many" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"t {i}", "label": labels[i % 60]}) + "\n" for i in range(600))
+    )
     (tmp_path / "many" / "dev.jsonl").write_text(json.dumps({"text": "x", "label": "nope"}) + "\n")
-    result = invoke("finetune", "classify", "--from", hf_bert, "--data", tmp_path / "many", "--text-fields", "text",
-                    "--label-field", "label", "--steps", 1, "--out", tmp_path / "run2")
+    result = invoke(
+        "finetune",
+        "classify",
+        "--from",
+        hf_bert,
+        "--data",
+        tmp_path / "many",
+        "--text-fields",
+        "text",
+        "--label-field",
+        "label",
+        "--steps",
+        1,
+        "--out",
+        tmp_path / "run2",
+    )
     assert result.exit_code == 2
     (line,) = [l for l in result.output.splitlines() if l.startswith("error:")]
     assert "unknown label 'nope'" in line and "and 52 more" in line, line
@@ -254,8 +389,10 @@ def test_generate_takes_a_hugging_face_directory_as_eval_does(tmp_path, small_te
     greedy text as the run."""
     run = gpt_run(tmp_path, small_text)
     assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
-    texts = [invoke("generate", "--checkpoint", where, "--prompt", "ROMEO:", "--max-new-tokens", 12, "--greedy")
-             for where in (run, tmp_path / "hf")]
+    texts = [
+        invoke("generate", "--checkpoint", where, "--prompt", "ROMEO:", "--max-new-tokens", 12, "--greedy")
+        for where in (run, tmp_path / "hf")
+    ]
     assert all(t.exit_code == 0 for t in texts), [t.output for t in texts]
     assert texts[0].output.strip().splitlines()[-1] == texts[1].output.strip().splitlines()[-1]
     missing = invoke("generate", "--checkpoint", tmp_path / "nothing-here", "--prompt", "x")

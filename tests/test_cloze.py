@@ -1,6 +1,7 @@
 """Zero-shot cloze for BERT: the template is checked and filled token for token as the filled-in
 string would tokenize; the label-word scores equal transformers' masked-LM logits at the [MASK];
 `tfcli eval mnli --cloze` reads a Hugging Face directory and reports against the majority class."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import json
 import pytest
 import torch
 
-from tfcli.engine.backbone import from_hf
 from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.engine.backbone import from_hf
 from tfcli.errors import UserError
 from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, build_heads, special_ids
 from tfcli.tasks import cloze
@@ -24,20 +25,26 @@ def tok(shared_data):
     return load_tokenizer_files(str(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt"), SPECIAL_TOKENS)
 
 
-@pytest.mark.parametrize("template, problem", [
-    ("{premise} , {hypothesis}", "exactly one [MASK], has 0"),
-    ("{premise} [MASK] [MASK] {hypothesis}", "exactly one [MASK], has 2"),
-    ("{premise} ? [MASK] , {claim}", "unknown field {claim}"),
-    ("{premise} ? [MASK]", "must name {hypothesis} exactly once"),
-    ("{premise} {premise} [MASK] {hypothesis}", "must name {premise} exactly once"),
-])
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("{premise} , {hypothesis}", "exactly one [MASK], has 0"),
+        ("{premise} [MASK] [MASK] {hypothesis}", "exactly one [MASK], has 2"),
+        ("{premise} ? [MASK] , {claim}", "unknown field {claim}"),
+        ("{premise} ? [MASK]", "must name {hypothesis} exactly once"),
+        ("{premise} {premise} [MASK] {hypothesis}", "must name {premise} exactly once"),
+    ],
+)
 def test_a_bad_template_is_refused_naming_the_problem(template, problem):
     with pytest.raises(UserError, match=problem.replace("[", r"\[").replace("{", r"\{").replace("}", r"\}")):
         cloze.parse_template(template, FIELDS)
 
 
 def test_the_template_is_filled_as_the_whole_string_would_tokenize(tok):
-    rows = [(("The cat sat on the mat.", "A cat is sitting."), 0), (("It rained [MASK] all day!", "The ground is dry."), 2)]
+    rows = [
+        (("The cat sat on the mat.", "A cat is sitting."), 0),
+        (("It rained [MASK] all day!", "The ground is dry."), 2),
+    ]
     pieces = cloze.parse_template(cloze.default_template(FIELDS), FIELDS)
     ids = special_ids(tok)
     encoded = cloze.encode(tok, ids, pieces, FIELDS, rows, max_length=64)
@@ -80,13 +87,16 @@ def test_cloze_scores_equal_transformers_masked_lm_logits(hf_bert_mlm, tok):
     head = cloze.ClozeHead(lambda rows, train: None, ids["mask"], words, heads, 1.0)
     with torch.no_grad():
         ours = head.scores(backbone.model.eval(), heads, batch)  # (2, 3)
-        logits = hf(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                    attention_mask=batch["attention_mask"]).logits  # (2, T, V)
+        logits = hf(
+            input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"], attention_mask=batch["attention_mask"]
+        ).logits  # (2, T, V)
     theirs = logits[batch["input_ids"] == ids["mask"]][:, words]
     assert ours.shape == (2, 3) and (ours - theirs).abs().max() < 1e-4
 
 
-def test_eval_cloze_reads_a_hugging_face_bert_and_reports_the_majority_class(hf_bert_mlm, mnli_dir, tmp_path, monkeypatch):
+def test_eval_cloze_reads_a_hugging_face_bert_and_reports_the_majority_class(
+    hf_bert_mlm, mnli_dir, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     result = invoke("eval", "mnli", "--checkpoint", hf_bert_mlm, "--cloze", "--data", mnli_dir, "--limit", 12)
     assert result.exit_code == 0, result.output
@@ -104,8 +114,7 @@ def test_cloze_without_a_masked_lm_head_says_so(hf_bert, mnli_dir, tmp_path, mon
 
 def test_cloze_excludes_few_shot_and_a_hugging_face_model_needs_its_task(hf_bert_mlm, mnli_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("eval", "mnli", "--checkpoint", hf_bert_mlm, "--cloze", "--data", mnli_dir,
-                    "--few-shot", 2)
+    result = invoke("eval", "mnli", "--checkpoint", hf_bert_mlm, "--cloze", "--data", mnli_dir, "--few-shot", 2)
     assert result.exit_code == 2 and "give one" in result.output
     result = invoke("eval", "--checkpoint", hf_bert_mlm, "--cloze")
     assert result.exit_code == 2 and "name the task" in result.output

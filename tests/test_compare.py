@@ -1,6 +1,7 @@
 """`tfcli compare`: budgets and cell names; a grid of two strategies writes its table, CSV and chart;
 run again, a half-finished grid runs only what is missing (a finished cell is not run again, an
 interrupted one resumes from its checkpoint)."""
+
 from __future__ import annotations
 
 import csv
@@ -16,8 +17,16 @@ from tfcli.errors import UserError
 from .conftest import invoke
 
 
-@pytest.mark.parametrize("text, kind, amount", [("500steps", "steps", 500), ("10000ex", "examples", 10000),
-                                                ("10m", "minutes", 10), ("1.5h", "minutes", 90), ("2epochs", "epochs", 2)])
+@pytest.mark.parametrize(
+    "text, kind, amount",
+    [
+        ("500steps", "steps", 500),
+        ("10000ex", "examples", 10000),
+        ("10m", "minutes", 10),
+        ("1.5h", "minutes", 90),
+        ("2epochs", "epochs", 2),
+    ],
+)
 def test_budgets(text, kind, amount):
     assert compare.parse_budget(text) == compare.Budget(kind, amount)
 
@@ -41,11 +50,34 @@ def test_unknown_strategies_and_missing_tasks_are_refused():
 
 
 def study(hf_bert, mnli_dir, out):
-    return invoke("compare", "--task", "mnli", "--from", hf_bert, "--train", "head,lora", "--budget", "4steps",
-                  "--data", mnli_dir, "--lr", "head=1e-3", "--out", out, "--set", "train.batch_size=4",
-                  "--set", "train.ckpt_interval=2", "--set", "train.keep_checkpoints=5", "--set", "finetune.eval_limit=6")
+    return invoke(
+        "compare",
+        "--task",
+        "mnli",
+        "--from",
+        hf_bert,
+        "--train",
+        "head,lora",
+        "--budget",
+        "4steps",
+        "--data",
+        mnli_dir,
+        "--lr",
+        "head=1e-3",
+        "--out",
+        out,
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.ckpt_interval=2",
+        "--set",
+        "train.keep_checkpoints=5",
+        "--set",
+        "finetune.eval_limit=6",
+    )
 
 
+@pytest.mark.slow
 def test_compare_tabulates_a_grid_and_finishes_a_half_finished_one(hf_bert, mnli_dir, tmp_path):
     out = tmp_path / "study"
     result = study(hf_bert, mnli_dir, out)
@@ -68,7 +100,9 @@ def test_compare_tabulates_a_grid_and_finishes_a_half_finished_one(hf_bert, mnli
     result = study(hf_bert, mnli_dir, out)
     assert result.exit_code == 0, result.output
     assert head_eval.stat().st_mtime_ns == before  # not run again
-    commands = [line for line in (out / "logs" / f"{lora_run.name}.log").read_text().splitlines() if line.startswith("$ ")]
+    commands = [
+        line for line in (out / "logs" / f"{lora_run.name}.log").read_text().splitlines() if line.startswith("$ ")
+    ]
     assert len(commands) == 2 and "--resume" not in commands[0] and "--resume" in commands[1]
     assert (lora_run / "eval.json").is_file() and (lora_run / "checkpoints" / "step-0000004").is_dir()
 
@@ -85,11 +119,18 @@ def test_a_text_head_cell_reports_examples_per_second_not_tokens(tmp_path):
     run = tmp_path / "cells" / "mnli-t5-lora"
     run.mkdir(parents=True)
     (run / "eval.json").write_text(json.dumps({"dev_matched": {"acc": 0.5, "majority": 0.37}}))
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"family": "t5"},
-                                                     "train": {"batch_size": 32, "grad_accum": 1}}))
-    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
-        {"step": 10, "split": "train", "tok_per_s": 3000.0, "elapsed_s": 8.0},
-        {"step": 20, "split": "train", "tok_per_s": 3100.0, "elapsed_s": 16.0}]))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"family": "t5"}, "train": {"batch_size": 32, "grad_accum": 1}})
+    )
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(m) + "\n"
+            for m in [
+                {"step": 10, "split": "train", "tok_per_s": 3000.0, "elapsed_s": 8.0},
+                {"step": 20, "split": "train", "tok_per_s": 3100.0, "elapsed_s": 16.0},
+            ]
+        )
+    )
     row = compare.collect(compare.Cell("mnli", "runs/t5", "lora", "mnli-t5-lora"), tmp_path)
     assert row["ex_per_s"] == 40.0  # 20 steps x 32 examples in 16 s
 
@@ -99,20 +140,35 @@ def test_the_terminal_table_never_cuts_a_cell_name(monkeypatch, tmp_path):
 
     from rich.console import Console
 
-    from tfcli.commands import compare as study_module
     from tfcli import display
+    from tfcli.commands import compare as study_module
 
     out = io.StringIO()
     monkeypatch.setattr(display, "console", Console(file=out, width=80))
-    rows = [{"cell": f"mnli-gpt-mini-20261124-lora-{i}", "status": "done", "dev_matched_acc": 0.4123,
-             "dev_mismatched_acc": 0.4, "majority": 0.37, "trained_params": 24_576, "total_params": 2_000_000,
-             "peak_mem_mb": 812.3, "train_s": 28.4, "ex_per_s": 71.2, "family": "gpt", "train": "lora",
-             "backbone": f"runs/gpt-mini-{i}"} for i in range(3)]
+    rows = [
+        {
+            "cell": f"mnli-gpt-mini-20261124-lora-{i}",
+            "status": "done",
+            "dev_matched_acc": 0.4123,
+            "dev_mismatched_acc": 0.4,
+            "majority": 0.37,
+            "trained_params": 24_576,
+            "total_params": 2_000_000,
+            "peak_mem_mb": 812.3,
+            "train_s": 28.4,
+            "ex_per_s": 71.2,
+            "family": "gpt",
+            "train": "lora",
+            "backbone": f"runs/gpt-mini-{i}",
+        }
+        for i in range(3)
+    ]
     study_module.show(rows)
     assert all(r["cell"] in out.getvalue() for r in rows), out.getvalue()
     assert study_module.chart(rows, tmp_path).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path):
     """0-shot prompting (an eval cell: nothing trained) beside LoRA with a mean-pooled classifier,
     from a GGUF file; every cell's CPU time and peak memory come from the operating system."""
@@ -123,9 +179,27 @@ def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path
     gguf = tmp_path / "tiny.gguf"
     hf.export_gguf(tiny_backbone(), None, gguf, "f32")
     out = tmp_path / "study"
-    result = invoke("compare", "--task", "mnli", "--from", gguf, "--train", "0shot,lora+head:mean", "--budget", "2steps",
-                    "--data", mnli_dir, "--out", out, "--report-limit", 4, "--set", "train.batch_size=4",
-                    "--set", "finetune.eval_limit=4")
+    result = invoke(
+        "compare",
+        "--task",
+        "mnli",
+        "--from",
+        gguf,
+        "--train",
+        "0shot,lora+head:mean",
+        "--budget",
+        "2steps",
+        "--data",
+        mnli_dir,
+        "--out",
+        out,
+        "--report-limit",
+        4,
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "finetune.eval_limit=4",
+    )
     assert result.exit_code == 0, result.output
     prompt, lora = list(csv.DictReader(open(out / "results.csv")))
     assert (prompt["cell"], lora["cell"]) == ("mnli-tiny.gguf-0shot", "mnli-tiny.gguf-lora-head-mean")
@@ -133,19 +207,30 @@ def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path
     assert prompt["scored"] == lora["scored"] == "8"  # the same balanced 4 of each of the 2 splits
     assert all(float(r["cpu_s"]) > 0 and float(r["peak_mem_mb"]) > 100 for r in (prompt, lora))
     config = yaml.safe_load((out / "cells" / lora["cell"] / "config.yaml").read_text())
-    assert (config["finetune"]["head"], config["finetune"]["pooling"], config["finetune"]["train"]) == ("classifier", "mean", "lora")
+    assert (config["finetune"]["head"], config["finetune"]["pooling"], config["finetune"]["train"]) == (
+        "classifier",
+        "mean",
+        "lora",
+    )
     assert "none (prompting)" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("spec, flags", [("lora+head", ["--train", "lora", "--head", "classifier"]),
-                                         ("head:last", ["--train", "head", "--head", "classifier", "--pooling", "last"]),
-                                         ("all", ["--train", "all"])])
+@pytest.mark.parametrize(
+    "spec, flags",
+    [
+        ("lora+head", ["--train", "lora", "--head", "classifier"]),
+        ("head:last", ["--train", "head", "--head", "classifier", "--pooling", "last"]),
+        ("all", ["--train", "all"]),
+    ],
+)
 def test_strategies_read_as_finetune_flags(spec, flags):
     assert compare.parse_strategy(spec).flags() == flags
 
 
-@pytest.mark.parametrize("spec, message", [("lora+head:max", "unknown pooling 'max'"), ("prefix", "unknown strategy"),
-                                           ("shot", "unknown strategy")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [("lora+head:max", "unknown pooling 'max'"), ("prefix", "unknown strategy"), ("shot", "unknown strategy")],
+)
 def test_a_bad_strategy_is_one_line(spec, message):
     with pytest.raises(UserError, match=message):
         compare.parse_strategy(spec)
@@ -154,8 +239,13 @@ def test_a_bad_strategy_is_one_line(spec, message):
 def test_a_varied_setting_is_one_more_dimension_of_the_grid_but_not_for_prompting():
     grid = compare.load_grid(None, "dpo", "m1", "lora,all,0shot", "2steps", None, None, [], vary=["dpo.beta=0.1,0.3"])
     cells = grid.cells()
-    assert [c.name for c in cells] == ["dpo-m1-lora-beta0.1", "dpo-m1-lora-beta0.3", "dpo-m1-all-beta0.1",
-                                       "dpo-m1-all-beta0.3", "dpo-m1-0shot"]
+    assert [c.name for c in cells] == [
+        "dpo-m1-lora-beta0.1",
+        "dpo-m1-lora-beta0.3",
+        "dpo-m1-all-beta0.1",
+        "dpo-m1-all-beta0.3",
+        "dpo-m1-0shot",
+    ]
     command = compare.cell_command(cells[1], grid, compare.Path("/tmp/nowhere"))
     assert command[command.index("dpo.beta=0.3") - 1] == "--set"
     with pytest.raises(compare.UserError, match="--vary"):

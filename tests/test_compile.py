@@ -6,6 +6,7 @@ in-place gradient made dynamo fail on every GPT recipe); inductor's code generat
 test_train's compiled-vs-eager GPT run. Each recipe starts with dynamo's caches reset, and the test
 checks that a graph was really compiled (a fall-back to eager would pass silently otherwise).
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,21 +27,39 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
     family, plugin = raw["model"]["family"], raw.get("objective") or raw.get("task")
     if family == "vit":
         npz = tiny_npz(tmp_path / "images.npz", n=8, size=32)
-        return (["pretrain", "--objective", plugin] if raw.get("objective") else ["finetune", plugin]), \
-            ["--data", npz, "--set", "model.image_size=32"]
+        return (["pretrain", "--objective", plugin] if raw.get("objective") else ["finetune", plugin]), [
+            "--data",
+            npz,
+            "--set",
+            "model.image_size=32",
+        ]
     if plugin == "igpt":  # images as colours: a tiny palette of tiny images
-        return ["pretrain", "--objective", plugin], ["--data", tiny_npz(tmp_path / "images.npz", n=16, size=16),
-                                                     "--set", "igpt.image_size=4", "--set", "igpt.palette=8",
-                                                     "--set", "igpt.kmeans_pixels=200"]
+        return ["pretrain", "--objective", plugin], [
+            "--data",
+            tiny_npz(tmp_path / "images.npz", n=16, size=16),
+            "--set",
+            "igpt.image_size=4",
+            "--set",
+            "igpt.palette=8",
+            "--set",
+            "igpt.kmeans_pixels=200",
+        ]
     if raw.get("objective"):
         return ["pretrain", "--objective", plugin], ["--data", small_text, "--set", "tokenizer.train_chars=20000"]
     if plugin in ("sft", "dpo"):  # prompt/reply rows or preference pairs, a small vocabulary learned from them
-        rows = [{"prompt": f"add {i} and 1", "completion": f"{i + 1}", "chosen": f"{i + 1}", "rejected": f"{i}"}
-                for i in range(24)]
+        rows = [
+            {"prompt": f"add {i} and 1", "completion": f"{i + 1}", "chosen": f"{i + 1}", "rejected": f"{i}"}
+            for i in range(24)
+        ]
         (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return ["finetune", plugin], ["--data", tmp_path / "rows.jsonl", "--set", "tokenizer.vocab_size=300",
-                                      "--set", "data.val_fraction=0.2"] + \
-            (["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=2"] if plugin == "sft" else [])
+        return ["finetune", plugin], [
+            "--data",
+            tmp_path / "rows.jsonl",
+            "--set",
+            "tokenizer.vocab_size=300",
+            "--set",
+            "data.val_fraction=0.2",
+        ] + (["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=2"] if plugin == "sft" else [])
     preset = (raw.get(plugin) or {}).get("preset")
     if preset == "mnli":
         return ["finetune", "mnli"], ["--data", mnli_dir, "--limit", 16]
@@ -49,6 +68,7 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
     return ["finetune", plugin], ["--data", tmp_path / "rows.csv", "--text-fields", "text", "--label-field", "label"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_dir, monkeypatch):
     raw = recipes.load_raw(name)
@@ -69,10 +89,30 @@ def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_d
         shrink["model.decoder_n_layer"] = 1
     if model["family"] != "vit":
         shrink.update({"data.seq_len": 32})
-    args = [*command, "--recipe", name, *extra, "--steps", 2, "--batch-size", 4, "--out", tmp_path / "run", "--quiet",
-            "--set", "train.compile=on", "--set", "train.eval_interval=2", "--set", "train.eval_batches=1",
-            "--set", "train.ckpt_interval=2", "--set", "train.device=cpu",
-            *[a for k, v in shrink.items() for a in ("--set", f"{k}={v}")]]
+    args = [
+        *command,
+        "--recipe",
+        name,
+        *extra,
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "train.compile=on",
+        "--set",
+        "train.eval_interval=2",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.ckpt_interval=2",
+        "--set",
+        "train.device=cpu",
+        *[a for k, v in shrink.items() for a in ("--set", f"{k}={v}")],
+    ]
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     assert graphs, "nothing was compiled"

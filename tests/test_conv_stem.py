@@ -1,6 +1,7 @@
 """The convolutional stem for ViT (Xiao et al. 2021): the same token grid as patchify for every shipped ViT
 recipe, an MAE encoder that never sees a masked patch's pixels, pretraining, a linear probe and
 `tfcli probe` of every layer through the CLI, and an export refused in one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,15 +52,48 @@ def test_mae_with_a_conv_stem_never_sees_a_masked_patch():
 
 def test_conv_stem_pretrains_probes_and_refuses_export(tmp_path):
     npz = tiny_npz(tmp_path / "x.npz")
-    result = invoke("pretrain", "--objective", "mae", *set_args(mae_overrides(npz, **{"model.stem": "conv"})),
-                    "--out", tmp_path / "mae")
+    result = invoke(
+        "pretrain",
+        "--objective",
+        "mae",
+        *set_args(mae_overrides(npz, **{"model.stem": "conv"})),
+        "--out",
+        tmp_path / "mae",
+    )
     assert result.exit_code == 0, result.output
-    assert "convolutional stem (2 3x3 stride-2 convolutions + 1x1" in result.output and "16 tokens (4x4)" in result.output
-    result = invoke("finetune", "image-classify", "--from", tmp_path / "mae", "--data", npz, "--train", "head",
-                    "--steps", 2, "--out", tmp_path / "probe", "--quiet")
+    assert (
+        "convolutional stem (2 3x3 stride-2 convolutions + 1x1" in result.output and "16 tokens (4x4)" in result.output
+    )
+    result = invoke(
+        "finetune",
+        "image-classify",
+        "--from",
+        tmp_path / "mae",
+        "--data",
+        npz,
+        "--train",
+        "head",
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "probe",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
-    result = invoke("probe", "image-classify", "--from", tmp_path / "mae", "--data", npz, "--out", tmp_path / "layers",
-                    "--limit", 48, "--eval-limit", 16)
+    result = invoke(
+        "probe",
+        "image-classify",
+        "--from",
+        tmp_path / "mae",
+        "--data",
+        npz,
+        "--out",
+        tmp_path / "layers",
+        "--limit",
+        48,
+        "--eval-limit",
+        16,
+    )
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "layers" / "probe.json").read_text())["results"][str(tmp_path / "mae")]
     assert list(saved["test"]) == ["0", "1", "2"]  # the stem's tokens, then each block

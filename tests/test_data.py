@@ -1,5 +1,6 @@
 """Data: sources read as streams, tokenizers, token stores (cached, read from disk, made by worker
 processes), the held-out split on the mapped stream, and document-aware packing."""
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,13 @@ def test_local_formats_globs_and_directories(tmp_path):
     assert list(open_source(str(tmp_path / "dir")).documents()) == ["nested text"]
 
 
-@pytest.mark.parametrize("source,message", [
-    ("/no/such/file.txt", "data not found: /no/such/file.txt"),
-    ("/no/such/*.txt", "no files match"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("/no/such/file.txt", "data not found: /no/such/file.txt"),
+        ("/no/such/*.txt", "no files match"),
+    ],
+)
 def test_missing_data_is_a_user_error(source, message):
     with pytest.raises(UserError, match=message):
         open_source(source)
@@ -54,6 +58,7 @@ def test_missing_text_field_names_the_columns(tmp_path):
         list(open_source(str(tmp_path / "a.jsonl")).documents())
 
 
+@pytest.mark.slow
 def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -70,8 +75,9 @@ def test_char_tokenizer_round_trips_text_with_newlines():
 
 
 def test_trained_bpe_round_trips(small_text):
-    tok = build_tokenizer("bpe", vocab_size=400, path="", lowercase=False, texts=[small_text.read_text()],
-                          specials=["<|endoftext|>"])
+    tok = build_tokenizer(
+        "bpe", vocab_size=400, path="", lowercase=False, texts=[small_text.read_text()], specials=["<|endoftext|>"]
+    )
     sample = "Whither wilt thou, Caius? — naïve café"
     assert tok.decode(tok.encode(sample)) == sample
     assert tok.vocab_size <= 400
@@ -124,11 +130,18 @@ def test_two_workers_make_the_same_store_as_one(tmp_path, small_text, monkeypatc
 
 
 def test_a_sentence_store_keeps_sentence_and_document_boundaries(tmp_path):
-    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "One two. Three four five!"}) + "\n" +
-                                      json.dumps({"text": "   "}) + "\n" + json.dumps({"text": "Six."}) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"text": "One two. Three four five!"})
+        + "\n"
+        + json.dumps({"text": "   "})
+        + "\n"
+        + json.dumps({"text": "Six."})
+        + "\n"
+    )
     tok = char_tokenizer("One two. Three four five! Six.")
-    s = store.prepare(open_source(str(tmp_path / "a.jsonl")), tok, tmp_path / "s", mode="sentences", eos=False,
-                      workers=1, quiet=True)
+    s = store.prepare(
+        open_source(str(tmp_path / "a.jsonl")), tok, tmp_path / "s", mode="sentences", eos=False, workers=1, quiet=True
+    )
     assert s.n_docs == 2 and s.sent_ends.tolist() == [8, 24, 28] and s.doc_sents.tolist() == [2, 3]
     assert tok.decode(s.tokens[8:24].tolist()) == "Three four five!"
 
@@ -136,7 +149,9 @@ def test_a_sentence_store_keeps_sentence_and_document_boundaries(tmp_path):
 def test_an_empty_corpus_leaves_no_store(tmp_path):
     (tmp_path / "e.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
     with pytest.raises(UserError, match="no text"):
-        store.prepare(open_source(str(tmp_path / "e.jsonl")), char_tokenizer("ab"), tmp_path / "s", workers=1, quiet=True)
+        store.prepare(
+            open_source(str(tmp_path / "e.jsonl")), char_tokenizer("ab"), tmp_path / "s", workers=1, quiet=True
+        )
     assert not list(tmp_path.glob("*s*")) or not (tmp_path / "s").exists()
 
 
@@ -156,8 +171,11 @@ def test_unreachable_hub_fails_fast_in_one_line(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
-    with pytest.raises(UserError, match="^could not load Hugging Face dataset 'wikitext:wikitext-2-raw-v1': "
-                                        "the hub is unreachable from here; use local files instead") as e:
+    with pytest.raises(
+        UserError,
+        match="^could not load Hugging Face dataset 'wikitext:wikitext-2-raw-v1': "
+        "the hub is unreachable from here; use local files instead",
+    ) as e:
         list(open_source("hf:wikitext:wikitext-2-raw-v1").documents())
     assert "\n" not in str(e.value)
 
@@ -169,12 +187,38 @@ def test_prepare_then_pretrain_on_the_store(tmp_path, small_text):
     result = invoke("prepare", "--data", small_text, "--tokenizer", "gpt2", "--out", out, "--workers", 2, "--quiet")
     assert result.exit_code == 0, result.output
     prepared = store.TokenStore.open(out)
-    assert prepared.tokens.dtype == np.uint16 and prepared.index["vocab_size"] == 50257 and (out / "tokenizer.json").is_file()
-    result = invoke("pretrain", "--data", out, "--steps", 2, "--out", tmp_path / "run", "--quiet",
-                    "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
-                    "--set", "data.seq_len=32", "--set", "model.max_seq_len=32", "--set", "train.batch_size=2",
-                    "--set", "train.eval_batches=1")
+    assert (
+        prepared.tokens.dtype == np.uint16
+        and prepared.index["vocab_size"] == 50257
+        and (out / "tokenizer.json").is_file()
+    )
+    result = invoke(
+        "pretrain",
+        "--data",
+        out,
+        "--steps",
+        2,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.n_head=2",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "model.max_seq_len=32",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.eval_batches=1",
+    )
     assert result.exit_code == 0, result.output
     assert [r["step"] for r in read_metrics(tmp_path / "run") if r.get("split") == "train"][-1] == 2
-    result = invoke("pretrain", "--objective", "mlm", "--data", out, "--steps", 1, "--out", tmp_path / "bert", "--quiet")
+    result = invoke(
+        "pretrain", "--objective", "mlm", "--data", out, "--steps", 1, "--out", tmp_path / "bert", "--quiet"
+    )
     assert result.exit_code == 2 and "which BERT needs" in result.output  # a GPT-2 store cannot feed a BERT

@@ -1,30 +1,39 @@
 """Two processes under torchrun (gloo on CPU) train exactly like one at the same global batch."""
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-
-import yaml
 from pathlib import Path
 
+import pytest
+import yaml
+
 from .conftest import read_metrics, tiny_gpt_recipe
+
+pytestmark = pytest.mark.slow  # the whole module is left out of the fast tier
 
 
 def run_tfcli(args, nproc: int):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    result = subprocess.run(prefix + ["-m", "tfcli", *map(str, args)], capture_output=True, text=True, env=env,
-                            timeout=300)
+    prefix = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    result = subprocess.run(
+        prefix + ["-m", "tfcli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
 def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path, small_text):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 8, "eval_interval": 8,
-                                                                        "ckpt_interval": 8})))
+    recipe.write_text(
+        yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 8, "eval_interval": 8, "ckpt_interval": 8}))
+    )
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
     two = run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "two", "--batch-size", 4], nproc=2)
     one_log, two_log = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
@@ -37,9 +46,14 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path, 
 
 def small_recipe(tmp_path, small_text, steps: int = 8, **train) -> "Path":
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": steps, "eval_interval": 4,
-                                                                        "ckpt_interval": 4, "keep_checkpoints": 5,
-                                                                        **train})))
+    recipe.write_text(
+        yaml.safe_dump(
+            tiny_gpt_recipe(
+                small_text,
+                train={"steps": steps, "eval_interval": 4, "ckpt_interval": 4, "keep_checkpoints": 5, **train},
+            )
+        )
+    )
     return recipe
 
 
@@ -54,17 +68,40 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
 
     recipe = small_recipe(tmp_path, small_text, eval_batches=1000)  # every held-out block: an uneven split
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", "--batch-size", 4, "--quiet",
-               "--set", "train.strategy=fsdp", "--set", "train.activation_checkpointing=true",
-               "--set", "train.collective_timeout=0.5"], nproc=2)
+    run_tfcli(
+        [
+            "pretrain",
+            "--recipe",
+            recipe,
+            "--out",
+            tmp_path / "fsdp",
+            "--batch-size",
+            4,
+            "--quiet",
+            "--set",
+            "train.strategy=fsdp",
+            "--set",
+            "train.activation_checkpointing=true",
+            "--set",
+            "train.collective_timeout=0.5",
+        ],
+        nproc=2,
+    )
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
     # the held-out blocks do not split evenly over 2 ranks x 4, yet every evaluation ran and agrees
-    val_one, val_fsdp = ({m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "val"}
-                         for run in (tmp_path / "one", tmp_path / "fsdp"))
-    assert sorted(val_fsdp) == [4, 8] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (val_one, val_fsdp)
-    for name, source, nproc, extra in (("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
-                                       ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"])):
+    val_one, val_fsdp = (
+        {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "val"}
+        for run in (tmp_path / "one", tmp_path / "fsdp")
+    )
+    assert sorted(val_fsdp) == [4, 8] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (
+        val_one,
+        val_fsdp,
+    )
+    for name, source, nproc, extra in (
+        ("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
+        ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"]),
+    ):
         run = tmp_path / name
         shutil.copytree(tmp_path / source, run)
         shutil.rmtree(run / "checkpoints" / "step-0000008")
@@ -112,11 +149,35 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=tfcli-test",
-                               "-m", "tfcli", "pretrain", "--recipe", str(recipe), "--out", str(tmp_path / "two-nodes"),
-                               "--batch-size", "4", "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=tfcli-test",
+                "-m",
+                "tfcli",
+                "pretrain",
+                "--recipe",
+                str(recipe),
+                "--out",
+                str(tmp_path / "two-nodes"),
+                "--batch-size",
+                "4",
+                "--quiet",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
     one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two-nodes")
@@ -139,14 +200,20 @@ def test_a_collective_that_times_out_ends_the_run_in_one_line_naming_the_rank(tm
         "        dist.all_reduce(torch.ones(2))\n"
         "except Exception as e:\n"
         "    abort_on_collective_failure(rt, 'a test', e)\n"
-        "    raise\n")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(script)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        "    raise\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: rank")]
     assert result.returncode != 0 and errors, result.stderr[-2000:]
     # The rank whose collective times out first says so; its peer may instead see the connection close
     # as the first rank exits, which is the same failure seen from the other side.
-    assert all("a collective failed during a test (" in line and "collective_timeout is 0.05 min" in line
-               for line in errors), errors
+    assert all(
+        "a collective failed during a test (" in line and "collective_timeout is 0.05 min" in line for line in errors
+    ), errors
     assert any("a collective failed during a test (Timed out" in line for line in errors), errors

@@ -1,5 +1,6 @@
 """blocks.linear: the CPU decoding product (a batch of weight row slices, one per thread) computes
 what F.linear computes, forward and backward, and is the one decoding takes."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,6 +62,7 @@ def test_the_block_linears_are_blocks_linear_with_nn_linears_state_dict():
     assert set(mlp.up.state_dict()) == {"weight", "bias"}
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_block_linears_in_one_graph():
     """The thread count is read outside compiled code only: under torch.compile every linear is F.linear,
     so a block compiles to one graph (reading it broke the graph at each linear)."""

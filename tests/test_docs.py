@@ -1,6 +1,7 @@
 """The documentation site builds without a warning (mkdocs --strict: no broken link, no page left out
 of the navigation), its command-line reference is generated from the app and covers every command,
 and the README stays a front door."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,9 +16,14 @@ pytest.importorskip("material")
 
 
 def test_the_site_builds_strictly_with_every_command_in_its_reference(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                            cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     import typer

@@ -2,6 +2,7 @@
 equal TRL's DPOTrainer's (same weights, same pairs; sigmoid and IPO); the three reference modes give
 the same loss on LoRA; HH dialogues and TRL's formats become pairs; the CLI trains, evaluates and
 resumes (precomputed reference read back); bad input is one line with nothing created."""
+
 from __future__ import annotations
 
 import copy
@@ -12,28 +13,32 @@ import pytest
 import torch
 
 from tfcli import adapters
-from tfcli.hf import convert
-from tfcli.hf import interop as hf
 from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate
 from tfcli.data.conversations import DecoderExamples
 from tfcli.data.preferences import PairBuilder, dialogue
-from tfcli.driver import RunRequest, train
-from tfcli.recipe import AdapterConfig
 from tfcli.data.sampler import Draw
+from tfcli.driver import RunRequest, train
+from tfcli.hf import convert
+from tfcli.hf import interop as hf
+from tfcli.recipe import AdapterConfig
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
 
 from .conftest import invoke, read_metrics, train_losses, write_jsonl
 from .test_gguf import chat_gguf_file, tiny_backbone
 
-PAIRS = [{"prompt": f"What is {a} plus {b}?", "chosen": f"It is {a + b}.", "rejected": f"I think it is {a + b + 3}, or so."}
-         for a, b in [(1, 2), (7, 5), (3, 9), (4, 4), (10, 1), (6, 2), (8, 8), (2, 11)]]
+PAIRS = [
+    {"prompt": f"What is {a} plus {b}?", "chosen": f"It is {a + b}.", "rejected": f"I think it is {a + b + 3}, or so."}
+    for a, b in [(1, 2), (7, 5), (3, 9), (4, 4), (10, 1), (6, 2), (8, 8), (2, 11)]
+]
 
 
 def every_pair(n: int) -> Draw:
     """The draw of pairs 0..n-1, in order."""
-    return Draw(torch.zeros(n, dtype=torch.long).numpy(), torch.arange(n).numpy(), torch.zeros(n, 3, dtype=torch.long).numpy())
+    return Draw(
+        torch.zeros(n, dtype=torch.long).numpy(), torch.arange(n).numpy(), torch.zeros(n, 3, dtype=torch.long).numpy()
+    )
 
 
 def tiny_pairs(backbone, rows=PAIRS):
@@ -43,23 +48,37 @@ def tiny_pairs(backbone, rows=PAIRS):
 
 def test_hh_dialogues_and_trl_formats_become_pairs():
     assert dialogue("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: see you") == [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}]
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
     backbone = tiny_backbone()
-    rows = [{"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"},
-            {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
-             "rejected": [{"role": "assistant", "content": "go"}]},
-            {"prompt": "hi", "chosen": "hello", "rejected": "go"},
-            {"prompt": "hi", "chosen": "same", "rejected": "same"}, {"prompt": "hi", "rejected": "x"},
-            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: c\n\nAssistant: d"}]
+    rows = [
+        {"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"},
+        {
+            "prompt": [{"role": "user", "content": "hi"}],
+            "chosen": [{"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "assistant", "content": "go"}],
+        },
+        {"prompt": "hi", "chosen": "hello", "rejected": "go"},
+        {"prompt": "hi", "chosen": "same", "rejected": "same"},
+        {"prompt": "hi", "rejected": "x"},
+        {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: c\n\nAssistant: d"},
+    ]
     build = DecoderExamples(backbone.tokenizer, ChatTemplate(backbone.tokenizer.chat_template), "last", 64)
     out = PairBuilder(build).build_all(rows)
     assert len(out.pairs) == 3 and all(p.chosen.ids.tolist() == out.pairs[0].chosen.ids.tolist() for p in out.pairs)
-    assert out.skipped == {"identical replies": 1, "no 'chosen'": 1,
-                           "dialogues that do not share every turn but the last reply": 1}
+    assert out.skipped == {
+        "identical replies": 1,
+        "no 'chosen'": 1,
+        "dialogues that do not share every turn but the last reply": 1,
+    }
     tok, pair = backbone.tokenizer, out.pairs[0]
     assert tok.decode(pair.chosen.ids[pair.chosen.trained > 0].tolist(), skip_special_tokens=False) == "hello<|im_end|>"
-    assert tok.decode(pair.rejected.ids[pair.rejected.trained > 0].tolist(), skip_special_tokens=False) == "go<|im_end|>"
+    assert (
+        tok.decode(pair.rejected.ids[pair.rejected.trained > 0].tolist(), skip_special_tokens=False) == "go<|im_end|>"
+    )
 
 
 def trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type: str, beta: float):
@@ -69,29 +88,44 @@ def trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type: str, beta: f
 
     transformers = pytest.importorskip("transformers")
     trl = pytest.importorskip("trl")
-    import datasets
-
     # transformers builds the embedding with padding_idx = pad_token_id, whose row then gets no gradient; with
     # ChatML's <|im_end|> as the pad that is a real token's row: pad with one the text never holds instead
     from dataclasses import replace
+
+    import datasets
 
     backbone.tokenizer.specials = replace(backbone.tokenizer.specials, pad="<|endoftext|>")
     hf.export(backbone, None, tmp_path / "policy")
     hf.export(Backbone(reference, backbone.tokenizer), None, tmp_path / "reference")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backbone.tokenizer.tok, eos_token="<|im_end|>",
-                                                     pad_token="<|endoftext|>")
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type], report_to=[],
-                         use_cpu=True, per_device_train_batch_size=len(pairs), max_length=None, bf16=False, fp16=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backbone.tokenizer.tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=beta,
+        loss_type=[loss_type],
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=len(pairs),
+        max_length=None,
+        bf16=False,
+        fp16=False,
+    )
     dataset = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=dataset, processing_class=tokenizer)
     rows = []
     for p in pairs:
         start = int(p.chosen.trained.nonzero()[0][0])
         assert p.chosen.ids[:start].tolist() == p.rejected.ids[:start].tolist()
-        rows.append({"prompt_ids": p.chosen.ids[:start].tolist(), "chosen_ids": p.chosen.ids[p.chosen.trained > 0].tolist(),
-                     "rejected_ids": p.rejected.ids[p.rejected.trained > 0].tolist()})
+        rows.append(
+            {
+                "prompt_ids": p.chosen.ids[:start].tolist(),
+                "chosen_ids": p.chosen.ids[p.chosen.trained > 0].tolist(),
+                "rejected_ids": p.rejected.ids[p.rejected.trained > 0].tolist(),
+            }
+        )
     batch = trainer.data_collator(rows)
     model.train()
     loss = trainer.compute_loss(model, batch)
@@ -100,7 +134,7 @@ def trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type: str, beta: f
     return float(loss.detach()), metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5)])
+@pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), pytest.param("ipo", 0.5, marks=pytest.mark.slow)])
 def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_type, beta):
     backbone = tiny_backbone()
     pairs = tiny_pairs(backbone)
@@ -112,11 +146,19 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
     theirs, their_metrics, their_grads = trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type, beta)
     model = backbone.model.train()
     batch = PairBatches(pairs, type(model).pad_id(backbone.tokenizer)).batch(every_pair(len(pairs)))
-    ours, metrics = Preference(DPOConfig(beta=beta, loss=loss_type), "copy", {"reference": reference})(model, None, batch)
+    ours, metrics = Preference(DPOConfig(beta=beta, loss=loss_type), "copy", {"reference": reference})(
+        model, None, batch
+    )
     ours.backward()
     assert float(ours) == pytest.approx(theirs, abs=1e-5) and abs(float(ours) - 0.6931) > 1e-3
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected"):
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert float(metrics[name]) == pytest.approx(their_metrics[name], abs=1e-5), name
     grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, hf.llama.rules(model.cfg))
     assert set(grads) == set(their_grads)
@@ -130,7 +172,9 @@ def test_the_three_references_give_the_same_loss_on_lora():
     base = copy.deepcopy(backbone.model).eval()
     pad = type(backbone.model).pad_id(backbone.tokenizer)
     table = precompute(backbone.model, pairs, pad, 3, torch.device("cpu"))  # before the adapters, as setup does
-    adapters.apply(backbone.model, "lora", AdapterConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "up", "gate", "down")))
+    adapters.apply(
+        backbone.model, "lora", AdapterConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "up", "gate", "down"))
+    )
     torch.manual_seed(2)
     with torch.no_grad():
         for n, p in backbone.model.named_parameters():
@@ -155,7 +199,9 @@ def test_label_smoothing_is_conservative_dpo():
     h = 0.5 * ((policy[:2] - reference[:2]) - (policy[2:] - reference[2:]))
     expected = (-0.8 * torch.nn.functional.logsigmoid(h) - 0.2 * torch.nn.functional.logsigmoid(-h)).mean()
     assert float(loss) == pytest.approx(float(expected), abs=1e-6)
-    assert float(metrics["rewards/accuracies"]) == 1.0 and float(metrics["rewards/margins"]) == pytest.approx(float(h.mean()))
+    assert float(metrics["rewards/accuracies"]) == 1.0 and float(metrics["rewards/margins"]) == pytest.approx(
+        float(h.mean())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +211,30 @@ def chat_model(tmp_path_factory):
 
 def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)
-    result = invoke("finetune", "dpo", "--from", chat_model, "--data", data, "--train", "lora", "--steps", 10,
-                    "--batch-size", 4, "--lr", 1e-2, "--out", tmp_path / "run", "--set", "data.val_fraction=0.25",
-                    "--set", "train.log_interval=1", "--set", "train.eval_interval=5")
+    result = invoke(
+        "finetune",
+        "dpo",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--train",
+        "lora",
+        "--steps",
+        10,
+        "--batch-size",
+        4,
+        "--lr",
+        1e-2,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "data.val_fraction=0.25",
+        "--set",
+        "train.log_interval=1",
+        "--set",
+        "train.eval_interval=5",
+    )
     assert result.exit_code == 0, result.output
     metrics = [m for m in read_metrics(tmp_path / "run") if m["split"] == "train"]
     assert metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and metrics[-1]["loss"] < 0.5
@@ -194,7 +261,9 @@ def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_pat
     shutil.rmtree(crashed / "checkpoints" / "step-0000006")
     (crashed / "checkpoints" / "latest").write_text("step-0000003")
     stored = crashed / "reference_logps.json"
-    stored.write_text(json.dumps({k: [[x + 1.0 for x in row] for row in v] for k, v in saved.items()}))  # read, not redone
+    stored.write_text(
+        json.dumps({k: [[x + 1.0 for x in row] for row in v] for k, v in saved.items()})
+    )  # read, not redone
     train(RunRequest(recipes.load_resolved(crashed / "config.yaml"), resume=crashed, quiet=True))
     ours, again = train_losses(first), train_losses(crashed)
     assert [again[s] for s in (1, 2, 3)] == [ours[s] for s in (1, 2, 3)]
@@ -209,15 +278,21 @@ def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_pat
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
     good = write_jsonl(tmp_path / "good.jsonl", PAIRS)
     cases = [
-        (["--data", write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q", "good": "x", "rejected": "y"}] * 4)],
-         "no usable pair (3 no 'chosen')"),
-        (["--data", write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "x"}] * 4)],
-         "no usable pair (3 identical replies)"),
+        (
+            ["--data", write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q", "good": "x", "rejected": "y"}] * 4)],
+            "no usable pair (3 no 'chosen')",
+        ),
+        (
+            ["--data", write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "x"}] * 4)],
+            "no usable pair (3 identical replies)",
+        ),
         (["--data", good, "--set", "dpo.beta=0"], "dpo.beta must be > 0"),
         (["--data", good, "--train", "all", "--set", "dpo.reference=base"], "dpo.reference base"),
     ]
     for args, message in cases:
-        result = invoke("finetune", "dpo", "--from", chat_model, *args, "--steps", 1, "--out", tmp_path / "run", "--quiet")
+        result = invoke(
+            "finetune", "dpo", "--from", chat_model, *args, "--steps", 1, "--out", tmp_path / "run", "--quiet"
+        )
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and result.output.count("\n") == 1, result.output
         assert not (tmp_path / "run").exists()
@@ -228,9 +303,26 @@ def test_no_held_out_pairs_trains_without_evaluation_and_says_so(tmp_path, chat_
     empty held-out records, and writes no eval.json."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     dev = write_jsonl(tmp_path / "dev.jsonl", [{"prompt": "q", "chosen": "same", "rejected": "same"}])
-    result = invoke("finetune", "dpo", "--from", chat_model, "--data", data, "--train", "lora", "--steps", 3,
-                    "--batch-size", 4, "--out", tmp_path / "run", "--set", "train.eval_interval=1",
-                    "--set", f"data.val_source={dev}")
+    result = invoke(
+        "finetune",
+        "dpo",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--train",
+        "lora",
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "train.eval_interval=1",
+        "--set",
+        f"data.val_source={dev}",
+    )
     assert result.exit_code == 0, result.output
     assert "no held-out pairs" in result.output and "without held-out evaluation" in result.output, result.output
     assert not [m for m in read_metrics(tmp_path / "run") if m["split"] == "val"]

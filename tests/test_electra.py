@@ -1,6 +1,7 @@
 """ELECTRA: a narrow generator over the discriminator's own embeddings, replaced-token labels that
 are exactly where the sampled token differs, the 50x weighted loss, pretraining that learns, and a
 discriminator that finetunes like any BERT."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,12 @@ def batch(seed=0):
     masked = ids.masked_fill(chosen, 4)  # [MASK]
     mask = torch.ones_like(ids)
     mask[2, 12:] = 0
-    return {"input_ids": masked, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask,
-            "mlm_labels": labels.masked_fill(mask == 0, -100)}, ids
+    return {
+        "input_ids": masked,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": mask,
+        "mlm_labels": labels.masked_fill(mask == 0, -100),
+    }, ids
 
 
 def test_generator_is_a_quarter_as_wide_and_reads_the_shared_embeddings():
@@ -83,12 +88,28 @@ def test_pretrain_electra_learns_and_its_discriminator_finetunes_as_a_bert(tmp_p
     result = invoke("eval", "--checkpoint", run)
     assert result.exit_code == 0 and "disc_loss" in result.output, result.output
     ft = tmp_path / "ft"
-    result = invoke("finetune", "mnli", "--from", run, "--data", mnli_dir, "--steps", 2, "--batch-size", 8,
-                    "--out", ft, "--quiet", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        run,
+        "--data",
+        mnli_dir,
+        "--steps",
+        2,
+        "--batch-size",
+        8,
+        "--out",
+        ft,
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     assert (ft / "eval.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_discriminator_learns_to_rank_replacements_it_can_tell_apart(tmp_path, small_text):
     """Near-uniform samples (temperature 50: rare tokens where frequent ones belong) are detectable from
     the token itself, so within 40 steps the discriminator must rank them above the originals and beat

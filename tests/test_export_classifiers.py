@@ -5,6 +5,7 @@ with a random head.
 For each family x pooling it declares (and a LoRA-adapted BERT, merged on export): a
 tiny model with random weights (norms and biases too) and a random classifier with a bias.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,18 +15,18 @@ import pytest
 import torch
 
 from tfcli import adapters
-from tfcli.hf import interop as hf
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.errors import UserError
+from tfcli.hf import interop as hf
 from tfcli.hf.convert import auto_class
+from tfcli.models import FAMILIES, model_class
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.models.gpt import GPT, GPTConfig
+from tfcli.models.llama import Llama, LlamaConfig
 from tfcli.models.t5 import T5, T5Config
 from tfcli.models.vit import ViT, ViTConfig
 from tfcli.plugin import Backbone
 from tfcli.recipe import AdapterConfig
-from tfcli.models import FAMILIES, model_class
-from tfcli.models.llama import Llama, LlamaConfig
 from tfcli.tasks.heads import feature_dim, features
 
 from .test_hf import jiggle_
@@ -74,7 +75,11 @@ def theirs(family: str, arch: str, out, batch) -> torch.Tensor:
     model.eval()
     if family == "vit":
         return model(pixel_values=batch["pixels"]).logits
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if family == "bert" or k != "token_type_ids"}
+    inputs = {
+        k: batch[k]
+        for k in ("input_ids", "attention_mask", "token_type_ids")
+        if family == "bert" or k != "token_type_ids"
+    }
     if arch != "BertModel":
         return model(**inputs).logits
     # sentence-transformers' pipeline as its folders say: mean pooling, then the Dense layer
@@ -86,8 +91,10 @@ def theirs(family: str, arch: str, out, batch) -> torch.Tensor:
     return ((hidden * m).sum(1) / m.sum(1)) @ dense["linear.weight"].T + dense["linear.bias"]
 
 
-CASES = [(family, pooling, False) for family, poolings in POOLINGS.items() for pooling in poolings] + \
-        [("bert", "mean", True), ("bert", "cls", True)]
+CASES = [(family, pooling, False) for family, poolings in POOLINGS.items() for pooling in poolings] + [
+    ("bert", "mean", True),
+    ("bert", "cls", True),
+]
 
 
 @pytest.mark.parametrize("family,pooling,lora", CASES, ids=[f"{f}-{p}{'-lora' if lo else ''}" for f, p, lo in CASES])
@@ -110,7 +117,13 @@ def test_a_classifier_export_loads_with_its_logits_or_is_refused(family, pooling
     backbone = Backbone(model, tok, heads={f"classifier.{k}": v for k, v in head.state_dict().items()}, labels=LABELS)
     recipe = SimpleNamespace(finetune=SimpleNamespace(pooling=pooling), settings=None)
     out = tmp_path / "hf"
-    exportable = (family, pooling) in {("bert", "cls"), ("bert", "mean"), ("gpt", "last"), ("vit", "cls"), ("vit", "mean")}
+    exportable = (family, pooling) in {
+        ("bert", "cls"),
+        ("bert", "mean"),
+        ("gpt", "last"),
+        ("vit", "cls"),
+        ("vit", "mean"),
+    }
     if not exportable:
         with pytest.raises(UserError, match="no transformers class computes"):
             hf.export(backbone, recipe, out)

@@ -4,6 +4,7 @@ created or changed. Faults: a pickle in a checkpoint is never run; kill -9 at ra
 resume gives the uninterrupted losses; a NaN stops the run with `latest` at the last good
 checkpoint; SIGINT saves and resumes exactly; a full disk keeps `latest` valid; a second writer
 is refused."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,8 @@ import pytest
 import torch
 import yaml
 
-from tfcli.engine import checkpoint
 from tfcli import cli
+from tfcli.engine import checkpoint
 
 from .conftest import TINY_VIT, read_metrics, tiny_gpt_recipe, tiny_npz, train_losses
 
@@ -58,8 +59,11 @@ def run_cli(*args, capfd) -> tuple[int, str, str]:
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under root with a hash of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,9 @@ def work(tmp_path_factory, small_text, shared_data):
     root = tmp_path_factory.mktemp("bad")
     (root / "text.txt").write_text(small_text.read_text()[:20_000])
     (root / "empty.txt").write_text("   \n\n")
-    (root / "tiny.yaml").write_text(yaml.safe_dump(tiny_gpt_recipe(root / "text.txt", train={"steps": 4, "ckpt_interval": 2})))
+    (root / "tiny.yaml").write_text(
+        yaml.safe_dump(tiny_gpt_recipe(root / "text.txt", train={"steps": 4, "ckpt_interval": 2}))
+    )
     (root / "broken.yaml").write_text("model: [unclosed\n")
     (root / "list.yaml").write_text("- a\n- b\n")
     (root / "notes.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
@@ -91,11 +97,36 @@ def work(tmp_path_factory, small_text, shared_data):
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        assert subprocess.run([sys.executable, "-m", "tfcli", "pretrain", "--recipe", "tiny.yaml", "--out", "run",
-                               "--quiet"], capture_output=True).returncode == 0
+        assert (
+            subprocess.run(
+                [sys.executable, "-m", "tfcli", "pretrain", "--recipe", "tiny.yaml", "--out", "run", "--quiet"],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
         vit = [x for k, v in TINY_VIT.items() for x in ("--set", f"model.{k}={v}")]
-        assert subprocess.run([sys.executable, "-m", "tfcli", "pretrain", "--objective", "mae", "--data", "images.npz",
-                               "--steps", "1", "--out", "vitrun", "--quiet", *vit], capture_output=True).returncode == 0
+        assert (
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tfcli",
+                    "pretrain",
+                    "--objective",
+                    "mae",
+                    "--data",
+                    "images.npz",
+                    "--steps",
+                    "1",
+                    "--out",
+                    "vitrun",
+                    "--quiet",
+                    *vit,
+                ],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
     finally:
         os.chdir(cwd)
     return root
@@ -164,8 +195,14 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["pretrain", "--recipe", "list.yaml"], "a recipe must be a mapping"),
     (["pretrain", "--objective", "mlm", "--set", "mlm.mask_prob=1.5"], "mlm.mask_prob must be in (0, 1)"),
     (["pretrain", "--objective", "mae", "--set", "mae.crop_scale=[0.5,2]"], "mae.crop_scale must be two numbers"),
-    (["pretrain", "--objective", "electra", "--set", "electra.generator_size=0"], "electra.generator_size must be in (0, 1]"),
-    (["pretrain", "--objective", "mae", "--recipe", "gpt-mini"], "describes a 'gpt' model; objective 'mae' trains 'vit'"),
+    (
+        ["pretrain", "--objective", "electra", "--set", "electra.generator_size=0"],
+        "electra.generator_size must be in (0, 1]",
+    ),
+    (
+        ["pretrain", "--objective", "mae", "--recipe", "gpt-mini"],
+        "describes a 'gpt' model; objective 'mae' trains 'vit'",
+    ),
     (["finetune", "no-such-task"], "unknown task 'no-such-task'"),
     (["finetune", "mnli", "--epochs", -1], "finetune.epochs must be >= 0"),
     (["finetune", "mnli", "--set", "finetune.warmup_fraction=1"], "finetune.warmup_fraction must be in [0, 1)"),
@@ -188,9 +225,25 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["pretrain", "--objective", "mae", "--data", "noimg"], "no readable images in noimg"),
     (["finetune", "image-classify", "--data", "text.txt"], "unsupported image data text.txt"),
     # task files
-    (["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv", "--text-fields", "title",
-      "--set", "classify.labels=[pos,neg]"], "row 5: unknown label 'meh' (labels: pos, neg)"),
-    (["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv", "--text-fields", "body"], "no column 'body'"),
+    (
+        [
+            "finetune",
+            "classify",
+            "--from",
+            "{hfbert}",
+            "--data",
+            "reviews.csv",
+            "--text-fields",
+            "title",
+            "--set",
+            "classify.labels=[pos,neg]",
+        ],
+        "row 5: unknown label 'meh' (labels: pos, neg)",
+    ),
+    (
+        ["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv", "--text-fields", "body"],
+        "no column 'body'",
+    ),
     (["finetune", "classify", "--from", "{hfbert}", "--data", "reviews.csv"], "classify.text_fields: name the column"),
     (["finetune", "classify", "--from", "{hfbert}", "--data", "header.csv", "--text-fields", "title"], "no rows"),
     (["finetune", "mnli", "--from", "{hfbert}", "--data", "mnli"], "no evaluation split file"),
@@ -206,7 +259,10 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["pretrain", "--resume", "{corruptconfig}"], "not valid YAML"),
     (["pretrain", "--resume", "{nostate}"], "state.json is missing; the checkpoint is incomplete"),
     (["pretrain", "--resume", "{legacy}"], "is a pickle, which tfcli does not load"),
-    (["pretrain", "--resume", "run", "--set", "model.d_model=64"], "model.d_model was 32 and cannot change when resuming"),
+    (
+        ["pretrain", "--resume", "run", "--set", "model.d_model=64"],
+        "model.d_model was 32 and cannot change when resuming",
+    ),
     (["eval", "--checkpoint", "{truncated}"], "model.safetensors: unreadable"),
     (["eval", "--checkpoint", "{badtokenizer}"], "tokenizer.json: not a readable tokenizer"),
     (["eval", "--checkpoint", "{badmeta}"], "has no config.yaml"),
@@ -227,27 +283,40 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
 @pytest.fixture(scope="module")
 def places(work, shared_data):
     """The damaged runs and directories the cases name, made once."""
-    bert = {"model_type": "bert", "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 8,
-            "intermediate_size": 16, "vocab_size": 30522}
+    bert = {
+        "model_type": "bert",
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "vocab_size": 30522,
+    }
     import transformers
 
     hfbert = work / "hfbert"
     if not hfbert.exists():
-        transformers.BertModel(transformers.BertConfig(**{k: v for k, v in bert.items() if k != "model_type"})).save_pretrained(hfbert)
+        transformers.BertModel(
+            transformers.BertConfig(**{k: v for k, v in bert.items() if k != "model_type"})
+        ).save_pretrained(hfbert)
         shutil.copy(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt", hfbert / "vocab.txt")
     picklebin = hf_dir(work, "picklebin", bert)
     with open(picklebin / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": Payload(str(work / MARKER))}, f)
     return {
-        "hfbert": hfbert, "mamba": hf_dir(work, "mamba", {"model_type": "mamba"}),
-        "noweights": hf_dir(work, "noweights", bert), "picklebin": picklebin,
+        "hfbert": hfbert,
+        "mamba": hf_dir(work, "mamba", {"model_type": "mamba"}),
+        "noweights": hf_dir(work, "noweights", bert),
+        "picklebin": picklebin,
         "badweights": hf_dir(work, "badweights", bert, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),
         "notrecipe": broken_run(work, "notrecipe", lambda r, c: (r / "config.yaml").write_text("my: notes\n")),
         "corruptconfig": broken_run(work, "corruptconfig", lambda r, c: (r / "config.yaml").write_text("a: [\n")),
         "nostate": broken_run(work, "nostate", lambda r, c: (c / checkpoint.STATE).unlink()),
         "legacy": broken_run(work, "legacy", _legacy),
-        "truncated": broken_run(work, "truncated", lambda r, c: (c / checkpoint.WEIGHTS).write_bytes(
-            (c / checkpoint.WEIGHTS).read_bytes()[:100])),
+        "truncated": broken_run(
+            work,
+            "truncated",
+            lambda r, c: (c / checkpoint.WEIGHTS).write_bytes((c / checkpoint.WEIGHTS).read_bytes()[:100]),
+        ),
         "badtokenizer": broken_run(work, "badtokenizer", lambda r, c: (r / "tokenizer.json").write_text("{garbage")),
         "badmeta": broken_run(work, "badmeta", lambda r, c: (r / "config.yaml").unlink()),
     }
@@ -257,7 +326,11 @@ def test_there_are_at_least_sixty_cases():
     assert len(BAD) >= 60
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=[f"{i:02d}" for i in range(len(BAD))])
+@pytest.mark.parametrize(
+    "args,message",  # the fast tier takes every other case, the whole suite all of them
+    [pytest.param(*case, marks=() if i % 2 == 0 else pytest.mark.slow) for i, case in enumerate(BAD)],
+    ids=[f"{i:02d}" for i in range(len(BAD))],
+)
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(args, message, work, places, capfd, monkeypatch, tmp_path):
     monkeypatch.chdir(work)
     monkeypatch.setenv("TFCLI_CACHE", str(tmp_path / "cache"))  # caches may be written; the workspace may not
@@ -275,17 +348,26 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(args, message, work, p
 
 # --- faults -----------------------------------------------------------------------------------------
 
+
 def tiny(tmp: Path, text: Path, **train) -> Path:
-    raw = tiny_gpt_recipe(text, train={"steps": 24, "ckpt_interval": 4, "eval_interval": 8, "log_interval": 1,
-                                       "keep_checkpoints": 3, **train})
+    raw = tiny_gpt_recipe(
+        text,
+        train={"steps": 24, "ckpt_interval": 4, "eval_interval": 8, "log_interval": 1, "keep_checkpoints": 3, **train},
+    )
     raw["model"]["dropout"] = 0.1  # so that the RNG state matters for exact resume
     (tmp / "r.yaml").write_text(yaml.safe_dump(raw))
     return tmp / "r.yaml"
 
 
 def tfcli_process(*args, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tfcli", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfcli", *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -321,9 +403,13 @@ def test_an_old_plain_state_pt_is_upgraded_and_resumes(whole_run, tmp_path, capf
     assert run_cli("upgrade", run, capfd=capfd)[0] == 0
     again = checkpoint.load_state(ckpt)
     assert again["data"] == state["data"] and torch.equal(again["rng"]["torch"], state["rng"]["torch"])
-    assert np.array_equal(again["rng"]["numpy"][1], state["rng"]["numpy"][1]) and again["rng"]["python"] == state["rng"]["python"]
+    assert (
+        np.array_equal(again["rng"]["numpy"][1], state["rng"]["numpy"][1])
+        and again["rng"]["python"] == state["rng"]["python"]
+    )
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_losses(whole_run, tmp_path):
     expected = train_losses(whole_run[0])
     run, rng = tmp_path / "run", random.Random(0)
@@ -337,13 +423,17 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_losses(who
         first = first and not (run / "config.yaml").exists()
         if (run / checkpoint.CHECKPOINTS / "latest").is_file():
             checkpoint.verify(checkpoint.find(run))  # latest always names a whole checkpoint
-    p = tfcli_process(*(["pretrain", "--recipe", whole_run[1], "--out", run] if first else ["pretrain", "--resume", run]),
-                      "--quiet", cwd=tmp_path)
+    p = tfcli_process(
+        *(["pretrain", "--recipe", whole_run[1], "--out", run] if first else ["pretrain", "--resume", run]),
+        "--quiet",
+        cwd=tmp_path,
+    )
     assert p.wait(300) == 0, p.stderr.read()
     assert train_losses(run) == expected  # bit for bit, every step logged once
     assert not (run / checkpoint.LOCK).exists()
 
 
+@pytest.mark.slow
 def test_sigint_saves_at_the_step_boundary_and_the_resumed_run_equals_an_uninterrupted_one(small_text, tmp_path):
     recipe = tiny(tmp_path, small_text, steps=150, ckpt_interval=1000, eval_interval=1000)
     straight = tmp_path / "straight"
@@ -357,7 +447,10 @@ def test_sigint_saves_at_the_step_boundary_and_the_resumed_run_equals_an_uninter
     assert p.wait(60) == 130
     step = checkpoint.read_meta(checkpoint.find(run))["step"]
     assert 5 <= step < 150  # no checkpoint was due: the one there is the interruption's
-    assert f"interrupted at step {step}: a checkpoint was saved; resume with tfcli pretrain --resume {run}" in p.stderr.read()
+    assert (
+        f"interrupted at step {step}: a checkpoint was saved; resume with tfcli pretrain --resume {run}"
+        in p.stderr.read()
+    )
     assert tfcli_process("pretrain", "--resume", run, "--quiet", cwd=tmp_path).wait(300) == 0
     assert train_losses(run) == train_losses(straight)
 
@@ -384,8 +477,17 @@ def test_a_nan_stops_the_run_with_latest_at_the_last_good_checkpoint(whole_run, 
     assert ckpt.name == "step-0000008"
     assert all(torch.isfinite(v).all() for v in checkpoint.load_weights(ckpt).values())
     calls["n"] = 0
-    code, _, err = run_cli("pretrain", "--recipe", whole_run[1], "--out", tmp_path / "skip", "--quiet",
-                           "--set", "train.skip_nonfinite=1", capfd=capfd)
+    code, _, err = run_cli(
+        "pretrain",
+        "--recipe",
+        whole_run[1],
+        "--out",
+        tmp_path / "skip",
+        "--quiet",
+        "--set",
+        "train.skip_nonfinite=1",
+        capfd=capfd,
+    )
     assert code == 0, err
     assert [r for r in read_metrics(tmp_path / "skip") if r.get("split") == "skipped"][0]["step"] == 10
 
@@ -396,8 +498,12 @@ def test_a_full_disk_keeps_latest_valid(whole_run, tmp_path, capfd, monkeypatch)
 
     run = tmp_path / "disk" / "run"
     run.parent.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(run.parent)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(run.parent)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         if not mounted:
             original, calls = checkpoint.save_file, {"n": 0}
@@ -409,10 +515,22 @@ def test_a_full_disk_keeps_latest_valid(whole_run, tmp_path, capfd, monkeypatch)
                         Path(path).write_bytes(b"half a file")
                         raise OSError(errno.ENOSPC, "No space left on device")
                 return original(tensors, path, *a, **k)
+
             monkeypatch.setattr(checkpoint, "save_file", failing)
-        code, _, err = run_cli("pretrain", "--recipe", whole_run[1], "--out", run, "--quiet",
-                               "--set", "train.keep_checkpoints=100", capfd=capfd)
-        assert code == 2 and err.count("\n") == 1 and "No space left on device" in err and "latest is still step-" in err
+        code, _, err = run_cli(
+            "pretrain",
+            "--recipe",
+            whole_run[1],
+            "--out",
+            run,
+            "--quiet",
+            "--set",
+            "train.keep_checkpoints=100",
+            capfd=capfd,
+        )
+        assert (
+            code == 2 and err.count("\n") == 1 and "No space left on device" in err and "latest is still step-" in err
+        )
         latest = checkpoint.find(run)
         checkpoint.verify(latest)
         assert not list((run / checkpoint.CHECKPOINTS).glob(".*.tmp"))

@@ -1,6 +1,7 @@
 """The shortcut flags of pretrain and finetune are derived from the recipe's fields (commands/flags.py):
 each names a real field, parses as its type, carries the field's comment as its help, and reaches the
 field; a task's own flag is refused on another task."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,7 @@
 """Frozen models in a Job (a preference-tuning reference, a teacher): on the device, in eval mode, no
 gradients, never optimised, never saved; the loss reads them. Shown with a distillation term added to
 next-token pretraining: at step 1 the student is its frozen copy exactly, later it has moved away."""
+
 from __future__ import annotations
 
 import copy
@@ -9,9 +10,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
+from tfcli.engine import checkpoint
 from tfcli.objectives.next_token import NextToken
 
 from .conftest import read_metrics, tiny_gpt_recipe

@@ -1,6 +1,7 @@
 """Batched generation: left-padded decoder prompts and right-padded encoder-decoder inputs, one cache
 row per prompt, a set of stop tokens, each row ending on its own; greedy output equals batch-1 output
 row by row, for GPT and T5."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,6 @@ from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
 
 
-
 def spread_(model: torch.nn.Module) -> None:
     """Weights large enough that greedy decoding wanders (a fresh tiny model repeats one token)."""
     g = torch.Generator().manual_seed(0)
@@ -19,6 +19,7 @@ def spread_(model: torch.nn.Module) -> None:
         for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
 
 PROMPTS = [[5, 9, 13, 2, 7, 30, 31], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
 
@@ -38,8 +39,9 @@ def gpt():
 @pytest.fixture(scope="module")
 def t5():
     torch.manual_seed(0)
-    model = T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=50,
-                        max_seq_len=64)).eval()
+    model = T5(
+        T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=50, max_seq_len=64)
+    ).eval()
     spread_(model)
     return model
 
@@ -53,8 +55,9 @@ def test_a_decoder_batch_of_left_padded_prompts_generates_what_each_alone_does(g
 
 
 def test_an_encoder_decoder_batch_generates_what_each_alone_does(t5):
-    alone = [list(generate_seq2seq(t5, torch.tensor([p]), start_id=0, max_new_tokens=32, temperature=0.0))
-             for p in PROMPTS]
+    alone = [
+        list(generate_seq2seq(t5, torch.tensor([p]), start_id=0, max_new_tokens=32, temperature=0.0)) for p in PROMPTS
+    ]
     assert generate_batch(t5, PROMPTS, max_new_tokens=32, start_id=0) == alone
     assert len({tuple(r) for r in alone}) > 1 and len(set(alone[0])) > 2
     stop = {alone[1][3]}

@@ -3,6 +3,7 @@ tfcli reads what it writes (f32 exactly, f16 and q8_0 within their rounding), tr
 same file to the same logits and its tokenizer to the same ids, the chat template survives, q/k rows
 go through llama.cpp's rotary permutation and back; the CLI exports, generates from and finetunes a
 GGUF; unknown architectures, other tokenizers and truncated files are one-line errors."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,18 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfcli.hf import interop as hf
-from tfcli.engine.backbone import for_inference
 from tfcli.data.chat import ChatTemplate
 from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.engine.backbone import for_inference
+from tfcli.hf import interop as hf
 from tfcli.models.llama import Llama, LlamaConfig
 from tfcli.plugin import Backbone
 
 from .conftest import invoke
 from .test_llama import spread_
 
-TEXTS = ["The capital of France is Paris.", "I have 12345 apples and 3 pears!", "  spaces\tand\nlines  ",
-         "<|im_start|>user\nhi<|im_end|>", "naïve café – déjà vu"]
+TEXTS = [
+    "The capital of France is Paris.",
+    "I have 12345 apples and 3 pears!",
+    "  spaces\tand\nlines  ",
+    "<|im_start|>user\nhi<|im_end|>",
+    "naïve café – déjà vu",
+]
 
 
 def tiny_backbone(arch: str = "llama", max_seq_len: int = 64, **cfg) -> Backbone:
@@ -31,8 +37,19 @@ def tiny_backbone(arch: str = "llama", max_seq_len: int = 64, **cfg) -> Backbone
     tok.specials = tok.specials.__class__(bos="<|im_start|>", eos="<|im_end|>", pad="<|im_end|>", unk="<|endoftext|>")
     tok.chat_template = ChatTemplate.load("chatml").source
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=max_seq_len,
-                              vocab_size=tok.vocab_size, hf_model_type=arch, **cfg)).eval()
+    model = Llama(
+        LlamaConfig(
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            d_model=64,
+            d_ff=96,
+            max_seq_len=max_seq_len,
+            vocab_size=tok.vocab_size,
+            hf_model_type=arch,
+            **cfg,
+        )
+    ).eval()
     spread_(model)
     return Backbone(model, tok, "test")
 
@@ -45,10 +62,17 @@ def logits(model, ids=IDS) -> torch.Tensor:
         return model.logits(model(ids))
 
 
-@pytest.mark.parametrize("arch,cfg", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
-                                      ("qwen2", {"qkv_bias": True}),
-                                      # transformers' GGUF reader takes Qwen3's head_dim from its default, 128
-                                      ("qwen3", {"qk_norm": True, "head_dim": 128})])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch,cfg",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": False}),
+        ("qwen2", {"qkv_bias": True}),
+        # transformers' GGUF reader takes Qwen3's head_dim from its default, 128
+        ("qwen3", {"qk_norm": True, "head_dim": 128}),
+    ],
+)
 def test_tfcli_and_transformers_read_a_written_gguf_alike(arch, cfg, tmp_path):
     transformers = pytest.importorskip("transformers")
     ours = tiny_backbone(arch, **cfg)
@@ -69,6 +93,7 @@ def test_tfcli_and_transformers_read_a_written_gguf_alike(arch, cfg, tmp_path):
         assert back.tokenizer.encode(text) == ours.tokenizer.encode(text), text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tolerance", [("f16", 0.05), ("q8_0", 0.15)])
 def test_f16_and_q8_0_round_trip_within_their_rounding(dtype, tolerance, tmp_path):
     ours = tiny_backbone()
@@ -115,20 +140,25 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     size = good.stat().st_size
-    for path, message in ((unknown, "GGUF architecture 'mamba' is not supported"),
-                          (truncated, f"truncated GGUF file: its tensors need {size:,} bytes, the file has {size // 2:,}"),
-                          (garbage, "not a readable GGUF"), (no_tokens, "its vocabulary size is unknown")):
+    for path, message in (
+        (unknown, "GGUF architecture 'mamba' is not supported"),
+        (truncated, f"truncated GGUF file: its tensors need {size:,} bytes, the file has {size // 2:,}"),
+        (garbage, "not a readable GGUF"),
+        (no_tokens, "its vocabulary size is unknown"),
+    ):
         result = invoke("generate", "--checkpoint", path, "--prompt", "hi", "--max-new-tokens", 2)
         assert result.exit_code == 2 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_text, mnli_dir):
-    from .test_llama_cli import llama_recipe, pretrain
     from tfcli import recipe as recipes
 
-    run = pretrain(recipes.from_dict(llama_recipe(small_text, steps=4, ckpt_interval=4, eval_interval=4)),
-                   out=tmp_path / "run")
+    from .test_llama_cli import llama_recipe, pretrain
+
+    run = pretrain(
+        recipes.from_dict(llama_recipe(small_text, steps=4, ckpt_interval=4, eval_interval=4)), out=tmp_path / "run"
+    )
     out = tmp_path / "model.gguf"
     result = invoke("export", "--checkpoint", run, "--gguf", out, "--gguf-type", "q8_0")
     assert result.exit_code == 0, result.output
@@ -137,8 +167,25 @@ def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_tex
     assert generated.exit_code == 0 and generated.output.startswith("The"), generated.output
     again = invoke("export", "--checkpoint", run, "--gguf", out)
     assert again.exit_code == 2 and "exists" in again.output
-    result = invoke("finetune", "mnli", "--from", out, "--data", mnli_dir, "--train", "lora", "--steps", 2,
-                    "--batch-size", 4, "--out", tmp_path / "ft", "--quiet", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        out,
+        "--data",
+        mnli_dir,
+        "--train",
+        "lora",
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "ft",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     shutil.rmtree(tmp_path / "ft")
 
@@ -155,40 +202,76 @@ def chat_gguf(tmp_path_factory):
     return chat_gguf_file(tmp_path_factory)
 
 
+@pytest.mark.slow  # chat: test_sft.py and test_user_messages.py in the fast tier
 def test_generate_chat_answers_one_templated_turn(chat_gguf):
-    args = ["generate", "--checkpoint", chat_gguf, "--chat", "--prompt", "hello", "--system", "Be brief.",
-            "--greedy", "--max-new-tokens", 6]
+    args = [
+        "generate",
+        "--checkpoint",
+        chat_gguf,
+        "--chat",
+        "--prompt",
+        "hello",
+        "--system",
+        "Be brief.",
+        "--greedy",
+        "--max-new-tokens",
+        6,
+    ]
     first, second = invoke(*args), invoke(*args)
     assert first.exit_code == 0, first.output
     assert first.output == second.output and "<|im_start|>" not in first.output and "hello" not in first.output
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_conversation_and_starts_over_on_reset(chat_gguf):
-    from tfcli.engine.backbone import for_inference
     from tfcli.data.chat import ChatTemplate
+    from tfcli.engine.backbone import for_inference
     from tfcli.generate import reply
 
-    result = invoke("chat", "--checkpoint", chat_gguf, "--greedy", "--max-new-tokens", 5,
-                    input="hello\nhow are you\n/reset\nhello\n/exit\nnever read\n")
+    result = invoke(
+        "chat",
+        "--checkpoint",
+        chat_gguf,
+        "--greedy",
+        "--max-new-tokens",
+        5,
+        input="hello\nhow are you\n/reset\nhello\n/exit\nnever read\n",
+    )
     assert result.exit_code == 0, result.output
     first, second, third = result.output.splitlines()[:3]
     assert third == first  # after /reset the same question gets the same greedy answer
     backbone = for_inference(chat_gguf)
     template = ChatTemplate(backbone.tokenizer.chat_template)
-    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
-               {"role": "user", "content": "how are you"}]
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "how are you"},
+    ]
     sampling = dict(max_new_tokens=5, temperature=0.0, top_k=0, top_p=1.0)
     assert "".join(reply(backbone, template, history, **sampling)) == second  # the second turn saw the first
 
 
 def test_chat_needs_a_template_and_a_decoder(tmp_path, small_text):
-    from .test_llama_cli import llama_recipe, pretrain
     from tfcli import recipe as recipes
 
-    run = pretrain(recipes.from_dict(llama_recipe(small_text, steps=2, ckpt_interval=2, eval_interval=2)),
-                   out=tmp_path / "run")
+    from .test_llama_cli import llama_recipe, pretrain
+
+    run = pretrain(
+        recipes.from_dict(llama_recipe(small_text, steps=2, ckpt_interval=2, eval_interval=2)), out=tmp_path / "run"
+    )
     result = invoke("generate", "--checkpoint", run, "--chat", "--prompt", "hi")
     assert result.exit_code == 2 and "no chat template; pass --chat-template" in result.output, result.output
-    result = invoke("generate", "--checkpoint", run, "--chat", "--prompt", "hi", "--chat-template", "chatml",
-                    "--max-new-tokens", 3, "--greedy")
+    result = invoke(
+        "generate",
+        "--checkpoint",
+        run,
+        "--chat",
+        "--prompt",
+        "hi",
+        "--chat-template",
+        "chatml",
+        "--max-new-tokens",
+        3,
+        "--greedy",
+    )
     assert result.exit_code == 0, result.output

@@ -1,4 +1,5 @@
 """The decoder: causality, the KV cache, published size, a run exported to transformers (parity: test_hf)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ from tfcli.models.gpt import GPT, GPTConfig
 
 def tiny(**kw) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{"n_layer": 2, "n_head": 4, "d_model": 32, "max_seq_len": 48, "vocab_size": 97, **kw})).eval()
+    return GPT(
+        GPTConfig(**{"n_layer": 2, "n_head": 4, "d_model": 32, "max_seq_len": 48, "vocab_size": 97, **kw})
+    ).eval()
 
 
 def test_changing_a_later_token_never_changes_earlier_logits():
@@ -42,7 +45,7 @@ def test_cached_logits_match_full_forward():
     with torch.no_grad():
         full = model.logits(model(ids))
         prefix = model.logits(model(ids[:, :12], caches))
-        steps = [model.logits(model(ids[:, t:t + 1], caches)) for t in range(12, 20)]
+        steps = [model.logits(model(ids[:, t : t + 1], caches)) for t in range(12, 20)]
     incremental = torch.cat([prefix] + steps, dim=1)
     assert (full - incremental).abs().max() < 1e-5
 
@@ -66,16 +69,18 @@ def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_
     from typer.testing import CliRunner
 
     transformers = pytest.importorskip("transformers")
-    from tfcli.engine.backbone import from_run as load_run
     from tfcli.cli import app
+    from tfcli.engine.backbone import from_run as load_run
 
     from .conftest import tiny_gpt_recipe
 
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 3})))
     runner = CliRunner()
-    assert runner.invoke(app, ["pretrain", "--recipe", str(recipe), "--out", str(tmp_path / "run"),
-                               "--quiet"]).exit_code == 0
+    assert (
+        runner.invoke(app, ["pretrain", "--recipe", str(recipe), "--out", str(tmp_path / "run"), "--quiet"]).exit_code
+        == 0
+    )
     result = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -95,9 +100,10 @@ def test_the_cpu_decoding_head_gives_the_models_logits():
     from tfcli.models.t5 import T5, T5Config
 
     torch.manual_seed(0)
-    models = [GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=8, vocab_size=97))] + \
-        [T5(T5Config(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=97, tie_word_embeddings=tied))
-         for tied in (True, False)]
+    models = [GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=8, vocab_size=97))] + [
+        T5(T5Config(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=97, tie_word_embeddings=tied))
+        for tied in (True, False)
+    ]
     for model in models:
         for rows in (1, 3):
             hidden = torch.randn(rows, 16)

@@ -1,6 +1,7 @@
 """Hugging Face interop through the one converter: for every family, a transformers directory read
 into tfcli gives the same logits (< 1e-4), and tfcli weights written out load in transformers with
 the same logits; single, sharded and pytorch_model.bin checkpoints; one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from tfcli.hf import interop as hf
 from tfcli.engine.backbone import from_hf
 from tfcli.errors import UserError
+from tfcli.hf import interop as hf
 from tfcli.models import build_model
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.models.gpt import GPT, GPTConfig
@@ -48,10 +49,12 @@ def write(model, heads: dict, out, labels=()):
 
 # --- GPT-2 ------------------------------------------------------------------------------------------
 
+
 def test_gpt2_both_ways(tmp_path):
     torch.manual_seed(0)
-    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_positions=40, n_embd=32,
-                                                                  n_layer=2, n_head=4)).eval()
+    theirs = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=97, n_positions=40, n_embd=32, n_layer=2, n_head=4)
+    ).eval()
     jiggle_(theirs)
     theirs.save_pretrained(tmp_path / "in")
     ours, _ = read(tmp_path / "in")
@@ -67,8 +70,9 @@ def test_gpt2_both_ways(tmp_path):
 
 def test_gpt2_directory_with_its_tokenizer_files_is_a_backbone(tmp_path, shared_data):
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1,
-                                                         n_head=2)).save_pretrained(tmp_path)
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    ).save_pretrained(tmp_path)
     for f in ("vocab.json", "merges.txt"):
         shutil.copy(shared_data / "tokenizers" / "gpt2" / f, tmp_path / f)
     backbone = from_hf(tmp_path, ["<|endoftext|>"])
@@ -77,8 +81,16 @@ def test_gpt2_directory_with_its_tokenizer_files_is_a_backbone(tmp_path, shared_
 
 # --- BERT -------------------------------------------------------------------------------------------
 
-BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+BERT = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=40,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def bert_inputs():
@@ -119,7 +131,7 @@ def test_bert_for_sequence_classification_both_ways(tmp_path):
     theirs.save_pretrained(tmp_path / "in")
     ours, head_sd = read(tmp_path / "in")
     classifier = torch.nn.Linear(32, 3)
-    classifier.load_state_dict({k[len("classifier."):]: v for k, v in head_sd.items()})
+    classifier.load_state_dict({k[len("classifier.") :]: v for k, v in head_sd.items()})
     ids, types, mask = bert_inputs()
     with torch.no_grad():
         ref = theirs(input_ids=ids, token_type_ids=types, attention_mask=mask).logits
@@ -146,13 +158,24 @@ def test_bert_model_alone_from_pytorch_model_bin(tmp_path, shared_data):
 
 # --- T5 ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("v11", [False, True], ids=["t5-v1-relu-tied", "t5-v1.1-gated-untied"])
 def test_t5_both_ways(tmp_path, v11):
     torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=101, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3,
-                                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                                feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
-                                dropout_rate=0.0)
+    cfg = transformers.T5Config(
+        vocab_size=101,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        feed_forward_proj="gated-gelu" if v11 else "relu",
+        tie_word_embeddings=not v11,
+        dropout_rate=0.0,
+    )
     theirs = transformers.T5ForConditionalGeneration(cfg).eval()
     jiggle_(theirs)
     theirs.save_pretrained(tmp_path / "in")
@@ -174,7 +197,8 @@ def test_t5_sharded_safetensors(tmp_path):
     model = T5(T5Config(n_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=64)).eval()
     write(model, {}, tmp_path / "one")
     transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "one").save_pretrained(
-        tmp_path / "sharded", max_shard_size="20KB")
+        tmp_path / "sharded", max_shard_size="20KB"
+    )
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
     again, _ = read(tmp_path / "sharded")
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
@@ -182,9 +206,19 @@ def test_t5_sharded_safetensors(tmp_path):
 
 # --- ViT and ViT-MAE --------------------------------------------------------------------------------
 
-TINY_MAE = dict(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1,
-                decoder_num_attention_heads=2, decoder_intermediate_size=64, layer_norm_eps=1e-12)
+TINY_MAE = dict(
+    image_size=16,
+    patch_size=4,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    decoder_hidden_size=32,
+    decoder_num_hidden_layers=1,
+    decoder_num_attention_heads=2,
+    decoder_intermediate_size=64,
+    layer_norm_eps=1e-12,
+)
 
 
 def compare_mae(enc, dec, theirs):
@@ -214,7 +248,7 @@ def test_vit_mae_both_ways(tmp_path, positions):
     enc, head_sd = read(tmp_path / "in")
     assert enc.cfg.pos_embed == positions and enc.cfg.norm_pix_loss
     dec = MAEDecoder(enc.cfg).eval()
-    dec.load_state_dict({k[len("decoder."):]: v for k, v in head_sd.items()})
+    dec.load_state_dict({k[len("decoder.") :]: v for k, v in head_sd.items()})
     compare_mae(enc, dec, theirs)
     assert write(enc, head_sd, tmp_path / "out") == "ViTMAEForPreTraining"
     compare_mae(enc, dec, transformers.ViTMAEForPreTraining.from_pretrained(tmp_path / "out").eval())
@@ -224,14 +258,23 @@ def test_vit_mae_both_ways(tmp_path, positions):
 
 def test_vit_for_image_classification_both_ways(tmp_path):
     torch.manual_seed(2)
-    theirs = transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, num_labels=3, layer_norm_eps=1e-12)).eval()
+    theirs = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+            layer_norm_eps=1e-12,
+        )
+    ).eval()
     jiggle_(theirs)
     theirs.save_pretrained(tmp_path / "in")
     enc, head_sd = read(tmp_path / "in")
     head = torch.nn.Linear(32, 3)
-    head.load_state_dict({k[len("classifier."):]: v for k, v in head_sd.items()})
+    head.load_state_dict({k[len("classifier.") :]: v for k, v in head_sd.items()})
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         ref = theirs(pixel_values=x).logits
@@ -242,9 +285,23 @@ def test_vit_for_image_classification_both_ways(tmp_path):
 
 
 def test_mae_written_from_tfcli_with_sincos_positions(tmp_path):
-    cfg = ViTConfig(**{k: v for k, v in dict(image_size=16, patch_size=4, n_layer=2, n_head=2, d_model=32, d_ff=64,
-                                           decoder_d_model=32, decoder_n_layer=1, decoder_n_head=2,
-                                           decoder_d_ff=64).items()})
+    cfg = ViTConfig(
+        **{
+            k: v
+            for k, v in dict(
+                image_size=16,
+                patch_size=4,
+                n_layer=2,
+                n_head=2,
+                d_model=32,
+                d_ff=64,
+                decoder_d_model=32,
+                decoder_n_layer=1,
+                decoder_n_head=2,
+                decoder_d_ff=64,
+            ).items()
+        }
+    )
     torch.manual_seed(0)
     enc, dec = ViT(cfg).eval(), MAEDecoder(cfg).eval()
     jiggle_(enc), jiggle_(dec)
@@ -253,6 +310,7 @@ def test_mae_written_from_tfcli_with_sincos_positions(tmp_path):
 
 
 # --- what is refused --------------------------------------------------------------------------------
+
 
 def test_directory_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
@@ -275,8 +333,9 @@ def test_a_pickle_with_code_in_pytorch_model_bin_is_refused(tmp_path):
         def __reduce__(self):
             return (print, ("this must never run",))
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 1, "n_embd": 4,
-                                                      "n_positions": 4, "vocab_size": 4}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 1, "n_embd": 4, "n_positions": 4, "vocab_size": 4})
+    )
     with open(tmp_path / "pytorch_model.bin", "wb") as f:
         pickle.dump({"x": Payload()}, f)
     with pytest.raises(UserError, match="refused or unreadable with weights_only=True"):
@@ -299,9 +358,18 @@ def test_a_t5_spiece_model_tokenizes_as_transformers_does(tmp_path, shared_data)
     transformers = pytest.importorskip("transformers")
     text = tmp_path / "corpus.txt"
     text.write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:100_000] + "\nNaïve café ﬁne.\n")
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "spiece"), vocab_size=300,
-                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-                                   normalization_rule_name="nmt_nfkc", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(tmp_path / "spiece"),
+        vocab_size=300,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        normalization_rule_name="nmt_nfkc",
+        minloglevel=2,
+    )
     d = tmp_path / "t5tok"
     d.mkdir()
     (tmp_path / "spiece.model").rename(d / "spiece.model")

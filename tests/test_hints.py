@@ -4,6 +4,7 @@
 A hint's `<...>` placeholder (data only the user has) is filled with the test's data; training
 commands get `--steps 2` so that they finish quickly (their flags and arguments are the hint's).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ TINY_TEXT_MODELS = {
 def hints(output: str) -> list[str]:
     """The commands in a run's closing lines ('label:  tfcli ...')."""
     tail = output.split("done.", 1)[-1]
-    return [line[line.index("tfcli "):].strip() for line in tail.splitlines() if "tfcli " in line]
+    return [line[line.index("tfcli ") :].strip() for line in tail.splitlines() if "tfcli " in line]
 
 
 def run_hint(hint: str, places: dict) -> None:
@@ -51,11 +52,19 @@ def test_the_hints_after_a_text_pretraining_run_run(objective, tmp_path, small_t
         run_hint(hint, {"<MNLI directory>": mnli_dir})
 
 
+@pytest.mark.slow
 def test_the_hints_after_mae_and_prepare_run(tmp_path, small_text, monkeypatch):
     monkeypatch.chdir(tmp_path)
     npz = tiny_npz(tmp_path / "images.npz", n=16, size=16)
-    sets = [a for k, v in {**{f"model.{k}": v for k, v in TINY_VIT.items()}, "train.eval_batches": 1,
-                            "train.batch_size": 8}.items() for a in ("--set", f"{k}={v}")]
+    sets = [
+        a
+        for k, v in {
+            **{f"model.{k}": v for k, v in TINY_VIT.items()},
+            "train.eval_batches": 1,
+            "train.batch_size": 8,
+        }.items()
+        for a in ("--set", f"{k}={v}")
+    ]
     result = invoke("pretrain", "--objective", "mae", "--data", npz, "--steps", 2, "--out", tmp_path / "mae", *sets)
     assert result.exit_code == 0, result.output
     found = hints(result.output)
@@ -83,11 +92,24 @@ def test_an_interrupted_finetuning_run_prints_a_resume_command_that_runs(hf_bert
 
     monkeypatch.setattr(training.Trainer, "_train_step", interrupt_after_two)
     run = tmp_path / "ft"
-    result = invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--steps", 4, "--batch-size", 4,
-                    "--out", run, "--quiet")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        hf_bert,
+        "--data",
+        mnli_dir,
+        "--steps",
+        4,
+        "--batch-size",
+        4,
+        "--out",
+        run,
+        "--quiet",
+    )
     assert result.exit_code == 130, result.output
     line = next(line for line in result.output.splitlines() if "resume with" in line)
-    hint = line[line.index("tfcli "):]
+    hint = line[line.index("tfcli ") :]
     assert hint == f"tfcli finetune --resume {run}"
     monkeypatch.setattr(training.Trainer, "_train_step", step)
     resumed = invoke(*shlex.split(hint)[1:])

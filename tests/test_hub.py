@@ -1,13 +1,14 @@
 """Hub ids for --from and --checkpoint: read from the local Hugging Face cache when offline, refused
 in one line naming the cache when neither the cache nor the hub has them."""
+
 from __future__ import annotations
 
 import shutil
 
 import pytest
 
-from tfcli.hf import hub
 from tfcli.errors import UserError
+from tfcli.hf import hub
 
 from .conftest import invoke
 
@@ -32,7 +33,9 @@ def test_a_hub_id_resolves_from_the_cache_offline(hf_cache):
 
 
 def test_an_uncached_hub_id_offline_is_one_line_naming_the_cache(hf_cache):
-    with pytest.raises(UserError, match=r"--from acme/absent: not a local path, and not in the Hugging Face cache .*hub"):
+    with pytest.raises(
+        UserError, match=r"--from acme/absent: not a local path, and not in the Hugging Face cache .*hub"
+    ):
         hub.resolve("acme/absent")
 
 
@@ -51,8 +54,23 @@ def test_local_paths_win_and_missing_ones_are_named(tmp_path):
 
 
 def test_finetune_from_a_cached_hub_id(hf_cache, mnli_dir, tmp_path):
-    result = invoke("finetune", "mnli", "--from", "acme/tiny-bert", "--data", mnli_dir, "--steps", 2, "--batch-size", 4,
-                    "--out", tmp_path / "run", "--set", "finetune.eval_limit=6", "--quiet")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        "acme/tiny-bert",
+        "--data",
+        mnli_dir,
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "finetune.eval_limit=6",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     import json
 
@@ -80,8 +98,23 @@ def test_smollm2s_hub_id_reads_a_cached_llama_and_is_one_line_when_absent(tmp_pa
     assert result.exit_code == 0, result.output
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join('{"prompt": "2+%d?", "completion": "%d"}\n' % (i, 2 + i) for i in range(20)))
-    result = invoke("finetune", "sft", "--from", hub_id, "--data", rows, "--steps", 1, "--batch-size", 2,
-                    "--out", tmp_path / "run", "--quiet", "--set", "sft.generate_limit=0")
+    result = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        hub_id,
+        "--data",
+        rows,
+        "--steps",
+        1,
+        "--batch-size",
+        2,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "sft.generate_limit=0",
+    )
     assert result.exit_code == 0, result.output
     shutil.rmtree(repo)
     result = invoke("finetune", "sft", "--from", hub_id, "--data", rows, "--steps", 1, "--out", tmp_path / "again")

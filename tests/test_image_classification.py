@@ -1,5 +1,6 @@
 """image-classify: linear probe keeps the MAE encoder frozen, full finetuning trains it, accuracy and
 confusion matrix on the test split, errors for unlabelled data and wrong pooling."""
+
 from __future__ import annotations
 
 import json
@@ -8,21 +9,35 @@ import numpy as np
 import pytest
 import torch
 
-from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
+from tfcli.data.sampler import Sampler
+from tfcli.engine import checkpoint
+from tfcli.engine.runtime import Runtime
+from tfcli.engine.trainer import ObjectiveModule
 from tfcli.models.vit import ViT
 from tfcli.plugin import Backbone
-from tfcli.engine.runtime import Runtime
-from tfcli.data.sampler import Sampler
 from tfcli.tasks.classification import predict
 from tfcli.tasks.image_classification import ImageClassify
-from tfcli.engine.trainer import ObjectiveModule
 
 from .conftest import TINY_VIT, invoke, mae_overrides, set_args, tiny_npz
 
-FT = ["--steps", "6", "--batch-size", "16", "--set", "train.eval_interval=3", "--set", "train.log_interval=3",
-      "--set", "train.ckpt_interval=3", "--set", "schedule.warmup_steps=1", "--set", "train.threads=2",
-      "--quiet"]
+FT = [
+    "--steps",
+    "6",
+    "--batch-size",
+    "16",
+    "--set",
+    "train.eval_interval=3",
+    "--set",
+    "train.log_interval=3",
+    "--set",
+    "train.ckpt_interval=3",
+    "--set",
+    "schedule.warmup_steps=1",
+    "--set",
+    "train.threads=2",
+    "--quiet",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +45,9 @@ def mae_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ic")
     npz = tiny_npz(root / "tiny.npz")
     out = root / "mae"
-    result = invoke("pretrain", "--objective", "mae", "--out", out, "--quiet",
-                    *set_args(mae_overrides(npz, **{"train.steps": 2})))
+    result = invoke(
+        "pretrain", "--objective", "mae", "--out", out, "--quiet", *set_args(mae_overrides(npz, **{"train.steps": 2}))
+    )
     assert result.exit_code == 0, result.output
     return out, npz
 
@@ -47,8 +63,21 @@ def _encoder_weights(run):
 def test_finetune_from_mae_run(mae_run, tmp_path, train, pooling):
     run, npz = mae_run
     out = tmp_path / f"ft-{train}"
-    result = invoke("finetune", "image-classify", "--from", run, "--data", npz, "--train", train,
-                    "--pooling", pooling, "--out", out, *FT)
+    result = invoke(
+        "finetune",
+        "image-classify",
+        "--from",
+        run,
+        "--data",
+        npz,
+        "--train",
+        train,
+        "--pooling",
+        pooling,
+        "--out",
+        out,
+        *FT,
+    )
     assert result.exit_code == 0, result.output
     before, after = _encoder_weights(run), _encoder_weights(out)
     assert before.keys() == after.keys()
@@ -69,8 +98,10 @@ def test_finetune_from_mae_run(mae_run, tmp_path, train, pooling):
 def test_linear_probe_learns_a_separable_task(mae_run):
     """A linear head on a random encoder separates red from blue images within a few dozen steps."""
     _, npz = mae_run
-    rec = recipes.load("vit-tiny-image-classify", {**{f"model.{k}": v for k, v in TINY_VIT.items()},
-                                                  "data.source": str(npz), "image-classify.augment": False})
+    rec = recipes.load(
+        "vit-tiny-image-classify",
+        {**{f"model.{k}": v for k, v in TINY_VIT.items()}, "data.source": str(npz), "image-classify.augment": False},
+    )
     task = ImageClassify(Runtime(torch.device("cpu")), quiet=True)
     torch.manual_seed(0)
     backbone = Backbone(ViT(rec.model).requires_grad_(False), None)

@@ -1,4 +1,5 @@
 """Image loaders (npz, folders, builtin, hub errors), bad images and transforms (the sampler: test_sampler)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -116,8 +117,9 @@ def test_eval_transform_is_plain_normalisation_at_native_size():
     img = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
     t = ImageTransform(16, MEAN, STD)
     x = t(img)
-    expected = (torch.from_numpy(img).permute(2, 0, 1).float() / 255 - torch.tensor(MEAN)[:, None, None]) \
-        / torch.tensor(STD)[:, None, None]
+    expected = (
+        torch.from_numpy(img).permute(2, 0, 1).float() / 255 - torch.tensor(MEAN)[:, None, None]
+    ) / torch.tensor(STD)[:, None, None]
     assert torch.allclose(x, expected, atol=1e-6)
     assert torch.allclose(t.denormalize(x), torch.from_numpy(img).permute(2, 0, 1).float() / 255, atol=1e-6)
     assert ImageTransform(8, MEAN, STD)(np.zeros((20, 30, 3), np.uint8)).shape == (3, 8, 8)

@@ -2,6 +2,7 @@
 random configs made by transformers; logits within 1e-5 (fp32), greedy generation identical for 32
 tokens at batch 1 and batch 4 (left padding), export reloaded by transformers with the same logits,
 and a LoRA-adapted model merged and exported the same way; the rope scalings HF configs carry."""
+
 from __future__ import annotations
 
 import copy
@@ -13,20 +14,40 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tfcli import adapters  # noqa: E402
-from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.generate import generate_batch  # noqa: E402
+from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.models import build_model, kinds  # noqa: E402
 from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 from tfcli.recipe import AdapterConfig  # noqa: E402
 
-BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+BASE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=56,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 ARCHITECTURES = {  # each exercises its architecture's own switches
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False,
-                                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 32})),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),  # qkv bias, multi-query
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=6, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),  # q/k norm
@@ -56,7 +77,7 @@ def hf_model(arch: str, **extra):
 def tfcli_model(directory) -> Llama:
     cfg, state = hf.read_pretrained(directory)
     model = build_model(cfg).eval()
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
     return model
 
 
@@ -90,11 +111,13 @@ def test_greedy_generation_matches_at_batch_1_and_4(pair):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+        out = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         want = [row[width:].tolist() for row in out]
-        one = theirs.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompts[0]):].tolist()
+        one = theirs.generate(
+            input_ids=torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompts[0]) :].tolist()
         got4 = generate_batch(ours, prompts, max_new_tokens=32, pad_id=0)
         got1 = generate_batch(ours, prompts[:1], max_new_tokens=32, pad_id=0)
     assert got1 == [one] and len(one) == 32 and len(set(one)) > 3
@@ -135,13 +158,21 @@ def test_a_lora_model_merges_and_exports_with_its_logits(pair, tmp_path):
         assert (merged - adapted).abs().max() < 1e-4  # folding W + BA rounds once more
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "dynamic", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 16},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
 def test_rope_scalings_match_transformers(rope, tmp_path):
     theirs = hf_model("llama", rope_parameters={"rope_theta": 500.0, **rope}, max_position_embeddings=16)
     theirs.save_pretrained(tmp_path)

@@ -2,6 +2,7 @@
 a falling loss, bit-exact resume, FSDP equal to one process, generate, every finetuning strategy on
 MNLI, classifier heads on the last token and the mean, and export --hf loaded by transformers with
 the same logits."""
+
 from __future__ import annotations
 
 import json
@@ -11,15 +12,22 @@ import pytest
 import torch
 import yaml
 
-from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
+from tfcli.engine import checkpoint
 
 from .conftest import invoke, read_metrics, tiny_gpt_recipe, train_losses
 from .test_ddp import run_tfcli, train_rows
 
-TINY_LLAMA = {"family": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "d_ff": 64,
-              "max_seq_len": 48}
+TINY_LLAMA = {
+    "family": "llama",
+    "n_layer": 2,
+    "n_head": 4,
+    "n_kv_head": 2,
+    "d_model": 32,
+    "d_ff": 64,
+    "max_seq_len": 48,
+}
 
 
 def pretrain(recipe, out=None, resume=None, quiet=True):
@@ -28,8 +36,12 @@ def pretrain(recipe, out=None, resume=None, quiet=True):
 
 def llama_recipe(data, **train) -> dict:
     raw = tiny_gpt_recipe(data, train=train)
-    raw.update(name="tiny-llama", model=dict(TINY_LLAMA), data={**raw["data"], "seq_len": 48},
-               tokenizer={"kind": "bpe", "vocab_size": 300, "train_chars": 30_000})
+    raw.update(
+        name="tiny-llama",
+        model=dict(TINY_LLAMA),
+        data={**raw["data"], "seq_len": 48},
+        tokenizer={"kind": "bpe", "vocab_size": 300, "train_chars": 30_000},
+    )
     return raw
 
 
@@ -56,20 +68,51 @@ def test_pretraining_learns_and_resumes_bit_for_bit(llama_run, tmp_path):
 
 
 def test_the_shipped_recipe_pretrains_on_the_built_in_corpus(tmp_path):
-    result = invoke("pretrain", "--objective", "clm", "--recipe", "llama-mini", "--steps", 3, "--batch-size", 4,
-                    "--set", "train.eval_interval=3", "--set", "train.eval_batches=1", "--out", tmp_path / "run",
-                    "--quiet")
+    result = invoke(
+        "pretrain",
+        "--objective",
+        "clm",
+        "--recipe",
+        "llama-mini",
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.eval_batches=1",
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     saved = recipes.load_resolved(tmp_path / "run" / "config.yaml").model
     assert saved.family == "llama" and saved.n_kv_head == 2 and saved.vocab_size > 0
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_processes_matches_one(tmp_path, small_text):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(llama_recipe(small_text, steps=4, eval_interval=4, ckpt_interval=4)))
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", "--batch-size", 4, "--quiet",
-               "--set", "train.strategy=fsdp", "--set", "train.activation_checkpointing=true"], nproc=2)
+    run_tfcli(
+        [
+            "pretrain",
+            "--recipe",
+            recipe,
+            "--out",
+            tmp_path / "fsdp",
+            "--batch-size",
+            4,
+            "--quiet",
+            "--set",
+            "train.strategy=fsdp",
+            "--set",
+            "train.activation_checkpointing=true",
+        ],
+        nproc=2,
+    )
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == sorted(fsdp) == [1, 2, 3, 4]
     assert all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
@@ -99,10 +142,29 @@ def test_export_loads_in_transformers_as_llama_with_the_same_logits(llama_run, t
     assert tok.decode(tok("The answer is").input_ids) == "The answer is"
 
 
-@pytest.mark.parametrize("method", ["all", "lora", "ia3", "bitfit"])
+@pytest.mark.parametrize(
+    "method", ["all", "lora", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ia3", "bitfit"))]
+)
 def test_every_strategy_finetunes_mnli_as_text(method, llama_run, mnli_dir, tmp_path):
-    result = invoke("finetune", "mnli", "--from", llama_run, "--data", mnli_dir, "--train", method, "--steps", 3,
-                    "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        llama_run,
+        "--data",
+        mnli_dir,
+        "--train",
+        method,
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     trained, total = record["parameters"]["trained"], record["parameters"]["total"]
@@ -112,9 +174,29 @@ def test_every_strategy_finetunes_mnli_as_text(method, llama_run, mnli_dir, tmp_
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_a_classifier_head_pools_the_last_token_or_the_mean(pooling, llama_run, mnli_dir, tmp_path):
-    result = invoke("finetune", "mnli", "--from", llama_run, "--data", mnli_dir, "--head", "classifier",
-                    "--pooling", pooling, "--train", "head", "--steps", 3, "--batch-size", 4, "--out", tmp_path / "run",
-                    "--quiet", "--set", "finetune.eval_limit=6")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        llama_run,
+        "--data",
+        mnli_dir,
+        "--head",
+        "classifier",
+        "--pooling",
+        pooling,
+        "--train",
+        "head",
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+    )
     assert result.exit_code == 0, result.output
     weights = checkpoint.load_weights(checkpoint.find(tmp_path / "run"))
     assert weights["heads.classifier.weight"].shape == (3, TINY_LLAMA["d_model"])

@@ -1,4 +1,5 @@
 """The fused output-projection cross-entropy against the plain logits -> F.cross_entropy path."""
+
 from __future__ import annotations
 
 import pytest

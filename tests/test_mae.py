@@ -1,4 +1,5 @@
 """MAE objective: the loss counts masked patches only, norm_pix, training lowers it, CLI runs and resumes."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 from tfcli import recipe as recipes
+from tfcli.data.sampler import Sampler, sequential_batches
+from tfcli.engine.runtime import Runtime
 from tfcli.models.vit import MAEDecoder, ViT, ViTConfig, patchify, random_masking
 from tfcli.objectives import mae
 from tfcli.plugin import Backbone
-from tfcli.engine.runtime import Runtime
-from tfcli.data.sampler import Sampler, sequential_batches
 
 from .conftest import TINY_VIT, invoke, mae_overrides, set_args, tiny_npz
 
@@ -123,6 +124,7 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
 
 def test_reconstruction_picture_pastes_visible_patches():
     from tfcli.objectives.mae_pictures import reconstruct
+
     cfg = ViTConfig(**TINY_VIT)
     enc, dec = ViT(cfg).eval(), MAEDecoder(cfg).eval()
     x = torch.rand(2, 3, 16, 16)

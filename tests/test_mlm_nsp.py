@@ -1,5 +1,6 @@
 """MLM + NSP: NSP balance and truly consecutive IsNext pairs, training lowers the loss (masking
 statistics: test_sampler)."""
+
 import json
 
 import numpy as np
@@ -25,8 +26,9 @@ def corpus(small_text, tmp_path_factory):
     paragraphs = [p for p in text.split("\n\n") if p.strip()][:400]
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     tok = build_tokenizer("wordpiece", vocab_size=600, path="", lowercase=True, texts=[text], specials=SPECIAL_TOKENS)
-    s = store.prepare(open_source(str(root / "docs.jsonl")), tok, root / "store", mode="sentences", eos=False,
-                      workers=1, quiet=True)
+    s = store.prepare(
+        open_source(str(root / "docs.jsonl")), tok, root / "store", mode="sentences", eos=False, workers=1, quiet=True
+    )
     return segments.Corpus(s, 0, s.n_docs)
 
 
@@ -36,12 +38,18 @@ def test_sentence_splitting():
 
 def test_nsp_is_balanced_and_isnext_pairs_are_truly_consecutive(corpus):
     rng = np.random.default_rng(0)
-    pairs = [segments.pair_at(corpus, at, 61, np.random.default_rng([0, at])) for at in
-             rng.integers(0, corpus.n_tokens, size=600)]
+    pairs = [
+        segments.pair_at(corpus, at, 61, np.random.default_rng([0, at]))
+        for at in rng.integers(0, corpus.n_tokens, size=600)
+    ]
     labels = np.array([p[2] for p in pairs])
     assert abs(labels.mean() - 0.5) < 0.06
-    docs = [np.asarray(corpus.store.tokens[corpus.sentence_start(r.start): corpus.sentence_start(r.stop)],
-                       dtype=np.int64).tobytes() for r in (corpus.doc_sentences(d) for d in range(corpus.n_docs))]
+    docs = [
+        np.asarray(
+            corpus.store.tokens[corpus.sentence_start(r.start) : corpus.sentence_start(r.stop)], dtype=np.int64
+        ).tobytes()
+        for r in (corpus.doc_sentences(d) for d in range(corpus.n_docs))
+    ]
     for a, b, label in pairs:
         assert len(a) >= 1 and len(b) >= 1 and len(a) + len(b) <= 61
         joined = np.concatenate([a, b]).tobytes()
@@ -70,8 +78,9 @@ def _tiny_bert_recipe(data, nsp=True) -> dict:
 def test_pretrain_mlm_lowers_the_loss_and_reports_all_metrics(small_text, write_recipe, tmp_path):
     path = write_recipe(_tiny_bert_recipe(small_text))
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--recipe", str(path), "--out", str(out),
-                                      "--quiet"])
+    result = CliRunner().invoke(
+        app, ["pretrain", "--objective", "mlm", "--recipe", str(path), "--out", str(out), "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     rows = [r for r in read_metrics(out) if r.get("split") == "train"]
     assert {"mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc"} <= set(rows[0])
@@ -86,8 +95,20 @@ def test_no_nsp_trains_mlm_only(small_text, write_recipe, tmp_path):
     raw = _tiny_bert_recipe(small_text)
     raw["train"]["steps"] = 6
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--no-nsp", "--recipe",
-                                      str(write_recipe(raw)), "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "pretrain",
+            "--objective",
+            "mlm",
+            "--no-nsp",
+            "--recipe",
+            str(write_recipe(raw)),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = read_metrics(out)
     assert "mlm_loss" in rows[0] and "nsp_loss" not in rows[0]
@@ -98,6 +119,7 @@ def test_no_nsp_is_refused_for_other_objectives():
     assert result.exit_code == 2 and "--no-nsp" in result.output
 
 
+@pytest.mark.slow
 def test_resumed_mlm_run_ends_with_the_same_weights(small_text, write_recipe, tmp_path):
     from tfcli.engine.checkpoint import find, load_weights
 
@@ -110,12 +132,14 @@ def test_resumed_mlm_run_ends_with_the_same_weights(small_text, write_recipe, tm
     raw["train"].update(steps=6, ckpt_interval=3, eval_interval=3, log_interval=3)
     path = write_recipe(raw)
     straight, split = tmp_path / "a", tmp_path / "b"
-    run = lambda *extra: CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--recipe", str(path),
-                                                  "--quiet", *extra])
+    run = lambda *extra: CliRunner().invoke(
+        app, ["pretrain", "--objective", "mlm", "--recipe", str(path), "--quiet", *extra]
+    )
     assert run("--out", str(straight)).exit_code == 0
     assert run("--out", str(split), "--steps", "3").exit_code == 0
-    result = CliRunner().invoke(app, ["pretrain", "--objective", "mlm", "--resume", str(split), "--steps", "6",
-                                      "--quiet"])
+    result = CliRunner().invoke(
+        app, ["pretrain", "--objective", "mlm", "--resume", str(split), "--steps", "6", "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     a, b = load_weights(find(straight)), load_weights(find(split))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,6 +1,7 @@
 """Document-aware packing: with data.document_mask a packed block's loss is exactly the loss of its
 documents run alone (block-diagonal causal attention, positions restarting per document, no target
 across a boundary); without it, documents see each other."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,11 @@ import torch.nn.functional as F
 from tfcli.data import store
 from tfcli.data.documents import open_source
 from tfcli.data.packing import BlockSource, TokenSpan, documents_from_eos
+from tfcli.data.sampler import Draw
 from tfcli.data.tokenizers import build_tokenizer
 from tfcli.models.gpt import GPT, GPTConfig, document_positions
 from tfcli.objectives.losses import IGNORE
 from tfcli.objectives.next_token import shifted_pairs
-from tfcli.data.sampler import Draw
 
 from .conftest import invoke, read_metrics, tiny_gpt_recipe
 
@@ -65,7 +66,8 @@ def test_a_stream_tells_documents_apart_by_their_end_of_text_token(packed):
     s, tok = packed
     T = len(s) - 1
     from_store = BlockSource(TokenSpan(s, 0, len(s)), T, shift=False, document_mask=True).batch(
-        Draw(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 3), np.int64)))
+        Draw(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 3), np.int64))
+    )
     block = np.asarray(s.tokens[: T + 1], dtype=np.int64)[None]
     streamed = shifted_pairs(block, None, eos=tok.eos_id)
     assert set(streamed) == set(from_store)

@@ -1,5 +1,6 @@
 """export --peft: a LoRA run's adapters, unmerged, as a PEFT directory that peft applies to the
 transformers model the run started from, giving tfcli's logits; other runs are refused in one line."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import json
 import pytest
 import torch
 
-from tfcli.engine.backbone import from_run
 from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.engine.backbone import from_run
 
 from .conftest import invoke
 from .test_llama import spread_
@@ -21,9 +22,16 @@ peft = pytest.importorskip("peft")
 def hf_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("base") / "llama"
     tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
-    config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     spread_(model)
@@ -34,17 +42,48 @@ def hf_llama(tmp_path_factory):
 
 def test_a_lora_run_exports_adapters_peft_applies_to_the_base(hf_llama, mnli_dir, tmp_path):
     run = tmp_path / "lora"
-    result = invoke("finetune", "mnli", "--from", hf_llama, "--data", mnli_dir, "--train", "lora", "--steps", 3,
-                    "--batch-size", 4, "--lr", 0.05, "--out", run, "--quiet", "--set", "finetune.eval_limit=6",
-                    "--set", "adapter.targets=[q,k,v,o,gate,up,down]")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        hf_llama,
+        "--data",
+        mnli_dir,
+        "--train",
+        "lora",
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+        "--lr",
+        0.05,
+        "--out",
+        run,
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+        "--set",
+        "adapter.targets=[q,k,v,o,gate,up,down]",
+    )
     assert result.exit_code == 0, result.output
     out = tmp_path / "adapter"
     result = invoke("export", "--checkpoint", run, "--peft", out)
     assert result.exit_code == 0, result.output
-    assert f"peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained('{hf_llama}')" in result.output
+    assert (
+        f"peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained('{hf_llama}')"
+        in result.output
+    )
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == str(hf_llama)
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
     ids = torch.randint(0, 50000, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -59,8 +98,25 @@ def test_a_lora_run_exports_adapters_peft_applies_to_the_base(hf_llama, mnli_dir
 def test_runs_that_are_not_lora_text_runs_are_refused(hf_llama, mnli_dir, tmp_path):
     for train, message in (("bitfit", "writes LoRA adapters; this run trained bitfit"),):
         run = tmp_path / train
-        result = invoke("finetune", "mnli", "--from", hf_llama, "--data", mnli_dir, "--train", train, "--steps", 1,
-                        "--batch-size", 4, "--out", run, "--quiet", "--set", "finetune.eval_limit=6")
+        result = invoke(
+            "finetune",
+            "mnli",
+            "--from",
+            hf_llama,
+            "--data",
+            mnli_dir,
+            "--train",
+            train,
+            "--steps",
+            1,
+            "--batch-size",
+            4,
+            "--out",
+            run,
+            "--quiet",
+            "--set",
+            "finetune.eval_limit=6",
+        )
         assert result.exit_code == 0, result.output
         refused = invoke("export", "--checkpoint", run, "--peft", tmp_path / "out")
         assert refused.exit_code == 2 and message in refused.output and not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 a random model are at chance and the last layer of a model trained on it is not; a run, a Hugging Face
 directory and a GGUF are probed; the plot is drawn; features are computed once and reused by another
 probe of the same model and data."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from tfcli.hf import interop as hf
 from tfcli.commands import probe
+from tfcli.hf import interop as hf
 
 from .conftest import invoke, pretrained_run
 from .test_gguf import tiny_backbone
@@ -40,12 +41,35 @@ def order_data(tmp_path_factory):
     return root
 
 
-def test_the_last_layer_of_a_trained_model_knows_what_a_random_models_embeddings_cannot(tmp_path, order_data, small_text):
-    base = pretrained_run(tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32,
-                                                         "max_seq_len": 64})
-    result = invoke("finetune", "classify", "--from", base, "--data", order_data, "--text-fields", "text", "--head",
-                    "classifier", "--pooling", "last", "--steps", 120, "--batch-size", 16, "--lr", 3e-3,
-                    "--out", tmp_path / "trained", "--quiet")
+def test_the_last_layer_of_a_trained_model_knows_what_a_random_models_embeddings_cannot(
+    tmp_path, order_data, small_text
+):
+    base = pretrained_run(
+        tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "max_seq_len": 64}
+    )
+    result = invoke(
+        "finetune",
+        "classify",
+        "--from",
+        base,
+        "--data",
+        order_data,
+        "--text-fields",
+        "text",
+        "--head",
+        "classifier",
+        "--pooling",
+        "last",
+        "--steps",
+        120,
+        "--batch-size",
+        16,
+        "--lr",
+        3e-3,
+        "--out",
+        tmp_path / "trained",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     args = ["probe", "classify", "--data", order_data, "--set", "classify.text_fields=[text]", "--pooling", "last"]
     result = invoke(*args, "--from", f"{base},{tmp_path / 'trained'}", "--out", tmp_path / "probe")
@@ -56,12 +80,25 @@ def test_the_last_layer_of_a_trained_model_knows_what_a_random_models_embeddings
     assert (tmp_path / "probe" / "probe.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_a_hugging_face_directory_and_a_gguf_are_probed_and_features_are_read_once(tmp_path, order_data, monkeypatch):
     backbone = tiny_backbone()
     hf.export(backbone, None, tmp_path / "hf")
     hf.export_gguf(tiny_backbone(), None, tmp_path / "model.gguf", "f32")
-    args = ["probe", "classify", "--data", order_data, "--set", "classify.text_fields=[text]", "--limit", 100,
-            "--eval-limit", 40, "--from", f"{tmp_path / 'hf'},{tmp_path / 'model.gguf'}"]
+    args = [
+        "probe",
+        "classify",
+        "--data",
+        order_data,
+        "--set",
+        "classify.text_fields=[text]",
+        "--limit",
+        100,
+        "--eval-limit",
+        40,
+        "--from",
+        f"{tmp_path / 'hf'},{tmp_path / 'model.gguf'}",
+    ]
     monkeypatch.setenv("TFCLI_CACHE", str(tmp_path / "cache"))
     result = invoke(*args, "--out", tmp_path / "a")
     assert result.exit_code == 0, result.output
@@ -71,7 +108,26 @@ def test_a_hugging_face_directory_and_a_gguf_are_probed_and_features_are_read_on
     monkeypatch.setattr(probe, "extract", lambda *a: pytest.fail("features were computed again"))
     result = invoke(*args, "--out", tmp_path / "b", "--method", "logistic", "--layers", "0,2")
     assert result.exit_code == 0, result.output
-    assert list(json.loads((tmp_path / "b" / "probe.json").read_text())["results"][str(tmp_path / "hf")]["dev"]) == ["0", "2"]
-    bad = invoke("probe", "classify", "--data", order_data, "--from", tmp_path / "hf", "--layers", "7", "--limit", 100,
-                 "--eval-limit", 40, "--set", "classify.text_fields=[text]", "--out", tmp_path / "c")
+    assert list(json.loads((tmp_path / "b" / "probe.json").read_text())["results"][str(tmp_path / "hf")]["dev"]) == [
+        "0",
+        "2",
+    ]
+    bad = invoke(
+        "probe",
+        "classify",
+        "--data",
+        order_data,
+        "--from",
+        tmp_path / "hf",
+        "--layers",
+        "7",
+        "--limit",
+        100,
+        "--eval-limit",
+        40,
+        "--set",
+        "classify.text_fields=[text]",
+        "--out",
+        tmp_path / "c",
+    )
     assert bad.exit_code == 2 and "depths 0 (the embeddings) to 2" in bad.output

@@ -2,6 +2,7 @@
 ../shared beside it: built-in data and packaged assets as shipped, tiny local stand-ins where the
 README names the user's own files (mnli/, my.csv, hf-bert/, ...), and a few steps instead of
 thousands. Placeholders such as runs/<bert run> become the runs the earlier commands made."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,43 @@ from .conftest import REPO, invoke, tiny_npz
 
 pytestmark = pytest.mark.slow  # the whole module is left out of the fast tier
 
-KINDS = {"clm": "gpt", "mlm": "bert", "span": "t5", "mae": "mae", "electra": "electra", "igpt": "igpt",
-         "image-classify": "probe"}
-TINY_PRETRAIN = ["--steps", "2", "--set", "train.log_interval=1", "--set", "train.eval_interval=2",
-                 "--set", "train.ckpt_interval=2", "--set", "train.eval_batches=1",
-                 "--set", "tokenizer.train_chars=200000", "--set", "tokenizer.vocab_size=600", "--quiet"]
-TINY_FINETUNE = ["--steps", "2", "--batch-size", "4", "--set", "finetune.eval_limit=6", "--set", "train.eval_interval=2",
-                 "--quiet"]
+KINDS = {
+    "clm": "gpt",
+    "mlm": "bert",
+    "span": "t5",
+    "mae": "mae",
+    "electra": "electra",
+    "igpt": "igpt",
+    "image-classify": "probe",
+}
+TINY_PRETRAIN = [
+    "--steps",
+    "2",
+    "--set",
+    "train.log_interval=1",
+    "--set",
+    "train.eval_interval=2",
+    "--set",
+    "train.ckpt_interval=2",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    "tokenizer.train_chars=200000",
+    "--set",
+    "tokenizer.vocab_size=600",
+    "--quiet",
+]
+TINY_FINETUNE = [
+    "--steps",
+    "2",
+    "--batch-size",
+    "4",
+    "--set",
+    "finetune.eval_limit=6",
+    "--set",
+    "train.eval_interval=2",
+    "--quiet",
+]
 
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -35,9 +66,16 @@ def readme_commands() -> list[str]:
     """The tfcli (and torchrun) lines of the bash blocks of the README and every page of the docs,
     comments cut, each once."""
     text = "\n".join(path.read_text() for path in DOCUMENTS)
-    lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-             for line in block.splitlines()]
-    out = [re.sub(r"^\.venv/bin/", "", line) for line in lines if line.startswith(("tfcli ", ".venv/bin/tfcli ", "torchrun "))]
+    lines = [
+        line.split("  #")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for line in block.splitlines()
+    ]
+    out = [
+        re.sub(r"^\.venv/bin/", "", line)
+        for line in lines
+        if line.startswith(("tfcli ", ".venv/bin/tfcli ", "torchrun "))
+    ]
     return list(dict.fromkeys(out))
 
 
@@ -65,31 +103,63 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
     rows = [("great stuff", "loved it", "pos"), ("awful", "broke at once", "neg")] * 12
     (root / "my.csv").write_text("title,body,label\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows))
     shutil.copy(root / "my.csv", root / "reviews.csv")
-    (root / "reviews.jsonl").write_text("".join(json.dumps({"text": f"{a} {b}", "label": c}) + "\n" for a, b, c in rows))
+    (root / "reviews.jsonl").write_text(
+        "".join(json.dumps({"text": f"{a} {b}", "label": c}) + "\n" for a, b, c in rows)
+    )
     (root / "data_dir").mkdir()
     for split in ("train", "dev"):
-        (root / "data_dir" / f"{split}.csv").write_text("question,label\n" + "".join(f"{a} {b}?,{c}\n" for a, b, c in rows))
+        (root / "data_dir" / f"{split}.csv").write_text(
+            "question,label\n" + "".join(f"{a} {b}?,{c}\n" for a, b, c in rows)
+        )
     sums = [{"prompt": f"What is {a} plus {b}?", "completion": f"It is {a + b}."} for a in range(6) for b in range(4)]
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sums))
-    (root / "test.jsonl").write_text("".join(json.dumps({**r, "question": r["prompt"], "answer": r["completion"]}) + "\n"
-                                             for r in sums))  # read by runs of either field naming
+    (root / "test.jsonl").write_text(
+        "".join(json.dumps({**r, "question": r["prompt"], "answer": r["completion"]}) + "\n" for r in sums)
+    )  # read by runs of either field naming
     (root / "qa.csv").write_text("question,answer\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in sums))
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": [  # short: ChatML's markers are many tokens here
-        {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}) + "\n" for r in sums))
+    (root / "chats.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [  # short: ChatML's markers are many tokens here
+                        {"role": "user", "content": r["prompt"]},
+                        {"role": "assistant", "content": r["completion"]},
+                    ]
+                }
+            )
+            + "\n"
+            for r in sums
+        )
+    )
     pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": "I do not know."} for r in sums]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
-    (root / "hh.jsonl").write_text("".join(json.dumps({"chosen": f"\n\nHuman: {r['prompt']}\n\nAssistant: {r['chosen']}",
-                                                       "rejected": f"\n\nHuman: {r['prompt']}\n\nAssistant: No."})
-                                           + "\n" for r in pairs))
+    (root / "hh.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "chosen": f"\n\nHuman: {r['prompt']}\n\nAssistant: {r['chosen']}",
+                    "rejected": f"\n\nHuman: {r['prompt']}\n\nAssistant: No.",
+                }
+            )
+            + "\n"
+            for r in pairs
+        )
+    )
     (root / "gsm8k").mkdir()
     for split in ("train", "test"):
-        (root / "gsm8k" / f"{split}.jsonl").write_text("".join(
-            json.dumps({"question": r["prompt"], "answer": f"{r['completion']}\n#### {r['completion'][6:-1]}"}) + "\n"
-            for r in sums))
+        (root / "gsm8k" / f"{split}.jsonl").write_text(
+            "".join(
+                json.dumps({"question": r["prompt"], "answer": f"{r['completion']}\n#### {r['completion'][6:-1]}"})
+                + "\n"
+                for r in sums
+            )
+        )
     (root / "other.txt").write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:20_000])
     (root / "my_texts").mkdir()
     (root / "my_texts" / "a.txt").write_text((shared_data / "text" / "war_and_peace.txt").read_text()[:60_000])
-    (root / "my_texts" / "b.txt").write_text((shared_data / "text" / "sherlock_holmes_complete.txt").read_text()[:60_000])
+    (root / "my_texts" / "b.txt").write_text(
+        (shared_data / "text" / "sherlock_holmes_complete.txt").read_text()[:60_000]
+    )
     tiny_npz(root / "images.npz")
     shutil.copy(root / "images.npz", root / "cifar10_subset.npz")
     from PIL import Image
@@ -101,9 +171,16 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
             Image.new("RGB", (20, 20), pixel).save(root / "my_images" / c / f"{i}.png")
     import transformers
 
-    transformers.BertModel(transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=4,
-                                                   num_attention_heads=2, intermediate_size=64,
-                                                   max_position_embeddings=512)).save_pretrained(root / "hf-bert")
+    transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=30522,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=512,
+        )
+    ).save_pretrained(root / "hf-bert")
     shutil.copy(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt", root / "hf-bert" / "vocab.txt")
     return root
 
@@ -120,8 +197,16 @@ def prepare(command: str, runs: dict[str, Path], n: int) -> list[str] | None:
     argv = [a[1:-1] if a.startswith('"') else a for a in argv]
     argv = [f"out-{n}/" if a == "out/" else a for a in argv]
     if argv[0] == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *argv[1:argv.index("-m")], "-m", "tfcli",
-                *argv[argv.index("-m") + 2:], *TINY_PRETRAIN]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *argv[1 : argv.index("-m")],
+            "-m",
+            "tfcli",
+            *argv[argv.index("-m") + 2 :],
+            *TINY_PRETRAIN,
+        ]
     verb, extra = argv[1], []
     if verb == "pretrain":
         extra = ["--steps", "4", "--quiet"] if "--resume" in argv else TINY_PRETRAIN
@@ -144,8 +229,9 @@ def run_command(argv: list[str], cwd: Path, env: dict) -> tuple[int, str]:
                 mp.setenv(key, value)
             result = invoke(*argv[3:])
         return result.exit_code, result.output + (repr(result.exception) if result.exception else "")
-    result = subprocess.run(argv, cwd=cwd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        argv, cwd=cwd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
     return result.returncode, result.stdout[-2000:] + "\n" + result.stderr[-2000:]
 
 

@@ -1,4 +1,5 @@
 """Recipes: every shipped one validates; mistakes are named by their dotted path."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,9 @@ def test_every_shipped_recipe_validates_and_pins_every_field(name):
 
 
 def test_the_plugin_key_is_validated_with_the_known_keys(tmp_path):
-    with pytest.raises(RecipeError, match=r"^objective: unknown objective 'lm' \(known: clm, electra, igpt, mae, mlm, span\)"):
+    with pytest.raises(
+        RecipeError, match=r"^objective: unknown objective 'lm' \(known: clm, electra, igpt, mae, mlm, span\)"
+    ):
         recipes.from_dict(tiny_gpt_recipe(tmp_path, objective="lm"))
     with pytest.raises(RecipeError, match="exactly one of `objective`"):
         recipes.from_dict({**tiny_gpt_recipe(tmp_path), "task": "classify"})
@@ -69,15 +72,18 @@ def test_unknown_model_key_names_the_family_section(tmp_path):
         recipes.from_dict(raw)
 
 
-@pytest.mark.parametrize("section,key,value,expect", [
-    ("train", "steps", "many", r"^train\.steps: expected an integer"),
-    ("train", "steps", True, r"^train\.steps: expected an integer"),
-    ("optim", "lr", "fast", r"^optim\.lr: expected a number"),
-    ("optim", "betas", [0.9], r"^optim\.betas: expected a list of 2"),
-    ("schedule", "decay", "exp", r"^schedule\.decay: 'exp' is not one of"),
-    ("train", "precision", "fp8", r"^train\.precision: 'fp8' is not one of"),
-    ("model", "family", "rnn", r"^model\.family: unknown family 'rnn'"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,expect",
+    [
+        ("train", "steps", "many", r"^train\.steps: expected an integer"),
+        ("train", "steps", True, r"^train\.steps: expected an integer"),
+        ("optim", "lr", "fast", r"^optim\.lr: expected a number"),
+        ("optim", "betas", [0.9], r"^optim\.betas: expected a list of 2"),
+        ("schedule", "decay", "exp", r"^schedule\.decay: 'exp' is not one of"),
+        ("train", "precision", "fp8", r"^train\.precision: 'fp8' is not one of"),
+        ("model", "family", "rnn", r"^model\.family: unknown family 'rnn'"),
+    ],
+)
 def test_wrong_types_are_rejected_with_the_key(tmp_path, section, key, value, expect):
     raw = tiny_gpt_recipe(tmp_path, **{section: {key: value}})
     with pytest.raises(RecipeError, match=expect):
@@ -91,9 +97,16 @@ def test_yaml_exponent_strings_are_numbers(tmp_path):
 
 def test_overrides_apply_and_are_validated(tmp_path):
     raw = tiny_gpt_recipe(tmp_path)
-    rec = recipes.from_dict(raw, dict([recipes.parse_override("optim.lr=3e-4"),
-                                       recipes.parse_override("train.steps=7"),
-                                       recipes.parse_override("optim.betas=[0.8, 0.9]")]))
+    rec = recipes.from_dict(
+        raw,
+        dict(
+            [
+                recipes.parse_override("optim.lr=3e-4"),
+                recipes.parse_override("train.steps=7"),
+                recipes.parse_override("optim.betas=[0.8, 0.9]"),
+            ]
+        ),
+    )
     assert (rec.optim.lr, rec.train.steps, rec.optim.betas) == (3e-4, 7, (0.8, 0.9))
     with pytest.raises(RecipeError, match=r"^train\.stepz: unknown key"):
         recipes.from_dict(raw, {"train.stepz": 3})

@@ -3,6 +3,7 @@ image-classify, sft, gsm8k, dpo) x every strategy it takes x one family per mode
 pretraining objective, is run for 3 steps with a checkpoint at step 2, cut back to that checkpoint and
 resumed; the resumed run logs the uninterrupted run's losses exactly. Resuming must not depend on
 which parameters happened to get gradients (a BERT pooler that mean pooling never reads)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ from .test_gguf import chat_gguf_file
 
 pytestmark = pytest.mark.slow
 
-EVERY_STEP = ["--set", "train.log_interval=1", "--set", "train.ckpt_interval=2", "--set", "train.eval_interval=2",
-              "--set", "train.keep_checkpoints=5"]
+EVERY_STEP = [
+    "--set",
+    "train.log_interval=1",
+    "--set",
+    "train.ckpt_interval=2",
+    "--set",
+    "train.eval_interval=2",
+    "--set",
+    "train.keep_checkpoints=5",
+]
 STRATEGIES = ["all", "head", "lora", "ia3", "bitfit"]
 
 
@@ -48,6 +57,7 @@ def assert_resumes_exactly(command: str, args: list, tmp_path):
 
 # --- the models, one per kind ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):  # a decoder (llama, ChatML), long enough for GSM8K's solutions
     return chat_gguf_file(tmp_path_factory, max_seq_len=512)
@@ -55,8 +65,12 @@ def chat_model(tmp_path_factory):  # a decoder (llama, ChatML), long enough for 
 
 @pytest.fixture(scope="module")
 def t5_model(tmp_path_factory, small_text):  # an encoder-decoder
-    return pretrained_run(tmp_path_factory.mktemp("t5"), small_text, "span",
-                          {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 96})
+    return pretrained_run(
+        tmp_path_factory.mktemp("t5"),
+        small_text,
+        "span",
+        {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 96},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,72 +79,210 @@ def vit_model(tmp_path_factory):  # a vision encoder (an MAE run), and its image
 
     root = tmp_path_factory.mktemp("vit")
     npz = tiny_npz(root / "tiny.npz")
-    result = invoke("pretrain", "--objective", "mae", "--out", root / "mae", "--quiet",
-                    *set_args(mae_overrides(npz, **{"train.steps": 1})))
+    result = invoke(
+        "pretrain",
+        "--objective",
+        "mae",
+        "--out",
+        root / "mae",
+        "--quiet",
+        *set_args(mae_overrides(npz, **{"train.steps": 1})),
+    )
     assert result.exit_code == 0, result.output
     return root / "mae", npz
 
 
 # --- tasks ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_mnli_on_a_text_encoder(strategy, pooling, hf_bert, mnli_dir, tmp_path):
-    assert_resumes_exactly("finetune", ["mnli", "--from", hf_bert, "--data", mnli_dir, "--train", strategy,
-                                        "--pooling", pooling, "--batch-size", 4, "--set", "finetune.eval_limit=4"],
-                           tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "mnli",
+            "--from",
+            hf_bert,
+            "--data",
+            mnli_dir,
+            "--train",
+            strategy,
+            "--pooling",
+            pooling,
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.eval_limit=4",
+        ],
+        tmp_path,
+    )
 
 
 def test_parameters_that_never_get_a_gradient_do_not_stop_a_resume(hf_bert, mnli_dir, tmp_path):
     """Features from the first block: the second block trains (--train all) but never gets a gradient,
     so AdamW makes no state for it; the resumed run must not expect any."""
-    assert_resumes_exactly("finetune", ["mnli", "--from", hf_bert, "--data", mnli_dir, "--train", "all",
-                                        "--pooling", "mean", "--batch-size", 4, "--set", "finetune.layer=1",
-                                        "--set", "finetune.eval_limit=4"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "mnli",
+            "--from",
+            hf_bert,
+            "--data",
+            mnli_dir,
+            "--train",
+            "all",
+            "--pooling",
+            "mean",
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.layer=1",
+            "--set",
+            "finetune.eval_limit=4",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_mnli_on_a_decoder(strategy, chat_model, mnli_dir, tmp_path):
-    assert_resumes_exactly("finetune", ["mnli", "--from", chat_model, "--data", mnli_dir, "--train", strategy,
-                                        "--batch-size", 4, "--set", "finetune.eval_limit=4"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "mnli",
+            "--from",
+            chat_model,
+            "--data",
+            mnli_dir,
+            "--train",
+            strategy,
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.eval_limit=4",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["all", "lora", "ia3", "bitfit"])
 def test_mnli_text_to_text_on_an_encoder_decoder(strategy, t5_model, mnli_dir, tmp_path):
-    assert_resumes_exactly("finetune", ["mnli", "--from", t5_model, "--data", mnli_dir, "--train", strategy,
-                                        "--batch-size", 4, "--set", "finetune.eval_limit=4"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "mnli",
+            "--from",
+            t5_model,
+            "--data",
+            mnli_dir,
+            "--train",
+            strategy,
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.eval_limit=4",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["all", "lora"])
 def test_classify_on_a_decoder(strategy, chat_model, tmp_path):
-    rows = [{"text": f"the number {i} is {'even' if i % 2 == 0 else 'odd'}", "label": ["even", "odd"][i % 2]}
-            for i in range(40)]
+    rows = [
+        {"text": f"the number {i} is {'even' if i % 2 == 0 else 'odd'}", "label": ["even", "odd"][i % 2]}
+        for i in range(40)
+    ]
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
-    assert_resumes_exactly("finetune", ["classify", "--from", chat_model, "--data", data, "--train", strategy, "--text-fields", "text",
-                                        "--batch-size", 4, "--set", "finetune.eval_limit=4"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "classify",
+            "--from",
+            chat_model,
+            "--data",
+            data,
+            "--train",
+            strategy,
+            "--text-fields",
+            "text",
+            "--batch-size",
+            4,
+            "--set",
+            "finetune.eval_limit=4",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_image_classify_on_a_vision_encoder(strategy, vit_model, tmp_path):
     run, npz = vit_model
-    assert_resumes_exactly("finetune", ["image-classify", "--from", run, "--data", npz, "--train", strategy,
-                                        "--batch-size", 8, "--set", "finetune.eval_limit=8"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "image-classify",
+            "--from",
+            run,
+            "--data",
+            npz,
+            "--train",
+            strategy,
+            "--batch-size",
+            8,
+            "--set",
+            "finetune.eval_limit=8",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["all", "lora", "ia3", "bitfit"])
 def test_sft_on_a_decoder(strategy, chat_model, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    assert_resumes_exactly("finetune", ["sft", "--from", chat_model, "--data", data, "--train", strategy,
-                                        "--batch-size", 4, "--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4"],
-                           tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "sft",
+            "--from",
+            chat_model,
+            "--data",
+            data,
+            "--train",
+            strategy,
+            "--batch-size",
+            4,
+            "--set",
+            "sft.generate_limit=2",
+            "--set",
+            "sft.max_new_tokens=4",
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["all", "lora"])
 def test_sft_on_an_encoder_decoder(strategy, t5_model, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    assert_resumes_exactly("finetune", ["sft", "--from", t5_model, "--data", data, "--train", strategy,
-                                        "--batch-size", 4, "--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4"],
-                           tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "sft",
+            "--from",
+            t5_model,
+            "--data",
+            data,
+            "--train",
+            strategy,
+            "--batch-size",
+            4,
+            "--set",
+            "sft.generate_limit=2",
+            "--set",
+            "sft.max_new_tokens=4",
+        ],
+        tmp_path,
+    )
 
 
 def test_gsm8k_on_a_decoder(chat_model, shared_data, tmp_path):
@@ -139,38 +291,106 @@ def test_gsm8k_on_a_decoder(chat_model, shared_data, tmp_path):
     for split in ("train", "test"):
         lines = (shared_data / "sft" / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:12]
         (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    assert_resumes_exactly("finetune", ["gsm8k", "--from", chat_model, "--data", data, "--train", "lora",
-                                        "--batch-size", 2, "--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4"],
-                           tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "gsm8k",
+            "--from",
+            chat_model,
+            "--data",
+            data,
+            "--train",
+            "lora",
+            "--batch-size",
+            2,
+            "--set",
+            "sft.generate_limit=2",
+            "--set",
+            "sft.max_new_tokens=4",
+        ],
+        tmp_path,
+    )
 
 
-@pytest.mark.parametrize("strategy,reference", [("lora", "base"), ("ia3", "base"), ("all", "copy"),
-                                                ("lora", "precompute")])
+@pytest.mark.parametrize(
+    "strategy,reference", [("lora", "base"), ("ia3", "base"), ("all", "copy"), ("lora", "precompute")]
+)
 def test_dpo_on_a_decoder(strategy, reference, chat_model, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
-    assert_resumes_exactly("finetune", ["dpo", "--from", chat_model, "--data", data, "--train", strategy,
-                                        "--batch-size", 4, "--lr", 1e-2, "--set", f"dpo.reference={reference}",
-                                        "--set", "data.val_fraction=0.25"], tmp_path)
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "dpo",
+            "--from",
+            chat_model,
+            "--data",
+            data,
+            "--train",
+            strategy,
+            "--batch-size",
+            4,
+            "--lr",
+            1e-2,
+            "--set",
+            f"dpo.reference={reference}",
+            "--set",
+            "data.val_fraction=0.25",
+        ],
+        tmp_path,
+    )
 
 
 # --- pretraining objectives -----------------------------------------------------------------------
 
 TEXT_MODELS = {
-    "clm": {"model.family": "gpt", "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.d_ff": 64,
-            "model.max_seq_len": 32, "data.seq_len": 32},
-    "mlm": {"model.family": "bert", "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.d_ff": 64,
-            "model.max_seq_len": 64, "data.seq_len": 64},
-    "span": {"model.family": "t5", "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.d_ff": 64,
-             "model.max_seq_len": 64, "data.seq_len": 64},
-    "electra": {"model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.d_ff": 64,
-                "model.max_seq_len": 64, "data.seq_len": 64},
+    "clm": {
+        "model.family": "gpt",
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.max_seq_len": 32,
+        "data.seq_len": 32,
+    },
+    "mlm": {
+        "model.family": "bert",
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.max_seq_len": 64,
+        "data.seq_len": 64,
+    },
+    "span": {
+        "model.family": "t5",
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.max_seq_len": 64,
+        "data.seq_len": 64,
+    },
+    "electra": {
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.max_seq_len": 64,
+        "data.seq_len": 64,
+    },
 }
 
 
 @pytest.mark.parametrize("objective", sorted(TEXT_MODELS))
 def test_pretraining_a_text_model(objective, small_text, tmp_path):
-    settings = {**TEXT_MODELS[objective], "tokenizer.vocab_size": 400, "tokenizer.train_chars": 30_000,
-                "train.batch_size": 4, "train.eval_batches": 1, "data.val_fraction": 0.1}
+    settings = {
+        **TEXT_MODELS[objective],
+        "tokenizer.vocab_size": 400,
+        "tokenizer.train_chars": 30_000,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "data.val_fraction": 0.1,
+    }
     text = tmp_path / "text.txt"
     text.write_text(small_text.read_text()[:30_000])
     assert_resumes_exactly("pretrain", ["--objective", objective, "--data", text, *set_args(settings)], tmp_path)
@@ -180,13 +400,25 @@ def test_pretraining_mae(tmp_path):
     from .conftest import mae_overrides
 
     npz = tiny_npz(tmp_path / "tiny.npz")
-    overrides = {k: v for k, v in mae_overrides(npz).items()
-                 if k not in ("train.steps", "train.log_interval", "train.eval_interval", "train.ckpt_interval")}
+    overrides = {
+        k: v
+        for k, v in mae_overrides(npz).items()
+        if k not in ("train.steps", "train.log_interval", "train.eval_interval", "train.ckpt_interval")
+    }
     assert_resumes_exactly("pretrain", ["--objective", "mae", *set_args(overrides)], tmp_path)
 
 
 def test_pretraining_igpt(tmp_path):
     npz = tiny_npz(tmp_path / "tiny.npz")
-    settings = {"model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.d_ff": 64, "igpt.image_size": 8,
-                "igpt.palette": 16, "igpt.kmeans_pixels": 4000, "train.batch_size": 4, "train.eval_batches": 1}
+    settings = {
+        "model.n_layer": 1,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "igpt.image_size": 8,
+        "igpt.palette": 16,
+        "igpt.kmeans_pixels": 4000,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+    }
     assert_resumes_exactly("pretrain", ["--objective", "igpt", "--data", npz, *set_args(settings)], tmp_path)

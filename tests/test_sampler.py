@@ -1,5 +1,6 @@
 """The one sampler: epochs, exact resume, the global batch sliced per rank, per-example randomness
 that does not depend on the number of processes, length grouping, fixed held-out batches."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,8 @@ import torch
 from tfcli.data.image_batches import ImageSource, ImageTransform
 from tfcli.data.images import ImageSet
 from tfcli.data.packing import BlockSource, WindowSource
-from tfcli.objectives.mlm_nsp import Masker, PairSource
 from tfcli.data.sampler import PaddingBatch, Sampler, grouped_order, sequential_batches
+from tfcli.objectives.mlm_nsp import Masker, PairSource
 
 IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
@@ -33,8 +34,12 @@ def images() -> ImageSource:
     return ImageSource(data, ImageTransform(8, (0.5,) * 3, (0.2,) * 3, train=True), noise_patches=4)
 
 
-SOURCES = {"blocks": lambda: BlockSource(np.arange(5_000), 16, seed=1), "windows": lambda: WindowSource(np.arange(5_000), 16),
-           "mlm": pair_source, "images": images}
+SOURCES = {
+    "blocks": lambda: BlockSource(np.arange(5_000), 16, seed=1),
+    "windows": lambda: WindowSource(np.arange(5_000), 16),
+    "mlm": pair_source,
+    "images": images,
+}
 
 
 def test_blocks_are_contiguous_with_shifted_targets_and_cover_an_epoch_once():
@@ -97,7 +102,7 @@ def test_grouped_order_makes_batches_of_similar_length():
     lengths = rng.integers(5, 200, size=1003)
     order = grouped_order(lengths, np.random.default_rng(1), batch=8, group=10)
     assert sorted(order.tolist()) == list(range(1003))
-    batches = order[: 1000].reshape(-1, 8)
+    batches = order[:1000].reshape(-1, 8)
     spread = np.mean([lengths[b].max() - lengths[b].min() for b in batches])
     random_spread = np.mean([np.ptp(lengths[rng.permutation(1003)[:8]]) for _ in range(200)])
     assert spread < random_spread / 3  # ~8/80 of the range within a mega-batch of 80, against all of it

@@ -1,11 +1,12 @@
 """Encoder-decoder generation and scoring: the cache changes nothing, scores match the full pass."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tfcli.models.t5 import T5, T5Config
 from tfcli.generate import generate_seq2seq
+from tfcli.models.t5 import T5, T5Config
 from tfcli.tasks.text_to_text import target_log_probs
 
 V = 97
@@ -45,8 +46,8 @@ def test_target_log_probs_match_the_full_pass_and_ignore_padding():
     with torch.no_grad():
         scores = target_log_probs(model, model.encode(ids), None, targets, start_id=0)
         for row, n in ((0, 4), (1, 2)):
-            t = targets[row: row + 1, :n]
+            t = targets[row : row + 1, :n]
             dec = torch.cat([torch.zeros(1, 1, dtype=torch.long), t[:, :-1]], dim=1)
-            logp = model.logits(model(ids[row: row + 1], None, dec)).log_softmax(-1)
+            logp = model.logits(model(ids[row : row + 1], None, dec)).log_softmax(-1)
             expected = logp[0, torch.arange(n), t[0]].sum()
             assert torch.allclose(scores[row], expected, atol=1e-5)

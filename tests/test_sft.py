@@ -3,6 +3,7 @@ its end token on every shipped template (against transformers' own renderings), 
 example its own loss, grad_accum=4 gives the gradient of one batch four times the size, the whole path
 finetune sft -> eval sft -> export --hf -> chat runs, resume is bit for bit, T5 and GPT work, and bad
 input is one line with nothing created."""
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ def chat_model(tmp_path_factory):
 
 # --- which tokens are trained ---------------------------------------------------------------------
 
+
 def expected_trained(tok, template: ChatTemplate, conversation: list[dict], train_on: str, end: str) -> list[int]:
     """From transformers' rendering and its tokenizer's offsets: a token is trained when it overlaps an
     assistant reply's text or the end-of-turn token written right after it (found by searching the
@@ -56,7 +58,7 @@ def expected_trained(tok, template: ChatTemplate, conversation: list[dict], trai
         if m["role"] == "assistant":
             start = text.index(m["content"], at)
             stop = text.index(end, start + len(m["content"])) + len(end)
-            assert text[start + len(m["content"]): stop - len(end)].strip() == ""  # only whitespace in between
+            assert text[start + len(m["content"]) : stop - len(end)].strip() == ""  # only whitespace in between
             spans.append((start, stop))
             at = stop
     spans = spans[-1:] if train_on == "last" else spans
@@ -65,8 +67,19 @@ def expected_trained(tok, template: ChatTemplate, conversation: list[dict], trai
     return flags
 
 
-@pytest.mark.parametrize("name", shipped_templates())
-@pytest.mark.parametrize("train_on", ["assistant", "last", "all"])
+FAST_TEMPLATES = ("chatml",)  # the fast tier: every template with assistant, these with each mode
+
+
+@pytest.mark.parametrize(
+    "name, train_on",
+    [
+        pytest.param(
+            name, train_on, marks=() if train_on == "assistant" or name in FAST_TEMPLATES else pytest.mark.slow
+        )
+        for train_on in ("assistant", "last", "all")
+        for name in shipped_templates()
+    ],
+)
 def test_trained_tokens_are_each_reply_and_its_end_token(name, train_on, tokenizer):  # noqa: F811
     template = ChatTemplate.load(name)
     tokenizer.specials = tokenizer.specials.__class__(bos="<s>", eos="</s>")
@@ -81,8 +94,9 @@ def test_trained_tokens_are_each_reply_and_its_end_token(name, train_on, tokeniz
         example = build.example({"messages": conversation})
         assert example.ids.tolist() == theirs
         end = tokenizer.token_id(END_OF_TURN.get(name, "</s>"))
-        assert example.trained.tolist() == expected_trained(tokenizer, template, conversation, train_on,
-                                                            END_OF_TURN.get(name, "</s>"))
+        assert example.trained.tolist() == expected_trained(
+            tokenizer, template, conversation, train_on, END_OF_TURN.get(name, "</s>")
+        )
         replies = sum(m["role"] == "assistant" for m in conversation)
         if train_on != "all":  # each trained reply's end token, once
             assert example.ids[example.trained > 0].tolist().count(end) == (1 if train_on == "last" else replies)
@@ -100,19 +114,33 @@ def test_a_base_models_example_is_prompt_newline_reply_end_of_text(tokenizer):  
 
 def test_rows_that_cannot_be_examples_are_counted_by_reason(tokenizer):  # noqa: F811
     build = DecoderExamples(tokenizer, ChatTemplate.load("chatml"), "assistant", 40, Fields(system=""))
-    out = build.build_all([
-        {"prompt": "hi", "completion": "hello"}, {"prompt": "hi"}, {"prompt": "hi", "completion": "  "},
-        {"messages": [{"role": "assistant", "content": "first"}]},
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
-        {"messages": [{"role": "user", "content": "q"}]}, {"prompt": "word " * 100, "completion": "x"},
-        {"prompt": "hi", "completion": "word " * 100}, "not a row"])
+    out = build.build_all(
+        [
+            {"prompt": "hi", "completion": "hello"},
+            {"prompt": "hi"},
+            {"prompt": "hi", "completion": "  "},
+            {"messages": [{"role": "assistant", "content": "first"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+            {"messages": [{"role": "user", "content": "q"}]},
+            {"prompt": "word " * 100, "completion": "x"},
+            {"prompt": "hi", "completion": "word " * 100},
+            "not a row",
+        ]
+    )
     assert len(out.examples) == 1
-    assert out.skipped == {"empty 'completion'": 2, "roles out of order": 1, "empty reply": 1,
-                           "no assistant reply at the end": 1, "prompt alone longer than data.seq_len": 1,
-                           "longer than data.seq_len": 1, "not a row of fields": 1}
+    assert out.skipped == {
+        "empty 'completion'": 2,
+        "roles out of order": 1,
+        "empty reply": 1,
+        "no assistant reply at the end": 1,
+        "prompt alone longer than data.seq_len": 1,
+        "longer than data.seq_len": 1,
+        "not a row of fields": 1,
+    }
 
 
 # --- packing and gradient accumulation --------------------------------------------------------------
+
 
 def tiny_examples(n: int = 12, template: bool = False):
     backbone = tiny_backbone()
@@ -153,17 +181,31 @@ def test_packing_is_best_fit_and_keeps_examples_whole():
 
 
 def sft_trainer(tmp_path, model, **train):
-    from tfcli.plugin import Job
     from tfcli.engine.runtime import setup_runtime
     from tfcli.engine.trainer import ObjectiveModule, Trainer
+    from tfcli.plugin import Job
 
-    recipe = recipes.load("sft-llama-mini", {"train.steps": 1, "train.device": "cpu", "train.prefetch": 0,
-                                             **{f"train.{k}": v for k, v in train.items()}})
-    job = Job(heads=torch.nn.ModuleDict(), loss=decoder_loss, train=None, val=None, flops_per_item=1.0,
-              count_items=lambda b: 1, loss_weight=decoder_targets)
+    recipe = recipes.load(
+        "sft-llama-mini",
+        {"train.steps": 1, "train.device": "cpu", "train.prefetch": 0, **{f"train.{k}": v for k, v in train.items()}},
+    )
+    job = Job(
+        heads=torch.nn.ModuleDict(),
+        loss=decoder_loss,
+        train=None,
+        val=None,
+        flops_per_item=1.0,
+        count_items=lambda b: 1,
+        loss_weight=decoder_targets,
+    )
     rt = setup_runtime("cpu", 1)
     trainer = Trainer.__new__(Trainer)  # just what _backward reads: no sampler, no run directory
-    trainer.module, trainer.job, trainer.rt, trainer.tc = ObjectiveModule(model, job.heads, job.loss), job, rt, recipe.train
+    trainer.module, trainer.job, trainer.rt, trainer.tc = (
+        ObjectiveModule(model, job.heads, job.loss),
+        job,
+        rt,
+        recipe.train,
+    )
     trainer.wrapped = trainer.forward = trainer.module
     return trainer
 
@@ -178,7 +220,7 @@ def test_four_accumulated_micro_batches_give_the_gradient_of_one_batch_four_time
     backbone, examples = tiny_examples(16)
     pad = type(backbone.model).pad_id(backbone.tokenizer)
     examples = sorted(examples, key=lambda e: e.targets)  # micro-batches with very different numbers of targets
-    micro = [decoder_rows([[e] for e in examples[i: i + 4]], pad) for i in range(0, 16, 4)]
+    micro = [decoder_rows([[e] for e in examples[i : i + 4]], pad) for i in range(0, 16, 4)]
     big = decoder_rows([[e] for e in examples], pad)
     trainer = sft_trainer(tmp_path, backbone.model.train())
     accumulated, whole = gradients(trainer, micro), gradients(trainer, [big])
@@ -191,11 +233,33 @@ def test_four_accumulated_micro_batches_give_the_gradient_of_one_batch_four_time
 
 # --- the tool ---------------------------------------------------------------------------------------
 
+
 def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(20) + [{"prompt": "no reply"}])
-    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 12, "--batch-size", 4,
-                    "--lr", 3e-3, "--out", tmp_path / "run", "--set", "data.val_fraction=0.2",
-                    "--set", "train.log_interval=1", "--set", "train.eval_interval=6", "--set", "sft.max_new_tokens=6")
+    result = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--steps",
+        12,
+        "--batch-size",
+        4,
+        "--lr",
+        3e-3,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "data.val_fraction=0.2",
+        "--set",
+        "train.log_interval=1",
+        "--set",
+        "train.eval_interval=6",
+        "--set",
+        "sft.max_new_tokens=6",
+    )
     assert result.exit_code == 0, result.output
     assert "1 empty 'completion'" in result.output and "tokens trained" in result.output
     losses = train_losses(tmp_path / "run")
@@ -210,7 +274,9 @@ def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
     exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "hf")
     assert exported.exit_code == 0, exported.output
     assert "<|im_start|>" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
-    chat = invoke("chat", "--checkpoint", tmp_path / "hf", "--greedy", "--max-new-tokens", 4, input="What is 2 plus 3?\n/exit\n")
+    chat = invoke(
+        "chat", "--checkpoint", tmp_path / "hf", "--greedy", "--max-new-tokens", 4, input="What is 2 plus 3?\n/exit\n"
+    )
     assert chat.exit_code == 0, chat.output
 
 
@@ -219,7 +285,9 @@ def test_an_sft_run_resumes_bit_for_bit_packed(tmp_path, chat_model):
     raw = recipes.load_raw("sft-llama-mini")
     raw.update(data={**raw["data"], "source": data, "seq_len": 64})
     raw["sft"].update(pack=True, generate_limit=0)
-    raw["train"].update(steps=6, batch_size=2, ckpt_interval=3, eval_interval=3, log_interval=1, device="cpu", eval_batches=1)
+    raw["train"].update(
+        steps=6, batch_size=2, ckpt_interval=3, eval_interval=3, log_interval=1, device="cpu", eval_batches=1
+    )
     raw["finetune"].update(epochs=0.0)
     first = train(RunRequest(recipes.from_dict(raw), source=str(chat_model), out=tmp_path / "a", quiet=True))[0]
     shutil.copytree(first, tmp_path / "b")
@@ -228,30 +296,56 @@ def test_an_sft_run_resumes_bit_for_bit_packed(tmp_path, chat_model):
     (crashed / "checkpoints" / "latest").write_text("step-0000003")
     train(RunRequest(recipes.load_resolved(crashed / "config.yaml"), resume=crashed, quiet=True))
     assert train_losses(crashed) == train_losses(first)
-    assert [m for m in read_metrics(first) if m["split"] == "val"][-1]["loss"] == \
-        [m for m in read_metrics(crashed) if m["split"] == "val"][-1]["loss"]
+    assert [m for m in read_metrics(first) if m["split"] == "val"][-1]["loss"] == [
+        m for m in read_metrics(crashed) if m["split"] == "val"
+    ][-1]["loss"]
 
 
 def test_gsm8k_preset_scores_the_final_number(tmp_path, chat_model, shared_data):
     for split, n in (("train", 16), ("test", 3)):
         lines = (shared_data / "sft" / "gsm8k" / f"{split}.jsonl").read_text().splitlines()[:n]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    result = invoke("finetune", "gsm8k", "--from", chat_model, "--data", tmp_path, "--steps", 1, "--batch-size", 2,
-                    "--out", tmp_path / "run", "--quiet", "--set", "sft.max_new_tokens=4")
+    result = invoke(
+        "finetune",
+        "gsm8k",
+        "--from",
+        chat_model,
+        "--data",
+        tmp_path,
+        "--steps",
+        1,
+        "--batch-size",
+        2,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "sft.max_new_tokens=4",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert report["test"]["metric"] == "final-number" and report["test"]["generated"] == 3
 
 
-@pytest.mark.parametrize("text,number", [("so 3 + 4 = 7.\n#### 7", "7"), ("It costs $1,200.50 in all", "1200.5"),
-                                         ("#### -3", "-3"), ("no number", None), ("12 then 18", "18")])
+@pytest.mark.parametrize(
+    "text,number",
+    [
+        ("so 3 + 4 = 7.\n#### 7", "7"),
+        ("It costs $1,200.50 in all", "1200.5"),
+        ("#### -3", "-3"),
+        ("no number", None),
+        ("12 then 18", "18"),
+    ],
+)
 def test_final_number(text, number):
     assert answers.final_number(text) == number
 
 
 def test_scores_of_generated_replies():
-    assert answers.scores(["The answer is 18.", "#### 5", "7"], ["x\n#### 18", "#### 5", "#### 8"], "final-number") == \
-        {"exact_match": 2 / 3, "strict_exact_match": 1 / 3}
+    assert answers.scores(["The answer is 18.", "#### 5", "7"], ["x\n#### 18", "#### 5", "#### 8"], "final-number") == {
+        "exact_match": 2 / 3,
+        "strict_exact_match": 1 / 3,
+    }
     assert answers.scores(["Paris.", "paris"], ["paris", "Paris"], "exact") == {"exact_match": 0.5}
     assert answers.scores(["It is Paris, of course"], ["paris"], "contains") == {"contains_match": 1.0}
 
@@ -260,17 +354,45 @@ def test_gpt_and_t5_finetune_on_prompt_reply_rows(tmp_path, small_text):
     from .conftest import pretrained_run
 
     data = write_jsonl(tmp_path / "rows.jsonl", rows(16))
-    for objective, model in (("clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}),
-                             ("span", {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64,
-                                       "max_seq_len": 64})):
+    for objective, model in (
+        ("clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 64}),
+        ("span", {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64}),
+    ):
         (tmp_path / objective).mkdir()
         base = pretrained_run(tmp_path / objective, small_text, objective, model)
-        result = invoke("finetune", "sft", "--from", base, "--data", data, "--steps", 3, "--batch-size", 4,
-                        "--out", tmp_path / objective / "sft", "--set", "sft.max_new_tokens=3", "--set", "data.seq_len=64")
+        result = invoke(
+            "finetune",
+            "sft",
+            "--from",
+            base,
+            "--data",
+            data,
+            "--steps",
+            3,
+            "--batch-size",
+            4,
+            "--out",
+            tmp_path / objective / "sft",
+            "--set",
+            "sft.max_new_tokens=3",
+            "--set",
+            "data.seq_len=64",
+        )
         assert result.exit_code == 0, result.output
         assert json.loads((tmp_path / objective / "sft" / "eval.json").read_text())["dev"]["generated"] >= 1
-    refused = invoke("finetune", "sft", "--from", tmp_path / "span" / "run", "--data", data, "--pack", "--steps", 1,
-                     "--out", tmp_path / "t5-packed")
+    refused = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        tmp_path / "span" / "run",
+        "--data",
+        data,
+        "--pack",
+        "--steps",
+        1,
+        "--out",
+        tmp_path / "t5-packed",
+    )
     assert refused.exit_code == 2 and "are for decoders" in refused.output and not (tmp_path / "t5-packed").exists()
 
 
@@ -280,7 +402,10 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
     cases = [
         (["sft", "--from", chat_model, "--data", empty], "sft train: no usable example (4 empty 'completion')"),
         (["sft", "--from", chat_model, "--data", good, "--train", "head"], "no classifier head"),
-        (["sft", "--from", chat_model, "--data", good, "--chat-template", "nonesuch"], "no such file or shipped template"),
+        (
+            ["sft", "--from", chat_model, "--data", good, "--chat-template", "nonesuch"],
+            "no such file or shipped template",
+        ),
         (["sft", "--from", chat_model, "--data", good, "--train-on", "replies"], "sft.train_on"),
         (["sft", "--from", chat_model, "--data", good, "--set", "sft.preset=squad"], "sft.preset"),
         (["mnli", "--from", chat_model, "--data", good, "--prompt-field", "q"], "is an option of finetune sft"),
@@ -296,8 +421,25 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
     data = write_jsonl(tmp_path / "rows.jsonl", rows(12))
     for strategy in ("lora", "ia3", "bitfit"):
         out = tmp_path / strategy
-        result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--train", strategy, "--steps", 2,
-                        "--batch-size", 4, "--out", out, "--quiet", "--set", "sft.generate_limit=0")
+        result = invoke(
+            "finetune",
+            "sft",
+            "--from",
+            chat_model,
+            "--data",
+            data,
+            "--train",
+            strategy,
+            "--steps",
+            2,
+            "--batch-size",
+            4,
+            "--out",
+            out,
+            "--quiet",
+            "--set",
+            "sft.generate_limit=0",
+        )
         assert result.exit_code == 0, (strategy, result.output)
         record = json.loads((out / "run.json").read_text())["parameters"]
         assert 0 < record["trained"] < record["total"] / 10, (strategy, record)
@@ -305,11 +447,28 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
         assert weights.stat().st_size < 200_000, (strategy, weights.stat().st_size)  # the subset, not the model
 
 
+@pytest.mark.slow
 def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(20))
-    result = invoke("compare", "--task", "sft", "--from", chat_model, "--train", "0shot,lora", "--budget", "2steps",
-                    "--data", data, "--set", "sft.max_new_tokens=3", "--set", "data.val_fraction=0.2",
-                    "--out", tmp_path / "study")
+    result = invoke(
+        "compare",
+        "--task",
+        "sft",
+        "--from",
+        chat_model,
+        "--train",
+        "0shot,lora",
+        "--budget",
+        "2steps",
+        "--data",
+        data,
+        "--set",
+        "sft.max_new_tokens=3",
+        "--set",
+        "data.val_fraction=0.2",
+        "--out",
+        tmp_path / "study",
+    )
     assert result.exit_code == 0, result.output
     table = (tmp_path / "study" / "results.md").read_text()
     lines = [line for line in table.splitlines() if line.startswith("| sft-")]
@@ -318,8 +477,10 @@ def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_m
     cells = sorted((tmp_path / "study" / "cells").iterdir())
     reports = [json.loads((c / "eval.json").read_text()) for c in cells]
     assert [r["dev"]["n"] for r in reports] == [4, 4] and [r["dev"]["generated"] for r in reports] == [4, 4], reports
-    predictions = [sorted(json.loads(x)["reference"] for x in next(c.glob("*predictions.jsonl")).read_text().splitlines())
-                   for c in cells]
+    predictions = [
+        sorted(json.loads(x)["reference"] for x in next(c.glob("*predictions.jsonl")).read_text().splitlines())
+        for c in cells
+    ]
     assert predictions[0] == predictions[1]
     assert "sft.max_new_tokens=3" in (tmp_path / "study" / "logs" / f"{cells[0].name}.log").read_text()
     assert all(len(line) <= 80 for line in result.output.splitlines() if "│" in line or "┃" in line), result.output
@@ -330,8 +491,22 @@ def test_plain_text_rows_are_evaluated_by_loss_alone_and_the_banner_says_train_o
     continuation of "The" against the whole text means nothing), and every token is trained."""
     rows = [{"text": f"The number {i} comes after {i - 1} and before {i + 1}."} for i in range(1, 41)]
     data = write_jsonl(tmp_path / "text.jsonl", rows)
-    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 2, "--batch-size", 4,
-                    "--out", tmp_path / "run", "--set", "data.val_fraction=0.1")
+    result = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--set",
+        "data.val_fraction=0.1",
+    )
     assert result.exit_code == 0, result.output
     assert "train_on all" in result.output and "train_on assistant" not in result.output, result.output
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -358,9 +533,27 @@ def test_the_final_report_is_proportionate_to_the_run_and_its_phases_have_totals
     monkeypatch.setattr(display, "phase", recorded)
     monkeypatch.setattr(sft, "phase", recorded)
     data = write_jsonl(tmp_path / "rows.jsonl", rows(240))
-    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 2, "--batch-size", 4,
-                    "--out", tmp_path / "run", "--quiet", "--set", "data.val_fraction=0.5", "--set", "sft.max_new_tokens=2",
-                    "--set", "sft.generate_limit=10")
+    result = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "data.val_fraction=0.5",
+        "--set",
+        "sft.max_new_tokens=2",
+        "--set",
+        "sft.generate_limit=10",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert report["dev"]["n"] == 32 and report["dev"]["generated"] == 10, report

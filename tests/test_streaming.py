@@ -1,6 +1,7 @@
 """Streaming (data.streaming): blocks in stream order through the shuffle buffer, a position that
 survives a checkpoint (buffer and draws included) so a resumed run continues bit for bit, the same
 global order for any number of processes, and one-line refusals where streaming does not apply."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from tfcli.engine import checkpoint
 from tfcli.data.documents import open_source
+from tfcli.data.sampler import StreamSampler
 from tfcli.data.streaming import BlockStream
 from tfcli.data.tokenizers import build_tokenizer
+from tfcli.engine import checkpoint
 from tfcli.objectives.next_token import shifted_pairs
-from tfcli.data.sampler import StreamSampler
 
 from .conftest import invoke, tiny_gpt_recipe, train_losses
 
@@ -94,7 +95,16 @@ def test_a_streamed_run_resumes_bit_for_bit(tmp_path, corpus, write_recipe):
 
 
 def test_streaming_is_refused_where_it_does_not_apply(tmp_path, small_text):
-    result = invoke("pretrain", "--objective", "mlm", "--data", small_text, "--set", "data.streaming=true",
-                    "--out", tmp_path / "run")
+    result = invoke(
+        "pretrain",
+        "--objective",
+        "mlm",
+        "--data",
+        small_text,
+        "--set",
+        "data.streaming=true",
+        "--out",
+        tmp_path / "run",
+    )
     assert result.exit_code == 2 and "streaming is for clm and span" in result.output
     assert not (tmp_path / "run").exists()

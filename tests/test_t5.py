@@ -1,5 +1,6 @@
 """The encoder-decoder: the KV cache, causality of the decoder, padding, and the published T5-small
 size (parity with transformers: test_hf)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,19 @@ V = 101
 
 def tiny(**kw) -> T5:
     torch.manual_seed(0)
-    cfg = {"n_layer": 2, "n_decoder_layer": 3, "n_head": 4, "d_model": 32, "d_kv": 8, "d_ff": 64,
-           "vocab_size": V, "max_seq_len": 64, "relative_attention_num_buckets": 8,
-           "relative_attention_max_distance": 20, **kw}
+    cfg = {
+        "n_layer": 2,
+        "n_decoder_layer": 3,
+        "n_head": 4,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "vocab_size": V,
+        "max_seq_len": 64,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 20,
+        **kw,
+    }
     return T5(T5Config(**cfg)).eval()
 
 
@@ -30,7 +41,7 @@ def test_cached_decoding_matches_full_decoding():
         full = model.decode(dec, enc, mask)
         caches = model.new_caches(16)
         steps = [model.decode(dec[:, :5], enc, mask, caches)]  # a prefix, then one token at a time
-        steps += [model.decode(dec[:, t: t + 1], enc, mask, caches) for t in range(5, 12)]
+        steps += [model.decode(dec[:, t : t + 1], enc, mask, caches) for t in range(5, 12)]
     assert torch.allclose(full, torch.cat(steps, dim=1), atol=1e-5)
 
 

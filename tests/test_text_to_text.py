@@ -1,5 +1,6 @@
 """MNLI the generative way: balanced seeded k-shot prompts, label-word scoring that agrees with the
 training loss, text-to-text finetuning that learns (T5 and GPT), and the CLI end to end."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from tfcli.cli import app
+from tfcli.data.sampler import Sampler, sequential_batches
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.t5 import T5, T5Config
 from tfcli.recipe import load_resolved
-from tfcli.data.sampler import Sampler, sequential_batches
 from tfcli.tasks import prompts
 from tfcli.tasks.text_to_text import TextHead
 
@@ -55,8 +56,24 @@ def synthetic_rows(n, seed):
 
 
 def tokenizer():
-    words = ["mnli", "premise", "hypothesis", "answer", ":", "the", *LABELS, *CUES,
-             "cat", "dog", "man", "car", "tree", "house", "boat", "bird"]
+    words = [
+        "mnli",
+        "premise",
+        "hypothesis",
+        "answer",
+        ":",
+        "the",
+        *LABELS,
+        *CUES,
+        "cat",
+        "dog",
+        "man",
+        "car",
+        "tree",
+        "house",
+        "boat",
+        "bird",
+    ]
     return WordTokenizer(words)
 
 
@@ -89,10 +106,12 @@ def test_k_shot_prompt_puts_solved_examples_before_the_question_and_fits_the_bud
     demos = prompts.few_shot_prefix("mnli", FIELDS, rows, shots, LABELS)
     assert all(d.endswith(f"answer: {LABELS[rows[i][1]]}") for d, i in zip(demos, shots))
     texts = ("the cat", "the dog surely man")
-    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=40, max_seq_len=256))  # the budget, not the context, limits
+    model = GPT(
+        GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=40, max_seq_len=256)
+    )  # the budget, not the context, limits
     query = head("gpt", model).prompt(texts)
     ids = head("gpt", model, demos=demos).prompt(texts)
-    assert ids[-len(query):] == query and ids[: len(tok.encode(demos[0]))] == tok.encode(demos[0])
+    assert ids[-len(query) :] == query and ids[: len(tok.encode(demos[0]))] == tok.encode(demos[0])
     budget = len(query) + max(len(tok.encode(d + "\n")) for d in demos) + 1
     short = head("gpt", model, demos=demos, budget=budget)
     ids = short.prompt(texts)
@@ -119,16 +138,23 @@ def test_decoder_label_scores_read_the_prompt_once_and_equal_one_pass_per_label(
     from tfcli.tasks.text_to_text import DecoderReader
 
     torch.manual_seed(0)
-    model = (GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40)) if family == "gpt"
-             else Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40))).eval()
+    model = (
+        GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40))
+        if family == "gpt"
+        else Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=40, max_seq_len=40))
+    ).eval()
     tok = tokenizer()
     reader = DecoderReader(tok, ("cat", "the dog", "the tree house"))
-    prompts_ = [tok.encode("mnli premise : the cat answer :"), tok.encode("the dog man answer :"), tok.encode("answer :")]
+    prompts_ = [
+        tok.encode("mnli premise : the cat answer :"),
+        tok.encode("the dog man answer :"),
+        tok.encode("answer :"),
+    ]
     with torch.no_grad():
         scores = reader.scores(model, prompts_)  # (3, 3)
         for i, p in enumerate(prompts_):
             for j, a in enumerate(reader.answers):
-                logp = model.logits(model(torch.tensor([p + a[:-1]]))).log_softmax(-1)[0, len(p) - 1:]  # (A, V)
+                logp = model.logits(model(torch.tensor([p + a[:-1]]))).log_softmax(-1)[0, len(p) - 1 :]  # (A, V)
                 assert abs(float(scores[i, j]) - float(logp.gather(1, torch.tensor(a)[:, None]).sum())) < 1e-4
 
 
@@ -164,19 +190,44 @@ def test_text_to_text_finetuning_learns_the_label_word(family):
 
 @pytest.fixture(scope="module")
 def t5_run(tmp_path_factory, small_text) -> Path:
-    return pretrained_run(tmp_path_factory.mktemp("t5run"), small_text, "span",
-                          {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 96})
+    return pretrained_run(
+        tmp_path_factory.mktemp("t5run"),
+        small_text,
+        "span",
+        {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 96},
+    )
 
 
 def test_gpt_few_shot_and_finetune_through_the_cli(tmp_path, mnli_dir, small_text):
-    run = pretrained_run(tmp_path, small_text, "clm",
-                         {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 160})
-    few = CliRunner().invoke(app, ["eval", "mnli", "--checkpoint", str(run), "--data", str(mnli_dir),
-                                   "--few-shot", "2", "--limit", "6"])
+    run = pretrained_run(
+        tmp_path, small_text, "clm", {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "max_seq_len": 160}
+    )
+    few = CliRunner().invoke(
+        app, ["eval", "mnli", "--checkpoint", str(run), "--data", str(mnli_dir), "--few-shot", "2", "--limit", "6"]
+    )
     assert few.exit_code == 0 and "majority class" in few.output, few.output
-    ft = CliRunner().invoke(app, ["finetune", "mnli", "--from", str(run), "--data", str(mnli_dir), "--steps", "2",
-                                  "--batch-size", "4", "--limit", "16", "--out", str(tmp_path / "ft"), "--quiet",
-                                  "--set", "finetune.eval_limit=6"])
+    ft = CliRunner().invoke(
+        app,
+        [
+            "finetune",
+            "mnli",
+            "--from",
+            str(run),
+            "--data",
+            str(mnli_dir),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--limit",
+            "16",
+            "--out",
+            str(tmp_path / "ft"),
+            "--quiet",
+            "--set",
+            "finetune.eval_limit=6",
+        ],
+    )
     assert ft.exit_code == 0, ft.output
     assert load_resolved(tmp_path / "ft" / "config.yaml").name == "mnli-gpt-mini"  # the GPT default recipe
     ev = CliRunner().invoke(app, ["eval", "mnli", "--checkpoint", str(tmp_path / "ft"), "--limit", "6"])
@@ -185,17 +236,40 @@ def test_gpt_few_shot_and_finetune_through_the_cli(tmp_path, mnli_dir, small_tex
 
 def test_mnli_finetune_eval_and_few_shot_through_the_cli(t5_run, mnli_dir, tmp_path):
     runner = CliRunner()
-    few = runner.invoke(app, ["eval", "mnli", "--checkpoint", str(t5_run), "--data", str(mnli_dir),
-                              "--few-shot", "3", "--limit", "12"])
+    few = runner.invoke(
+        app, ["eval", "mnli", "--checkpoint", str(t5_run), "--data", str(mnli_dir), "--few-shot", "3", "--limit", "12"]
+    )
     assert few.exit_code == 0, few.output
-    assert re.search(r"dev_matched: accuracy \d+\.\d\d% on 12 rows \(majority class \d+\.\d\d%\), [\d.]+ of 3 shots",
-                     few.output), few.output  # percentages, as the finetuned report prints them
+    assert re.search(
+        r"dev_matched: accuracy \d+\.\d\d% on 12 rows \(majority class \d+\.\d\d%\), [\d.]+ of 3 shots", few.output
+    ), few.output  # percentages, as the finetuned report prints them
     refused = runner.invoke(app, ["eval", "mnli", "--checkpoint", str(t5_run), "--data", str(mnli_dir)])
     assert refused.exit_code == 2 and "--few-shot" in refused.output
     out = tmp_path / "ft"
-    ft = runner.invoke(app, ["finetune", "mnli", "--from", str(t5_run), "--data", str(mnli_dir), "--steps", "3",
-                             "--batch-size", "4", "--limit", "40", "--out", str(out), "--quiet",
-                             "--set", "finetune.eval_limit=8", "--set", "train.eval_interval=3"])
+    ft = runner.invoke(
+        app,
+        [
+            "finetune",
+            "mnli",
+            "--from",
+            str(t5_run),
+            "--data",
+            str(mnli_dir),
+            "--steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--limit",
+            "40",
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "finetune.eval_limit=8",
+            "--set",
+            "train.eval_interval=3",
+        ],
+    )
     assert ft.exit_code == 0, ft.output
     assert load_resolved(out / "config.yaml").name == "mnli-t5-mini"  # --from a t5 run picks the T5 recipe
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,5 @@
 """The trainer: learning, exact resume, accumulation, schedule, checkpoints a crash cannot corrupt."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,12 +8,12 @@ import time
 import pytest
 import torch
 
-from tfcli.engine import checkpoint
 from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
+from tfcli.engine import checkpoint
+from tfcli.engine.trainer import _Window, lr_multiplier
 from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
-from tfcli.engine.trainer import _Window, lr_multiplier
 
 from .conftest import read_metrics, tiny_bert_recipe, tiny_gpt_recipe, train_losses
 
@@ -22,8 +23,7 @@ def pretrain(recipe, out=None, resume=None, quiet=True):
 
 
 def test_loss_falls_and_checkpoints_are_complete(tmp_path, small_text):
-    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 40, "ckpt_interval": 20,
-                                                               "eval_interval": 20}))
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 40, "ckpt_interval": 20, "eval_interval": 20}))
     run = pretrain(rec, out=tmp_path / "run", quiet=True)
     losses = train_losses(run)
     first, last = list(losses.values())[:5], list(losses.values())[-5:]
@@ -54,8 +54,7 @@ def test_throughput_leaves_out_evaluations_but_not_training_time():
 
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_text, prefetch):
-    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10,
-                                                               "prefetch": prefetch}))
+    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10, "prefetch": prefetch}))
     whole = pretrain(rec, out=tmp_path / "whole", quiet=True)
     # a run that died right after its step-10 checkpoint: same directory, nothing after step 10
     crashed = tmp_path / "crashed"
@@ -63,8 +62,9 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, small_te
     shutil.rmtree(crashed / "checkpoints" / "step-0000020")
     (crashed / "checkpoints" / "latest").write_text("step-0000010")
     lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    (crashed / "metrics.jsonl").write_text("\n".join(l for l in lines if '"step": 1,' in l or
-                                                     int(l.split('"step": ')[1].split(",")[0]) <= 10) + "\n")
+    (crashed / "metrics.jsonl").write_text(
+        "\n".join(l for l in lines if '"step": 1,' in l or int(l.split('"step": ')[1].split(",")[0]) <= 10) + "\n"
+    )
     resumed = recipes.load_resolved(crashed / "config.yaml")
     pretrain(resumed, resume=crashed, quiet=True)
     a, b = train_losses(whole), train_losses(crashed)
@@ -83,6 +83,7 @@ def test_batches_built_ahead_are_the_batches_built_in_line(tmp_path, small_text,
     assert len(runs[0]) == 12 and runs[0] == runs[2]  # bit for bit
 
 
+@pytest.mark.slow  # compilation: test_compile.py (slow) compiles every shipped recipe
 def test_compiled_and_eager_losses_agree(tmp_path, small_text):
     try:
         torch.compile(lambda x: x * 2)(torch.ones(2))
@@ -90,8 +91,9 @@ def test_compiled_and_eager_losses_agree(tmp_path, small_text):
         pytest.skip(f"torch.compile unavailable: {e}")
     losses = {}
     for setting in ("off", "on"):
-        raw = tiny_gpt_recipe(small_text, train={"steps": 4, "compile": setting, "eval_interval": 4,
-                                                 "ckpt_interval": 4})
+        raw = tiny_gpt_recipe(
+            small_text, train={"steps": 4, "compile": setting, "eval_interval": 4, "ckpt_interval": 4}
+        )
         losses[setting] = train_losses(pretrain(recipes.from_dict(raw), out=tmp_path / setting))
     assert len(losses["on"]) == 4
     assert all(abs(losses["on"][s] - losses["off"][s]) < 1e-5 for s in losses["off"]), losses
@@ -122,14 +124,18 @@ def test_an_interrupted_checkpoint_write_never_becomes_latest(tmp_path, small_te
 
     def failing_save(tensors, path):
         calls["n"] += path.endswith(checkpoint.WEIGHTS)
-        if calls["n"] == 2 and path.endswith(checkpoint.WEIGHTS):  # the second checkpoint dies halfway through its weights
+        if calls["n"] == 2 and path.endswith(
+            checkpoint.WEIGHTS
+        ):  # the second checkpoint dies halfway through its weights
             with open(path, "wb") as f:
                 f.write(b"partial")
             raise OSError("disk full")
         return original(tensors, path)
 
     monkeypatch.setattr(checkpoint, "save_file", failing_save)
-    with pytest.raises(UserError, match=r"could not write checkpoint step-0000020 .*disk full.*latest is still step-0000010"):
+    with pytest.raises(
+        UserError, match=r"could not write checkpoint step-0000020 .*disk full.*latest is still step-0000010"
+    ):
         pretrain(rec, out=tmp_path / "run", quiet=True)
     assert checkpoint.find(tmp_path / "run").name == "step-0000010"
     assert not (tmp_path / "run" / "checkpoints" / "step-0000020").exists()

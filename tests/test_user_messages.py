@@ -1,5 +1,6 @@
 """Messages that help (issue 36): each names the problem and what to do, in one line with exit code 2;
 `tfcli --help` answers without importing torch; `finetune --help` names every task."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +12,9 @@ from .test_from_runs import chat_model, sft_lora  # noqa: F401  (fixtures)
 
 def test_an_sft_file_whose_fields_are_misspelled_names_the_fields_it_has_and_the_flags(chat_model, tmp_path):  # noqa: F811
     data = write_jsonl(tmp_path / "rows.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(16)])
-    result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 1, "--out", tmp_path / "run",
-                    "--quiet")
+    result = invoke(
+        "finetune", "sft", "--from", chat_model, "--data", data, "--steps", 1, "--out", tmp_path / "run", "--quiet"
+    )
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "'question', 'answer'" in result.output and "--prompt-field" in result.output, result.output
     assert not (tmp_path / "run").exists()
@@ -32,8 +34,26 @@ def test_eval_mnli_scores_the_splits_a_directory_holds(hf_bert, mnli_dir, tmp_pa
     only.mkdir()
     (only / "dev_matched.jsonl").write_text((mnli_dir / "dev_matched.jsonl").read_text())
     run = tmp_path / "run"
-    assert invoke("finetune", "mnli", "--from", hf_bert, "--data", mnli_dir, "--steps", 1, "--batch-size", 4,
-                  "--out", run, "--quiet", "--set", "finetune.eval_limit=4").exit_code == 0
+    assert (
+        invoke(
+            "finetune",
+            "mnli",
+            "--from",
+            hf_bert,
+            "--data",
+            mnli_dir,
+            "--steps",
+            1,
+            "--batch-size",
+            4,
+            "--out",
+            run,
+            "--quiet",
+            "--set",
+            "finetune.eval_limit=4",
+        ).exit_code
+        == 0
+    )
     result = invoke("eval", "--checkpoint", run, "--data", only, "--limit", 6)
     assert result.exit_code == 0, result.output
     assert "no dev_mismatched file" in result.output and "dev_matched: accuracy" in result.output, result.output
@@ -70,8 +90,10 @@ def test_ctrl_c_in_chat_stops_the_reply_and_returns_to_the_prompt(chat_model, mo
 
 
 def test_the_sft_example_marks_its_trained_tokens_in_plain_text_when_piped(chat_model, tmp_path):  # noqa: F811
-    data = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"What is {i} plus 1?", "completion": f"It is {i + 1}."}
-                                                 for i in range(16)])
+    data = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [{"prompt": f"What is {i} plus 1?", "completion": f"It is {i + 1}."} for i in range(16)],
+    )
     result = invoke("finetune", "sft", "--from", chat_model, "--data", data, "--steps", 1, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     assert "[[It is" in result.output and "<|im_end|>]]" in result.output, result.output

@@ -1,4 +1,5 @@
 """ViT encoder and MAE decoder: patchify, masking, shapes, what reaches the encoder, paper sizes."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,18 @@ from tfcli.models.vit import MAEDecoder, ViT, ViTConfig, n_visible, patchify, ra
 
 
 def tiny_cfg(**kw) -> ViTConfig:
-    base = dict(image_size=16, patch_size=4, n_layer=2, n_head=2, d_model=32, d_ff=64, decoder_d_model=16,
-                decoder_n_layer=1, decoder_n_head=2, decoder_d_ff=32)
+    base = dict(
+        image_size=16,
+        patch_size=4,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        d_ff=64,
+        decoder_d_model=16,
+        decoder_n_layer=1,
+        decoder_n_head=2,
+        decoder_d_ff=32,
+    )
     return ViTConfig(**{**base, **kw})
 
 
@@ -85,8 +96,9 @@ def test_decoder_puts_tokens_back_in_raster_order():
     assert torch.nonzero(changed).flatten().tolist() == [int(ids_keep[0, 0])]
     # masked positions hold the one shared mask token (+ their position)
     masked = torch.nonzero(mask[0]).flatten()
-    assert torch.allclose(seen[0][0, 1 + masked] - dec.pos_embed[0, 1 + masked],
-                          dec.mask_token[0].expand(len(masked), -1), atol=1e-6)
+    assert torch.allclose(
+        seen[0][0, 1 + masked] - dec.pos_embed[0, 1 + masked], dec.mask_token[0].expand(len(masked), -1), atol=1e-6
+    )
 
 
 def test_sincos_positions_are_fixed_and_learned_ones_train():

@@ -16,6 +16,7 @@ down (the MLP).
 At initialisation an adapted model computes exactly what the base model does; `merge` folds the
 adapters back into plain linears (export writes a plain transformers model).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from .errors import UserError
 from .models.blocks import MLP, Attention, linear
 from .recipe import AdapterConfig
+
 
 def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> Optional[tuple[tuple[str, int], ...]]:
     """The parts a block's linear holds and their widths, in output order (None for a linear outside
@@ -51,18 +53,21 @@ def adapted_widths(widths: tuple[int, ...], enabled: list[bool]) -> tuple[int, .
 def _flatten_stacked(name: str, stacked_dims: int):
     """A load_state_dict pre-hook: adapters saved before parts had their own widths stored `name`
     as (parts, width, ...); the flat layout is the same numbers, concatenated."""
+
     def hook(state_dict, prefix, *args):
         t = state_dict.get(prefix + name)
         if t is not None and t.dim() == stacked_dims:
             state_dict[prefix + name] = t.flatten(0, 1)
+
     return hook
 
 
 class LoRALinear(nn.Module):
     """A frozen linear plus rank-r updates of the chosen parts of its output (zero at init: B = 0)."""
 
-    def __init__(self, base: nn.Linear, parts: tuple[tuple[str, int], ...], targets: tuple[str, ...],
-                 cfg: AdapterConfig):
+    def __init__(
+        self, base: nn.Linear, parts: tuple[tuple[str, int], ...], targets: tuple[str, ...], cfg: AdapterConfig
+    ):
         super().__init__()
         self.base, self.parts, self.widths = base, tuple(p for p, _ in parts), tuple(w for _, w in parts)
         self.enabled = [p in targets for p in self.parts]
@@ -80,8 +85,9 @@ class LoRALinear(nn.Module):
         the parts left alone. One matrix, so the update is two plain linears with no output-sized
         concatenation kept for the backward pass."""
         blocks = iter((self.lora_b * self.scale).split(self.adapted))  # each (W_part, r)
-        return torch.block_diag(*[next(blocks) if on else self.lora_b.new_zeros(w, 0)
-                                  for w, on in zip(self.widths, self.enabled)])
+        return torch.block_diag(
+            *[next(blocks) if on else self.lora_b.new_zeros(w, 0) for w, on in zip(self.widths, self.enabled)]
+        )
 
     def delta_weight(self) -> Tensor:
         """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
@@ -123,8 +129,9 @@ class IA3Linear(nn.Module):
         if self.on_input:
             return self.ia3
         pieces = iter(self.ia3.split(self.adapted))
-        return torch.cat([next(pieces) if on else self.ia3.new_ones(w)
-                          for w, on in zip(self.widths, self.enabled)])  # (out,)
+        return torch.cat(
+            [next(pieces) if on else self.ia3.new_ones(w) for w, on in zip(self.widths, self.enabled)]
+        )  # (out,)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:  # adapters.disabled: the base model alone
@@ -190,8 +197,10 @@ def disabled(model: nn.Module):
     BitFit trains the base's own biases and norms, so it has no adapter-free base: refused."""
     adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, IA3Linear))]
     if not adapted:
-        raise UserError("this model has no LoRA or IA3 adapters to switch off (BitFit and full finetuning "
-                        "change the base weights themselves)")
+        raise UserError(
+            "this model has no LoRA or IA3 adapters to switch off (BitFit and full finetuning "
+            "change the base weights themselves)"
+        )
     for m in adapted:
         m.active = False
     try:

@@ -5,6 +5,7 @@ key=value` or a bare `key=value` overrides any recipe field (tfcli.commands.comm
 (torch, the driver) are imported by the commands that need them, so that --help and shell completion
 answer at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from . import __version__
 from .commands import listing, sampling, study, trained, training
 from .commands.common import TRAINING
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Pretrain, finetune, evaluate and sample transformers.")
+app = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Pretrain, finetune, evaluate and sample transformers.",
+)
 recipes_app = typer.Typer(add_completion=False, rich_markup_mode=None, help="List or show recipes.")
 app.add_typer(recipes_app, name="recipes")
 
@@ -48,8 +53,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _options(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
-                                                     help="Print tfcli's version and exit.")):
+def _options(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print tfcli's version and exit."
+    ),
+):
     """Pretrain, finetune, evaluate and sample transformers."""
 
 

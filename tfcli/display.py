@@ -4,6 +4,7 @@ and plain log lines everywhere (a file, a pipe, CI).
 `configure(enabled)` is called once by the driver: only rank 0 of a run that is not --quiet shows
 anything live, and only on a terminal; everything else prints plain lines or nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,16 @@ import time
 from typing import Optional
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 console = Console(highlight=False, soft_wrap=True)
 _state = {"live": True, "progress": None}  # may phases and bars draw; the training bar, while it runs
@@ -59,8 +68,13 @@ def phase(label: str, total: Optional[float] = None, unit: str = ""):
         return
     columns = [SpinnerColumn(), TextColumn("{task.description}")]
     if total is not None:
-        columns += [BarColumn(bar_width=24), TaskProgressColumn(), TextColumn(f"of {_amount(total, unit)}"),
-                    TextColumn("eta"), TimeRemainingColumn(compact=True)]
+        columns += [
+            BarColumn(bar_width=24),
+            TaskProgressColumn(),
+            TextColumn(f"of {_amount(total, unit)}"),
+            TextColumn("eta"),
+            TimeRemainingColumn(compact=True),
+        ]
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task(label, total=total)
         yield lambda n=1: progress.advance(task, n)
@@ -87,10 +101,21 @@ class TrainDisplay:
     def __init__(self, total: int, start: int, enabled: bool = True):
         self.enabled = enabled
         self.total, self.start = total, start
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-            TextColumn("eta"), TimeRemainingColumn(compact=True), console=console, transient=False,
-            speed_estimate_period=120) if enabled and live() else None
+        self.progress = (
+            Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[loss]}"),
+                TextColumn("eta"),
+                TimeRemainingColumn(compact=True),
+                console=console,
+                transient=False,
+                speed_estimate_period=120,
+            )
+            if enabled and live()
+            else None
+        )
 
     def __enter__(self):
         if self.progress:

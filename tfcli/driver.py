@@ -8,6 +8,7 @@ and every evaluation through `evaluate`. The recipe is resolved here, once, and 
 each derived value (the backbone's model shape, the tokenizer's vocabulary, steps from epochs,
 warmup from its fraction) makes a new frozen Recipe, which is what the run saves.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,18 +23,17 @@ from typing import Any, Optional
 
 import torch
 
-from .engine import backbone as backbones
-from . import adapters, registry
-from .engine import checkpoint
-from .hf import hub
+from . import adapters, display, registry
 from . import recipe as recipes
-from . import display
 from .display import console
-from .errors import UserError
-from .plugin import Backbone, EvalOptions, Job, Plugin
-from .recipe import Recipe
+from .engine import backbone as backbones
+from .engine import checkpoint
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
+from .errors import UserError
+from .hf import hub
+from .plugin import Backbone, EvalOptions, Job, Plugin
+from .recipe import Recipe
 
 
 @dataclass
@@ -61,18 +61,13 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
     try:
         plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
-        if req.recipe.data.streaming and not plugin.streaming:
-            raise UserError(f"data.streaming: {plugin.kind} {plugin.key!r} reads its data whole; streaming is for "
-                            f"clm and span (for a large corpus, tfcli prepare it once and train on the store)")
+        check_streaming(req.recipe, plugin)
         run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
         ckpt = resume_point(req.resume)
         # everything random that is built from here (a fresh model, adapters, a task's heads) is built the
         # same way in every run of the same recipe: a process's initial seed differs from run to run
         torch.manual_seed(req.recipe.train.seed)
-        source = str(hub.resolve(req.source)) if req.source else \
-            (backbones.recorded(req.resume).get("from") if req.resume else None)
-        backbone = backbones.for_resume(req.resume, req.recipe, ckpt) if ckpt else \
-            backbones.load(source, req.recipe, plugin, rt)
+        source, backbone = starting_model(req, plugin, rt, ckpt)
         recipe = plugin.resolve(req.recipe, backbone)
         plugin.run_dir = run_dir
         with rt.main_first():  # rank 0 fills the tokenization caches first
@@ -100,6 +95,28 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     return run_dir, plugin
 
 
+def check_streaming(recipe: Recipe, plugin: Plugin) -> None:
+    if recipe.data.streaming and not plugin.streaming:
+        raise UserError(
+            f"data.streaming: {plugin.kind} {plugin.key!r} reads its data whole; streaming is for "
+            f"clm and span (for a large corpus, tfcli prepare it once and train on the store)"
+        )
+
+
+def starting_model(
+    req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Optional[Path]
+) -> tuple[Optional[str], Backbone]:
+    """(where the weights come from, the backbone): --from (a hub id resolved), or the resumed run's
+    own record of it; the backbone read from there, or from the checkpoint being resumed."""
+    if req.source:
+        source = str(hub.resolve(req.source))
+    else:
+        source = backbones.recorded(req.resume).get("from") if req.resume else None
+    if ckpt:
+        return source, backbones.for_resume(req.resume, req.recipe, ckpt)
+    return source, backbones.load(source, req.recipe, plugin, rt)
+
+
 def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
     """The model (with what finetune.train trains: adapters.apply) and the Job's heads behind one
     forward; what the loss never reads (Job.unread) is frozen."""
@@ -119,8 +136,10 @@ def carry_heads(job: Job, backbone: Backbone, say: bool) -> None:
     job.heads.load_state_dict({**own, **found})
     fresh = sorted({k.split(".", 1)[0] for k in own if k not in found})  # heads by name: mlm, nsp, ...
     if say and fresh:
-        console.print(f"[yellow]note:[/] {backbone.source} has no weights for the objective's "
-                      f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''}; initialised as a new run's")
+        console.print(
+            f"[yellow]note:[/] {backbone.source} has no weights for the objective's "
+            f"{' and '.join(fresh)} head{'s' if len(fresh) > 1 else ''}; initialised as a new run's"
+        )
 
 
 def runtime_for(req: RunRequest) -> Runtime:
@@ -136,8 +155,11 @@ def runtime_for(req: RunRequest) -> Runtime:
 def resumed_threads(run: Optional[Path]) -> int:
     """The CPU threads a resumed run trained with (0: choose anew): the same count gives the same
     floating-point sums, so the run continues bit for bit whatever else the machine now runs."""
-    if run is None or int(os.environ.get("WORLD_SIZE", "1")) > 1 or \
-            not (Path(run) / checkpoint.CHECKPOINTS / "latest").is_file():
+    if (
+        run is None
+        or int(os.environ.get("WORLD_SIZE", "1")) > 1
+        or not (Path(run) / checkpoint.CHECKPOINTS / "latest").is_file()
+    ):
         return 0
     return int(checkpoint.read_meta(checkpoint.find(run)).get("threads", 0))
 
@@ -154,12 +176,16 @@ def keep_global_batch(recipe: Recipe, ckpt: Path, rt: Runtime) -> Recipe:
     if before % per_step == 0:
         accum = before // per_step
         if rt.is_main:
-            console.print(f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): "
-                          f"train.grad_accum {t.grad_accum} -> {accum} keeps the global batch of {before}")
+            console.print(
+                f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): "
+                f"train.grad_accum {t.grad_accum} -> {accum} keeps the global batch of {before}"
+            )
         return recipe_with(recipe, "train", grad_accum=accum)
     if rt.is_main:
-        console.print(f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): the global batch "
-                      f"changes from {before} to {now} (not a multiple of batch_size x processes); the data order continues")
+        console.print(
+            f"[yellow]note:[/] resuming on {rt.world_size} process(es) (was {processes}): the global batch "
+            f"changes from {before} to {now} (not a multiple of batch_size x processes); the data order continues"
+        )
     return recipe
 
 
@@ -225,20 +251,31 @@ def resolve_schedule(recipe: Recipe, job: Job, rt: Runtime) -> Recipe:
     if warmup > steps > 1:  # the run would never reach its peak learning rate, let alone decay
         clipped = max(1, steps // 10)
         if rt.is_main:
-            console.print(f"[yellow]note:[/] schedule.warmup_steps {warmup} is longer than the run's {steps} steps: "
-                          f"warming up for {clipped} (a tenth of the run) instead")
+            console.print(
+                f"[yellow]note:[/] schedule.warmup_steps {warmup} is longer than the run's {steps} steps: "
+                f"warming up for {clipped} (a tenth of the run) instead"
+            )
         recipe = recipes.replace(recipe, schedule=recipes.replace(recipe.schedule, warmup_steps=clipped))
     return recipe
 
 
 def parameter_counts(module: ObjectiveModule) -> dict[str, int]:
     """Trained and total parameters of the model with its heads (the banner's and `compare`'s figures)."""
-    return {"trained": sum(p.numel() for p in module.parameters() if p.requires_grad),
-            "total": sum(p.numel() for p in module.parameters())}
+    return {
+        "trained": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "total": sum(p.numel() for p in module.parameters()),
+    }
 
 
-def write_run_files(recipe: Recipe, run_dir: Path, rt: Runtime, backbone: Backbone, job: Job,
-                    source: Optional[str], parameters: dict[str, int]) -> None:
+def write_run_files(
+    recipe: Recipe,
+    run_dir: Path,
+    rt: Runtime,
+    backbone: Backbone,
+    job: Job,
+    source: Optional[str],
+    parameters: dict[str, int],
+) -> None:
     """The resolved recipe, the tokenizer, the plug-in's files, and run.json: where the model came
     from, the command line and the versions (rank 0)."""
     if rt.is_main:
@@ -267,9 +304,14 @@ def run_record(run_dir: Path, source: Optional[str], backbone: Backbone, rt: Run
         origin = {"from": str(Path(source).resolve()) if source else None}
         if backbone.checkpoint is not None:
             origin["from_checkpoint"] = str(Path(backbone.checkpoint).resolve())
-    return {**origin, "commands": previous.get("commands", []) + [" ".join(["tfcli", *sys.argv[1:]])],
-            "tfcli": __version__, "torch": torch.__version__, "device": str(rt.device),
-            "processes": rt.world_size}
+    return {
+        **origin,
+        "commands": previous.get("commands", []) + [" ".join(["tfcli", *sys.argv[1:]])],
+        "tfcli": __version__,
+        "torch": torch.__version__,
+        "device": str(rt.device),
+        "processes": rt.world_size,
+    }
 
 
 def job_files(job: Job) -> dict[str, str]:
@@ -298,28 +340,49 @@ def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:
     return out
 
 
-def banner(recipe: Recipe, plugin: Plugin, module: ObjectiveModule, backbone: Backbone, run_dir: Path,
-           ckpt: Optional[Path], rt: Runtime) -> str:
+def banner(
+    recipe: Recipe,
+    plugin: Plugin,
+    module: ObjectiveModule,
+    backbone: Backbone,
+    run_dir: Path,
+    ckpt: Optional[Path],
+    rt: Runtime,
+) -> str:
     n = sum(p.numel() for p in backbone.model.parameters())
     trained, total = parameter_counts(module).values()
-    how = f", training {trained:,} of {total:,} parameters ({100 * trained / max(total, 1):.2f}%" + \
-        (f", {recipe.finetune.train})" if recipe.finetune is not None else ")")
+    how = f", training {trained:,} of {total:,} parameters ({100 * trained / max(total, 1):.2f}%" + (
+        f", {recipe.finetune.train})" if recipe.finetune is not None else ")"
+    )
     source = "" if backbone.source in ("scratch", str(run_dir)) else f" from {backbone.source}"
     processes = f", {rt.world_size} processes" if rt.world_size > 1 else ""
-    where = f"{rt.device}{processes}" + (f", {rt.threads} CPU thread{'s' if rt.threads > 1 else ''}"
-                                         + (" per process" if processes else "") + f" ({rt.threads_why})"
-                                         if rt.device.type == "cpu" else "")
+    where = f"{rt.device}{processes}" + (
+        f", {rt.threads} CPU thread{'s' if rt.threads > 1 else ''}"
+        + (" per process" if processes else "")
+        + f" ({rt.threads_why})"
+        if rt.device.type == "cpu"
+        else ""
+    )
     model = f"a {'new ' if not source and ckpt is None else ''}{n / 1e6:.2f}M-parameter {backbone.family}{source}"
     described = getattr(backbone.model, "describe", None)  # a family may say more of itself (a ViT's stem)
-    return (f"[bold]{plugin.title(recipe, backbone)}[/] on {model}{how}, {recipe.train.steps:,} steps on {where}, "
-            f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
-            + (f" (resuming from {ckpt.name})" if ckpt else "") + (f"\n{described()}" if described else ""))
+    return (
+        f"[bold]{plugin.title(recipe, backbone)}[/] on {model}{how}, {recipe.train.steps:,} steps on {where}, "
+        f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
+        + (f" (resuming from {ckpt.name})" if ckpt else "")
+        + (f"\n{described()}" if described else "")
+    )
 
 
 # --- evaluation ---------------------------------------------------------------------------------
 
-def evaluate(path: Path, key: Optional[str], settings: dict[str, Any], options: EvalOptions,
-             default_recipes: Optional[dict[str, str]] = None) -> dict[str, Any]:
+
+def evaluate(
+    path: Path,
+    key: Optional[str],
+    settings: dict[str, Any],
+    options: EvalOptions,
+    default_recipes: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
     """`tfcli eval [KEY] --checkpoint RUN`: the run's own plug-in's evaluation, or plug-in KEY's
     (e.g. k-shot MNLI of a pretrained GPT); `settings` override the plug-in's recipe section. A
     Hugging Face directory or hub id is read with KEY's default recipe for its family
@@ -338,20 +401,30 @@ def evaluate(path: Path, key: Optional[str], settings: dict[str, Any], options: 
         recipe = recipe_with(recipe, "train", precision=options.precision)
     plugin = make_plugin(kind, key, rt, options.quiet)
     if backbone.family not in plugin.families:
-        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; `eval {key}` needs "
-                        f"{' or '.join(repr(f) for f in plugin.families)}")
+        raise UserError(
+            f"{backbone.checkpoint} holds a {backbone.family!r} model; `eval {key}` needs "
+            f"{' or '.join(repr(f) for f in plugin.families)}"
+        )
     return plugin.evaluate(recipe, backbone, options)
 
 
-def evaluate_pretrained(path: Path, key: Optional[str], settings: dict[str, Any], options: EvalOptions,
-                        default_recipes: dict[str, str], rt: Runtime) -> dict[str, Any]:
+def evaluate_pretrained(
+    path: Path,
+    key: Optional[str],
+    settings: dict[str, Any],
+    options: EvalOptions,
+    default_recipes: dict[str, str],
+    rt: Runtime,
+) -> dict[str, Any]:
     """A Hugging Face model evaluated as task KEY, with the task's recipe for its family."""
     family = backbones.family_of(str(path))
     if family is None:
         raise backbones.unknown_source("--checkpoint", path)
     if key is None or key in registry.OBJECTIVES:
-        raise UserError(f"--checkpoint {path} is a Hugging Face model: name the task to evaluate it on "
-                        f"(e.g. tfcli eval mnli --checkpoint {path} --cloze)")
+        raise UserError(
+            f"--checkpoint {path} is a Hugging Face model: name the task to evaluate it on "
+            f"(e.g. tfcli eval mnli --checkpoint {path} --cloze)"
+        )
     if family not in default_recipes:
         raise UserError(f"{key} has no recipe for a {family!r} model")
     plugin = make_plugin("task", key, rt, options.quiet)

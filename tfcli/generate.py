@@ -2,6 +2,7 @@
 top-k, top-p, a seed, a key/value cache, tokens streamed as text as they are made. One sampling
 loop serves both; only how the next logits are computed differs.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Optional
@@ -14,8 +15,9 @@ from .models import kinds
 from .models.blocks import product_by_slices
 
 
-def sample_next(logits: Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: Optional[torch.Generator]) -> Tensor:
+def sample_next(
+    logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
+) -> Tensor:
     """(B, V) logits of the last position -> (B,) next ids. temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -60,7 +62,7 @@ class ColumnSplitHead:
         blocks = weight.detach().new_zeros(max(1, parts), d, width)  # (P, D, V/P), the last one zero-padded
         head_t = weight.detach().t()  # (D, V)
         for i, start in enumerate(range(0, v, width)):
-            blocks[i, :, : min(width, v - start)] = head_t[:, start: start + width]
+            blocks[i, :, : min(width, v - start)] = head_t[:, start : start + width]
         self.blocks = blocks
 
     def __call__(self, hidden: Tensor) -> Tensor:
@@ -68,9 +70,18 @@ class ColumnSplitHead:
 
 
 @torch.no_grad()
-def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_tokens: int,
-                  temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
-                  seed: Optional[int], device: torch.device, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+def sampling_loop(
+    next_logits: Callable[[Optional[Tensor]], Tensor],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_id: Optional[int],
+    seed: Optional[int],
+    device: torch.device,
+    stop_ids: Iterable[int] = (),
+) -> Iterator[int]:
     """Sample up to max_new_tokens ids, stopping at EOS (or any of stop_ids: a chat model's end of
     turn), for any autoregressive model.
 
@@ -79,8 +90,7 @@ def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     previous, stops = None, set(stop_ids) | ({eos_id} if eos_id is not None else set())
     for _ in range(max_new_tokens):
-        nxt = sample_next(next_logits(previous), temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=generator)
+        nxt = sample_next(next_logits(previous), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         token = int(nxt[0])
         if token in stops:
             return
@@ -89,9 +99,19 @@ def sampling_loop(next_logits: Callable[[Optional[Tensor]], Tensor], *, max_new_
 
 
 @torch.no_grad()
-def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, temperature: float = 1.0,
-                    top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None, use_cache: bool = True,
-                    seed: Optional[int] = None, stop_ids: Iterable[int] = ()) -> Iterator[int]:
+def generate_tokens(
+    model: nn.Module,
+    prompt: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: Optional[int] = None,
+    use_cache: bool = True,
+    seed: Optional[int] = None,
+    stop_ids: Iterable[int] = (),
+) -> Iterator[int]:
     """Yield new token ids for a decoder (`model(ids, caches) -> hidden`, `model.logits(hidden)`).
 
     prompt (1, T). The model sees at most its context of the latest tokens; once a sequence
@@ -114,15 +134,34 @@ def generate_tokens(model: nn.Module, prompt: Tensor, *, max_new_tokens: int, te
             hidden = model(ids[:, -ctx:])
         return logits(hidden[:, -1])
 
-    return sampling_loop(next_logits, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, eos_id=eos_id, seed=seed, device=prompt.device, stop_ids=stop_ids)
+    return sampling_loop(
+        next_logits,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        seed=seed,
+        device=prompt.device,
+        stop_ids=stop_ids,
+    )
 
 
 @torch.no_grad()
-def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_new_tokens: int,
-                     attention_mask: Optional[Tensor] = None, temperature: float = 1.0, top_k: int = 0,
-                     top_p: float = 1.0, eos_id: Optional[int] = None, use_cache: bool = True,
-                     seed: Optional[int] = None) -> Iterator[int]:
+def generate_seq2seq(
+    model: nn.Module,
+    input_ids: Tensor,
+    *,
+    start_id: int,
+    max_new_tokens: int,
+    attention_mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: Optional[int] = None,
+    use_cache: bool = True,
+    seed: Optional[int] = None,
+) -> Iterator[int]:
     """Yield new target ids for input_ids (1, S). The decoder starts from `start_id` (T5: pad) and
     may produce at most model.cfg.max_seq_len tokens; without the cache every step re-decodes all."""
     encoded = model.encode(input_ids, attention_mask)  # (1, S, D), computed once
@@ -141,14 +180,32 @@ def generate_seq2seq(model: nn.Module, input_ids: Tensor, *, start_id: int, max_
             hidden = model.decode(dec, encoded, attention_mask)  # (1, t, D): re-decode everything
         return logits(hidden[:, -1])
 
-    return sampling_loop(next_logits, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_id=eos_id, seed=seed, device=input_ids.device)
+    return sampling_loop(
+        next_logits,
+        max_new_tokens=steps,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        seed=seed,
+        device=input_ids.device,
+    )
 
 
 @torch.no_grad()
-def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int] = (),
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                   start_id: int = 0, pad_id: int = 0) -> list[list[int]]:
+def generate_batch(
+    model: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Iterable[int] = (),
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    start_id: int = 0,
+    pad_id: int = 0,
+) -> list[list[int]]:
     """The new ids of every prompt, generated together (B rows, one cache of (B, nh, L, hs) per layer),
     each row ending at its first stop token (not included) or after max_new_tokens. A decoder reads
     the prompts left-padded (pads masked, positions counted per row); an encoder-decoder (a model with
@@ -179,8 +236,17 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], *, max_new_tokens
             nonlocal mask
             mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=1)
             return model(tokens, caches, key_mask=mask)
-    return _rows_until_stop(first, step, decode_logits(model, device), steps, set(stop_ids),
-                            dict(temperature=temperature, top_k=top_k, top_p=top_p), seed, device)
+
+    return _rows_until_stop(
+        first,
+        step,
+        decode_logits(model, device),
+        steps,
+        set(stop_ids),
+        dict(temperature=temperature, top_k=top_k, top_p=top_p),
+        seed,
+        device,
+    )
 
 
 def _right_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
@@ -190,8 +256,16 @@ def _right_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor
     return ids, mask
 
 
-def _rows_until_stop(hidden: Tensor, step: Callable[[Tensor], Tensor], logits: Callable[[Tensor], Tensor],
-                     steps: int, stop: set[int], sampling: dict, seed: Optional[int], device) -> list[list[int]]:
+def _rows_until_stop(
+    hidden: Tensor,
+    step: Callable[[Tensor], Tensor],
+    logits: Callable[[Tensor], Tensor],
+    steps: int,
+    stop: set[int],
+    sampling: dict,
+    seed: Optional[int],
+    device,
+) -> list[list[int]]:
     """Sample every row until each has met a stop token (a finished row's later tokens are dropped)."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     rows: list[list[int]] = [[] for _ in range(hidden.size(0))]
@@ -220,18 +294,34 @@ class TextStreamer:
         text = self.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""  # wait for the rest of the character
-        new, self.printed = text[self.printed:], len(text)
+        new, self.printed = text[self.printed :], len(text)
         return new
 
 
-def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-           use_cache: bool = True, seed: Optional[int] = None) -> Iterator[str]:
+def stream(
+    backbone,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    use_cache: bool = True,
+    seed: Optional[int] = None,
+) -> Iterator[str]:
     """The text a run generates after `prompt`, piece by piece: a decoder continues the prompt (which
     comes first); an encoder-decoder encodes it once and answers (sentinels shown)."""
     tok, model = backbone.tokenizer, backbone.model
     device = next(model.parameters()).device
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    eos_id=tok.eos_id, use_cache=use_cache, seed=seed)
+    sampling = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=tok.eos_id,
+        use_cache=use_cache,
+        seed=seed,
+    )
     if not kinds.is_seq2seq(model):
         ids = tok.encode(prompt) if prompt else []
         if not ids:
@@ -242,8 +332,10 @@ def stream(backbone, prompt: str, *, max_new_tokens: int, temperature: float, to
         yield from continuation(model, tok, ids, **sampling)
         return
     if not prompt:
-        raise UserError("give a --prompt: an encoder-decoder model answers an input, e.g. "
-                        "\"Thank you <extra_id_0> me to your party <extra_id_1> week.\"")
+        raise UserError(
+            "give a --prompt: an encoder-decoder model answers an input, e.g. "
+            '"Thank you <extra_id_0> me to your party <extra_id_1> week."'
+        )
     ids = torch.tensor([tok.encode(prompt) + [tok.eos_id]], device=device)  # T5 inputs end with </s>
     streamer = TextStreamer(lambda t: tok.decode(t, skip_special_tokens=False))
     for token in generate_seq2seq(model, ids, start_id=type(model).pad_id(tok), **sampling):
@@ -258,8 +350,18 @@ def continuation(model: nn.Module, tok, ids: list[int], **sampling) -> Iterator[
         yield streamer.push(token)
 
 
-def reply(backbone, template, messages: list[dict], *, max_new_tokens: int, temperature: float, top_k: int,
-          top_p: float, seed: Optional[int] = None, use_cache: bool = True) -> Iterator[str]:
+def reply(
+    backbone,
+    template,
+    messages: list[dict],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[int] = None,
+    use_cache: bool = True,
+) -> Iterator[str]:
     """A chat model's next turn, piece by piece: the conversation rendered by `template` (a
     data.chat.ChatTemplate) with the assistant's header, then tokens until an end-of-turn or
     end-of-text token. Oldest exchanges are left out (the system message kept) while the
@@ -273,7 +375,18 @@ def reply(backbone, template, messages: list[dict], *, max_new_tokens: int, temp
     ids = template.render(tok, messages, add_generation_prompt=True).ids
     while len(ids) + max_new_tokens > model.cfg.max_seq_len and sum(m["role"] != "system" for m in messages) > 1:
         first = next(i for i, m in enumerate(messages) if m["role"] != "system")
-        del messages[first: first + 2]  # a user turn and the reply to it
+        del messages[first : first + 2]  # a user turn and the reply to it
         ids = template.render(tok, messages, add_generation_prompt=True).ids
-    yield from continuation(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, eos_id=tok.eos_id, use_cache=use_cache, seed=seed, stop_ids=stop_ids(tok))
+    yield from continuation(
+        model,
+        tok,
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=tok.eos_id,
+        use_cache=use_cache,
+        seed=seed,
+        stop_ids=stop_ids(tok),
+    )

@@ -11,6 +11,7 @@ and `tfcli eval` asks evaluate(recipe, backbone, options).
 A plug-in is registered by key in tfcli.registry; its recipe section is its `Config` dataclass.
 Losses and evaluations receive the model, the heads and a batch, never the trainer's wrapper.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -19,10 +20,10 @@ from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from torch import Tensor, nn
 
+from .data.sampler import Source
+from .engine.runtime import Runtime
 from .models import families_of, model_class
 from .recipe import shipped_recipes
-from .engine.runtime import Runtime
-from .data.sampler import Source
 
 Batch = dict[str, Tensor]
 LossFn = Callable[[nn.Module, nn.ModuleDict, Batch], tuple[Tensor, dict[str, Tensor]]]
@@ -72,7 +73,9 @@ class Job:
     # trainer weighs each micro-batch by it, so the gradient is the mean over every item of the
     # global (accumulated, all-process) batch whatever grad_accum is, and held-out means are per item
     loss_weight: Optional[Callable[[Batch], Tensor]] = None
-    files: dict[str, str] = field(default_factory=dict)  # name -> text the run directory keeps (DPO's reference log-probs)
+    files: dict[str, str] = field(
+        default_factory=dict
+    )  # name -> text the run directory keeps (DPO's reference log-probs)
     # parameters of the model the loss never reads (a BERT pooler that mean pooling does not call): the
     # driver freezes them, so that no strategy trains, counts or expects optimizer state for them
     unread: tuple = ()
@@ -94,7 +97,9 @@ class Plugin:
 
     def __init__(self, rt: Runtime, quiet: bool = False):
         self.rt, self.quiet = rt, quiet
-        self.run_dir: Optional[Path] = None  # the run a training job writes (set before setup; its files exist on resume)
+        self.run_dir: Optional[Path] = (
+            None  # the run a training job writes (set before setup; its files exist on resume)
+        )
 
     def __init_subclass__(cls, **kwargs):
         """A plug-in names model kinds, never families: the families (a new one included) and their

@@ -10,6 +10,7 @@ The `model` section is the config dataclass of the family named by `model.family
 `extends: other-recipe` starts from another recipe and overrides what this file sets.
 Recipes are immutable: the driver derives a run's final recipe with `dataclasses.replace`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,9 @@ class TokenizerConfig:
 class DataConfig:
     """source: 'builtin', a file/glob/directory (comma-separated for several), or 'hf:name[:config]'."""
 
-    source: str = "builtin"  # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
+    source: str = (
+        "builtin"  # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
+    )
     text_field: str = "text"
     val_fraction: float = 0.1  # the last fraction of the token stream (or a seeded share of rows) is held out
     val_source: str = ""  # optional separate held-out data instead of val_fraction
@@ -129,8 +132,15 @@ class TrainConfig:
 
     def __post_init__(self):
         require(self.steps >= 0, "train.steps", ">= 1 (0: a task's finetune.epochs decides)", self.steps)
-        for name in ("batch_size", "grad_accum", "log_interval", "eval_interval", "eval_batches", "ckpt_interval",
-                     "keep_checkpoints"):
+        for name in (
+            "batch_size",
+            "grad_accum",
+            "log_interval",
+            "eval_interval",
+            "eval_batches",
+            "ckpt_interval",
+            "keep_checkpoints",
+        ):
             require(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
         require(self.clip_grad >= 0, "train.clip_grad", ">= 0 (0: no clipping)", self.clip_grad)
         require(self.threads >= 0, "train.threads", ">= 0", self.threads)
@@ -138,10 +148,18 @@ class TrainConfig:
         require(self.max_time >= 0, "train.max_time", ">= 0 minutes (0: no limit)", self.max_time)
         require(self.collective_timeout > 0, "train.collective_timeout", "> 0 minutes", self.collective_timeout)
         require(self.prefetch >= 0, "train.prefetch", ">= 0 (0: no prefetching)", self.prefetch)
-        require(set(self.loggers) <= {"csv", "tensorboard", "wandb"}, "train.loggers", "some of csv, tensorboard, wandb",
-                list(self.loggers))
-        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None, "train.device",
-                "auto, cpu, cuda, cuda:N or mps", self.device)
+        require(
+            set(self.loggers) <= {"csv", "tensorboard", "wandb"},
+            "train.loggers",
+            "some of csv, tensorboard, wandb",
+            list(self.loggers),
+        )
+        require(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device) is not None,
+            "train.device",
+            "auto, cpu, cuda, cuda:N or mps",
+            self.device,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,9 @@ class FinetuneConfig:
     # encoders, the label word as text on T5 and GPT
     head: Literal["auto", "classifier", "text"] = "auto"
     # the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)
-    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = "auto"
+    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = (
+        "auto"
+    )
     head_lr: float = 0.0  # learning rate of the head (0: optim.lr)
     epochs: float = 0.0  # epochs over the training examples (> 0: train.steps is derived from them)
     warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
@@ -186,8 +206,12 @@ class AdapterConfig:
         require(self.rank >= 1, "adapter.rank", ">= 1", self.rank)
         require(self.alpha > 0, "adapter.alpha", "> 0", self.alpha)
         require(0 <= self.dropout < 1, "adapter.dropout", "in [0, 1)", self.dropout)
-        require(bool(self.targets) and set(self.targets) <= set(PARTS), "adapter.targets",
-                f"some of {', '.join(PARTS)}", list(self.targets))
+        require(
+            bool(self.targets) and set(self.targets) <= set(PARTS),
+            "adapter.targets",
+            f"some of {', '.join(PARTS)}",
+            list(self.targets),
+        )
 
 
 @dataclass(frozen=True)
@@ -336,8 +360,13 @@ def parse_override(text: str) -> tuple[str, Any]:
 def to_dict(recipe: Recipe, strategies: bool = True) -> dict:
     """Plain data for YAML, in reading order; the plug-in section under its key (and, unless
     strategies=False, as for a run's config.yaml where they are applied, the strategies table)."""
-    out = {"name": recipe.name, recipe.kind: recipe.plugin, "model": _plain(recipe.model),
-           "tokenizer": _plain(recipe.tokenizer), "data": _plain(recipe.data)}
+    out = {
+        "name": recipe.name,
+        recipe.kind: recipe.plugin,
+        "model": _plain(recipe.model),
+        "tokenizer": _plain(recipe.tokenizer),
+        "data": _plain(recipe.data),
+    }
     if recipe.settings is not None:
         out[recipe.plugin] = _plain(recipe.settings)
     if recipe.finetune is not None:
@@ -350,19 +379,41 @@ def to_dict(recipe: Recipe, strategies: bool = True) -> dict:
 
 
 # what a resumed run may change: how long it trains and how it runs, never what it has trained with
-RESUMABLE_CHANGES = {f"train.{k}" for k in (
-    "steps", "batch_size", "log_interval", "eval_interval", "eval_batches", "ckpt_interval", "keep_checkpoints", "device", "threads",
-    "strategy", "prefetch", "compile", "skip_nonfinite", "loggers", "max_time", "collective_timeout", "precision",
-    "activation_checkpointing", "grad_accum")} | {"finetune.epochs", "finetune.eval_limit"}
+RESUMABLE_CHANGES = {
+    f"train.{k}"
+    for k in (
+        "steps",
+        "batch_size",
+        "log_interval",
+        "eval_interval",
+        "eval_batches",
+        "ckpt_interval",
+        "keep_checkpoints",
+        "device",
+        "threads",
+        "strategy",
+        "prefetch",
+        "compile",
+        "skip_nonfinite",
+        "loggers",
+        "max_time",
+        "collective_timeout",
+        "precision",
+        "activation_checkpointing",
+        "grad_accum",
+    )
+} | {"finetune.epochs", "finetune.eval_limit"}
 
 
 def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
     """(dotted field, old value, new value) for every field that differs."""
+
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
+
     a, b = flat(to_dict(before, strategies=False)), flat(to_dict(after, strategies=False))
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -393,6 +444,7 @@ def replace(obj, **changes):
 
 # --- validation -------------------------------------------------------------------------------
 
+
 def _build_recipe(raw: dict) -> Recipe:
     objective, task = raw.get("objective") or "", raw.get("task") or ""
     if bool(objective) == bool(task):
@@ -404,14 +456,19 @@ def _build_recipe(raw: dict) -> Recipe:
         cls = registry.plugin_class(kind, key)
     except UserError as e:
         raise RecipeError(f"{kind}: {e}") from None
-    allowed = set(COMMON) | ({"finetune", "adapter", "strategies"} if task else set()) | ({key} if cls.Config else set())
+    allowed = (
+        set(COMMON) | ({"finetune", "adapter", "strategies"} if task else set()) | ({key} if cls.Config else set())
+    )
     for k in raw:
         if k not in allowed:
             raise RecipeError(f"{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
     if "model" not in raw:
         raise RecipeError("model: missing section (it needs at least model.family)")
-    kwargs = {f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
-              for f in dataclasses.fields(Recipe) if f.name in raw and f.name not in ("model", "finetune", "adapter", "strategies")}
+    kwargs = {
+        f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
+        for f in dataclasses.fields(Recipe)
+        if f.name in raw and f.name not in ("model", "finetune", "adapter", "strategies")
+    }
     kwargs["strategies"] = {k: dict(v or {}) for k, v in (raw.get("strategies") or {}).items()}
     kwargs["model"] = _build_model(raw["model"], "model")
     if task:
@@ -430,8 +487,11 @@ def _build(cls, raw: Any, path: str):
     for key in raw:
         if key not in names:
             raise RecipeError(f"{_join(path, key)}: unknown key (allowed: {', '.join(sorted(names))})")
-    kwargs = {f.name: _coerce(hints[f.name], raw[f.name], _join(path, f.name))
-              for f in dataclasses.fields(cls) if f.name in raw}
+    kwargs = {
+        f.name: _coerce(hints[f.name], raw[f.name], _join(path, f.name))
+        for f in dataclasses.fields(cls)
+        if f.name in raw
+    }
     try:
         return cls(**kwargs)
     except ValueError as e:  # a section shared by several plug-ins names its fields without the section

@@ -4,6 +4,7 @@
 Values are "module:Class" inside tfcli.objectives / tfcli.tasks, imported on first use, so that
 reading a recipe does not import every plug-in.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,7 @@
 """mkdocs hook: the command-line reference page is generated from the typer app at build time, so it
 can never disagree with `tfcli --help`. The page's marker `<!-- cli-reference -->` becomes each
 command's help text, in the order `tfcli --help` lists them (a group's subcommands after it)."""
+
 from __future__ import annotations
 
 MARKER = "<!-- cli-reference -->"
@@ -8,8 +9,7 @@ WIDTH = 100
 
 
 def _context(command, name: str, parent=None):
-    return command.context_class(command, info_name=name, parent=parent, terminal_width=WIDTH,
-                                 max_content_width=WIDTH)
+    return command.context_class(command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH)
 
 
 def _help(command, path: list[str], parent) -> str:

@@ -2,6 +2,7 @@
 --checkpoint, --set), the one error surface (user_errors), and how a recipe is resolved from a recipe
 name, --set overrides and the shortcut flags. Heavy modules are imported by the functions that need
 them, so that --help and shell completion answer at once."""
+
 from __future__ import annotations
 
 import functools
@@ -45,7 +46,9 @@ TRAINING = {"allow_extra_args": True, "ignore_unknown_options": True}  # bare ke
 SET_HELP = "Override any recipe field, e.g. --set optim.lr=3e-4 (repeatable; a bare optim.lr=3e-4 works too)."
 SEED = typer.Option(None, help="Random seed [default: the recipe's train.seed; 0 for eval].")
 DEVICE = typer.Option(None, help="auto | cpu | cuda | cuda:N [default: the recipe's train.device; auto].")
-PRECISION = typer.Option(None, help="auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 [default: the recipe's train.precision].")
+PRECISION = typer.Option(
+    None, help="auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 [default: the recipe's train.precision]."
+)
 QUIET = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary.")
 CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
 
@@ -54,6 +57,7 @@ def user_errors(fn):
     """One surface for errors: a UserError is `error: <message>` on stderr and exit code 2; a stop on
     Ctrl-C after a checkpoint says how to resume (exit 130); anything else is one line naming where
     the traceback was written (exit 1; TFCLI_DEBUG=1 prints it instead)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -62,17 +66,24 @@ def user_errors(fn):
             typer.echo(f"error: {one_line(str(e))}", err=True)
             raise typer.Exit(2)
         except Interrupted as e:
-            typer.echo(f"interrupted at step {e.step}: a checkpoint was saved; resume with "
-                       f"tfcli {fn.__name__} --resume {e.run_dir}", err=True)
+            typer.echo(
+                f"interrupted at step {e.step}: a checkpoint was saved; resume with "
+                f"tfcli {fn.__name__} --resume {e.run_dir}",
+                err=True,
+            )
             raise typer.Exit(130)
         except (typer.Exit, typer.Abort, KeyboardInterrupt, click_errors.ClickException):
             raise
         except Exception as e:
             if os.environ.get("TFCLI_DEBUG", "0") not in ("0", ""):
                 raise
-            typer.echo(f"error: internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                       f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)", err=True)
+            typer.echo(
+                f"error: internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)",
+                err=True,
+            )
             raise typer.Exit(1)
+
     return wrapper
 
 
@@ -110,8 +121,9 @@ def resolve_recipe(name: str, sets: list[str], shortcuts: dict) -> recipes.Recip
     return recipes.load(name, values)
 
 
-def training_recipe(default: str, recipe: Optional[str], resume: Optional[str], sets: list[str],
-                    shortcuts: dict) -> tuple[recipes.Recipe, Optional[Path]]:
+def training_recipe(
+    default: str, recipe: Optional[str], resume: Optional[str], sets: list[str], shortcuts: dict
+) -> tuple[recipes.Recipe, Optional[Path]]:
     """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml);
     `--resume auto` is the newest unfinished run of that recipe under runs/."""
     if resume is None:
@@ -143,9 +155,11 @@ def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run
     if wrong:
         field, old, new = wrong[0]
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        raise UserError(f"--resume {run}: {field} was {old!r} and cannot change when resuming{more}; a resumed run "
-                        f"continues its saved optimizer, schedule and data (it may change train.steps, intervals, "
-                        f"device and threads); start a new run for {field}={new!r}")
+        raise UserError(
+            f"--resume {run}: {field} was {old!r} and cannot change when resuming{more}; a resumed run "
+            f"continues its saved optimizer, schedule and data (it may change train.steps, intervals, "
+            f"device and threads); start a new run for {field}={new!r}"
+        )
 
 
 def note(text: str) -> None:
@@ -171,8 +185,9 @@ def check_device(device: Optional[str]) -> None:
         raise UserError(f"--device {device}: no CUDA device is available here (use cpu)")
 
 
-def run_training(rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path],
-                 quiet: bool) -> None:
+def run_training(
+    rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path], quiet: bool
+) -> None:
     from ..display import console
     from ..driver import RunRequest, train
 

@@ -15,6 +15,7 @@ the operating system: CPU time and peak resident memory (wait4's rusage) go in t
 Running the same command again finishes the grid: a cell with its eval.json is done and never run
 again; an interrupted cell resumes from its last checkpoint; a failed cell is tried again.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,10 +26,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Optional
-
-from itertools import product
 
 import yaml
 
@@ -36,7 +36,9 @@ from ..errors import UserError
 
 STRATEGIES = ("all", "head", "lora", "ia3", "bitfit")
 POOLINGS = ("cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first")
-_STRATEGY = re.compile(r"^(?:(?P<shots>\d+)-?shots?|(?P<train>[a-z0-9]+)(?P<head>\+head)?(?::(?P<pooling>[a-z0-9-]+))?)$")
+_STRATEGY = re.compile(
+    r"^(?:(?P<shots>\d+)-?shots?|(?P<train>[a-z0-9]+)(?P<head>\+head)?(?::(?P<pooling>[a-z0-9-]+))?)$"
+)
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|ex|examples?|m|min|minutes?|h|hours?|epochs?)\s*$")
 
 
@@ -66,7 +68,9 @@ def parse_budget(text: str) -> Budget:
     """'500steps', '10000ex', '10m', '1h', '1epoch'."""
     m = _BUDGET.match(str(text))
     if not m:
-        raise UserError(f"--budget {text!r}: give steps (500steps), examples (10000ex), time (10m, 1h) or epochs (1epoch)")
+        raise UserError(
+            f"--budget {text!r}: give steps (500steps), examples (10000ex), time (10m, 1h) or epochs (1epoch)"
+        )
     amount, unit = float(m.group(1)), m.group(2)
     if amount <= 0:
         raise UserError(f"--budget {text!r}: must be more than 0")
@@ -116,7 +120,9 @@ def parse_strategy(text: str) -> Strategy:
         return Strategy(text, shots=int(m["shots"]))
     if m["pooling"] and m["pooling"] not in POOLINGS:
         raise UserError(f"compare: strategy {text!r}: unknown pooling {m['pooling']!r} (known: {', '.join(POOLINGS)})")
-    return Strategy(text, train=m["train"], classifier=bool(m["head"]) or m["train"] == "head", pooling=m["pooling"] or "")
+    return Strategy(
+        text, train=m["train"], classifier=bool(m["head"]) or m["train"] == "head", pooling=m["pooling"] or ""
+    )
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ class Grid:
             for b in self.backbones:
                 for s in self.strategies:
                     base = f"{t}-{slugs[b]}-{parse_strategy(s).slug}"
-                    for sets in ([()] if parse_strategy(s).prompting else combos):
+                    for sets in [()] if parse_strategy(s).prompting else combos:
                         suffix = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in (x.split("=", 1) for x in sets))
                         out.append(Cell(t, b, s, base + suffix, sets))
         return out
@@ -164,6 +170,7 @@ class Grid:
 
 def unique_slugs(paths: list[str]) -> dict[str, str]:
     """A short name per backbone: its last path part, with its parent's where two would clash."""
+
     def slug(p: str, depth: int) -> str:
         parts = [x for x in Path(p).parts if x not in ("/", ".", "..")][-depth:]
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(parts)) or "model"
@@ -203,9 +210,18 @@ def parse_lr(text: Optional[str]) -> dict[str, float]:
     return out
 
 
-def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[str], strategies: Optional[str],
-              budget: Optional[str], data: Optional[str], lr: Optional[str], sets: list[str],
-              report_limit: Optional[int] = None, vary: Optional[list[str]] = None) -> Grid:
+def load_grid(
+    path: Optional[Path],
+    tasks: Optional[str],
+    backbones: Optional[str],
+    strategies: Optional[str],
+    budget: Optional[str],
+    data: Optional[str],
+    lr: Optional[str],
+    sets: list[str],
+    report_limit: Optional[int] = None,
+    vary: Optional[list[str]] = None,
+) -> Grid:
     """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set, vary, report_limit)
     with the flags over it."""
     spec: dict = {}
@@ -227,14 +243,23 @@ def load_grid(path: Optional[Path], tasks: Optional[str], backbones: Optional[st
         value = next((spec[k] for k in keys if k in spec), [])
         return [str(v) for v in (value if isinstance(value, list) else split_list(str(value)))]
 
-    grid = Grid(tasks=listed(tasks, "tasks", "task"), backbones=listed(backbones, "from"),
-                strategies=listed(strategies, "train") or ["all"],
-                budget=parse_budget(budget or spec.get("budget") or "1epoch"), data=data or spec.get("data"),
-                lr={**{k: float(v) for k, v in (spec.get("lr") or {}).items()}, **parse_lr(lr)},
-                sets=[f"{k}={v}" for k, v in (spec.get("set") or {}).items()] + list(sets),
-                report_limit=int(report_limit if report_limit is not None else spec.get("report_limit", 0)),
-                vary={**{k: [str(x) for x in (v if isinstance(v, list) else split_list(str(v)))]
-                         for k, v in (spec.get("vary") or {}).items()}, **parse_vary(vary or [])})
+    grid = Grid(
+        tasks=listed(tasks, "tasks", "task"),
+        backbones=listed(backbones, "from"),
+        strategies=listed(strategies, "train") or ["all"],
+        budget=parse_budget(budget or spec.get("budget") or "1epoch"),
+        data=data or spec.get("data"),
+        lr={**{k: float(v) for k, v in (spec.get("lr") or {}).items()}, **parse_lr(lr)},
+        sets=[f"{k}={v}" for k, v in (spec.get("set") or {}).items()] + list(sets),
+        report_limit=int(report_limit if report_limit is not None else spec.get("report_limit", 0)),
+        vary={
+            **{
+                k: [str(x) for x in (v if isinstance(v, list) else split_list(str(v)))]
+                for k, v in (spec.get("vary") or {}).items()
+            },
+            **parse_vary(vary or []),
+        },
+    )
     check(grid)
     return grid
 
@@ -319,8 +344,9 @@ def held_out_count(cell: Cell, grid: Grid, out: Path) -> int:
     from ..tasks.sft import data_spec
 
     recipe = cell_recipe(cell, grid)
-    splits = raw_splits(data_spec(recipe.settings), grid.data, "", recipe.data.val_fraction, recipe.train.seed,
-                        need_train=False)
+    splits = raw_splits(
+        data_spec(recipe.settings), grid.data, "", recipe.data.val_fraction, recipe.train.seed, need_train=False
+    )
     return max((len(rows) for rows, *_ in list(splits.values())[1:]), default=0)
 
 
@@ -330,8 +356,22 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
     with the same settings of the task."""
     strategy, out = cell.strategy, run_dir.parent.parent
     if strategy.prompting:
-        cmd = [sys.executable, "-m", "tfcli", "eval", cell.task, "--quiet", "--checkpoint", cell.backbone,
-               "--few-shot", str(strategy.shots), "--limit", str(grid.report_limit), "--out", str(run_dir / "eval.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tfcli",
+            "eval",
+            cell.task,
+            "--quiet",
+            "--checkpoint",
+            cell.backbone,
+            "--few-shot",
+            str(strategy.shots),
+            "--limit",
+            str(grid.report_limit),
+            "--out",
+            str(run_dir / "eval.json"),
+        ]
         held = held_out_file(cell, grid, out)
         cmd += ["--data", str(held or grid.data)] if grid.data else []
         return cmd + [x for s in task_sets(cell, grid) for x in ("--set", s)]
@@ -356,17 +396,31 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
     out = Path(out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    (out / "grid.yaml").write_text(yaml.safe_dump({"tasks": grid.tasks, "from": grid.backbones, "train": grid.strategies,
-                                                    "budget": str(grid.budget), "data": grid.data, "lr": grid.lr,
-                                                    "set": grid.sets, "vary": grid.vary,
-                                                    "report_limit": grid.report_limit}, sort_keys=False))
+    (out / "grid.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tasks": grid.tasks,
+                "from": grid.backbones,
+                "train": grid.strategies,
+                "budget": str(grid.budget),
+                "data": grid.data,
+                "lr": grid.lr,
+                "set": grid.sets,
+                "vary": grid.vary,
+                "report_limit": grid.report_limit,
+            },
+            sort_keys=False,
+        )
+    )
     cells = grid.cells()
     for i, cell in enumerate(cells, 1):
         run_dir = out / "cells" / cell.name
         if (run_dir / "eval.json").is_file():
             continue
         if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / "config.yaml").is_file():
-            console.print(f"[yellow]skipping {cell.name}:[/] {run_dir} exists but holds no run; remove it to run the cell")
+            console.print(
+                f"[yellow]skipping {cell.name}:[/] {run_dir} exists but holds no run; remove it to run the cell"
+            )
             continue
         cmd = cell_command(cell, grid, run_dir)
         started = time.time()
@@ -392,8 +446,9 @@ def run_cell(cmd: list[str], log):
         _, status, usage = os.wait4(proc.pid, 0)
     except KeyboardInterrupt:
         proc.wait()
-        raise UserError("compare interrupted: the running cell saved a checkpoint; run the same command "
-                        "again to finish the grid") from None
+        raise UserError(
+            "compare interrupted: the running cell saved a checkpoint; run the same command again to finish the grid"
+        ) from None
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage
 
@@ -404,9 +459,15 @@ def record_usage(run_dir: Path, usage, wall_s: float) -> None:
     path = run_dir / "usage.json"
     before = json.loads(path.read_text()) if path.is_file() else {}
     cpu = usage.ru_utime + usage.ru_stime
-    path.write_text(json.dumps({"cpu_s": round(before.get("cpu_s", 0) + cpu, 1),
-                                "wall_s": round(before.get("wall_s", 0) + wall_s, 1),
-                                "peak_rss_mb": round(max(before.get("peak_rss_mb", 0), usage.ru_maxrss / 1024), 1)}))
+    path.write_text(
+        json.dumps(
+            {
+                "cpu_s": round(before.get("cpu_s", 0) + cpu, 1),
+                "wall_s": round(before.get("wall_s", 0) + wall_s, 1),
+                "peak_rss_mb": round(max(before.get("peak_rss_mb", 0), usage.ru_maxrss / 1024), 1),
+            }
+        )
+    )
 
 
 def last_line(log: Path) -> str:
@@ -417,8 +478,13 @@ def last_line(log: Path) -> str:
 def collect(cell: Cell, out: Path) -> dict:
     """One cell's row, from its directory (status only, for a cell that did not finish)."""
     run = out / "cells" / cell.name
-    row: dict = {"cell": cell.name, "task": cell.task, "backbone": cell.backbone, "train": cell.train,
-                 **({"setting": " ".join(cell.sets)} if cell.sets else {})}
+    row: dict = {
+        "cell": cell.name,
+        "task": cell.task,
+        "backbone": cell.backbone,
+        "train": cell.train,
+        **({"setting": " ".join(cell.sets)} if cell.sets else {}),
+    }
     if not (run / "eval.json").is_file():
         log = out / "logs" / f"{cell.name}.log"
         row["status"] = f"failed: {last_line(log)}" if log.is_file() else "not run"
@@ -454,11 +520,15 @@ def training_row(run: Path) -> dict:
         t = config["train"]
         rates = [train[-1]["step"] * t["batch_size"] * t.get("grad_accum", 1) / train[-1]["elapsed_s"]]
     params = record.get("parameters", {})
-    return {"family": config["model"]["family"], "steps": train[-1]["step"] if train else 0,
-            "trained_params": params.get("trained"), "total_params": params.get("total"),
-            "peak_mem_mb": max((m.get("peak_mem_mb", 0) for m in train), default=None),
-            "train_s": train[-1]["elapsed_s"] if train else None,
-            "ex_per_s": round(sorted(rates)[len(rates) // 2], 1) if rates else None}
+    return {
+        "family": config["model"]["family"],
+        "steps": train[-1]["step"] if train else 0,
+        "trained_params": params.get("trained"),
+        "total_params": params.get("total"),
+        "peak_mem_mb": max((m.get("peak_mem_mb", 0) for m in train), default=None),
+        "train_s": train[-1]["elapsed_s"] if train else None,
+        "ex_per_s": round(sorted(rates)[len(rates) // 2], 1) if rates else None,
+    }
 
 
 def prompting_row(cell: Cell, report: dict, splits: list[str], usage: dict) -> dict:
@@ -467,8 +537,13 @@ def prompting_row(cell: Cell, report: dict, splits: list[str], usage: dict) -> d
 
     scored = sum(report[s].get("n", 0) for s in splits)
     wall = usage.get("wall_s")
-    return {"family": family_of(cell.backbone) or "", "steps": 0, "trained_params": 0,
-            "train_s": None, "ex_per_s": round(scored / wall, 1) if wall else None}
+    return {
+        "family": family_of(cell.backbone) or "",
+        "steps": 0,
+        "trained_params": 0,
+        "train_s": None,
+        "ex_per_s": round(scored / wall, 1) if wall else None,
+    }
 
 
 def write_tables(rows: list[dict], out: Path) -> tuple[Path, Path]:
@@ -485,9 +560,24 @@ def write_tables(rows: list[dict], out: Path) -> tuple[Path, Path]:
         if r.get("status") != "done":
             lines.append(f"| {r['cell']} | {r['train']} | " + " | ".join([r["status"]] + [""] * (len(head) - 3)) + " |")
             continue
-        lines.append("| " + " | ".join([r["cell"], r["train"], *(metric_text(r, a) for a in acc), pct(r["majority"]),
-                                        str(r.get("scored") or "-"), params_text(r), mb(r["peak_mem_mb"]),
-                                        seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r)]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["cell"],
+                    r["train"],
+                    *(metric_text(r, a) for a in acc),
+                    pct(r["majority"]),
+                    str(r.get("scored") or "-"),
+                    params_text(r),
+                    mb(r["peak_mem_mb"]),
+                    seconds(r["train_s"]),
+                    seconds(r.get("cpu_s")),
+                    rate(r),
+                ]
+            )
+            + " |"
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     return out / "results.md", out / "results.csv"
 
@@ -550,14 +640,23 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
         at.setdefault((r["trained_params"], round(100 * r[acc], 1)), []).append(str(i))
     for (x, y), numbers in at.items():
         ax.annotate(",".join(numbers), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    key = "\n".join(f"{i:>2}  {Path(r['backbone']).name} {r['train']}  {100 * r[acc]:.1f}%" for i, r in enumerate(done, 1))
+    key = "\n".join(
+        f"{i:>2}  {Path(r['backbone']).name} {r['train']}  {100 * r[acc]:.1f}%" for i, r in enumerate(done, 1)
+    )
     ax.text(1.02, 1.0, key, transform=ax.transAxes, fontsize=7, family="monospace", va="top")
     if done[0].get("majority"):
         ax.axhline(100 * done[0]["majority"], linestyle="--", color="0.5", linewidth=1, label="majority class")
-    prompted = [r for r in rows if r.get("status") == "done" and r.get("trained_params") == 0 and r.get(acc) is not None]
+    prompted = [
+        r for r in rows if r.get("status") == "done" and r.get("trained_params") == 0 and r.get(acc) is not None
+    ]
     for j, r in enumerate(prompted):  # nothing trained: a line at its accuracy, not a point
-        ax.axhline(100 * r[acc], linestyle=":", color=f"C{len(colours) + j}", linewidth=1.2,
-                   label=f"{r['train']} prompting {100 * r[acc]:.1f}%")
+        ax.axhline(
+            100 * r[acc],
+            linestyle=":",
+            color=f"C{len(colours) + j}",
+            linewidth=1.2,
+            label=f"{r['train']} prompting {100 * r[acc]:.1f}%",
+        )
     for family, colour in colours.items():
         ax.scatter([], [], color=colour, label=family)
     for strategy in dict.fromkeys(r["train"] for r in done):
@@ -573,25 +672,43 @@ def chart(rows: list[dict], out: Path) -> Optional[Path]:
 def marker(spec: str) -> str:
     """One marker per training strategy; a classifier head on an adapter is filled differently."""
     strategy = parse_strategy(spec)
-    return dict(zip(STRATEGIES, "osD^v")).get(strategy.train, "o") if not (strategy.classifier and strategy.train != "head") else "P"
+    return (
+        dict(zip(STRATEGIES, "osD^v")).get(strategy.train, "o")
+        if not (strategy.classifier and strategy.train != "head")
+        else "P"
+    )
 
 
 def show(rows: list[dict]) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from ..display import console
 
-    from rich.table import Column
-
     columns = list(dict.fromkeys(k for r in rows for k in r if k.endswith(("_acc", "_loss"))))
     widest = max((len(r["cell"]) for r in rows), default=4)  # the cell names are never cut: the numbers wrap first
-    table = Table(Column("cell", no_wrap=True, min_width=widest), *(c.replace("_acc", "").replace("_", " ") for c in columns),
-                  "majority", "trained",
-                  "peak MB", "time", "CPU", "ex/s", title="tfcli compare (accuracy per split)")
+    table = Table(
+        Column("cell", no_wrap=True, min_width=widest),
+        *(c.replace("_acc", "").replace("_", " ") for c in columns),
+        "majority",
+        "trained",
+        "peak MB",
+        "time",
+        "CPU",
+        "ex/s",
+        title="tfcli compare (accuracy per split)",
+    )
     for r in rows:
         if r.get("status") != "done":
             table.add_row(r["cell"], f"[red]{r['status']}[/]")
             continue
-        table.add_row(r["cell"], *(metric_text(r, c) for c in columns), pct(r["majority"]), params_text(r),
-                      mb(r["peak_mem_mb"]), seconds(r["train_s"]), seconds(r.get("cpu_s")), rate(r))
+        table.add_row(
+            r["cell"],
+            *(metric_text(r, c) for c in columns),
+            pct(r["majority"]),
+            params_text(r),
+            mb(r["peak_mem_mb"]),
+            seconds(r["train_s"]),
+            seconds(r.get("cpu_s")),
+            rate(r),
+        )
     console.print(table)

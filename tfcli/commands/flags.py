@@ -5,11 +5,11 @@ Config), so a flag and its field cannot drift apart.
 The dataclasses are read from their source files, not imported: importing the recipe imports torch,
 and `--help` must answer at once.
 """
+
 from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -20,8 +20,14 @@ import typer
 
 from .. import registry
 
-RECIPE_SECTIONS = {"data": "DataConfig", "optim": "OptimConfig", "schedule": "ScheduleConfig", "train": "TrainConfig",
-                   "finetune": "FinetuneConfig", "adapter": "AdapterConfig"}  # recipe section -> its class in recipe.py
+RECIPE_SECTIONS = {
+    "data": "DataConfig",
+    "optim": "OptimConfig",
+    "schedule": "ScheduleConfig",
+    "train": "TrainConfig",
+    "finetune": "FinetuneConfig",
+    "adapter": "AdapterConfig",
+}  # recipe section -> its class in recipe.py
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,17 @@ class Field:
         return {"int": int, "float": float, "bool": bool}.get(self.annotation, str)
 
 
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _path(module: str) -> Path:
+    """A tfcli module's source file, found without importing it (not even through importlib's find_spec,
+    which loads a module that cli.py made lazy)."""
+    return PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
 def _source(module: str) -> ast.Module:
-    return ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    return ast.parse(_path(module).read_text())
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -59,10 +74,13 @@ def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
     else:
         where, plugin = (registry.TASKS.get(section) or registry.OBJECTIVES[section]).split(":")
         module = f"tfcli.{'tasks' if section in registry.TASKS else 'objectives'}.{where}"
-        config = next(n for n in _class(_source(module), plugin).body if isinstance(n, ast.Assign)
-                      and getattr(n.targets[0], "id", "") == "Config")
+        config = next(
+            n
+            for n in _class(_source(module), plugin).body
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "Config"
+        )
         name = config.value.id
-    path = Path(importlib.util.find_spec(module).origin)
+    path = _path(module)
     return path.read_text().splitlines(), _class(ast.parse(path.read_text()), name)
 
 
@@ -110,9 +128,15 @@ def recipe_flags(*specs: str, after: str, leads: Optional[dict[str, str]] = None
             name = name or path.split(".")[1]
             f = field(path)
             cli = f"--{name.replace('_', '-')}" + (f"/--no-{name.replace('_', '-')}" if f.python_type is bool else "")
-            flags[name] = (path, inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                   default=typer.Option(None, cli, help=help_text(f, leads.get(path, ""))),
-                                                   annotation=Optional[f.python_type]))
+            flags[name] = (
+                path,
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    default=typer.Option(None, cli, help=help_text(f, leads.get(path, ""))),
+                    annotation=Optional[f.python_type],
+                ),
+            )
         params = [p for p in signature.parameters.values() if p.name != "shortcuts"]
         at = [p.name for p in params].index(after) + 1
         params = params[:at] + [p for _, p in flags.values()] + params[at:]

@@ -1,4 +1,5 @@
 """runs, plot, upgrade and recipes: what is on disk, drawn or listed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +20,9 @@ def runs(root: Path = typer.Argument(Path("runs"), help="The directory holding t
 
     table = Table(Column("run", no_wrap=True), "family", "objective / task", "steps", "best", "when")
     for info in list_runs(root):
-        table.add_row(info.path.name, info.family, info.what, f"{info.step:,}/{info.steps:,}", info.best, age(info.when))
+        table.add_row(
+            info.path.name, info.family, info.what, f"{info.step:,}/{info.steps:,}", info.best, age(info.when)
+        )
     console.print(table)
 
 
@@ -39,11 +42,13 @@ def plot(
 
 
 @user_errors
-def upgrade(run: Path = typer.Argument(..., help="A run directory whose checkpoints hold state.pt (tfcli before 0.2).")):
+def upgrade(
+    run: Path = typer.Argument(..., help="A run directory whose checkpoints hold state.pt (tfcli before 0.2)."),
+):
     """Convert a run's pickled training state (state.pt) to state.safetensors + state.json, reading it
     with torch's weights_only loader: a pickle that carries code is refused, not run."""
-    from ..engine.checkpoint import upgrade_legacy
     from ..display import console
+    from ..engine.checkpoint import upgrade_legacy
 
     done = upgrade_legacy(run)
     console.print(f"converted {len(done)} checkpoint(s) of {run}" if done else f"{run}: nothing to convert")
@@ -64,8 +69,14 @@ def recipes_list(ctx: typer.Context):
         shape = f"{m.get('family', '?')} L{m.get('n_layer', '?')} d{m.get('d_model', '?')}"
         plugin = raw.get("objective") or raw.get("task", "")
         preset = (raw.get(plugin) or {}).get("preset") if isinstance(raw.get(plugin), dict) else None
-        table.add_row(name, f"{plugin} ({preset})" if preset else str(plugin), shape, str(t.get("steps", "")),
-                      str(t.get("batch_size", "")), str(o.get("lr", "")))
+        table.add_row(
+            name,
+            f"{plugin} ({preset})" if preset else str(plugin),
+            shape,
+            str(t.get("steps", "")),
+            str(t.get("batch_size", "")),
+            str(o.get("lr", "")),
+        )
     console.print(table)
 
 

@@ -10,6 +10,7 @@ labelled text, image-classify), so anything `finetune` reads, `probe` reads: a t
 Face directory or hub id, a GGUF file. Probes: closed-form ridge regression on one-hot labels (its
 penalty picked on a fifth of the training features) or multinomial logistic regression (L-BFGS).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,16 +52,30 @@ def run(req: ProbeRequest) -> dict[str, dict]:
     for source in req.sources:
         feats = features(req, source)
         depths = chosen_layers(req.layers, len(feats["train"][0]))
-        results[source] = {split: {d: probe_accuracy(feats["train"], x, d, req.method) for d in depths}
-                           for split, x in feats.items() if split != "train"}
+        results[source] = {
+            split: {d: probe_accuracy(feats["train"], x, d, req.method) for d in depths}
+            for split, x in feats.items()
+            if split != "train"
+        }
         majority = majority or {s: float(np.bincount(y).max() / len(y)) for s, (_, y) in feats.items() if s != "train"}
         console.print(table(source, results[source], majority))
     out = Path(req.out or ".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe.json").write_text(json.dumps({"task": req.task, "pooling": req.pooling, "method": req.method,
-                                                "limit": req.limit, "majority": majority,
-                                                "results": {m: {s: {str(d): a for d, a in v.items()} for s, v in r.items()}
-                                                            for m, r in results.items()}}, indent=1))
+    (out / "probe.json").write_text(
+        json.dumps(
+            {
+                "task": req.task,
+                "pooling": req.pooling,
+                "method": req.method,
+                "limit": req.limit,
+                "majority": majority,
+                "results": {
+                    m: {s: {str(d): a for d, a in v.items()} for s, v in r.items()} for m, r in results.items()
+                },
+            },
+            indent=1,
+        )
+    )
     picture = draw(results, majority, out / "probe.png", req)
     console.print(f"wrote {out / 'probe.json'} and {picture}")
     return results
@@ -99,25 +114,30 @@ def features(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.n
 def cache_key(req: ProbeRequest, source: str) -> str:
     """What the features depend on: the model's files (path, size, time), the data's, the task and its
     settings, the sample and the pooling; not the probe (ridge or logistic) nor the layers asked for."""
+
     def stamp(p: Optional[str]) -> str:
         if not p or not Path(p).exists():
             return str(p)
         files = [Path(p)] if Path(p).is_file() else sorted(x for x in Path(p).rglob("*") if x.is_file())[:200]
         return str(Path(p).resolve()) + "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    text = json.dumps([stamp(source), stamp(req.data), req.task, req.sets, req.limit, req.eval_limit, req.pooling,
-                       req.seed], sort_keys=True, default=str)
+
+    text = json.dumps(
+        [stamp(source), stamp(req.data), req.task, req.sets, req.limit, req.eval_limit, req.pooling, req.seed],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Read the model and the task's data as `finetune` would, then every layer's pooled features."""
     from .. import recipe as recipes
-    from ..engine.backbone import family_of, for_inference, unknown_source
-    from ..tasks.presets import task_target
+    from ..data.sampler import sequential_batches
     from ..display import phase
     from ..driver import make_plugin
+    from ..engine.backbone import family_of, for_inference, unknown_source
     from ..engine.runtime import setup_runtime
-    from ..data.sampler import sequential_batches
+    from ..tasks.presets import task_target
 
     key, settings, defaults = task_target(req.task)
     family = family_of(str(source)) if Path(source).exists() else None
@@ -126,16 +146,25 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
     family = family or backbone.family
     plugin_families = make_plugin("task", key, rt, quiet=True).families
     if family not in plugin_families:
-        raise unknown_source("--from", source) if family is None else \
-            UserError(f"probe {req.task}: it reads {' or '.join(plugin_families)} models, not a {family!r}")
-    overrides = {**{f"{key}.{k}": v for k, v in settings.items()}, "finetune.head": "classifier",
-                 "finetune.pooling": {"mean": "mean", "last": "last", "cls": "cls"}.get(req.pooling, req.pooling), **req.sets}
+        raise (
+            unknown_source("--from", source)
+            if family is None
+            else UserError(f"probe {req.task}: it reads {' or '.join(plugin_families)} models, not a {family!r}")
+        )
+    overrides = {
+        **{f"{key}.{k}": v for k, v in settings.items()},
+        "finetune.head": "classifier",
+        "finetune.pooling": {"mean": "mean", "last": "last", "cls": "cls"}.get(req.pooling, req.pooling),
+        **req.sets,
+    }
     plugin = make_plugin("task", key, rt, quiet=True)
     recipe = plugin.resolve(recipes.load(defaults.get(family) or next(iter(defaults.values())), overrides), backbone)
     data = plugin.load(recipe, backbone, req.data)
     head = plugin.head(recipe, backbone, data)
-    splits = {"train": plugin.sample(data.train, req.limit, req.seed),
-              **{s: plugin.sample(d, req.eval_limit, req.seed) for s, d in data.evals.items()}}
+    splits = {
+        "train": plugin.sample(data.train, req.limit, req.seed),
+        **{s: plugin.sample(d, req.eval_limit, req.seed) for s, d in data.evals.items()},
+    }
     out = {}
     model = backbone.model.eval()
     for split, rows in splits.items():
@@ -151,8 +180,9 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
     return out
 
 
-def probe_accuracy(train: tuple[np.ndarray, np.ndarray], held_out: tuple[np.ndarray, np.ndarray], depth: int,
-                   method: str) -> float:
+def probe_accuracy(
+    train: tuple[np.ndarray, np.ndarray], held_out: tuple[np.ndarray, np.ndarray], depth: int, method: str
+) -> float:
     """A linear classifier on layer `depth`'s training features, scored on the held-out ones."""
     (xt, yt), (xe, ye) = (train[0][depth], train[1]), (held_out[0][depth], held_out[1])
     mean, std = xt.mean(0), xt.std(0) + 1e-6
@@ -164,6 +194,7 @@ def probe_accuracy(train: tuple[np.ndarray, np.ndarray], held_out: tuple[np.ndar
 
 def fit_ridge(x: np.ndarray, y: np.ndarray, classes: int):
     """Ridge regression onto one-hot labels (closed form), its penalty picked on a held-out fifth."""
+
     def solve(a, b, lam):
         a1 = np.hstack([a, np.ones((len(a), 1))])  # (N, D + 1) with a bias column
         reg = lam * np.eye(a1.shape[1])
@@ -188,9 +219,10 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, classes: int, l2: float = 1e-3):
 
     def closure():
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(xt @ w + b, yt) + l2 * (w ** 2).sum()
+        loss = torch.nn.functional.cross_entropy(xt @ w + b, yt) + l2 * (w**2).sum()
         loss.backward()
         return loss
+
     opt.step(closure)
     weights, bias = w.detach(), b.detach()
     return lambda a: (torch.from_numpy(a).float() @ weights + bias).argmax(1).numpy()
@@ -204,8 +236,10 @@ def table(source: str, results: dict[str, dict[int, float]], majority: dict[str,
     depths = next(iter(results.values()))
     for d in depths:
         best = [max(results[s].values()) == results[s][d] for s in splits]
-        out.add_row("embeddings" if d == 0 else str(d),
-                    *(f"{'[bold]' if b else ''}{100 * results[s][d]:.2f}%" for s, b in zip(splits, best)))
+        out.add_row(
+            "embeddings" if d == 0 else str(d),
+            *(f"{'[bold]' if b else ''}{100 * results[s][d]:.2f}%" for s, b in zip(splits, best)),
+        )
     out.add_row("majority class", *(f"{100 * majority[s]:.2f}%" for s in splits))
     return out
 

@@ -1,5 +1,6 @@
 """The runs under a directory: what each is, how far it got, its best metric; the newest unfinished
 one of a recipe (`--resume auto`)."""
+
 from __future__ import annotations
 
 import json
@@ -48,10 +49,16 @@ def describe(run: Path) -> Optional[RunInfo]:
             meta = checkpoint.read_meta(run / checkpoint.CHECKPOINTS / latest.read_text().strip())
         except UserError:
             meta = {}
-    return RunInfo(run, str(raw.get("name", "")), str((raw.get("model") or {}).get("family", "?")),
-                   f"{plugin} ({preset})" if preset else str(plugin), int(meta.get("step", 0)),
-                   int((raw.get("train") or {}).get("steps", 0)), _best(run, meta),
-                   (latest if latest.is_file() else config).stat().st_mtime)
+    return RunInfo(
+        run,
+        str(raw.get("name", "")),
+        str((raw.get("model") or {}).get("family", "?")),
+        f"{plugin} ({preset})" if preset else str(plugin),
+        int(meta.get("step", 0)),
+        int((raw.get("train") or {}).get("steps", 0)),
+        _best(run, meta),
+        (latest if latest.is_file() else config).stat().st_mtime,
+    )
 
 
 SCORES = ("acc", "exact_match", "contains_match")  # what a split of eval.json is judged by, by kind of task
@@ -92,7 +99,9 @@ def list_runs(root: Path) -> list[RunInfo]:
 
 def newest_unfinished(root: Path, recipe_name: str) -> Path:
     """`--resume auto`: the newest run of this recipe that has not reached its train.steps."""
-    candidates = [i for i in list_runs(root) if i.recipe == recipe_name and not i.finished] if Path(root).is_dir() else []
+    candidates = (
+        [i for i in list_runs(root) if i.recipe == recipe_name and not i.finished] if Path(root).is_dir() else []
+    )
     if not candidates:
         raise UserError(f"--resume auto: no unfinished run of recipe {recipe_name!r} under {root}/")
     return candidates[0].path

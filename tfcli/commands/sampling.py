@@ -1,4 +1,5 @@
 """generate and chat: a decoder (or encoder-decoder) run, Hugging Face directory or GGUF, sampled with one set of flags."""
+
 from __future__ import annotations
 
 import sys
@@ -11,12 +12,18 @@ from ..errors import UserError
 from .common import DEVICE, PRECISION, QUIET, check_device, newest, user_errors
 
 SAMPLING_HELP = dict(
-    max_new_tokens="Most tokens to generate.", temperature="Sampling temperature; 0 is greedy.",
+    max_new_tokens="Most tokens to generate.",
+    temperature="Sampling temperature; 0 is greedy.",
     top_k="Sample among the k most likely tokens (0: all).",
-    top_p="Nucleus sampling: smallest set with this much probability (1: off).")
-GENERATOR_HELP = "A run or checkpoint, a Hugging Face directory, a GGUF file or a hub id in the local cache " \
-                 "[default: the newest run under runs/ that can generate]."
-TEMPLATE_HELP = "A chat template tfcli ships (chatml, llama-3-instruct, ...) or a .jinja file [default: the model's own]."
+    top_p="Nucleus sampling: smallest set with this much probability (1: off).",
+)
+GENERATOR_HELP = (
+    "A run or checkpoint, a Hugging Face directory, a GGUF file or a hub id in the local cache "
+    "[default: the newest run under runs/ that can generate]."
+)
+TEMPLATE_HELP = (
+    "A chat template tfcli ships (chatml, llama-3-instruct, ...) or a .jinja file [default: the model's own]."
+)
 GENERATOR = typer.Option(None, help=GENERATOR_HELP)
 CHAT_TEMPLATE = typer.Option(None, help=TEMPLATE_HELP)
 TOP_K = typer.Option(50, help=SAMPLING_HELP["top_k"])
@@ -28,8 +35,8 @@ def generator(command: str, checkpoint: Optional[Path], device: Optional[str], k
     """(the backbone a generating command runs, its device): a decoder or encoder-decoder, refused in
     one line otherwise."""
     from ..engine.backbone import for_inference
-    from ..models import families_of, kinds
     from ..engine.runtime import pick_device
+    from ..models import families_of, kinds
 
     wanted = kinds_wanted or kinds.GENERATIVE
     check_device(device)
@@ -37,7 +44,9 @@ def generator(command: str, checkpoint: Optional[Path], device: Optional[str], k
     backbone = for_inference(newest(checkpoint, families=families_of(wanted)), device=str(dev))
     if backbone.model.kind not in wanted:
         described = " or ".join(f"{k} ({', '.join(families_of((k,)))})" for k in wanted)
-        raise UserError(f"{backbone.checkpoint} holds a {backbone.family!r} model; {command} needs a {described} checkpoint")
+        raise UserError(
+            f"{backbone.checkpoint} holds a {backbone.family!r} model; {command} needs a {described} checkpoint"
+        )
     return backbone, dev
 
 
@@ -58,36 +67,57 @@ def generate(
     top_k: int = TOP_K,
     top_p: float = typer.Option(1.0, help=SAMPLING_HELP["top_p"]),
     greedy: bool = GREEDY,
-    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each step (for checking the cache)."),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="Recompute every position each step (for checking the cache)."
+    ),
     seed: Optional[int] = SAMPLING_SEED,
-    images: int = typer.Option(0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."),
+    images: int = typer.Option(
+        0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."
+    ),
     out: Optional[Path] = typer.Option(None, help="--images: the PNG to write [default: RUN/samples.png]."),
-    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
+    device: Optional[str] = DEVICE,
+    precision: Optional[str] = PRECISION,
+    quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made;
     or, from an ImageGPT run (--images N), images."""
     from ..data.chat import for_model
+    from ..engine.runtime import autocast_context
     from ..generate import reply, stream
     from ..models import kinds
-    from ..engine.runtime import autocast_context
 
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    backbone, dev = generator("generate --chat" if chat else "generate", checkpoint, device,
-                              (kinds.DECODER,) if chat else None)
+    backbone, dev = generator(
+        "generate --chat" if chat else "generate", checkpoint, device, (kinds.DECODER,) if chat else None
+    )
     reads_colours = backbone.recipe is not None and backbone.recipe.objective == "igpt"
     if images > 0 or reads_colours:
         if not reads_colours:
-            raise UserError(f"--images needs an igpt run (tfcli pretrain --objective igpt); {backbone.checkpoint} "
-                            f"holds a text model")
+            raise UserError(
+                f"--images needs an igpt run (tfcli pretrain --objective igpt); {backbone.checkpoint} "
+                f"holds a text model"
+            )
         from ..engine.checkpoint import run_dir_of
         from ..objectives.igpt import sample_grid
 
-        path = sample_grid(backbone, images or 8, out or run_dir_of(Path(backbone.checkpoint)) / "samples.png",
-                           0.0 if greedy else temperature, top_k, seed or 0)
+        path = sample_grid(
+            backbone,
+            images or 8,
+            out or run_dir_of(Path(backbone.checkpoint)) / "samples.png",
+            0.0 if greedy else temperature,
+            top_k,
+            seed or 0,
+        )
         typer.echo(f"wrote {path}")
         return
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
-                    top_p=top_p, use_cache=not no_cache, seed=seed)
+    sampling = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=0.0 if greedy else temperature,
+        top_k=top_k,
+        top_p=top_p,
+        use_cache=not no_cache,
+        seed=seed,
+    )
     if chat:
         if not prompt:
             raise UserError("--chat answers --prompt: give the user's message")
@@ -113,26 +143,29 @@ def chat_command(
     top_p: float = typer.Option(0.9, help=SAMPLING_HELP["top_p"]),
     system: Optional[str] = typer.Option(None, help="A system message, kept through /reset."),
     seed: Optional[int] = SAMPLING_SEED,
-    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
+    device: Optional[str] = DEVICE,
+    precision: Optional[str] = PRECISION,
 ):
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
     Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends."""
     from ..data.chat import for_model
+    from ..engine.runtime import autocast_context
     from ..generate import reply
     from ..models import kinds
-    from ..engine.runtime import autocast_context
 
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     backbone, dev = generator("chat", checkpoint, device, (kinds.DECODER,))
     template = for_model(backbone.tokenizer, chat_template)
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k,
-                    top_p=top_p, seed=seed)
+    sampling = dict(
+        max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
     interactive = sys.stdin.isatty()
     if interactive:
-        sys.stdout.write(f"chatting with {backbone.checkpoint} (Ctrl-C stops a reply, /reset starts over, "
-                         f"/exit or Ctrl-D ends)\n")
+        sys.stdout.write(
+            f"chatting with {backbone.checkpoint} (Ctrl-C stops a reply, /reset starts over, /exit or Ctrl-D ends)\n"
+        )
     while True:
         if interactive:
             sys.stdout.write("> ")

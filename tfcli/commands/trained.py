@@ -1,4 +1,5 @@
 """eval and export: what reads a trained run (or a Hugging Face model) and reports on it or writes it out."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,21 +14,36 @@ from .common import CHECKPOINT, DEVICE, PRECISION, QUIET, check_device, newest, 
 
 @user_errors
 def eval_(
-    task: Optional[str] = typer.Argument(None, help="What to evaluate as (mnli, classify, image-classify, mae, ...); omit for the run's own objective or task."),
+    task: Optional[str] = typer.Argument(
+        None,
+        help="What to evaluate as (mnli, classify, image-classify, mae, ...); omit for the run's own objective or task.",
+    ),
     checkpoint: Optional[Path] = CHECKPOINT,
     data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's."),
     batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
     limit: int = typer.Option(0, help="A seeded, class-balanced sample of N examples of each split (0: all)."),
-    out: Optional[Path] = typer.Option(None, help="Write the report (or the MAE picture) here [default: beside the run, eval-<what>.json]."),
+    out: Optional[Path] = typer.Option(
+        None, help="Write the report (or the MAE picture) here [default: beside the run, eval-<what>.json]."
+    ),
     premise: Optional[str] = typer.Option(None, help="MNLI: classify this premise ..."),
     hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the label probabilities."),
     input_: List[str] = typer.Option([], "--input", help="Classify this input (repeat for a pair's second text)."),
-    few_shot: int = typer.Option(-1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."),
-    cloze: bool = typer.Option(False, "--cloze", help="Zero-shot BERT: label words scored at a [MASK] in a template by the MLM head."),
+    few_shot: int = typer.Option(
+        -1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."
+    ),
+    cloze: bool = typer.Option(
+        False, "--cloze", help="Zero-shot BERT: label words scored at a [MASK] in a template by the MLM head."
+    ),
     seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
-    device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION, quiet: bool = QUIET,
-    set_: List[str] = typer.Option([], "--set", help="A setting of the evaluated task, e.g. --set sft.max_new_tokens=64 (repeatable)."),
-    reference: Optional[str] = typer.Option(None, help="dpo: the model rewards are measured against [default: the run's reference]."),
+    device: Optional[str] = DEVICE,
+    precision: Optional[str] = PRECISION,
+    quiet: bool = QUIET,
+    set_: List[str] = typer.Option(
+        [], "--set", help="A setting of the evaluated task, e.g. --set sft.max_new_tokens=64 (repeatable)."
+    ),
+    reference: Optional[str] = typer.Option(
+        None, help="dpo: the model rewards are measured against [default: the run's reference]."
+    ),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, or a task's report."""
     from ..driver import evaluate
@@ -46,31 +62,55 @@ def eval_(
         path, value = recipes.parse_override(item)
         section, _, name = path.partition(".")
         if not name or (key is not None and section != key):
-            raise UserError(f"--set {item}: eval takes settings of the task it runs, e.g. --set "
-                            f"{key or 'sft'}.max_new_tokens=64")
+            raise UserError(
+                f"--set {item}: eval takes settings of the task it runs, e.g. --set {key or 'sft'}.max_new_tokens=64"
+            )
         settings[name] = value
-    evaluate(newest(checkpoint), key, settings, EvalOptions(
-        data=data, limit=limit, batches=batches, out=out, inputs=inputs, few_shot=few_shot, cloze=cloze, seed=seed,
-        device=device or "auto", precision=precision, quiet=quiet, reference=reference), defaults)
+    evaluate(
+        newest(checkpoint),
+        key,
+        settings,
+        EvalOptions(
+            data=data,
+            limit=limit,
+            batches=batches,
+            out=out,
+            inputs=inputs,
+            few_shot=few_shot,
+            cloze=cloze,
+            seed=seed,
+            device=device or "auto",
+            precision=precision,
+            quiet=quiet,
+            reference=reference,
+        ),
+        defaults,
+    )
 
 
 @user_errors
 def export(
     hf: Optional[Path] = typer.Option(None, "--hf", help="Write a Hugging Face transformers directory here."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Write a GGUF file here (llama-family runs: llama.cpp, Ollama, tfcli)."),
+    gguf: Optional[Path] = typer.Option(
+        None, "--gguf", help="Write a GGUF file here (llama-family runs: llama.cpp, Ollama, tfcli)."
+    ),
     gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF matrices: f32, f16 or q8_0 (norms stay f32)."),
-    peft: Optional[Path] = typer.Option(None, "--peft", help="A LoRA run: write its adapters, unmerged, as a PEFT directory here."),
+    peft: Optional[Path] = typer.Option(
+        None, "--peft", help="A LoRA run: write its adapters, unmerged, as a PEFT directory here."
+    ),
     checkpoint: Optional[Path] = CHECKPOINT,
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
+    from ..display import console
+    from ..engine.backbone import from_run
     from ..hf import convert, interop
     from ..hf.gguf import WRITE_TYPES
-    from ..engine.backbone import from_run
-    from ..display import console
 
     if hf is None and gguf is None and peft is None:
-        raise UserError("name what to write: --hf DIR (transformers), --gguf FILE (llama.cpp) and/or --peft DIR "
-                        "(a LoRA run's adapters)")
+        raise UserError(
+            "name what to write: --hf DIR (transformers), --gguf FILE (llama.cpp) and/or --peft DIR "
+            "(a LoRA run's adapters)"
+        )
     if gguf is not None and gguf_type not in WRITE_TYPES:
         raise UserError(f"--gguf-type {gguf_type}: choose {', '.join(WRITE_TYPES)}")
     if gguf is not None and gguf.exists():
@@ -90,5 +130,7 @@ def export(
         console.print(f"wrote {arch} to {hf}\nload it with:  {loads_with}", soft_wrap=True)
     if gguf is not None:
         arch = interop.export_gguf(backbone, backbone.recipe, gguf, gguf_type)
-        console.print(f"wrote a {gguf_type} GGUF ({arch}) to {gguf}\nrun it with:  tfcli generate --checkpoint {gguf}",
-                      soft_wrap=True)
+        console.print(
+            f"wrote a {gguf_type} GGUF ({arch}) to {gguf}\nrun it with:  tfcli generate --checkpoint {gguf}",
+            soft_wrap=True,
+        )

@@ -1,4 +1,5 @@
 """pretrain, prepare and finetune: a recipe resolved from its name, --set and the shortcut flags, run by the driver."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,24 +9,56 @@ import typer
 
 from .. import registry
 from ..errors import UserError
-from .common import (DEVICE, PRECISION, QUIET, SEED, SET_HELP, note, overrides, recipes, run_training, task_target,
-                     training_recipe, user_errors)
+from .common import (
+    DEVICE,
+    PRECISION,
+    QUIET,
+    SEED,
+    SET_HELP,
+    note,
+    overrides,
+    recipes,
+    run_training,
+    task_target,
+    training_recipe,
+    user_errors,
+)
 from .flags import recipe_flags
 
 
-@recipe_flags("data.source:data", "train.steps", "train.batch_size", "optim.lr", after="recipe", leads={
-    "data.source": "training data: builtin, builtin:NAME, files/globs/dirs, a token store, or hf:name[:config]"})
+@recipe_flags(
+    "data.source:data",
+    "train.steps",
+    "train.batch_size",
+    "optim.lr",
+    after="recipe",
+    leads={"data.source": "training data: builtin, builtin:NAME, files/globs/dirs, a token store, or hf:name[:config]"},
+)
 @user_errors
 def pretrain(
     ctx: typer.Context,
-    objective: Optional[str] = typer.Option(None, help="clm (GPT next-token) | mlm | span | mae | electra | igpt [default: the recipe's; clm]."),
+    objective: Optional[str] = typer.Option(
+        None, help="clm (GPT next-token) | mlm | span | mae | electra | igpt [default: the recipe's; clm]."
+    ),
     recipe: Optional[str] = typer.Option(None, help="Recipe name or a YAML path [default: the objective's]."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
-    from_: Optional[str] = typer.Option(None, "--from", help="Continue pretraining these weights: a tfcli run, a Hugging Face directory or hub id [default: a fresh model; --objective defaults to the family's]."),
-    no_nsp: bool = typer.Option(False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."),
-    seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP), quiet: bool = QUIET, shortcuts: Optional[dict] = None,
+    resume: Optional[str] = typer.Option(
+        None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."
+    ),
+    from_: Optional[str] = typer.Option(
+        None,
+        "--from",
+        help="Continue pretraining these weights: a tfcli run, a Hugging Face directory or hub id [default: a fresh model; --objective defaults to the family's].",
+    ),
+    no_nsp: bool = typer.Option(
+        False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."
+    ),
+    seed: Optional[int] = SEED,
+    device: Optional[str] = DEVICE,
+    precision: Optional[str] = PRECISION,
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    quiet: bool = QUIET,
+    shortcuts: Optional[dict] = None,
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE,
     ELECTRA), from scratch or (--from) continuing a pretrained model's weights."""
@@ -33,8 +66,13 @@ def pretrain(
     if from_ is not None and objective is None and recipe is None:
         objective = family_objective(from_)
     default = registry.plugin_class("objective", objective or "clm").default_recipe()
-    shortcuts = {**shortcuts, "objective": objective, "train.device": device, "train.precision": precision,
-                 "train.seed": seed}
+    shortcuts = {
+        **shortcuts,
+        "objective": objective,
+        "train.device": device,
+        "train.precision": precision,
+        "train.seed": seed,
+    }
     rec, resume_dir = training_recipe(default, recipe, resume, overrides(set_, ctx.args), shortcuts)
     if no_nsp:
         if rec.objective != "mlm":
@@ -66,26 +104,34 @@ def family_objective(source: str) -> str:
 
 @user_errors
 def prepare(
-    data: str = typer.Option(..., help="Documents: builtin, files/globs/dirs (comma-separated), or hf:name[:config[:split]]."),
-    tokenizer: str = typer.Option(..., help="gpt2 or bert-base-uncased (shipped), a tokenizer.json or a directory of tokenizer files, or a tfcli run."),
+    data: str = typer.Option(
+        ..., help="Documents: builtin, files/globs/dirs (comma-separated), or hf:name[:config[:split]]."
+    ),
+    tokenizer: str = typer.Option(
+        ...,
+        help="gpt2 or bert-base-uncased (shipped), a tokenizer.json or a directory of tokenizer files, or a tfcli run.",
+    ),
     out: Path = typer.Option(..., help="The store's directory (new or empty)."),
-    objective: str = typer.Option("clm", help="What it is for: clm and span store a token stream; mlm and electra store sentences."),
+    objective: str = typer.Option(
+        "clm", help="What it is for: clm and span store a token stream; mlm and electra store sentences."
+    ),
     workers: int = typer.Option(0, help="Tokenizing processes [default: one per core, at most 8]."),
     text_field: str = typer.Option("text", help="The column holding the text in JSON Lines, CSV and parquet files."),
-    paragraphs: bool = typer.Option(False, "--paragraphs", help="mlm/electra: every blank-line paragraph is a document."),
+    paragraphs: bool = typer.Option(
+        False, "--paragraphs", help="mlm/electra: every blank-line paragraph is a document."
+    ),
     quiet: bool = QUIET,
 ):
     """Tokenize a corpus once, in parallel, to a token store on disk; `pretrain --data OUT` trains on it."""
+    import torch
+
     from ..data.documents import open_source
     from ..data.store import prepare as prepare_store
     from ..data.tokenizers import load_tokenizer_files
     from ..display import configure, console
     from ..driver import new_run_dir
-    from ..models import TEXT_FAMILIES
-
-    import torch
-
     from ..engine.runtime import Runtime
+    from ..models import TEXT_FAMILIES
 
     configure(not quiet)
     plugin = registry.plugin_class("objective", objective)(Runtime(torch.device("cpu")), quiet)
@@ -96,11 +142,20 @@ def prepare(
     source = tokenizer if "/" in tokenizer or Path(tokenizer).exists() else f"builtin:{tokenizer}"
     tok = load_tokenizer_files(source, specials)
     sentences = objective in ("mlm", "electra")
-    store = prepare_store(open_source(data, text_field), tok, out, workers=workers, quiet=quiet,
-                          mode=("paragraphs" if paragraphs else "sentences") if sentences else "text", eos=not sentences)
+    store = prepare_store(
+        open_source(data, text_field),
+        tok,
+        out,
+        workers=workers,
+        quiet=quiet,
+        mode=("paragraphs" if paragraphs else "sentences") if sentences else "text",
+        eos=not sentences,
+    )
     if not quiet:
-        console.print(f"{out}: {len(store):,} tokens ({store.index['dtype']})\n"
-                      f"train on it:  tfcli pretrain --objective {objective} --data {out}")
+        console.print(
+            f"{out}: {len(store):,} tokens ({store.index['dtype']})\n"
+            f"train on it:  tfcli pretrain --objective {objective} --data {out}"
+        )
 
 
 def run_task(run: Path) -> str:
@@ -114,25 +169,60 @@ def run_task(run: Path) -> str:
     return task
 
 
-FINETUNE_FLAGS = ("data.source:data", "train.steps", "finetune.epochs", "train.batch_size", "optim.lr", "finetune.train",
-                  "finetune.head", "finetune.pooling", "finetune.head_lr", "finetune.layer", "finetune.limit",
-                  "classify.text_fields", "classify.label_field", "sft.prompt_field", "sft.response_field",
-                  "sft.chat_template", "sft.train_on", "sft.pack")
+FINETUNE_FLAGS = (
+    "data.source:data",
+    "train.steps",
+    "finetune.epochs",
+    "train.batch_size",
+    "optim.lr",
+    "finetune.train",
+    "finetune.head",
+    "finetune.pooling",
+    "finetune.head_lr",
+    "finetune.layer",
+    "finetune.limit",
+    "classify.text_fields",
+    "classify.label_field",
+    "sft.prompt_field",
+    "sft.response_field",
+    "sft.chat_template",
+    "sft.train_on",
+    "sft.pack",
+)
 
 
-@recipe_flags(*FINETUNE_FLAGS, after="recipe", leads={
-    "data.source": "task data: a file, a directory of split files, or hf:name",
-    "train.steps": "optimizer steps; given, they win over finetune.epochs"})
+@recipe_flags(
+    *FINETUNE_FLAGS,
+    after="recipe",
+    leads={
+        "data.source": "task data: a file, a directory of split files, or hf:name",
+        "train.steps": "optimizer steps; given, they win over finetune.epochs",
+    },
+)
 @user_errors
 def finetune(
     ctx: typer.Context,
-    task: Optional[str] = typer.Argument(None, help=f"Task: {', '.join(registry.TASKS)}, or a preset (mnli, gsm8k) [default with --resume: the run's]."),
-    from_: Optional[str] = typer.Option(None, "--from", help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised]."),
-    recipe: Optional[str] = typer.Option(None, help="Recipe name or YAML path [default: the task's for the --from model's family]."),
+    task: Optional[str] = typer.Argument(
+        None, help=f"Task: {', '.join(registry.TASKS)}, or a preset (mnli, gsm8k) [default with --resume: the run's]."
+    ),
+    from_: Optional[str] = typer.Option(
+        None,
+        "--from",
+        help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised].",
+    ),
+    recipe: Optional[str] = typer.Option(
+        None, help="Recipe name or YAML path [default: the task's for the --from model's family]."
+    ),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[str] = typer.Option(None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."),
-    seed: Optional[int] = SEED, device: Optional[str] = DEVICE, precision: Optional[str] = PRECISION,
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP), quiet: bool = QUIET, shortcuts: Optional[dict] = None,
+    resume: Optional[str] = typer.Option(
+        None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."
+    ),
+    seed: Optional[int] = SEED,
+    device: Optional[str] = DEVICE,
+    precision: Optional[str] = PRECISION,
+    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    quiet: bool = QUIET,
+    shortcuts: Optional[dict] = None,
 ):
     """Finetune a pretrained model on a task."""
     from ..engine.backbone import family_of
@@ -150,14 +240,25 @@ def finetune(
             raise UserError(f"--{name.replace('_', '-')} is an option of finetune {section} (this is {task or key})")
     if shortcuts["train.steps"] is not None and shortcuts["finetune.epochs"] is None:
         shortcuts = {**shortcuts, "finetune.epochs": 0.0}  # --steps wins over the recipe's epochs
-    shortcuts = {**shortcuts, "task": key, "train.device": device, "train.precision": precision, "train.seed": seed,
-                 **{f"{key}.{k}": v for k, v in settings.items()}}
+    shortcuts = {
+        **shortcuts,
+        "task": key,
+        "train.device": device,
+        "train.precision": precision,
+        "train.seed": seed,
+        **{f"{key}.{k}": v for k, v in settings.items()},
+    }
     sets = overrides(set_, ctx.args)
     rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if resume_dir is None and not quiet:
         given = {recipes.parse_override(s)[0] for s in sets} | {k for k, v in shortcuts.items() if v is not None}
-        applied = recipes.strategy_defaults({"strategies": rec.strategies, "finetune": {"train": rec.finetune.train}}, given)
+        applied = recipes.strategy_defaults(
+            {"strategies": rec.strategies, "finetune": {"train": rec.finetune.train}}, given
+        )
         if applied:
-            note(f"--train {rec.finetune.train} uses its defaults " + ", ".join(f"{k}={v}" for k, v in applied.items())
-                  + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)")
+            note(
+                f"--train {rec.finetune.train} uses its defaults "
+                + ", ".join(f"{k}={v}" for k, v in applied.items())
+                + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)"
+            )
     run_training(rec, from_, out, resume_dir, quiet)

@@ -8,6 +8,7 @@ a one-line error. The assistant mask comes from rendering prefixes of the conver
 differencing them (torchtune's approach): the characters an assistant message adds after its
 generation prompt are its reply, so no template needs `{% generation %}` markers.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,12 +72,13 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
         except jinja2.exceptions.SecurityError as e:
-            raise UserError(f"{self.where}: refused: it reaches for what a template may not ({short(str(e), 120)})") from None
+            raise UserError(
+                f"{self.where}: refused: it reaches for what a template may not ({short(str(e), 120)})"
+            ) from None
         except jinja2.exceptions.TemplateError as e:
             raise UserError(f"{self.where}: {short(str(e), 160)}") from None
 
-    def render(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False,
-               **specials: str) -> Rendered:
+    def render(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False, **specials: str) -> Rendered:
         """Ids of the whole conversation and the mask of its assistant replies, each reply's
         end-of-turn token included (whitespace the template writes after it is not). The template
         sees the tokenizer's own special tokens (bos_token, eos_token, ...) unless given."""
@@ -101,11 +103,13 @@ class ChatTemplate:
             through = self.text(messages[: i + 1], **specials).rstrip()  # templates may end in blank lines
             common = len(os.path.commonprefix([previous, through]))
             prompted = self.text(messages[:i], add_generation_prompt=True, **specials)
-            header = prompted[len(os.path.commonprefix([previous, prompted])):].strip()
+            header = prompted[len(os.path.commonprefix([previous, prompted])) :].strip()
             found = through.find(header, common) if header else common
             if found < 0 or not text.startswith(through):
-                raise UserError(f"{self.where}: rendering a longer conversation changes what came before "
-                                f"(message {i + 1}); the assistant replies cannot be told apart")
+                raise UserError(
+                    f"{self.where}: rendering a longer conversation changes what came before "
+                    f"(message {i + 1}); the assistant replies cannot be told apart"
+                )
             start = found + len(header)
             while start < len(through) and through[start].isspace():  # the header's line break, indentation
                 start += 1
@@ -119,7 +123,9 @@ def check_messages(messages: list[dict]) -> None:
         raise UserError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise UserError(f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}")
+            raise UserError(
+                f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}"
+            )
 
 
 @lru_cache(maxsize=32)
@@ -163,6 +169,8 @@ def for_model(tokenizer, name: Optional[str] = None) -> "ChatTemplate":
     if name:
         return ChatTemplate.load(name)
     if not tokenizer.chat_template:
-        raise UserError(f"this model has no chat template; pass --chat-template with one of "
-                        f"{', '.join(shipped_templates())} or a .jinja file")
+        raise UserError(
+            f"this model has no chat template; pass --chat-template with one of "
+            f"{', '.join(shipped_templates())} or a .jinja file"
+        )
     return ChatTemplate(tokenizer.chat_template, "the model's chat template")

@@ -14,6 +14,7 @@ line break, then the reply and the end-of-text token. Either way the token that 
 of turn or end of text) is a target: a model that never learned to emit it never stops. An
 encoder-decoder (T5) reads everything before the last reply and learns to write that reply.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -107,7 +108,7 @@ def built(rows: list, make) -> tuple[list, Counter]:
     for row in rows:
         item = make(row) if isinstance(row, dict) else "skip:not a row of fields"
         if isinstance(item, str):
-            skipped[item[len("skip:"):]] += 1
+            skipped[item[len("skip:") :]] += 1
         else:
             out.append(item)
     return out, skipped
@@ -203,8 +204,15 @@ class DecoderExamples(ExampleBuilder):
     """A decoder's examples: the chat template's rendering (or the base format), `train_on` deciding
     which replies are targets: every assistant reply, all tokens, or the last reply only."""
 
-    def __init__(self, tokenizer, template: Optional[ChatTemplate], train_on: str, max_length: int,
-                 fields: Fields = Fields(), fmt: str = "auto"):
+    def __init__(
+        self,
+        tokenizer,
+        template: Optional[ChatTemplate],
+        train_on: str,
+        max_length: int,
+        fields: Fields = Fields(),
+        fmt: str = "auto",
+    ):
         super().__init__(tokenizer, max_length, fields, fmt)
         if train_on not in TRAIN_ON:
             raise UserError(f"sft.train_on {train_on!r}: choose {', '.join(TRAIN_ON)}")
@@ -253,8 +261,11 @@ class Seq2SeqExamples(ExampleBuilder):
             source = context[0]["content"]
         else:
             source = "\n".join(f"{m['role']}: {m['content']}" for m in context)
-        return Seq2SeqExample(np.array(self.tok.encode(source) + [self.eos]),
-                              np.array(self.tok.encode(last["content"]) + [self.eos]), last["content"])
+        return Seq2SeqExample(
+            np.array(self.tok.encode(source) + [self.eos]),
+            np.array(self.tok.encode(last["content"]) + [self.eos]),
+            last["content"],
+        )
 
 
 def require_targets(split: str, examples: Examples) -> None:
@@ -262,9 +273,17 @@ def require_targets(split: str, examples: Examples) -> None:
     if not examples.examples:
         reasons = ", ".join(f"{n} {why}" for why, n in examples.skipped.most_common(3)) or "no rows"
         missing = any(why.startswith("no '") for why in examples.skipped)
-        fields = (f"; the rows have {', '.join(repr(c) for c in examples.columns)}: name yours with --prompt-field and "
-                  f"--response-field (or --set sft.messages_field=... / sft.text_field=...)") if missing and examples.columns else ""
+        fields = (
+            (
+                f"; the rows have {', '.join(repr(c) for c in examples.columns)}: name yours with --prompt-field and "
+                f"--response-field (or --set sft.messages_field=... / sft.text_field=...)"
+            )
+            if missing and examples.columns
+            else ""
+        )
         raise UserError(f"sft {split}: no usable example ({reasons}){fields}")
     if examples.trained_tokens == 0:
-        raise UserError(f"sft {split}: no token is trained (the replies are empty or the template hides them); "
-                        f"check sft.train_on and the chat template")
+        raise UserError(
+            f"sft {split}: no token is trained (the replies are empty or the template hides them); "
+            f"check sft.train_on and the chat template"
+        )

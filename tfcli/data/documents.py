@@ -9,6 +9,7 @@ Documents that are empty or only whitespace are skipped.
 Every source has a fingerprint (its files' paths, sizes and modification times; a dataset's id and
 Arrow fingerprint), which names its tokenized copy in the cache (tfcli.data.store).
 """
+
 from __future__ import annotations
 
 import csv
@@ -176,8 +177,9 @@ def _parquet_rows(path: Path, field: str) -> Iterator[dict]:
     try:
         table = pq.ParquetFile(path)
         if field not in table.schema_arrow.names:
-            raise UserError(f"{path}: no {field!r} field (columns: {listing(table.schema_arrow.names)}); "
-                            f"set data.text_field")
+            raise UserError(
+                f"{path}: no {field!r} field (columns: {listing(table.schema_arrow.names)}); set data.text_field"
+            )
         for batch in table.iter_batches(columns=[field], batch_size=1024):
             yield from batch.to_pylist()
     except UserError:

@@ -2,6 +2,7 @@
 `sampler.Source`. Every random choice (crop, flip, MAE's masking noise) is drawn from the
 example's own random stream, so a resumed run sees exactly the crops it would have seen.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UserError
-from .sampler import Draw, Source
 from .images import ImageSet
+from .sampler import Draw, Source
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,12 @@ class ImageTransform:
             side = min(h, w)
             top, left, ch, cw = (h - side) // 2, (w - side) // 2, side, side
         # one copy to fp32, which is also writable (the image may be a read-only memory map)
-        x = torch.from_numpy(np.array(image[top: top + ch, left: left + cw], dtype=np.float32))
+        x = torch.from_numpy(np.array(image[top : top + ch, left : left + cw], dtype=np.float32))
         x = x.permute(2, 0, 1).div_(255.0)  # (3, ch, cw) in [0, 1]
         if (ch, cw) != (self.size, self.size):
-            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", align_corners=False,
-                              antialias=True)[0].clamp_(0.0, 1.0)
+            x = F.interpolate(
+                x[None], size=(self.size, self.size), mode="bilinear", align_corners=False, antialias=True
+            )[0].clamp_(0.0, 1.0)
         if self.train and self.hflip and rng.random() < 0.5:
             x = x.flip(-1)
         return self.normalize(x)
@@ -103,8 +105,10 @@ def check_images(images: ImageSet, patch_size: int, where: str) -> None:
     """Images smaller than one patch cannot be seen by a ViT: say so instead of training on them."""
     side = images.min_side()
     if len(images) and side < patch_size:
-        raise UserError(f"{where}: images as small as {side}x{side} pixels, smaller than one "
-                        f"{patch_size}x{patch_size} patch of the model")
+        raise UserError(
+            f"{where}: images as small as {side}x{side} pixels, smaller than one "
+            f"{patch_size}x{patch_size} patch of the model"
+        )
 
 
 class ImageSource(Source):

@@ -5,6 +5,7 @@ Every loader returns `ImageSplits` of uint8 RGB arrays (H, W, 3), labels when th
 them, and the count of files it had to skip. Odd modes (grayscale, palette, RGBA, 16-bit) are
 converted to RGB; unreadable files are skipped and counted, never a traceback.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,24 @@ from .sources import load_hub_dataset, quiet_datasets
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MAX_SIDE = 512  # larger images are shrunk on load (keeps memory bounded; crops are small anyway)
-BUILTIN_PHOTOS = ["astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png",
-                  "motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "ihc.png", "camera.png",
-                  "coins.png", "moon.png", "grass.png", "gravel.png", "brick.png", "page.png"]
+BUILTIN_PHOTOS = [
+    "astronaut.png",
+    "coffee.png",
+    "chelsea.png",
+    "rocket.jpg",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "hubble_deep_field.jpg",
+    "retina.jpg",
+    "ihc.png",
+    "camera.png",
+    "coins.png",
+    "moon.png",
+    "grass.png",
+    "gravel.png",
+    "brick.png",
+    "page.png",
+]
 BUILTIN_TILE = 64
 
 
@@ -105,8 +121,9 @@ def load_images(source: str, val_fraction: float = 0.1, seed: int = 0) -> ImageS
         elif path.is_dir():
             splits = _from_folder(path)
         else:
-            raise UserError(f"unsupported image data {source} (use a folder of images, a .npz file, "
-                            f"'builtin' or hf:name)")
+            raise UserError(
+                f"unsupported image data {source} (use a folder of images, a .npz file, 'builtin' or hf:name)"
+            )
     if len(splits.train) == 0:
         raise UserError(f"no readable images in {source}")
     if splits.test is None and val_fraction > 0:
@@ -119,11 +136,13 @@ def hold_out(splits: ImageSplits, fraction: float, seed: int) -> ImageSplits:
     n = len(splits.train)
     order = np.random.default_rng(seed).permutation(n)
     n_test = max(1, int(n * fraction)) if n > 1 else 0
-    return ImageSplits(splits.train.take(np.sort(order[n_test:])), splits.train.take(np.sort(order[:n_test])),
-                       splits.skipped)
+    return ImageSplits(
+        splits.train.take(np.sort(order[n_test:])), splits.train.take(np.sort(order[:n_test])), splits.skipped
+    )
 
 
 # --- pixels ---------------------------------------------------------------------------------
+
 
 def to_rgb(image) -> np.ndarray:
     """A Pillow image of any mode -> uint8 (H, W, 3); transparency composited on white."""
@@ -138,8 +157,9 @@ def to_rgb(image) -> np.ndarray:
         span = max(a.max() - a.min(), 1e-9)
         image = Image.fromarray(((a - a.min()) / span * 255).astype(np.uint8))
     elif image.mode == "F":
-        image = Image.fromarray(np.clip(np.asarray(image) * (255 if np.asarray(image).max() <= 1 else 1),
-                                        0, 255).astype(np.uint8))
+        image = Image.fromarray(
+            np.clip(np.asarray(image) * (255 if np.asarray(image).max() <= 1 else 1), 0, 255).astype(np.uint8)
+        )
     if max(image.size) > MAX_SIDE:
         image = image.copy()
         image.thumbnail((MAX_SIDE, MAX_SIDE))
@@ -184,6 +204,7 @@ def as_uint8_rgb(x: np.ndarray, where: str) -> np.ndarray:
 
 
 # --- sources --------------------------------------------------------------------------------
+
 
 def _from_npz(path: Path) -> ImageSplits:
     """x_train / y_train (and x_test / y_test, class_names) as in cifar10_subset.npz."""
@@ -248,7 +269,9 @@ def _read_folder(root: Path, class_names: Optional[list[str]]) -> tuple[ImageSet
         return image
 
     images = LazyImages(read, len(kept), np.array(sizes, dtype=np.int64).reshape(-1, 2))
-    return ImageSet(images, np.array(labels, dtype=np.int64) if classes else None, list(classes)), len(files) - len(kept)
+    return ImageSet(images, np.array(labels, dtype=np.int64) if classes else None, list(classes)), len(files) - len(
+        kept
+    )
 
 
 def image_size(path: Path) -> Optional[tuple[int, int]]:
@@ -309,8 +332,10 @@ def builtin_images() -> ImageSplits:
     Works offline with nothing downloaded; every tenth tile is held out as the test split."""
     spec = importlib.util.find_spec("skimage")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the built-in images are scikit-image's bundled photos: pip install scikit-image "
-                        "(or pass --data with your own images)")
+        raise UserError(
+            "the built-in images are scikit-image's bundled photos: pip install scikit-image "
+            "(or pass --data with your own images)"
+        )
     folder = Path(list(spec.submodule_search_locations)[0]) / "data"
     tiles, labels, names = [], [], []
     for name in BUILTIN_PHOTOS:
@@ -322,7 +347,7 @@ def builtin_images() -> ImageSplits:
         H, W, _ = photo.shape
         for top in range(0, H - BUILTIN_TILE + 1, BUILTIN_TILE):
             for left in range(0, W - BUILTIN_TILE + 1, BUILTIN_TILE):
-                tiles.append(photo[top: top + BUILTIN_TILE, left: left + BUILTIN_TILE])
+                tiles.append(photo[top : top + BUILTIN_TILE, left : left + BUILTIN_TILE])
                 labels.append(label)
     if not tiles:
         raise UserError(f"no built-in photos found in {folder}")

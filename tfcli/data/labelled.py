@@ -5,6 +5,7 @@ A row whose text fields are missing or empty, or whose label is blank, '-' or ne
 gold label"), is skipped and counted. A label outside a fixed label set, or a column that no row
 has, is a one-line error naming the file.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,13 +46,16 @@ class Split:
         return np.array([y for _, y in self.rows], dtype=np.int64)
 
 
-def load_splits(spec: TextSpec, source: str, val_source: str = "", val_fraction: float = 0.1,
-                seed: int = 0, need_train: bool = True) -> tuple[dict[str, Split], tuple[str, ...]]:
+def load_splits(
+    spec: TextSpec, source: str, val_source: str = "", val_fraction: float = 0.1, seed: int = 0, need_train: bool = True
+) -> tuple[dict[str, Split], tuple[str, ...]]:
     """Every split of `spec` as usable rows, and the label names in id order. need_train=False
     (evaluation): a directory may hold the evaluation splits alone; the training split is then empty."""
     raw = raw_splits(spec, source, val_source, val_fraction, seed, need_train)
     train_split = spec.splits[0]
-    learn_from = train_split if raw[train_split][0] else next(s for s in spec.splits if raw[s][0] or s == spec.splits[-1])
+    learn_from = (
+        train_split if raw[train_split][0] else next(s for s in spec.splits if raw[s][0] or s == spec.splits[-1])
+    )
     labels = spec.labels or _learn_labels(raw[learn_from][0], spec, raw[learn_from][2])
     return {name: _rows(spec, *split, labels) for name, split in raw.items()}, labels
 
@@ -71,8 +75,9 @@ def balanced_sample(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
     return np.sort(np.array(picked))
 
 
-def raw_splits(spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int,
-                need_train: bool = True) -> dict:
+def raw_splits(
+    spec: TextSpec, source: str, val_source: str, val_fraction: float, seed: int, need_train: bool = True
+) -> dict:
     """{split: (row dicts, rows skipped while reading, where they came from, their row numbers there)}."""
     if not source:
         if spec.hub is None:
@@ -115,8 +120,10 @@ def _directory_splits(directory: Path, spec: TextSpec, need_train: bool) -> dict
     if absent:
         from ..display import console
 
-        console.print(f"[yellow]note:[/] {directory} has no {' or '.join(absent)} file: "
-                      f"{'scoring' if not need_train else 'evaluating on'} {', '.join(present)} only")
+        console.print(
+            f"[yellow]note:[/] {directory} has no {' or '.join(absent)} file: "
+            f"{'scoring' if not need_train else 'evaluating on'} {', '.join(present)} only"
+        )
     return {first: _split_file(directory, first, optional=not need_train), **present}
 
 
@@ -139,8 +146,9 @@ def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
 
 
 def _hub_split(name: str, config: Optional[str], split: str) -> tuple:
-    ds = load_hub_dataset(name, config, split, instead="pass --data with local files (a directory of "
-                                                       "train/dev files, or one file)")
+    ds = load_hub_dataset(
+        name, config, split, instead="pass --data with local files (a directory of train/dev files, or one file)"
+    )
     return _numbered(ds.to_list(), 0, f"hf:{name}" + (f":{config}" if config else "") + f" {split}")
 
 
@@ -151,8 +159,10 @@ def _held_out(train: tuple, train_name: str, fraction: float, seed: int) -> dict
     order = np.random.default_rng([seed, 4242]).permutation(len(rows))
     n_dev = max(1, int(len(rows) * fraction))
     dev, kept = sorted(order[:n_dev]), sorted(order[n_dev:])
-    return {train_name: ([rows[i] for i in kept], skipped, where, [numbers[i] for i in kept]),
-            "dev": ([rows[i] for i in dev], 0, f"{where} (held-out {fraction:g})", [numbers[i] for i in dev])}
+    return {
+        train_name: ([rows[i] for i in kept], skipped, where, [numbers[i] for i in kept]),
+        "dev": ([rows[i] for i in dev], 0, f"{where} (held-out {fraction:g})", [numbers[i] for i in dev]),
+    }
 
 
 def _field(spec: TextSpec, name: str, present: list[str], where: str) -> str:
@@ -160,8 +170,9 @@ def _field(spec: TextSpec, name: str, present: list[str], where: str) -> str:
     for candidate in (name, *spec.aliases.get(name, ())):
         if candidate in present:
             return candidate
-    raise UserError(f"{where}: no column {name!r} (columns: {listing(present) or 'none'}); "
-                    f"set the task's text and label fields")
+    raise UserError(
+        f"{where}: no column {name!r} (columns: {listing(present) or 'none'}); set the task's text and label fields"
+    )
 
 
 def _label_id(value, labels: tuple[str, ...], where: str, n: int) -> Optional[int]:
@@ -193,14 +204,17 @@ def _learn_labels(rows: list[dict], spec: TextSpec, where: str) -> tuple[str, ..
     if len(values) < 2:
         raise UserError(f"{where}: column {col!r} has {len(values)} distinct label(s); classification needs 2 or more")
     if len(values) > MAX_LABELS or (len(values) > 20 and len(values) > len(rows) // 2):
-        raise UserError(f"{where}: column {col!r} has {len(values):,} distinct values in {len(rows):,} rows "
-                        f"({listing(sorted(values), 3)}): not a label column; name the labels' column with --label-field")
+        raise UserError(
+            f"{where}: column {col!r} has {len(values):,} distinct values in {len(rows):,} rows "
+            f"({listing(sorted(values), 3)}): not a label column; name the labels' column with --label-field"
+        )
     numeric = all(v.isdigit() for v in values)
     return tuple(sorted(values, key=int if numeric else str))
 
 
-def _rows(spec: TextSpec, rows: list[dict], skipped: int, where: str, numbers: list[int],
-          labels: tuple[str, ...]) -> Split:
+def _rows(
+    spec: TextSpec, rows: list[dict], skipped: int, where: str, numbers: list[int], labels: tuple[str, ...]
+) -> Split:
     present = columns(rows)
     if not rows:
         return Split([], skipped, where)

@@ -6,6 +6,7 @@ then attends within a document only (block-diagonal causal attention), learned p
 at each document, and the target that would cross into the next document is not scored, so a
 packed block's loss is the loss of its documents run alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ class TokenSpan:
         return np.searchsorted(self.store.doc_ends, self.start + positions, side="right")
 
 
-def split_stores(train: TokenStore, val: Optional[TokenStore], val_fraction: float, block: int) -> tuple[TokenSpan, TokenSpan]:
+def split_stores(
+    train: TokenStore, val: Optional[TokenStore], val_fraction: float, block: int
+) -> tuple[TokenSpan, TokenSpan]:
     """The training span and the held-out span: a separate store (data.val_source), or the last
     `val_fraction` of the training stream (contiguous, so no block straddles the split)."""
     if val is not None:
@@ -52,8 +55,10 @@ def split_stores(train: TokenStore, val: Optional[TokenStore], val_fraction: flo
     if len(train_span) < block + 1:
         raise UserError(f"training data has {len(train_span)} tokens, fewer than one block of {block + 1}")
     if val is None and val_fraction > 0 and len(val_span) < block + 1:
-        raise UserError(f"held-out data has {len(val_span)} tokens, fewer than one block of {block + 1}; "
-                        f"raise data.val_fraction or give data.val_source")
+        raise UserError(
+            f"held-out data has {len(val_span)} tokens, fewer than one block of {block + 1}; "
+            f"raise data.val_fraction or give data.val_source"
+        )
     return train_span, val_span
 
 
@@ -82,7 +87,7 @@ class BlockSource(Source):
 
     def blocks(self, starts: list[int]) -> torch.Tensor:
         """(B, seq_len + 1) int64 token blocks beginning at `starts` (read from the store now)."""
-        rows = np.stack([self.tokens[s: s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        rows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         return torch.from_numpy(rows)
 
     def batch(self, draw: Draw) -> dict[str, torch.Tensor]:
@@ -98,8 +103,11 @@ class BlockSource(Source):
 def within_documents(pair: dict[str, torch.Tensor], docs: torch.Tensor) -> dict[str, torch.Tensor]:
     """data.document_mask for a shifted pair: `docs` (B, T + 1) numbers each token's document; the
     inputs get their doc_ids (B, T) and a target in another document than its input is ignored."""
-    return {**pair, "doc_ids": docs[:, :-1],
-            "targets": pair["targets"].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE)}
+    return {
+        **pair,
+        "doc_ids": docs[:, :-1],
+        "targets": pair["targets"].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE),
+    }
 
 
 def documents_from_eos(blocks: np.ndarray, eos: int) -> np.ndarray:

@@ -3,6 +3,7 @@ by k-means over training pixels, every pixel replaced by its nearest colour's in
 raster order. Pure functions (and one Source), shared by the igpt objective, image classification
 from an igpt run, and the pictures `tfcli generate --images` draws.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UserError
-from .sampler import Draw, Source
 from .images import ImageSet
+from .sampler import Draw, Source
 
 PALETTE_FILE = "palette.json"  # an igpt run's colours and image side (and a classifier's trained from it)
 
@@ -24,7 +25,7 @@ def square(image: np.ndarray, side: int) -> np.ndarray:
     """uint8 (H, W, 3) -> uint8 (side, side, 3): the central square, resized (antialiased)."""
     h, w, _ = image.shape
     s = min(h, w)
-    x = torch.from_numpy(np.ascontiguousarray(image[(h - s) // 2: (h - s) // 2 + s, (w - s) // 2: (w - s) // 2 + s]))
+    x = torch.from_numpy(np.ascontiguousarray(image[(h - s) // 2 : (h - s) // 2 + s, (w - s) // 2 : (w - s) // 2 + s]))
     x = x.permute(2, 0, 1).float()[None]  # (1, 3, s, s)
     if s != side:
         x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False, antialias=True)
@@ -33,14 +34,17 @@ def square(image: np.ndarray, side: int) -> np.ndarray:
 
 def squares(images: ImageSet, side: int) -> np.ndarray:
     """Every image of the set as uint8 (N, side, side, 3)."""
-    return np.stack([square(images.images[i], side) for i in range(len(images))]) if len(images) else \
-        np.zeros((0, side, side, 3), dtype=np.uint8)
+    return (
+        np.stack([square(images.images[i], side) for i in range(len(images))])
+        if len(images)
+        else np.zeros((0, side, side, 3), dtype=np.uint8)
+    )
 
 
 def nearest(x: Tensor, colours: Tensor, chunk: int = 32768) -> tuple[Tensor, Tensor]:
     """(N, 3) pixels -> the index (N,) of each one's nearest colour and the distance to it, in chunks
     (a (N, k) distance matrix of a large sample would not fit)."""
-    found = [torch.cdist(x[i: i + chunk], colours).min(1) for i in range(0, len(x), chunk)]
+    found = [torch.cdist(x[i : i + chunk], colours).min(1) for i in range(0, len(x), chunk)]
     if not found:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0)
     return torch.cat([f.indices for f in found]), torch.cat([f.values for f in found])

@@ -11,6 +11,7 @@ Rows come as
 A pair whose replies are identical or empty, whose prompt alone fills the context, or that is longer
 than the model reads is skipped and counted by reason.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,10 +19,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .conversations import Example, ExampleBuilder, built, why_out_of_order
-from .chat import check_messages
-
 from ..errors import UserError
+from .chat import check_messages
+from .conversations import Example, ExampleBuilder, built, why_out_of_order
 
 _TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 ROLES = {"Human": "user", "Assistant": "assistant"}
@@ -74,8 +74,13 @@ def reply_text(value) -> Optional[str]:
     """A reply given as text or as [{role: assistant, content}]."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) and \
-            value[0].get("role") == "assistant" and isinstance(value[0].get("content"), str):
+    if (
+        isinstance(value, list)
+        and len(value) == 1
+        and isinstance(value[0], dict)
+        and value[0].get("role") == "assistant"
+        and isinstance(value[0].get("content"), str)
+    ):
         return value[0]["content"]
     return None
 
@@ -121,7 +126,9 @@ class PairBuilder:
         messages, chosen, rejected = parsed
         if why_out_of_order(messages + [{"role": "assistant", "content": chosen}]):
             return "skip:roles out of order"
-        built = [self.examples.within_length(self.examples.build(messages + [{"role": "assistant", "content": reply}]))
-                 for reply in (chosen, rejected)]
+        built = [
+            self.examples.within_length(self.examples.build(messages + [{"role": "assistant", "content": reply}]))
+            for reply in (chosen, rejected)
+        ]
         why = next((b for b in built if isinstance(b, str)), None)
         return why if why is not None else Pair(*built)

@@ -8,6 +8,7 @@ position in the epoch), which is what masking, span noise or crops draw from. Be
 follows the example and not the process, the data a run sees does not depend on how many
 processes share it, and a resumed run continues exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,7 +61,7 @@ def grouped_order(lengths: np.ndarray, rng: np.random.Generator, batch: int, gro
     order = np.concatenate([p[np.argsort(-lengths[p], kind="stable")] for p in parts])
     full = len(order) // batch
     batches = order[: full * batch].reshape(full, batch)[rng.permutation(full)]
-    return np.concatenate([batches.reshape(-1), order[full * batch:]])
+    return np.concatenate([batches.reshape(-1), order[full * batch :]])
 
 
 class Sampler:
@@ -80,8 +81,11 @@ class Sampler:
             if self.source.shuffle:
                 rng = np.random.default_rng([self.seed, epoch])
                 lengths = self.source.lengths
-                order = rng.permutation(n) if lengths is None else \
-                    grouped_order(lengths, rng, self.batch_size * self.world_size)
+                order = (
+                    rng.permutation(n)
+                    if lengths is None
+                    else grouped_order(lengths, rng, self.batch_size * self.world_size)
+                )
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order
         return self._orders[epoch]
@@ -118,7 +122,9 @@ class Sampler:
 
     def load_state_dict(self, state: dict) -> None:
         if "epoch" not in state:
-            raise UserError("this checkpoint was written by a run that streamed its data; resume it with data.streaming true")
+            raise UserError(
+                "this checkpoint was written by a run that streamed its data; resume it with data.streaming true"
+            )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
@@ -154,7 +160,7 @@ class StreamSampler:
         examples = self.stream.next_examples(self.batch_size * self.world_size)
         first = self.consumed + self.rank * self.batch_size
         self.consumed += len(examples)
-        mine = examples[self.rank * self.batch_size: (self.rank + 1) * self.batch_size]
+        mine = examples[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         rngs = [np.random.default_rng([self.seed, STREAM_EPOCH, first + i]) for i in range(len(mine))]
         return self.stream.batch(mine, rngs)
 
@@ -163,8 +169,9 @@ class StreamSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if "stream" not in state:
-            raise UserError("this checkpoint was written by a run that did not stream its data; "
-                            "resume it with data.streaming false")
+            raise UserError(
+                "this checkpoint was written by a run that did not stream its data; resume it with data.streaming false"
+            )
         self.consumed = int(state["consumed"])
         self.stream.load_state_dict(state["stream"])
 
@@ -180,8 +187,9 @@ class PaddingBatch(dict):
     collective, so every rank runs as many held-out batches as rank 0; its metrics are not counted."""
 
 
-def sequential_batches(source: Source, batch_size: int, seed: int, max_batches: int = 0, rank: int = 0,
-                       world_size: int = 1) -> Iterator[dict[str, Tensor]]:
+def sequential_batches(
+    source: Source, batch_size: int, seed: int, max_batches: int = 0, rank: int = 0, world_size: int = 1
+) -> Iterator[dict[str, Tensor]]:
     """Held-out batches: examples 0, 1, 2, ... of epoch 0 in order, each with the same random
     stream every time, so evaluations compare (max_batches 0: every example once). Every rank gets
     the same number of batches: a rank whose share of the last global batch is empty gets a

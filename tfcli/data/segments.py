@@ -16,6 +16,7 @@ i x max_tokens of the corpus (the grid shifts every epoch), and is built from th
   segment  whole sentences from that one on, crossing documents with an extra [SEP], up to
            max_tokens (RoBERTa's FULL-SENTENCES); a longer sentence is cut.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class Corpus:
         return int(self.store.sent_ends[s - 1]) if s > 0 else 0
 
     def sentence(self, s: int) -> np.ndarray:
-        return np.asarray(self.store.tokens[self.sentence_start(s): int(self.store.sent_ends[s])], dtype=np.int64)
+        return np.asarray(self.store.tokens[self.sentence_start(s) : int(self.store.sent_ends[s])], dtype=np.int64)
 
     @property
     def first_sentence(self) -> int:
@@ -82,8 +83,9 @@ def split_corpus(store: TokenStore, val_fraction: float) -> tuple[Corpus, Corpus
     return Corpus(store, 0, n - n_val), Corpus(store, n - n_val, n)
 
 
-def pair_at(corpus: Corpus, offset: int, max_tokens: int, rng: np.random.Generator,
-            short_seq_prob: float = 0.1) -> tuple[np.ndarray, np.ndarray, int]:
+def pair_at(
+    corpus: Corpus, offset: int, max_tokens: int, rng: np.random.Generator, short_seq_prob: float = 0.1
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(A, B, label) for the example at token `offset`: label 0 = IsNext, 1 = NotNext;
     len(A) + len(B) <= max_tokens."""
     target = max_tokens if rng.random() >= short_seq_prob else int(rng.integers(2, max_tokens + 1))
@@ -126,7 +128,7 @@ def _random_segment(corpus: Corpus, doc: int, length: int, rng: np.random.Genera
     sents = corpus.doc_sentences(other)
     start = corpus.sentence_start(int(rng.integers(sents.start, sents.stop)))
     end = corpus.sentence_start(sents.stop)
-    return np.asarray(corpus.store.tokens[start: min(end, start + length)], dtype=np.int64)
+    return np.asarray(corpus.store.tokens[start : min(end, start + length)], dtype=np.int64)
 
 
 def _truncate(a: np.ndarray, b: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +139,7 @@ def _truncate(a: np.ndarray, b: np.ndarray, max_tokens: int) -> tuple[np.ndarray
             la -= 1
         else:
             lb -= 1
-    return a[len(a) - la:], b[:lb]
+    return a[len(a) - la :], b[:lb]
 
 
 def segment_at(corpus: Corpus, offset: int, max_tokens: int, sep_id: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 directories), and the Hugging Face hub (one-line errors when it cannot be reached). Reading the
 documents themselves is tfcli.data.documents; labelled tables, tfcli.data.labelled.
 """
+
 from __future__ import annotations
 
 import ast
@@ -58,7 +59,7 @@ def expand_paths(source: str) -> list[Path]:
         if part == "builtin":  # e.g. 'builtin,my/texts/': the built-in corpus plus files
             files.append(builtin_corpus_file())
         elif part.startswith("builtin:"):  # a text that ships with tfcli, e.g. builtin:tinyshakespeare
-            files += sorted(f for f in asset(part[len("builtin:"):]).glob("*.txt"))
+            files += sorted(f for f in asset(part[len("builtin:") :]).glob("*.txt"))
         elif any(ch in part for ch in "*?["):
             matches = sorted(Path(m) for m in glob.glob(part, recursive=True) if Path(m).is_file())
             if not matches:
@@ -79,16 +80,19 @@ def expand_paths(source: str) -> list[Path]:
     return files
 
 
-def load_hub_dataset(name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str,
-                     streaming: bool = False):
+def load_hub_dataset(
+    name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str, streaming: bool = False
+):
     """`datasets.load_dataset` for a hub dataset that fails with one line, and within seconds rather
     than after a minute of retries when the hub cannot be reached. `instead` says what to do then."""
     datasets = quiet_datasets()
 
     label = f"{name}:{config}" if config else name
     if not hub_offline() and not hub_reachable():
-        raise UserError(f"could not load Hugging Face dataset {label!r}: the hub is unreachable from here; "
-                        f"{instead} (or set HF_HUB_OFFLINE=1 to use a cached copy)")
+        raise UserError(
+            f"could not load Hugging Face dataset {label!r}: the hub is unreachable from here; "
+            f"{instead} (or set HF_HUB_OFFLINE=1 to use a cached copy)"
+        )
     try:
         return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as e:  # unknown name, offline without a cache, ...
@@ -115,6 +119,7 @@ def _first_line(e: Exception) -> str:
 
 
 # --- the built-in corpus ----------------------------------------------------------------------
+
 
 def builtin_corpus_file() -> Path:
     """Python's own English documentation, written once to the cache as JSON Lines of documents.
@@ -153,8 +158,9 @@ def _stdlib_docstrings():
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = [tree] + [n for n in ast.walk(tree)
-                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        nodes = [tree] + [
+            n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        ]
         parts = [d.strip() for d in (ast.get_docstring(n) for n in nodes) if d and len(d.strip()) > 40]
         if parts:
             yield "\n\n".join(parts)

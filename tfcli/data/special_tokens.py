@@ -5,6 +5,7 @@ string, or an AddedToken dict with its `content`) and may carry a Jinja `chat_te
 reads them from a model directory, keeps them beside a run's tokenizer.json, and writes them back
 on export, so a model answers in the format it was trained on.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ class SpecialTokens:
     def from_config(cls, raw: dict) -> "SpecialTokens":
         def text(value) -> Optional[str]:
             return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
         return cls(**{f.name: text(raw.get(f"{f.name}_token")) for f in fields(cls)})
 
 

@@ -14,6 +14,7 @@ Stores made for a run live in the cache, named by the source's fingerprint and t
 (the same data and tokenizer are never tokenized twice); `tfcli prepare` writes one anywhere, and
 `--data` accepts it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,7 +66,7 @@ class DiskArray:
             i = int(key) + (self.n if key < 0 else 0)
             if not 0 <= i < self.n:
                 raise IndexError(f"index {int(key)} out of range for {self.n} values")
-            return self[i: i + 1][0]
+            return self[i : i + 1][0]
         start, stop, step = key.indices(self.n)
         if step != 1:
             raise IndexError("a DiskArray reads contiguous slices only")
@@ -114,10 +115,14 @@ class TokenStore:
             return np.memmap(checked(name, dtype, n), dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
 
         sentences = index["mode"] != "text"
-        return cls(root, DiskArray(checked("tokens.bin", index["dtype"], index["tokens"]), index["dtype"], index["tokens"]),
-                   mapped("docs.bin", np.int64, index["documents"]),
-                   mapped("sents.bin", np.int64, index["sentences"]) if sentences else None,
-                   mapped("doc_sents.bin", np.int64, index["documents"]) if sentences else None, index)
+        return cls(
+            root,
+            DiskArray(checked("tokens.bin", index["dtype"], index["tokens"]), index["dtype"], index["tokens"]),
+            mapped("docs.bin", np.int64, index["documents"]),
+            mapped("sents.bin", np.int64, index["sentences"]) if sentences else None,
+            mapped("doc_sents.bin", np.int64, index["documents"]) if sentences else None,
+            index,
+        )
 
     def __len__(self) -> int:
         return int(self.index["tokens"])
@@ -141,8 +146,15 @@ def is_store(path: str) -> bool:
         return False
 
 
-def cached_store(source: DocumentSource, tokenizer: TextTokenizer, *, mode: str = "text", eos: bool = True,
-                 workers: int = 0, quiet: bool = False) -> TokenStore:
+def cached_store(
+    source: DocumentSource,
+    tokenizer: TextTokenizer,
+    *,
+    mode: str = "text",
+    eos: bool = True,
+    workers: int = 0,
+    quiet: bool = False,
+) -> TokenStore:
     """The store of `source` tokenized by `tokenizer` from the cache, made now if it is not there."""
     eos_id = tokenizer.eos_id if eos and tokenizer.eos_id is not None else -1
     key = hashlib.sha256(f"{FORMAT}|{source.fingerprint()}|{tokenizer.fingerprint()}|{mode}|{eos_id}".encode())
@@ -156,8 +168,16 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def prepare(source: DocumentSource, tokenizer: TextTokenizer, out: Path, *, mode: str = "text", eos: bool = True,
-            workers: int = 0, quiet: bool = False) -> TokenStore:
+def prepare(
+    source: DocumentSource,
+    tokenizer: TextTokenizer,
+    out: Path,
+    *,
+    mode: str = "text",
+    eos: bool = True,
+    workers: int = 0,
+    quiet: bool = False,
+) -> TokenStore:
     """Tokenize every document of `source` into a store at `out` (written to a temporary directory
     first and moved into place whole: an interrupted prepare leaves nothing behind)."""
     out = Path(out)
@@ -174,10 +194,18 @@ def prepare(source: DocumentSource, tokenizer: TextTokenizer, out: Path, *, mode
         if counts["tokens"] == 0:
             raise UserError(f"{source.spec}: no text (every document is empty)")
         tokenizer.save(tmp)
-        index = {"format": FORMAT, "mode": mode, "dtype": np.dtype(dtype).name, "eos": eos_id,
-                 "tokenizer": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size, "source": source.spec,
-                 "source_fingerprint": source.fingerprint(), **counts,
-                 "seconds": round(time.perf_counter() - started, 2)}
+        index = {
+            "format": FORMAT,
+            "mode": mode,
+            "dtype": np.dtype(dtype).name,
+            "eos": eos_id,
+            "tokenizer": tokenizer.fingerprint(),
+            "vocab_size": tokenizer.vocab_size,
+            "source": source.spec,
+            "source_fingerprint": source.fingerprint(),
+            **counts,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
         (tmp / INDEX).write_text(json.dumps(index, indent=1))
         if out.exists():  # another process finished the same store first
             shutil.rmtree(tmp, ignore_errors=True)
@@ -188,8 +216,10 @@ def prepare(source: DocumentSource, tokenizer: TextTokenizer, out: Path, *, mode
         raise
     store = TokenStore.open(out)
     if not quiet:
-        console.print(f"tokenized {source.spec}: {len(store):,} tokens in {store.n_docs:,} documents, "
-                      f"{store.index['seconds']:.1f} s, stored in {out}")
+        console.print(
+            f"tokenized {source.spec}: {len(store):,} tokens in {store.n_docs:,} documents, "
+            f"{store.index['seconds']:.1f} s, stored in {out}"
+        )
     return store
 
 
@@ -238,14 +268,26 @@ def _counted(batches: Iterator[list[Piece]], advance) -> Iterator[list[Piece]]:
         yield batch
 
 
-def _write(source: DocumentSource, tokenizer: TextTokenizer, root: Path, mode: str, eos_id: int, dtype,
-           workers: int, advance=lambda n: None) -> dict:
+def _write(
+    source: DocumentSource,
+    tokenizer: TextTokenizer,
+    root: Path,
+    mode: str,
+    eos_id: int,
+    dtype,
+    workers: int,
+    advance=lambda n: None,
+) -> dict:
     """Append every encoded batch to the store's files; return the counts."""
     n_tokens = n_sents = 0
     n_docs = 0
     open_doc = False  # the last document has tokens but has not ended yet
-    with open(root / "tokens.bin", "wb") as tokens, open(root / "docs.bin", "wb") as docs, \
-            open(root / "sents.bin", "wb") as sents, open(root / "doc_sents.bin", "wb") as doc_sents:
+    with (
+        open(root / "tokens.bin", "wb") as tokens,
+        open(root / "docs.bin", "wb") as docs,
+        open(root / "sents.bin", "wb") as sents,
+        open(root / "doc_sents.bin", "wb") as doc_sents,
+    ):
         for ids, lengths, ends in _results(source, tokenizer, mode, eos_id, workers, advance):
             tokens.write(ids.astype(dtype, copy=False).tobytes())
             seg_ends = n_tokens + np.cumsum(lengths)  # (segments,)

@@ -10,6 +10,7 @@ skips the pieces already read (reading them again, not tokenizing them). Every p
 whole stream and keeps its slice of each global batch, so the order does not depend on the number
 of processes. The stream's first blocks are the evaluation set (not trained on in the first pass).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,8 +19,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from ..errors import UserError
-from .sampler import Draw, Source, Stream
 from .documents import DocumentSource
+from .sampler import Draw, Source, Stream
 from .tokenizers import TextTokenizer
 
 TOKENIZE_CHARS = 1 << 18  # characters tokenized at a time
@@ -29,8 +30,16 @@ class BlockStream(Stream):
     """Blocks of `block_len` tokens of a document stream, through a seeded shuffle buffer; `make_batch`
     turns (B, block_len) int64 blocks and their random generators into a batch."""
 
-    def __init__(self, source: DocumentSource, tokenizer: TextTokenizer, block_len: int, buffer_size: int, seed: int,
-                 make_batch: Callable[[np.ndarray, list], dict], held_out: int = 0):
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: TextTokenizer,
+        block_len: int,
+        buffer_size: int,
+        seed: int,
+        make_batch: Callable[[np.ndarray, list], dict],
+        held_out: int = 0,
+    ):
         self.source, self.tok, self.block_len, self.buffer_size = source, tokenizer, block_len, buffer_size
         self.make_batch, self.held_out = make_batch, held_out
         self.eos = tokenizer.eos_id
@@ -59,7 +68,10 @@ class BlockStream(Stream):
         if not texts:
             return False
         self.pieces_read += len(texts)
-        ids = [e + ([self.eos] if end and self.eos is not None else []) for e, end in zip(self.tok.encode_batch(texts), ends)]
+        ids = [
+            e + ([self.eos] if end and self.eos is not None else [])
+            for e, end in zip(self.tok.encode_batch(texts), ends)
+        ]
         self.carry = np.concatenate([self.carry, np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)])
         return True
 
@@ -70,7 +82,7 @@ class BlockStream(Stream):
                 if self.pieces_read == 0:
                     raise UserError(f"{self.source.spec}: no text to stream")
                 self.epoch, self.pieces_read, self._pieces = self.epoch + 1, 0, None
-        block, self.carry = self.carry[: self.block_len], self.carry[self.block_len:]
+        block, self.carry = self.carry[: self.block_len], self.carry[self.block_len :]
         return block
 
     def first_blocks(self, n: int) -> list[np.ndarray]:
@@ -95,9 +107,14 @@ class BlockStream(Stream):
         return self.make_batch(np.stack(examples), rngs)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pieces_read": self.pieces_read, "carry": self.carry,
-                "buffer": np.stack(self.buffer) if self.buffer else np.zeros((0, self.block_len), np.int64),
-                "rng": self.rng.bit_generator.state, "skipped_held_out": self._skipped_held_out}
+        return {
+            "epoch": self.epoch,
+            "pieces_read": self.pieces_read,
+            "carry": self.carry,
+            "buffer": np.stack(self.buffer) if self.buffer else np.zeros((0, self.block_len), np.int64),
+            "rng": self.rng.bit_generator.state,
+            "skipped_held_out": self._skipped_held_out,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pieces_read = int(state["epoch"]), int(state["pieces_read"])
@@ -123,8 +140,14 @@ class ListSource(Source):
         return self.make_batch(rows, [draw.rng(i) for i in range(len(draw))])
 
 
-def stream_sources(source: DocumentSource, tokenizer: TextTokenizer, block_len: int, data, train_cfg,
-                   make_batch: Callable[[np.ndarray, list], dict]) -> tuple[BlockStream, Optional[ListSource]]:
+def stream_sources(
+    source: DocumentSource,
+    tokenizer: TextTokenizer,
+    block_len: int,
+    data,
+    train_cfg,
+    make_batch: Callable[[np.ndarray, list], dict],
+) -> tuple[BlockStream, Optional[ListSource]]:
     """The training stream and its held-out blocks (the stream's first eval_batches x batch_size)."""
     held = train_cfg.eval_batches * train_cfg.batch_size
     val = ListSource(BlockStream(source, tokenizer, block_len, 1, 0, make_batch).first_blocks(held), make_batch)

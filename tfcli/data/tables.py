@@ -4,6 +4,7 @@ Every reader returns plain dicts, one per row, and how many lines could not be r
 broken JSON line, a short TSV line): those are skipped and counted, never a traceback. A file that
 cannot be read at all is a one-line error naming it.
 """
+
 from __future__ import annotations
 
 import csv
@@ -19,8 +20,13 @@ EXTENSIONS = (".tsv", ".csv", ".jsonl", ".json", ".parquet")
 def read_table(path: Path) -> tuple[list[dict], int]:
     """(rows as dicts, lines skipped as unreadable)."""
     path = Path(path)
-    reader = {".tsv": _read_delimited, ".csv": _read_delimited, ".jsonl": _read_jsonl, ".json": _read_json,
-              ".parquet": _read_parquet}.get(path.suffix.lower())
+    reader = {
+        ".tsv": _read_delimited,
+        ".csv": _read_delimited,
+        ".jsonl": _read_jsonl,
+        ".json": _read_json,
+        ".parquet": _read_parquet,
+    }.get(path.suffix.lower())
     if reader is None:
         raise UserError(f"{path}: unsupported data file (use {', '.join(EXTENSIONS)})")
     try:

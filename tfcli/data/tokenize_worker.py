@@ -6,6 +6,7 @@ itself, or its sentences (for BERT's segment pairs), or its paragraphs' sentence
 paragraph a document of its own). The result is the ids of every segment end to end (an EOS id
 after each document when asked), each segment's length, and which segments end a document.
 """
+
 from __future__ import annotations
 
 import os

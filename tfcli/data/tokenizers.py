@@ -4,6 +4,7 @@ or loaded from files (tokenizer.json, GPT-2 vocab.json + merges.txt, BERT vocab.
 Everything is a `tokenizers.Tokenizer` underneath, so a run saves exactly one tokenizer.json.
 The objective decides the special tokens (GPT: <|endoftext|>; BERT: [CLS] [SEP] ...).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,6 +66,7 @@ class TextTokenizer:
 
     def fingerprint(self) -> str:
         import hashlib
+
         return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
     @classmethod
@@ -73,11 +75,14 @@ class TextTokenizer:
         try:
             return cls(Tokenizer.from_file(str(path)), *read_config(Path(directory)))
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise UserError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0][:150] if str(e) else e})") from None
+            raise UserError(
+                f"{path}: not a readable tokenizer ({str(e).splitlines()[0][:150] if str(e) else e})"
+            ) from None
 
 
-def build_tokenizer(kind: str, *, vocab_size: int, path: str, lowercase: bool,
-                    texts: Iterable[str], specials: list[str]) -> TextTokenizer:
+def build_tokenizer(
+    kind: str, *, vocab_size: int, path: str, lowercase: bool, texts: Iterable[str], specials: list[str]
+) -> TextTokenizer:
     """Train or load the tokenizer a recipe's `tokenizer` section describes."""
     if kind == "file":
         return load_tokenizer_files(path, specials)
@@ -87,8 +92,12 @@ def build_tokenizer(kind: str, *, vocab_size: int, path: str, lowercase: bool,
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
     elif kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token=_unk(specials)))
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -98,13 +107,13 @@ def build_tokenizer(kind: str, *, vocab_size: int, path: str, lowercase: bool,
         tok = Tokenizer(models.Unigram())
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.decoder = decoders.Metaspace()
-        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                          unk_token=_unk(specials))
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size, special_tokens=specials, show_progress=False, unk_token=_unk(specials)
+        )
     else:
         raise UserError(f"tokenizer.kind: unknown kind {kind!r}")
     if lowercase:
-        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
-                                               normalizers.StripAccents()])
+        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()])
     tok.train_from_iterator(texts, trainer=trainer)
     return TextTokenizer(tok)
 
@@ -147,7 +156,7 @@ def _load_files(path: str, specials: list[str]) -> TextTokenizer:
     if path.startswith("builtin:"):  # a vocabulary that ships with tfcli: builtin:gpt2, builtin:bert-base-uncased
         from .sources import asset
 
-        path = str(asset(path[len("builtin:"):]))
+        path = str(asset(path[len("builtin:") :]))
     p = Path(path)
     if not path or not p.exists():
         raise UserError(f"tokenizer.path: not found: {path or '(empty)'}")
@@ -161,7 +170,9 @@ def _load_files(path: str, specials: list[str]) -> TextTokenizer:
         elif (p / "spiece.model").is_file():
             return _sentencepiece(p / "spiece.model", specials)
         else:
-            raise UserError(f"tokenizer.path: {path} holds no tokenizer.json, vocab.json+merges.txt, vocab.txt or spiece.model")
+            raise UserError(
+                f"tokenizer.path: {path} holds no tokenizer.json, vocab.json+merges.txt, vocab.txt or spiece.model"
+            )
     if p.name == "vocab.txt":
         return _wordpiece_vocab(p, p.parent)
     if p.suffix == ".model":
@@ -200,28 +211,43 @@ def _sentencepiece(path: Path, specials: list[str]) -> TextTokenizer:
     try:
         from sentencepiece import sentencepiece_model_pb2 as spm_pb2
     except ImportError:
-        raise UserError(f"{path}: reading spiece.model needs the sentencepiece package "
-                        f"(pip install 'tfcli[spm]'), or give a tokenizer.json") from None
+        raise UserError(
+            f"{path}: reading spiece.model needs the sentencepiece package "
+            f"(pip install 'tfcli[spm]'), or give a tokenizer.json"
+        ) from None
     proto = spm_pb2.ModelProto()
     try:
         proto.ParseFromString(path.read_bytes())
     except Exception:
         raise UserError(f"{path}: not a SentencePiece model") from None
     if proto.trainer_spec.model_type != 1:
-        raise UserError(f"{path}: a SentencePiece {spm_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)} "
-                        f"model; tfcli reads Unigram models (T5's), or a tokenizer.json")
+        raise UserError(
+            f"{path}: a SentencePiece {spm_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)} "
+            f"model; tfcli reads Unigram models (T5's), or a tokenizer.json"
+        )
     vocab = [(piece.piece, piece.score) for piece in proto.pieces]
     known = {piece for piece, _ in vocab}
-    sentinels = [f"<extra_id_{i}>" for i in range(99, -1, -1)] \
-        if "<extra_id_0>" in specials and "<extra_id_0>" not in known else []
-    tok = Tokenizer(models.Unigram(vocab + [(t, 0.0) for t in sentinels], unk_id=proto.trainer_spec.unk_id,
-                                   byte_fallback=False))
+    sentinels = (
+        [f"<extra_id_{i}>" for i in range(99, -1, -1)]
+        if "<extra_id_0>" in specials and "<extra_id_0>" not in known
+        else []
+    )
+    tok = Tokenizer(
+        models.Unigram(vocab + [(t, 0.0) for t in sentinels], unk_id=proto.trainer_spec.unk_id, byte_fallback=False)
+    )
     charsmap = proto.normalizer_spec.precompiled_charsmap
-    tok.normalizer = normalizers.Sequence(([normalizers.Precompiled(charsmap)] if charsmap else []) + [
-        normalizers.Strip(left=False, right=True), normalizers.Replace(Regex(" {2,}"), "▁")])
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Precompiled(charsmap)] if charsmap else [])
+        + [normalizers.Strip(left=False, right=True), normalizers.Replace(Regex(" {2,}"), "▁")]
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.add_tokens([AddedToken(piece.piece, normalized=False, special=piece.type == 3)
-                    for piece in proto.pieces if piece.type in (3, 4)])  # control and user-defined pieces
+    tok.add_tokens(
+        [
+            AddedToken(piece.piece, normalized=False, special=piece.type == 3)
+            for piece in proto.pieces
+            if piece.type in (3, 4)
+        ]
+    )  # control and user-defined pieces
     tok.add_special_tokens(sentinels)
     return TextTokenizer(tok)

@@ -3,6 +3,7 @@ a fresh initialisation of the recipe's model (tokenizer trained or loaded as the
 tfcli run (its config.yaml, checkpoint and tokenizer.json), or a Hugging Face directory (through
 tfcli.hf). Everything that reads weights for training, eval, generate or export comes here.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,16 +15,16 @@ import torch
 from tokenizers import Tokenizer
 
 from .. import adapters
-from . import checkpoint
-from ..hf import convert, gguf, interop
 from .. import recipe as recipes
 from ..data.sources import cache_dir
 from ..data.store import is_store
 from ..data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
 from ..display import console, phase
 from ..errors import UserError
+from ..hf import convert, gguf, interop
 from ..models import TEXT_FAMILIES, build_model, model_class
 from ..plugin import Backbone
+from . import checkpoint
 from .runtime import Runtime
 
 LABELS_FILE = "labels.json"  # a classifier run's class names, in id order
@@ -47,8 +48,9 @@ def base_model(run_dir: Path, recipe):
     record = recorded(run_dir)
     source = record.get("from_checkpoint") or record.get("from")
     if not source or not Path(source).exists():
-        raise UserError(f"{run_dir} holds only the weights it trained; its base model "
-                        f"{source or '(unrecorded)'} is not found")
+        raise UserError(
+            f"{run_dir} holds only the weights it trained; its base model {source or '(unrecorded)'} is not found"
+        )
     if is_run(Path(source)):
         model = adapters.merge(from_run(Path(source)).model)  # a base that was itself adapted
     else:
@@ -62,21 +64,26 @@ def base_model(run_dir: Path, recipe):
 def is_run(path: Path) -> bool:
     """Whether `path` is a tfcli run directory or one of its checkpoints."""
     path = Path(path)
-    return (checkpoint.run_dir_of(path) / "config.yaml").is_file() and \
-        ((path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file())
+    return (checkpoint.run_dir_of(path) / "config.yaml").is_file() and (
+        (path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file()
+    )
 
 
 def looks_like_run(path: Path) -> bool:
     """A tfcli run or checkpoint, whole or not (it has checkpoints/, or is a checkpoint): read as one,
     so that what is wrong with it is named."""
     path = Path(path)
-    return (path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file() and \
-        (path / checkpoint.META).is_file()
+    return (
+        (path / checkpoint.CHECKPOINTS).is_dir()
+        or (path / checkpoint.WEIGHTS).is_file()
+        and (path / checkpoint.META).is_file()
+    )
 
 
 def unknown_source(flag: str, path) -> UserError:
-    return UserError(f"{flag} {path}: neither a tfcli run nor a Hugging Face model directory (config.json) "
-                     f"or GGUF file")
+    return UserError(
+        f"{flag} {path}: neither a tfcli run nor a Hugging Face model directory (config.json) or GGUF file"
+    )
 
 
 def family_of(path: Optional[str]) -> Optional[str]:
@@ -104,12 +111,14 @@ def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone
     if recipe.finetune is not None:
         adapters.apply(model, recipe.finetune.train, recipe.adapter)
     weights = checkpoint.load_weights(ckpt)
-    own = {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
+    own = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(own, strict=False)
     if unexpected or (missing and not partial):
-        raise UserError(f"{ckpt}: its weights do not fit a {recipe.model.family} model "
-                        f"({(unexpected or missing)[0]} {'unexpected' if unexpected else 'missing'})")
-    heads = {k[len("heads."):]: v for k, v in weights.items() if k.startswith("heads.")}
+        raise UserError(
+            f"{ckpt}: its weights do not fit a {recipe.model.family} model "
+            f"({(unexpected or missing)[0]} {'unexpected' if unexpected else 'missing'})"
+        )
+    heads = {k[len("heads.") :]: v for k, v in weights.items() if k.startswith("heads.")}
     tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
     labels = tuple(json.loads((run / LABELS_FILE).read_text())) if (run / LABELS_FILE).is_file() else ()
     return Backbone(model.to(device).eval(), tok, str(path), heads, recipe, ckpt, labels)
@@ -137,7 +146,7 @@ def from_hf(path: Path, specials: list[str]) -> Backbone:
     with phase(f"reading {path}"):
         cfg, state = interop.read_pretrained(Path(path))
     model = load_hf_weights(build_model(cfg), state, path)
-    heads = {k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")}
+    heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
     if gguf.is_gguf(path):
         tok = gguf.read_tokenizer(Path(path))
     else:
@@ -148,7 +157,7 @@ def from_hf(path: Path, specials: list[str]) -> Backbone:
 def load_hf_weights(model, state: dict, path: Path):
     """A Hugging Face model's weights into ours. A BERT saved without its pooler (BertForMaskedLM)
     keeps a freshly initialised one, as transformers does; anything else missing is an error."""
-    own = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    own = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(own, strict=False)
     bad = unexpected or [k for k in missing if not k.startswith("pooler.")]
     if bad:
@@ -183,16 +192,20 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
         raise unknown_source("--from", source)
     if family not in plugin.families:
         where = f"--from {source}" if source else f"recipe {recipe.name!r}"
-        raise UserError(f"{where} describes a {family!r} model; {plugin.kind} {plugin.key!r} trains "
-                        f"{' or '.join(repr(f) for f in plugin.families)}")
+        raise UserError(
+            f"{where} describes a {family!r} model; {plugin.kind} {plugin.key!r} trains "
+            f"{' or '.join(repr(f) for f in plugin.families)}"
+        )
     if source is None:
         return fresh(recipe, plugin, rt)
     if is_run(Path(source)):
         backbone = from_run(Path(source), which="best")
         merged = merge_adapters(backbone.model)
         if merged and rt.is_main and not plugin.quiet:
-            console.print(f"[yellow]note:[/] --from {source}: {merged} merged into its base; this run starts "
-                          f"from the merged model")
+            console.print(
+                f"[yellow]note:[/] --from {source}: {merged} merged into its base; this run starts "
+                f"from the merged model"
+            )
         backbone.model.train().requires_grad_(True)  # what this run trains is its own strategy's to choose
         return backbone
     return from_hf(Path(source), plugin.special_tokens(family))
@@ -229,13 +242,21 @@ def shared_tokenizer(recipe, plugin, rt: Runtime) -> TextTokenizer:
         cfg = recipes.replace(cfg, kind="file", path=str(Path(recipe.data.source) / TOKENIZER_FILE))
     if rt.is_main:
         key = plugin.tokenizer_key(recipe) if cfg.kind != "file" else None
-        cached = cache_dir() / "tokenizers" / f"{hashlib.sha256(f'{key}|{cfg}|{specials}'.encode()).hexdigest()[:20]}.json"
+        cached = (
+            cache_dir() / "tokenizers" / f"{hashlib.sha256(f'{key}|{cfg}|{specials}'.encode()).hexdigest()[:20]}.json"
+        )
         if key and cached.is_file():
             tok = TextTokenizer(Tokenizer.from_file(str(cached)))
         else:
             with phase(f"{'loading' if cfg.kind == 'file' else 'training a ' + cfg.kind} tokenizer"):
-                tok = build_tokenizer(cfg.kind, vocab_size=cfg.vocab_size, path=cfg.path, lowercase=cfg.lowercase,
-                                      texts=plugin.tokenizer_texts(recipe), specials=specials)
+                tok = build_tokenizer(
+                    cfg.kind,
+                    vocab_size=cfg.vocab_size,
+                    path=cfg.path,
+                    lowercase=cfg.lowercase,
+                    texts=plugin.tokenizer_texts(recipe),
+                    specials=specials,
+                )
             if key:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 tok.tok.save(str(cached.with_suffix(".tmp")))

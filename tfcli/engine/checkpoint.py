@@ -16,6 +16,7 @@ cannot run code. A checkpoint is written into a temporary directory and renamed 
 when complete; `latest` is then replaced atomically, so it always names a whole checkpoint. A
 failed write (a full disk) removes its temporary directory and leaves `latest` as it was.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,6 +69,7 @@ def set_rng_state(state: dict) -> None:
 
 # --- state as safetensors + JSON -----------------------------------------------------------------
 
+
 def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """A nested state (dicts with int or str keys, tuples, tensors, arrays, scalars) -> JSON data,
     its tensors and arrays moved into `tensors`."""
@@ -77,7 +79,9 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return {"__tensor__": key}
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).astype(np.int64 if obj.dtype.kind in "ui" else obj.dtype))
+        tensors[key] = torch.from_numpy(
+            np.ascontiguousarray(obj).astype(np.int64 if obj.dtype.kind in "ui" else obj.dtype)
+        )
         return {"__ndarray__": key, "dtype": str(obj.dtype)}
     if isinstance(obj, dict):
         return {"__dict__": [[k, _encode(v, tensors)] for k, v in obj.items()]}
@@ -117,8 +121,10 @@ def load_state(ckpt: Path) -> dict:
     """Optimizer, schedule, RNG and data position of a checkpoint; no code can run."""
     ckpt = Path(ckpt)
     if (ckpt / LEGACY_STATE).is_file() and not (ckpt / STATE).is_file():
-        raise UserError(f"{ckpt / LEGACY_STATE} is a pickle, which tfcli does not load (it can run code); if you "
-                        f"trust it, convert it with `tfcli upgrade {run_dir_of(ckpt)}`")
+        raise UserError(
+            f"{ckpt / LEGACY_STATE} is a pickle, which tfcli does not load (it can run code); if you "
+            f"trust it, convert it with `tfcli upgrade {run_dir_of(ckpt)}`"
+        )
     try:
         return _decode(json.loads((ckpt / STATE).read_text()), load_file(str(ckpt / STATE_TENSORS)))
     except (OSError, SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -127,8 +133,10 @@ def load_state(ckpt: Path) -> dict:
 
 # --- writing ------------------------------------------------------------------------------------
 
-def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict, meta: dict, keep: int,
-         best: bool = False) -> Path:
+
+def save(
+    run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict, meta: dict, keep: int, best: bool = False
+) -> Path:
     """Write checkpoint `step`, point `latest` (and `best`) at it, prune old ones beyond `keep`.
     A failed write (no space left, say) removes its temporary files and leaves `latest` as it was."""
     root = Path(run_dir) / CHECKPOINTS
@@ -151,8 +159,10 @@ def save(run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         previous = read_pointer(root / "latest")
         reason = getattr(e, "strerror", None) or _first_line(e).split("I/O error: ")[-1]
-        raise UserError(f"could not write checkpoint {name} in {root} ({reason}); "
-                        + (f"latest is still {previous}" if previous else "no checkpoint was kept")) from None
+        raise UserError(
+            f"could not write checkpoint {name} in {root} ({reason}); "
+            + (f"latest is still {previous}" if previous else "no checkpoint was kept")
+        ) from None
     _prune(root, keep)
     return final
 
@@ -187,6 +197,7 @@ def _first_line(e: Exception) -> str:
 
 
 # --- finding and reading ---------------------------------------------------------------------------
+
 
 def find(path: Path, which: str = "latest") -> Path:
     """A checkpoint directory from a run directory (its latest or best) or a checkpoint directory."""
@@ -230,8 +241,11 @@ def run_dir_of(ckpt: Path) -> Path:
 def newest_run(runs_root: Path = Path("runs"), families: tuple[str, ...] = ()) -> Path:
     """The most recently written run under runs/ that has a checkpoint (the default --checkpoint),
     of one of `families` when given (generate: a run that can generate, not a newer BERT's)."""
-    candidates = [p for p in Path(runs_root).glob("*/") if (p / CHECKPOINTS / "latest").is_file()
-                  and (not families or _family(p) in families)]
+    candidates = [
+        p
+        for p in Path(runs_root).glob("*/")
+        if (p / CHECKPOINTS / "latest").is_file() and (not families or _family(p) in families)
+    ]
     if not candidates:
         kind = f" of a {' or '.join(families)} model" if families else ""
         raise UserError(f"no runs{kind} with a checkpoint under {runs_root}/; pass --checkpoint")
@@ -263,6 +277,7 @@ def read_meta(ckpt: Path) -> dict:
 
 
 # --- one writer per run -----------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def lock(run_dir: Path):
@@ -305,6 +320,7 @@ def _alive(holder: str) -> bool:
 
 # --- converting old checkpoints ---------------------------------------------------------------------
 
+
 def upgrade_legacy(run_dir: Path) -> list[Path]:
     """Rewrite every pickled state.pt of a run as state.safetensors + state.json. The pickle is read
     with torch's weights_only loader and an allow-list of the numpy types tfcli's old RNG state used,
@@ -313,7 +329,12 @@ def upgrade_legacy(run_dir: Path) -> list[Path]:
     for pt in sorted(Path(run_dir).glob(f"{CHECKPOINTS}/step-*/{LEGACY_STATE}")):
         from numpy._core.multiarray import _reconstruct
 
-        allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]  # what np.random.get_state() pickles to
+        allowed = [
+            np.ndarray,
+            np.dtype,
+            type(np.dtype(np.uint32)),
+            _reconstruct,
+        ]  # what np.random.get_state() pickles to
         try:
             with torch.serialization.safe_globals(allowed):
                 state = torch.load(pt, map_location="cpu", weights_only=True)

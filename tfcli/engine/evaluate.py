@@ -1,4 +1,5 @@
 """Held-out metrics of a model: the trainer's periodic evaluation and `tfcli eval` share this."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
@@ -7,13 +8,18 @@ import torch
 from rich.table import Table
 from torch import Tensor, nn
 
-from .runtime import autocast_context, to_device
 from ..data.sampler import PaddingBatch
+from .runtime import autocast_context, to_device
 
 
 @torch.no_grad()
-def held_out_sums(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
-                  precision: str = "fp32", weight: Optional[Callable[[dict], Tensor]] = None) -> tuple[dict[str, float], float]:
+def held_out_sums(
+    module: nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    device: torch.device,
+    precision: str = "fp32",
+    weight: Optional[Callable[[dict], Tensor]] = None,
+) -> tuple[dict[str, float], float]:
     """(Sums of the loss's metrics, their count) over held-out batches (module: model + heads + loss,
     train.ObjectiveModule): each batch counts once, or as many times as `weight` (Job.loss_weight)
     says it has items, so the mean is per item; a PaddingBatch runs (its forward may be a collective)
@@ -37,8 +43,13 @@ def held_out_sums(module: nn.Module, batches: Iterable[dict[str, Tensor]], devic
     return sums, n
 
 
-def held_out_metrics(module: nn.Module, batches: Iterable[dict[str, Tensor]], device: torch.device,
-                     precision: str = "fp32", weight: Optional[Callable[[dict], Tensor]] = None) -> dict[str, float]:
+def held_out_metrics(
+    module: nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    device: torch.device,
+    precision: str = "fp32",
+    weight: Optional[Callable[[dict], Tensor]] = None,
+) -> dict[str, float]:
     """Mean of the loss's metrics over held-out batches (one process)."""
     sums, n = held_out_sums(module, batches, device, precision, weight)
     return {k: v / n for k, v in sums.items()} if n else {}

@@ -2,6 +2,7 @@
 `train.loggers` names them, each through its own library. Every row carries its split ("train",
 "val", "skipped") and its step.
 """
+
 from __future__ import annotations
 
 import csv
@@ -13,7 +14,10 @@ from typing import Optional
 from ..errors import UserError
 
 LOGGERS = ("csv", "tensorboard", "wandb")
-EXTRAS = {"tensorboard": ("tensorboard", "pip install 'tfcli[tensorboard]'"), "wandb": ("wandb", "pip install 'tfcli[wandb]'")}
+EXTRAS = {
+    "tensorboard": ("tensorboard", "pip install 'tfcli[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'tfcli[wandb]'"),
+}
 
 
 def check_available(names: tuple[str, ...]) -> None:
@@ -76,12 +80,19 @@ class MetricsLog:
         if self._wandb is None:
             import wandb
 
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "tfcli"), name=self.run_name,
-                                     dir=str(self.run_dir), config=self.config, resume="allow",
-                                     mode=os.environ.get("WANDB_MODE", "offline"))
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "tfcli"),
+                name=self.run_name,
+                dir=str(self.run_dir),
+                config=self.config,
+                resume="allow",
+                mode=os.environ.get("WANDB_MODE", "offline"),
+            )
         split = record.get("split", "train")
-        self._wandb.log({f"{split}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                        step=record["step"])
+        self._wandb.log(
+            {f"{split}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+            step=record["step"],
+        )
 
     def close(self) -> None:
         if self._tb is not None:

@@ -12,6 +12,7 @@ backward 4, plus attention's 12 x layers x sequence x width; forward only, 2 x, 
 backbone, 4 x through one with adapters: training_flops_multiplier), times items per second, over
 this peak x processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,18 @@ from ..data.sources import cache_dir
 
 # dense TFLOP/s by (GPU name fragment, dtype); the first fragment that the device's name contains wins
 GPU_PEAKS = [
-    ("H200", {"bf16": 989.4, "fp32": 66.9}), ("H100 PCIe", {"bf16": 756.5, "fp32": 51.2}),
-    ("H100", {"bf16": 989.4, "fp32": 66.9}), ("A100", {"bf16": 312.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.1, "fp32": 91.6}), ("L4", {"bf16": 121.0, "fp32": 30.3}),
-    ("A10G", {"bf16": 70.0, "fp32": 35.0}), ("A10", {"bf16": 125.0, "fp32": 31.2}),
-    ("RTX 4090", {"bf16": 165.2, "fp32": 82.6}), ("RTX 3090", {"bf16": 71.0, "fp32": 35.6}),
-    ("V100", {"bf16": 125.0, "fp32": 15.7}), ("T4", {"bf16": 65.0, "fp32": 8.1}),
+    ("H200", {"bf16": 989.4, "fp32": 66.9}),
+    ("H100 PCIe", {"bf16": 756.5, "fp32": 51.2}),
+    ("H100", {"bf16": 989.4, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp32": 30.3}),
+    ("A10G", {"bf16": 70.0, "fp32": 35.0}),
+    ("A10", {"bf16": 125.0, "fp32": 31.2}),
+    ("RTX 4090", {"bf16": 165.2, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp32": 35.6}),
+    ("V100", {"bf16": 125.0, "fp32": 15.7}),
+    ("T4", {"bf16": 65.0, "fp32": 8.1}),
 ]
 
 
@@ -97,7 +104,7 @@ def _measure(device: torch.device, dtype: torch.dtype) -> float:
             for _ in range(3):
                 a @ b
             _sync(device)
-            best = max(best, 3 * 2 * n ** 3 / (time.perf_counter() - t0))
+            best = max(best, 3 * 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 

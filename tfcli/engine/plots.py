@@ -1,5 +1,6 @@
 """Loss curves as PNG: one run's train and held-out loss with its learning rate (written at each
 evaluation as RUN/curves.png), or several runs overlaid (`tfcli plot`)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ def require_metric(records: list[list[dict]], metric: str) -> None:
     """A metric none of the runs logged is a one-line error listing the ones they did."""
     if any(metric in r for rows in records for r in rows):
         return
-    known = sorted({k for rows in records for r in rows for k, v in r.items()
-                    if k not in NOT_METRICS and isinstance(v, (int, float))})
+    known = sorted(
+        {
+            k
+            for rows in records
+            for r in rows
+            for k, v in r.items()
+            if k not in NOT_METRICS and isinstance(v, (int, float))
+        }
+    )
     shown = ", ".join(known[:20]) + (f", ... ({len(known)} in all)" if len(known) > 20 else "")
     raise UserError(f"--metric {metric}: no run logged it; they have {shown or 'no metrics yet'}")
 

@@ -4,6 +4,7 @@ device does not block). The sampler's randomness follows each example, not the t
 batches are exactly those of building them in line; the data position a checkpoint saves is the
 one after the last batch the optimizer consumed, not after the last one built.
 """
+
 from __future__ import annotations
 
 import queue

@@ -9,6 +9,7 @@ Every strategy saves the same thing: the full weights and the optimizer state ke
 name (torch.distributed.checkpoint's full state dicts), so a checkpoint written by one process,
 by DDP or by FSDP resumes under any of them, on any number of processes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..errors import UserError
 
@@ -60,8 +66,9 @@ class Strategy:
         return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        if any(isinstance(k, int) for k in state.get("state", {})) or \
-                any(isinstance(p, int) for g in state.get("param_groups", []) for p in g["params"]):
+        if any(isinstance(k, int) for k in state.get("state", {})) or any(
+            isinstance(p, int) for g in state.get("param_groups", []) for p in g["params"]
+        ):
             optimizer.load_state_dict(state)  # a checkpoint from before 0.3: keyed by position
             return
         load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
@@ -94,8 +101,11 @@ class FSDPStrategy(Strategy):
         from ..models import transformer_blocks
 
         cuda = next(module.parameters()).device.type == "cuda"
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if precision == "bf16" and cuda else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16" and cuda
+            else MixedPrecisionPolicy()
+        )
         for block in transformer_blocks(module):
             fully_shard(block, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
@@ -126,8 +136,9 @@ class FSDPStrategy(Strategy):
         load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
 
 
-def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                         options: StateDictOptions) -> None:
+def load_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, options: StateDictOptions
+) -> None:
     """Optimizer state by parameter name into `optimizer`. AdamW makes a parameter's state at its first
     gradient, so a checkpoint has none for one that never had a gradient; after loading it has none
     either (torch.distributed.checkpoint initialises every parameter's state first), so the resumed run
@@ -259,10 +270,12 @@ def usable_cores() -> int:
 def busy_cores(seconds: float = 0.2) -> float:
     """How many cores other programs keep busy now: /proc/stat's non-idle time over a short sleep of
     this process (which therefore adds nothing), 0 where /proc/stat is not there."""
+
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # total, idle + iowait
+
     try:
         total0, idle0 = sample()
         time.sleep(seconds)
@@ -289,8 +302,9 @@ def choose_threads(threads: int) -> tuple[int, str]:
     return chosen, f"{usable} usable cores" + (f", {busy:.1f} busy with other work" if chosen < usable else "")
 
 
-def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto",
-                  collective_timeout_min: float = 10.0) -> Runtime:
+def setup_runtime(
+    device: str = "auto", threads: int = 0, strategy: str = "auto", collective_timeout_min: float = 10.0
+) -> Runtime:
     """Pick the device and this process's CPU threads; under torchrun (WORLD_SIZE > 1) join the process
     group (nccl on GPU, gloo on CPU) with a timeout on every collective, so that ranks that disagree
     on what to run stop with an error instead of waiting forever."""
@@ -303,11 +317,14 @@ def setup_runtime(device: str = "auto", threads: int = 0, strategy: str = "auto"
     if name == "none" and world > 1:
         raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp, fsdp or auto")
     if name == "fsdp" and "MASTER_ADDR" not in os.environ:
-        raise UserError("train.strategy fsdp runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
-                        "to continue in one process, add --set train.strategy=auto")
+        raise UserError(
+            "train.strategy fsdp runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
+            "to continue in one process, add --set train.strategy=auto"
+        )
     if (world > 1 or name == "fsdp") and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=collective_timeout_min))
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=collective_timeout_min)
+        )
     return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min, why)
 
 
@@ -315,8 +332,10 @@ def collective_failure(error: BaseException) -> bool:
     """Whether an error is a collective that timed out or lost its peer (gloo raises RuntimeError,
     NCCL DistBackendError): the ranks no longer agree, and the process group cannot be torn down."""
     text = str(error)
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and (
-        "Timed out waiting" in text or "Connection closed by peer" in text or "Connection reset by peer" in text))
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and ("Timed out waiting" in text or "Connection closed by peer" in text or "Connection reset by peer" in text)
+    )
 
 
 def abort_on_collective_failure(rt: Runtime, doing: str, error: BaseException) -> None:
@@ -325,9 +344,11 @@ def abort_on_collective_failure(rt: Runtime, doing: str, error: BaseException) -
     if not (rt.distributed and collective_failure(error)):
         return
     detail = str(error).splitlines()[0].split("] ", 1)[-1][:160] if str(error) else type(error).__name__
-    sys.stderr.write(f"error: rank {rt.rank} of {rt.world_size}: a collective failed during {doing} ({detail}); "
-                     f"the processes no longer run the same collectives (train.collective_timeout is "
-                     f"{rt.collective_timeout_min:g} min)\n")
+    sys.stderr.write(
+        f"error: rank {rt.rank} of {rt.world_size}: a collective failed during {doing} ({detail}); "
+        f"the processes no longer run the same collectives (train.collective_timeout is "
+        f"{rt.collective_timeout_min:g} min)\n"
+    )
     sys.stderr.flush()
     os._exit(2)
 

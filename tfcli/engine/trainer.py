@@ -2,6 +2,7 @@
 fp32/bf16, periodic evaluation, atomic checkpoints, exact resume, and whatever distribution
 strategy the runtime carries (it wraps, syncs, clips and gathers state; the loop never names DDP).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,16 +17,16 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import checkpoint, plots
+from ..data.sampler import StreamSampler, make_sampler, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
+from ..plugin import Batch, Job, LossFn
+from . import checkpoint, plots
 from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
-from ..plugin import Batch, Job, LossFn
-from .runtime import Runtime, abort_on_collective_failure, autocast_context, to_device
 from .prefetch import Prefetcher
-from ..data.sampler import StreamSampler, make_sampler, sequential_batches
+from .runtime import Runtime, abort_on_collective_failure, autocast_context, to_device
 
 
 class ObjectiveModule(nn.Module):
@@ -52,8 +53,10 @@ def prepare_frozen(frozen: dict[str, nn.Module], rt) -> None:
 def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict]:
     """Trainable parameters of `module` in two AdamW groups: matrices decay, biases/norms/1-D do not."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, "lr": lr},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, "lr": lr},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr},
+    ]
 
 
 def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.AdamW:
@@ -98,8 +101,16 @@ def lr_multiplier(step: int, sched, total: int, base_lr: float) -> float:
 class Trainer:
     """The state of one run's training: module, optimizer, schedule, data position, best score."""
 
-    def __init__(self, module: ObjectiveModule, job: Job, recipe, run_dir: Path, rt: Runtime, quiet: bool = False,
-                 partial: bool = False):
+    def __init__(
+        self,
+        module: ObjectiveModule,
+        job: Job,
+        recipe,
+        run_dir: Path,
+        rt: Runtime,
+        quiet: bool = False,
+        partial: bool = False,
+    ):
         self.module, self.job, self.recipe, self.run_dir, self.rt = module.to(rt.device), job, recipe, Path(run_dir), rt
         self.tc = recipe.train
         if self.tc.activation_checkpointing:
@@ -110,17 +121,27 @@ class Trainer:
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr))
+            self.opt, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr)
+        )
         self.sampler = make_sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
         # batches built ahead in a thread (not for streams: their position is the whole shuffle buffer)
-        self.batches = Prefetcher(self.sampler, self.tc.prefetch, rt.device.type == "cuda") \
-            if self.tc.prefetch > 0 and not isinstance(self.sampler, StreamSampler) else self.sampler
+        self.batches = (
+            Prefetcher(self.sampler, self.tc.prefetch, rt.device.type == "cuda")
+            if self.tc.prefetch > 0 and not isinstance(self.sampler, StreamSampler)
+            else self.sampler
+        )
         self.step, self.best, self.skipped = 0, None, 0
-        self.elapsed_before, self.started = 0.0, time.perf_counter()  # wall seconds of earlier sessions, this one's start
+        self.elapsed_before, self.started = (
+            0.0,
+            time.perf_counter(),
+        )  # wall seconds of earlier sessions, this one's start
         self.quiet, self.partial = quiet, partial
         # a partial run saves what trains and the heads; its base is read again on load
-        self.saved = {f"{n}" for n, p in module.named_parameters() if p.requires_grad or n.startswith("heads.")} \
-            if partial else None
+        self.saved = (
+            {f"{n}" for n, p in module.named_parameters() if p.requires_grad or n.startswith("heads.")}
+            if partial
+            else None
+        )
         self.last: dict[str, float] = {}
         self.window = _Window()  # the steps since the last log line (a checkpoint keeps them: see restore)
         self.doing = "setup"  # what the loop is doing, for an error that stops it (e.g. a collective timeout)
@@ -133,13 +154,16 @@ class Trainer:
         checkpoint.verify(ckpt)
         weights = checkpoint.load_weights(ckpt)
         mine = {k: v for k, v in self.module.state_dict().items() if self.saved is None or k in self.saved}
-        wrong = [k for k in mine if k not in weights or weights[k].shape != mine[k].shape] + \
-            [k for k in weights if k not in mine]
+        wrong = [k for k in mine if k not in weights or weights[k].shape != mine[k].shape] + [
+            k for k in weights if k not in mine
+        ]
         if wrong:
             k = wrong[0]
             have = tuple(weights[k].shape) if k in weights else "none"
-            raise UserError(f"{ckpt} does not fit this run's model: {k} is {have} in the checkpoint, "
-                            f"{tuple(mine[k].shape) if k in mine else 'absent'} in the model (was the recipe's model changed?)")
+            raise UserError(
+                f"{ckpt} does not fit this run's model: {k} is {have} in the checkpoint, "
+                f"{tuple(mine[k].shape) if k in mine else 'absent'} in the model (was the recipe's model changed?)"
+            )
         # a partial run's base weights are in place already: only what it trained is loaded
         self.rt.strategy.load_state_dict(self.module, weights, strict=self.saved is None)
         state = checkpoint.load_state(ckpt)
@@ -174,8 +198,11 @@ class Trainer:
         self.started = time.perf_counter()
         peak = matmul_peak_flops(self.rt.device, torch.bfloat16 if self.tc.precision == "bf16" else torch.float32)
         window = self.window
-        with TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display, \
-                _StopOnSignal() as stop, contextlib.closing(self):
+        with (
+            TrainDisplay(self.tc.steps, self.step, enabled=self.rt.is_main and not self.quiet) as display,
+            _StopOnSignal() as stop,
+            contextlib.closing(self),
+        ):
             while self.step < self.tc.steps:
                 if self._agreed(stop.requested):
                     self._save(False)
@@ -198,7 +225,9 @@ class Trainer:
                     if self._due(self.tc.ckpt_interval) or is_best or out_of_time:
                         self._save(is_best)
                 if out_of_time:
-                    self._write({"step": self.step, "split": "stopped", "reason": f"train.max_time {self.tc.max_time:g} min"})
+                    self._write(
+                        {"step": self.step, "split": "stopped", "reason": f"train.max_time {self.tc.max_time:g} min"}
+                    )
                     display.note(self.step, "stopped", {"max_time_min": self.tc.max_time})
                     break
         return self.last
@@ -265,9 +294,11 @@ class Trainer:
                 self._write({"step": step, "split": "skipped", "reason": what})
                 continue
             latest = checkpoint.read_pointer(self.run_dir / checkpoint.CHECKPOINTS / "latest")
-            raise UserError(f"step {step}: {what}; stopped before updating the weights "
-                            f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
-                            f"lower the learning rate, or set train.skip_nonfinite to skip such batches)")
+            raise UserError(
+                f"step {step}: {what}; stopped before updating the weights "
+                f"({'latest is ' + latest if latest else 'no checkpoint was written'}; "
+                f"lower the learning rate, or set train.skip_nonfinite to skip such batches)"
+            )
 
     def _log(self, window: "_Window", peak: float, display: TrainDisplay) -> None:
         """The window's metrics, read from the device once: skipped steps reported, the rest averaged."""
@@ -277,10 +308,16 @@ class Trainer:
         metrics = self.rt.mean({k: sum(m[k] for m in good) / len(good) for k in good[0]} if good else {})
         seconds = window.seconds()
         rate = window.items / max(seconds, 1e-9)
-        record = {"step": self.step, "split": "train", **{k: round(v, 6) for k, v in metrics.items()},
-                  "lr": self.opt.param_groups[0]["lr"], f"{self.job.item_name}_per_s": round(rate, 1),
-                  "mfu": _rounded(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
-                  "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1), "elapsed_s": round(self.elapsed(), 2)}
+        record = {
+            "step": self.step,
+            "split": "train",
+            **{k: round(v, 6) for k, v in metrics.items()},
+            "lr": self.opt.param_groups[0]["lr"],
+            f"{self.job.item_name}_per_s": round(rate, 1),
+            "mfu": _rounded(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
+            "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1),
+            "elapsed_s": round(self.elapsed(), 2),
+        }
         self._write(record)
         display.update(self.step, record, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
         self.last.update(metrics)
@@ -307,8 +344,9 @@ class Trainer:
         """The held-out loss of job.val (its first train.eval_batches batches) and job.evaluate's metrics."""
         val = {}
         if self.job.val is not None:
-            batches = sequential_batches(self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches,
-                                         self.rt.rank, self.rt.world_size)
+            batches = sequential_batches(
+                self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches, self.rt.rank, self.rt.world_size
+            )
             sums, count = held_out_sums(self.module, batches, self.rt.device, self.tc.precision, self.job.loss_weight)
             val = self.job.held_out_metrics(self.rt.pooled_mean(sums, count))
         if self.job.evaluate is not None:
@@ -327,14 +365,26 @@ class Trainer:
 
     def _checkpoint(self, weights: dict, optimizer: dict, is_best: bool) -> None:
         with phase(f"writing checkpoint step-{self.step:07d}"):
-            state = {"optimizer": optimizer, "scheduler": self.sched.state_dict(),
-                     "data": self.batches.state_dict(), "rng": checkpoint.rng_state(), "best": self.best,
-                     "elapsed_s": self.elapsed(), "skipped": self.skipped, "window": self.window.state()}
-            meta = {self.recipe.kind: self.recipe.plugin, "family": self.recipe.model.family,
-                    "partial": self.saved is not None, "processes": self.rt.world_size, "threads": self.rt.threads,
-                    "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size, **self.last}
-            checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints,
-                            best=is_best)
+            state = {
+                "optimizer": optimizer,
+                "scheduler": self.sched.state_dict(),
+                "data": self.batches.state_dict(),
+                "rng": checkpoint.rng_state(),
+                "best": self.best,
+                "elapsed_s": self.elapsed(),
+                "skipped": self.skipped,
+                "window": self.window.state(),
+            }
+            meta = {
+                self.recipe.kind: self.recipe.plugin,
+                "family": self.recipe.model.family,
+                "partial": self.saved is not None,
+                "processes": self.rt.world_size,
+                "threads": self.rt.threads,
+                "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size,
+                **self.last,
+            }
+            checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints, best=is_best)
 
     def _write(self, record: dict) -> None:
         if self.log is not None:
@@ -425,8 +475,10 @@ class _Window:
             return []
         keys = list(self.metrics[0][1])
         values = torch.stack([m[k].reshape(()) for _, m in self.metrics for k in keys]).tolist()
-        return [(step, dict(zip(keys, values[i * len(keys): (i + 1) * len(keys)])))
-                for i, (step, _) in enumerate(self.metrics)]
+        return [
+            (step, dict(zip(keys, values[i * len(keys) : (i + 1) * len(keys)])))
+            for i, (step, _) in enumerate(self.metrics)
+        ]
 
     def seconds(self) -> float:
         return self.carried + time.perf_counter() - (self.started or time.perf_counter()) - self.excluded

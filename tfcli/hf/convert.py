@@ -10,6 +10,7 @@ and this module does the rest, the same way for every family: reading a director
 sharded safetensors, or pytorch_model.bin read with weights_only=True), renaming, fusing and
 splitting q/k/v (by their widths under grouped-query attention), transposing Conv1D weights, and writing a directory transformers loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ class Rule:
     widths: tuple[int, ...] = ()  # rows of each of `theirs` when unequal (grouped-query q / k / v)
 
 
-def rule(ours: str, *theirs: str, transpose: bool = False, optional: bool = False,
-         widths: tuple[int, ...] = ()) -> Rule:
+def rule(
+    ours: str, *theirs: str, transpose: bool = False, optional: bool = False, widths: tuple[int, ...] = ()
+) -> Rule:
     return Rule(ours, tuple(theirs), transpose, optional, tuple(widths))
 
 
@@ -55,11 +57,15 @@ class Export:
     loads_with: str = ""  # how to load it, printed by `tfcli export` ("" : the Auto class of its architecture)
 
 
-AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassification",
-                "ForImageClassification": "AutoModelForImageClassification", "LMHeadModel": "AutoModelForCausalLM",
-                "ForCausalLM": "AutoModelForCausalLM",
-                "ForConditionalGeneration": "AutoModelForSeq2SeqLM", "ForMaskedLM": "AutoModelForMaskedLM",
-                "ForPreTraining": "AutoModelForPreTraining"}
+AUTO_CLASSES = {
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+    "ForImageClassification": "AutoModelForImageClassification",
+    "LMHeadModel": "AutoModelForCausalLM",
+    "ForCausalLM": "AutoModelForCausalLM",
+    "ForConditionalGeneration": "AutoModelForSeq2SeqLM",
+    "ForMaskedLM": "AutoModelForMaskedLM",
+    "ForPreTraining": "AutoModelForPreTraining",
+}
 
 
 def auto_class(architecture: str) -> str:
@@ -70,8 +76,10 @@ def auto_class(architecture: str) -> str:
 def refuse_classifier(family: str, pooling: str, exportable: str) -> None:
     """One line for a classifier whose pooling no transformers class computes: an export that loaded
     would carry a random head, so none is written."""
-    raise UserError(f"this {family} run classifies from --pooling {pooling}, which no transformers class computes "
-                    f"(an export would load with a random classifier); {exportable}")
+    raise UserError(
+        f"this {family} run classifies from --pooling {pooling}, which no transformers class computes "
+        f"(an export would load with a random classifier); {exportable}"
+    )
 
 
 def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
@@ -105,6 +113,7 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
 
 # --- directories --------------------------------------------------------------------------------
 
+
 def read_config(path: Path) -> dict:
     """A directory's config.json, or a one-line error saying what is wrong."""
     file = Path(path) / CONFIG
@@ -123,8 +132,10 @@ def read_state(path: Path) -> dict[str, Tensor]:
     """The weights of a transformers directory: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin (single or sharded) loaded with weights_only=True (no code runs)."""
     path = Path(path)
-    for index, loader in (("model.safetensors.index.json", _load_safetensors),
-                          ("pytorch_model.bin.index.json", _load_bin)):
+    for index, loader in (
+        ("model.safetensors.index.json", _load_safetensors),
+        ("pytorch_model.bin.index.json", _load_bin),
+    ):
         if (path / index).is_file():
             shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
             state = {}
@@ -149,8 +160,10 @@ def _load_bin(file: Path) -> dict[str, Tensor]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses pickled code; a truncated file fails to unpickle
-        raise UserError(f"{file}: refused or unreadable with weights_only=True "
-                        f"({str(e).splitlines()[0][:120]}); convert it to safetensors") from None
+        raise UserError(
+            f"{file}: refused or unreadable with weights_only=True "
+            f"({str(e).splitlines()[0][:120]}); convert it to safetensors"
+        ) from None
 
 
 def check_writable(out: Path) -> None:
@@ -160,8 +173,14 @@ def check_writable(out: Path) -> None:
         raise UserError(f"{out} exists and is not an empty directory; choose a new --hf directory")
 
 
-def write_dir(out: Path, config: dict, state: dict[str, Tensor], files: dict[str, str],
-              weights: str = "model.safetensors", config_name: Optional[str] = CONFIG) -> None:
+def write_dir(
+    out: Path,
+    config: dict,
+    state: dict[str, Tensor],
+    files: dict[str, str],
+    weights: str = "model.safetensors",
+    config_name: Optional[str] = CONFIG,
+) -> None:
     """config.json, model.safetensors (or `weights`) and the given text files, readable by everyone (0644)."""
     check_writable(out)
     out = Path(out)

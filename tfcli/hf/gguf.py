@@ -10,6 +10,7 @@ parses its header and tensor table; the template is rendered later in jinja2's s
 llama.cpp stores a `llama` model's q and k rows permuted for its rotary layout (interleaved pairs);
 they are permuted back here, and again on writing (transformers' GGUF loader does the same).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,16 +27,25 @@ from ..errors import UserError
 
 SUFFIX = ".gguf"
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture -> transformers model_type (same names)
-LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-         "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BYTE_LEVEL_SPLITS = {  # tokenizer.ggml.pre -> the split regex its merges were learned with (else GPT-2's)
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-             r"|\s+(?!\S)|\s+",
+    r"|\s+(?!\S)|\s+",
 }
 BYTE_LEVEL_SPLITS["llama3"] = BYTE_LEVEL_SPLITS["llama-v3"] = BYTE_LEVEL_SPLITS["llama-bpe"]
 WRITE_TYPES = ("f32", "f16", "q8_0")
@@ -89,13 +99,18 @@ def _reader(path: Path):
         return CheckedReader(str(path), "r")
     except Truncated as e:
         needs, has = e.args
-        raise UserError(f"{path}: truncated GGUF file: its tensors need {needs:,} bytes, the file has {has:,} "
-                        f"(an interrupted download or copy?)") from None
+        raise UserError(
+            f"{path}: truncated GGUF file: its tensors need {needs:,} bytes, the file has {has:,} "
+            f"(an interrupted download or copy?)"
+        ) from None
     except Exception as e:  # a wrong magic number, a bad header
         if isinstance(e, (IndexError, ValueError)) and size and "magic" not in str(e).lower():
-            raise UserError(f"{path}: not a readable GGUF file: it ends inside its header ({size:,} bytes; "
-                            f"truncated?)") from None
-        raise UserError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+            raise UserError(
+                f"{path}: not a readable GGUF file: it ends inside its header ({size:,} bytes; truncated?)"
+            ) from None
+        raise UserError(
+            f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def _metadata(reader) -> dict[str, Any]:
@@ -130,20 +145,32 @@ def _config(meta: dict, path: Path) -> dict:
     if n_head is None or d is None or get("block_count") is None:
         raise UserError(f"{path}: GGUF lacks {arch}.block_count, embedding_length or attention.head_count")
     if not (get("vocab_size") or meta.get("tokenizer.ggml.tokens")):
-        raise UserError(f"{path}: GGUF has neither {arch}.vocab_size nor a tokenizer token list "
-                        f"(tokenizer.ggml.tokens), so its vocabulary size is unknown")
-    raw = {"model_type": arch, "num_hidden_layers": get("block_count"), "hidden_size": d,
-           "intermediate_size": get("feed_forward_length"), "num_attention_heads": n_head,
-           "num_key_value_heads": get("attention.head_count_kv", n_head),
-           "head_dim": get("attention.key_length", d // n_head), "hidden_act": "silu",
-           "max_position_embeddings": get("context_length", 2048),
-           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5), "rope_theta": get("rope.freq_base", 10000.0),
-           "vocab_size": get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
-           "attention_bias": False}
+        raise UserError(
+            f"{path}: GGUF has neither {arch}.vocab_size nor a tokenizer token list "
+            f"(tokenizer.ggml.tokens), so its vocabulary size is unknown"
+        )
+    raw = {
+        "model_type": arch,
+        "num_hidden_layers": get("block_count"),
+        "hidden_size": d,
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": get("attention.head_count_kv", n_head),
+        "head_dim": get("attention.key_length", d // n_head),
+        "hidden_act": "silu",
+        "max_position_embeddings": get("context_length", 2048),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "vocab_size": get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+        "attention_bias": False,
+    }
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
-        raw["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0),
-                               "original_max_position_embeddings": get("rope.scaling.original_context_length", 0)}
+        raw["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": get("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length", 0),
+        }
     return raw
 
 
@@ -169,14 +196,18 @@ def read(path: Path) -> tuple[dict, dict[str, Tensor]]:
     raw = _config(meta, path)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise UserError(f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported")
+        raise UserError(
+            f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported"
+        )
     raw["tie_word_embeddings"] = "output.weight" not in names
     state = {}
     for t in reader.tensors:
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise UserError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize") from None
+            raise UserError(
+                f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
         except Exception as e:
             raise UserError(f"{path}: tensor {t.name} is unreadable ({type(e).__name__}); a truncated file?") from None
         values = np.ascontiguousarray(values, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
@@ -201,6 +232,7 @@ def _hf_name(name: str, path: Path) -> str:
 
 # --- the tokenizer ----------------------------------------------------------------------------
 
+
 def read_tokenizer(path: Path):
     """A GGUF's tokenizer alone (its metadata; no tensor is dequantized)."""
     return tokenizer(_opened(path)[1], path)
@@ -215,20 +247,32 @@ def tokenizer(meta: dict, path: Path):
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise UserError(f"{path}: GGUF tokenizer {kind!r} is not supported (tfcli reads byte-level BPE, 'gpt2', "
-                        f"as SmolLM, Llama 3 and Qwen files have)")
+        raise UserError(
+            f"{path}: GGUF tokenizer {kind!r} is not supported (tfcli reads byte-level BPE, 'gpt2', "
+            f"as SmolLM, Llama 3 and Qwen files have)"
+        )
     tokens, merges = list(meta.get("tokenizer.ggml.tokens") or []), list(meta.get("tokenizer.ggml.merges") or [])
     if not tokens or not merges:
         raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()) for t in tokens]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)},
-                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(spelled)}, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False
+        )
+    )
     split = BYTE_LEVEL_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else \
-        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if split is None
+        else pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
     tok.decoder = decoders.ByteLevel()
     types = list(meta.get("tokenizer.ggml.token_type") or [])
     control = [t for t, k in zip(tokens, types) if k == 3 and set(t) <= alphabet]  # 3: CONTROL
@@ -247,7 +291,9 @@ def tokenizer(meta: dict, path: Path):
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's bytes -> printable characters (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = list(keep), 0
     for b in range(256):
         if b not in keep:
@@ -258,6 +304,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 # --- writing ----------------------------------------------------------------------------------
+
 
 def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: str = "f16") -> None:
     """A llama-family model as transformers names it (config and tensors) and its tokenizer -> a GGUF
@@ -290,8 +337,13 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
             qtype = gguf.GGMLQuantizationType.F16 if dtype == "f16" else gguf.GGMLQuantizationType.Q8_0
         if qtype == gguf.GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
             qtype = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of whole 32-value blocks
-        data = values.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else \
-            gguf.quants.quantize(values, qtype) if qtype == gguf.GGMLQuantizationType.Q8_0 else values
+        data = (
+            values.astype(np.float16)
+            if qtype == gguf.GGMLQuantizationType.F16
+            else gguf.quants.quantize(values, qtype)
+            if qtype == gguf.GGMLQuantizationType.Q8_0
+            else values
+        )
         writer.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
     try:
         writer.write_header_to_file()
@@ -351,10 +403,15 @@ def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab["tokens"])
     writer.add_token_merges(vocab["merges"])
-    writer.add_token_types([gguf.TokenType.CONTROL if t in vocab["special"] else gguf.TokenType.NORMAL
-                            for t in vocab["tokens"]])
-    for key, text in (("bos", tok.specials.bos), ("eos", tok.specials.eos or tok.tok.id_to_token(tok.eos_id or 0)),
-                      ("pad", tok.specials.pad), ("unk", tok.specials.unk)):
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in vocab["special"] else gguf.TokenType.NORMAL for t in vocab["tokens"]]
+    )
+    for key, text in (
+        ("bos", tok.specials.bos),
+        ("eos", tok.specials.eos or tok.tok.id_to_token(tok.eos_id or 0)),
+        ("pad", tok.specials.pad),
+        ("unk", tok.specials.unk),
+    ):
         i = tok.token_id(text) if text else None
         if i is not None:
             getattr(writer, f"add_{key}_token_id")(i)

@@ -3,6 +3,7 @@ Hugging Face cache (HF_HOME / HF_HUB_CACHE) when it is there, downloaded when th
 and otherwise refused in one line saying what was looked for and where. Only weights, configs and
 tokenizer files are fetched (never code: tfcli runs none of it).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,21 @@ from pathlib import Path
 from ..errors import UserError
 
 # what a model directory needs; pytorch_model.bin only when a repository has no safetensors
-FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-         "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "special_tokens_map.json",
-         "preprocessor_config.json", "modules.json", "1_Pooling/config.json"]
+FILES = [
+    "config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "special_tokens_map.json",
+    "preprocessor_config.json",
+    "modules.json",
+    "1_Pooling/config.json",
+]
 LEGACY = ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -34,14 +47,18 @@ def resolve(source: str, flag: str = "--from") -> Path:
     try:
         from huggingface_hub import constants, snapshot_download
     except ImportError:
-        raise UserError(f"{flag} {source}: reading a hub id needs huggingface_hub (pip install huggingface_hub)") from None
+        raise UserError(
+            f"{flag} {source}: reading a hub id needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     try:
         return Path(snapshot_download(source, allow_patterns=FILES, local_files_only=True))
     except Exception:
         pass  # not (fully) in the cache: try the hub
     if constants.HF_HUB_OFFLINE:
-        raise UserError(f"{flag} {source}: not a local path, and not in the Hugging Face cache "
-                        f"{constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set)")
+        raise UserError(
+            f"{flag} {source}: not a local path, and not in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set)"
+        )
     try:
         path = Path(snapshot_download(source, allow_patterns=FILES, etag_timeout=10))
         if not any(path.glob("*.safetensors")):
@@ -49,5 +66,7 @@ def resolve(source: str, flag: str = "--from") -> Path:
         return path
     except Exception as e:
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else e.__class__.__name__
-        raise UserError(f"{flag} {source}: not a local path, not in the Hugging Face cache {constants.HF_HUB_CACHE}, "
-                        f"and the hub did not give it ({reason})") from None
+        raise UserError(
+            f"{flag} {source}: not a local path, not in the Hugging Face cache {constants.HF_HUB_CACHE}, "
+            f"and the hub did not give it ({reason})"
+        ) from None

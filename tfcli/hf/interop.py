@@ -2,6 +2,7 @@
 
 One engine (convert.py) and one table module per family; nothing here is family-specific.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,10 @@ def read_pretrained(path: Path):
 
 def tfcli_state(backbone) -> dict[str, Tensor]:
     """A backbone's model and head weights under checkpoint names (model.*, heads.*)."""
-    return {**{f"model.{k}": v for k, v in backbone.model.state_dict().items()},
-            **{f"heads.{k}": v for k, v in backbone.heads.items()}}
+    return {
+        **{f"model.{k}": v for k, v in backbone.model.state_dict().items()},
+        **{f"heads.{k}": v for k, v in backbone.heads.items()},
+    }
 
 
 def family_module(backbone, what: str):
@@ -93,8 +96,9 @@ def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture holds."""
     spec, state = merged_export(backbone, recipe, "export to GGUF")
     if spec.config.get("model_type") not in gguf.ARCHITECTURES:
-        raise UserError(f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a "
-                        f"{spec.config.get('model_type')!r}")
+        raise UserError(
+            f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a {spec.config.get('model_type')!r}"
+        )
     gguf.write(spec.config, state, backbone.tokenizer, Path(out), dtype)
     return spec.config["model_type"]
 
@@ -103,14 +107,17 @@ def export_peft(backbone, recipe, base: str, out: Path) -> str:
     """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it."""
     module = family_module(backbone, "export --peft")
     peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
-    auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(backbone.model.kind,
-                                                                                               "AutoModel")
+    auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(
+        backbone.model.kind, "AutoModel"
+    )
     if gguf.is_gguf(base):
         load = f"transformers.{auto}.from_pretrained({str(Path(base).parent)!r}, gguf_file={Path(base).name!r})"
     elif (Path(base) / "config.json").is_file() or not Path(base).exists():  # a directory, or a hub id
         load = f"transformers.{auto}.from_pretrained({base!r})"
     else:  # a tfcli run: transformers reads its export
         exported = f"{out}-base"
-        return (f"tfcli export --checkpoint {base} --hf {exported}, then peft.PeftModel.from_pretrained("
-                f"transformers.{auto}.from_pretrained({exported!r}), {str(out)!r})")
+        return (
+            f"tfcli export --checkpoint {base} --hf {exported}, then peft.PeftModel.from_pretrained("
+            f"transformers.{auto}.from_pretrained({exported!r}), {str(out)!r})"
+        )
     return f"peft.PeftModel.from_pretrained({load}, {str(out)!r})"

@@ -6,6 +6,7 @@ LoRA per transformers module. The family's weight table says which transformers 
 is (`model.blocks.0.attn.qkv` -> q_proj, k_proj, v_proj), so each part's A and B become that
 module's lora_A and lora_B, with the same alpha / r.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def adapter_tensors(model, rules) -> tuple[dict[str, Tensor], set[str]]:
             continue
         rule = by_ours.get(f"model.{name}.weight")
         if rule is None or len(rule.theirs) != len(module.parts):
-            raise UserError(f"export --peft: tfcli's {name} holds {', '.join(module.parts)} in one transformers module "
-                            f"here, which a PEFT LoRA of rank r cannot hold; export --hf writes the merged model")
+            raise UserError(
+                f"export --peft: tfcli's {name} holds {', '.join(module.parts)} in one transformers module "
+                f"here, which a PEFT LoRA of rank r cannot hold; export --hf writes the merged model"
+            )
         b_rows = iter(module.lora_b.split(module.adapted))
         a_rows = iter(module.lora_a)
         for theirs, on in zip(rule.theirs, module.enabled):
@@ -47,19 +50,41 @@ def export(backbone, recipe, rules, base: str, out: Path) -> None:
     """Write the run's LoRA adapters as a PEFT directory over `base` (the run's --from model)."""
     ft = recipe.finetune if recipe is not None else None
     if ft is None or ft.train != "lora":
-        raise UserError(f"export --peft writes LoRA adapters; this run trained {ft.train if ft else 'from scratch'} "
-                        f"(export --hf writes the whole model)")
+        raise UserError(
+            f"export --peft writes LoRA adapters; this run trained {ft.train if ft else 'from scratch'} "
+            f"(export --hf writes the whole model)"
+        )
     if backbone.heads:
-        raise UserError("export --peft: this LoRA run also trained a classifier head, which a PEFT adapter of the "
-                        "base model does not hold; export --hf writes the merged model with it")
+        raise UserError(
+            "export --peft: this LoRA run also trained a classifier head, which a PEFT adapter of the "
+            "base model does not hold; export --hf writes the merged model with it"
+        )
     check_writable(out)
     tensors, modules = adapter_tensors(backbone.model, rules)
     if not tensors:
         raise UserError("export --peft: this run has no LoRA adapters")
     a = recipe.adapter
-    config = {"peft_type": "LORA", "task_type": TASK_TYPES.get(backbone.model.kind), "base_model_name_or_path": base,
-              "r": a.rank, "lora_alpha": a.alpha, "lora_dropout": a.dropout, "target_modules": sorted(modules),
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    write_dir(out, {}, tensors, {"adapter_config.json": json.dumps(config, indent=2)}, weights="adapter_model.safetensors",
-              config_name=None)
+    config = {
+        "peft_type": "LORA",
+        "task_type": TASK_TYPES.get(backbone.model.kind),
+        "base_model_name_or_path": base,
+        "r": a.rank,
+        "lora_alpha": a.alpha,
+        "lora_dropout": a.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    write_dir(
+        out,
+        {},
+        tensors,
+        {"adapter_config.json": json.dumps(config, indent=2)},
+        weights="adapter_model.safetensors",
+        config_name=None,
+    )

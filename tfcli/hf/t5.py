@@ -4,6 +4,7 @@ table and config map.
 tfcli fuses q, k, v of self-attention into one `qkv` matrix and k, v of cross-attention into `kv`;
 transformers keeps them apart. Each stack's relative position bias lives in its first block there.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer
@@ -22,13 +23,21 @@ def config_from_hf(raw: dict, state=None) -> T5Config:
     if proj not in _MLP:
         raise UserError(f"T5 feed_forward_proj {proj!r} is not supported (relu or gated-gelu)")
     return T5Config(
-        n_layer=raw["num_layers"], n_decoder_layer=raw.get("num_decoder_layers") or raw["num_layers"],
-        n_head=raw["num_heads"], d_model=raw["d_model"], d_kv=raw["d_kv"], d_ff=raw["d_ff"], feed_forward=proj,
+        n_layer=raw["num_layers"],
+        n_decoder_layer=raw.get("num_decoder_layers") or raw["num_layers"],
+        n_head=raw["num_heads"],
+        d_model=raw["d_model"],
+        d_kv=raw["d_kv"],
+        d_ff=raw["d_ff"],
+        feed_forward=proj,
         relative_attention_num_buckets=raw.get("relative_attention_num_buckets", 32),
         relative_attention_max_distance=raw.get("relative_attention_max_distance", 128),
-        dropout=float(raw.get("dropout_rate", 0.0)), layer_norm_eps=raw.get("layer_norm_epsilon", 1e-6),
+        dropout=float(raw.get("dropout_rate", 0.0)),
+        layer_norm_eps=raw.get("layer_norm_epsilon", 1e-6),
         tie_word_embeddings=_scaled_and_tied(raw),
-        max_seq_len=raw.get("n_positions", 512) or 512, vocab_size=raw["vocab_size"])
+        max_seq_len=raw.get("n_positions", 512) or 512,
+        vocab_size=raw["vocab_size"],
+    )
 
 
 def _scaled_and_tied(raw: dict) -> bool:
@@ -42,38 +51,65 @@ def _scaled_and_tied(raw: dict) -> bool:
 
 def config_to_hf(cfg: T5Config, pad_id: int = 0, eos_id: int = 1) -> dict:
     """The decoder starts from the pad id, as in T5."""
-    return {"model_type": "t5", "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": cfg.d_kv,
-            "d_ff": cfg.d_ff, "num_layers": cfg.n_layer, "num_decoder_layers": cfg.n_decoder_layer,
-            "num_heads": cfg.n_head, "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
-            "relative_attention_max_distance": cfg.relative_attention_max_distance, "dropout_rate": cfg.dropout,
-            "layer_norm_epsilon": cfg.layer_norm_eps, "feed_forward_proj": cfg.feed_forward,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "scale_decoder_outputs": cfg.tie_word_embeddings,
-            "n_positions": cfg.max_seq_len,
-            "is_encoder_decoder": True, "pad_token_id": pad_id, "eos_token_id": eos_id,
-            "decoder_start_token_id": pad_id}
+    return {
+        "model_type": "t5",
+        "vocab_size": cfg.vocab_size,
+        "d_model": cfg.d_model,
+        "d_kv": cfg.d_kv,
+        "d_ff": cfg.d_ff,
+        "num_layers": cfg.n_layer,
+        "num_decoder_layers": cfg.n_decoder_layer,
+        "num_heads": cfg.n_head,
+        "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
+        "relative_attention_max_distance": cfg.relative_attention_max_distance,
+        "dropout_rate": cfg.dropout,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "feed_forward_proj": cfg.feed_forward,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "scale_decoder_outputs": cfg.tie_word_embeddings,
+        "n_positions": cfg.max_seq_len,
+        "is_encoder_decoder": True,
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "decoder_start_token_id": pad_id,
+    }
 
 
 def rules(cfg: T5Config) -> list[Rule]:
-    out = [rule("model.shared.weight", "shared.weight"),
-           rule("model.encoder_bias.embedding.weight", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-           rule("model.decoder_bias.embedding.weight", "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-           rule("model.encoder_norm.weight", "encoder.final_layer_norm.weight"),
-           rule("model.decoder_norm.weight", "decoder.final_layer_norm.weight")]
+    out = [
+        rule("model.shared.weight", "shared.weight"),
+        rule(
+            "model.encoder_bias.embedding.weight",
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        ),
+        rule(
+            "model.decoder_bias.embedding.weight",
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        ),
+        rule("model.encoder_norm.weight", "encoder.final_layer_norm.weight"),
+        rule("model.decoder_norm.weight", "decoder.final_layer_norm.weight"),
+    ]
     for stack, n in (("encoder", cfg.n_layer), ("decoder", cfg.n_decoder_layer)):
         ff = 2 if stack == "decoder" else 1
         for i in range(n):
             ours, theirs = f"model.{stack}.{i}", f"{stack}.block.{i}.layer"
-            out += [rule(f"{ours}.attn.qkv.weight", *(f"{theirs}.0.SelfAttention.{p}.weight" for p in "qkv")),
-                    rule(f"{ours}.attn.out.weight", f"{theirs}.0.SelfAttention.o.weight"),
-                    rule(f"{ours}.norm_attn.weight", f"{theirs}.0.layer_norm.weight"),
-                    rule(f"{ours}.norm_mlp.weight", f"{theirs}.{ff}.layer_norm.weight")]
-            out += [rule(f"{ours}.mlp.{a}.weight", f"{theirs}.{ff}.DenseReluDense.{b}.weight")
-                    for a, b in _MLP[cfg.feed_forward].items()]
+            out += [
+                rule(f"{ours}.attn.qkv.weight", *(f"{theirs}.0.SelfAttention.{p}.weight" for p in "qkv")),
+                rule(f"{ours}.attn.out.weight", f"{theirs}.0.SelfAttention.o.weight"),
+                rule(f"{ours}.norm_attn.weight", f"{theirs}.0.layer_norm.weight"),
+                rule(f"{ours}.norm_mlp.weight", f"{theirs}.{ff}.layer_norm.weight"),
+            ]
+            out += [
+                rule(f"{ours}.mlp.{a}.weight", f"{theirs}.{ff}.DenseReluDense.{b}.weight")
+                for a, b in _MLP[cfg.feed_forward].items()
+            ]
             if stack == "decoder":
-                out += [rule(f"{ours}.cross_attn.q.weight", f"{theirs}.1.EncDecAttention.q.weight"),
-                        rule(f"{ours}.cross_attn.kv.weight", *(f"{theirs}.1.EncDecAttention.{p}.weight" for p in "kv")),
-                        rule(f"{ours}.cross_attn.out.weight", f"{theirs}.1.EncDecAttention.o.weight"),
-                        rule(f"{ours}.norm_cross.weight", f"{theirs}.1.layer_norm.weight")]
+                out += [
+                    rule(f"{ours}.cross_attn.q.weight", f"{theirs}.1.EncDecAttention.q.weight"),
+                    rule(f"{ours}.cross_attn.kv.weight", *(f"{theirs}.1.EncDecAttention.{p}.weight" for p in "kv")),
+                    rule(f"{ours}.cross_attn.out.weight", f"{theirs}.1.EncDecAttention.o.weight"),
+                    rule(f"{ours}.norm_cross.weight", f"{theirs}.1.layer_norm.weight"),
+                ]
     if not cfg.tie_word_embeddings:
         out.append(rule("model.lm_head.weight", "lm_head.weight"))
     return out
@@ -102,13 +138,22 @@ def export(backbone, recipe) -> Export:
     if pad is None or eos is None:
         raise UserError("this run's tokenizer has no <pad> or </s>; it was not trained for T5")
     sentinels = [t for t in (f"<extra_id_{i}>" for i in range(100)) if tok.token_id(t) is not None]
-    files = {"tokenizer.json": _appending_eos(tok.tok, eos),
-             "tokenizer_config.json": json_text({
-                 "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>",
-                 "unk_token": "<unk>", "additional_special_tokens": sentinels,
-                 "model_max_length": backbone.cfg.max_seq_len})}
-    return Export({"architectures": ["T5ForConditionalGeneration"], **config_to_hf(backbone.cfg, pad, eos)},
-                  files=files)
+    files = {
+        "tokenizer.json": _appending_eos(tok.tok, eos),
+        "tokenizer_config.json": json_text(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "pad_token": "<pad>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "additional_special_tokens": sentinels,
+                "model_max_length": backbone.cfg.max_seq_len,
+            }
+        ),
+    }
+    return Export(
+        {"architectures": ["T5ForConditionalGeneration"], **config_to_hf(backbone.cfg, pad, eos)}, files=files
+    )
 
 
 def _appending_eos(tokenizer: Tokenizer, eos: int) -> str:

@@ -3,6 +3,7 @@
 A new family is its module here (a config dataclass and a model class declaring its kind, special
 tokens, poolings and pad rule: see kinds.py) and one line in FAMILIES.
 """
+
 from __future__ import annotations
 
 from . import kinds

@@ -3,6 +3,7 @@
 The model returns hidden states (and, when asked, every layer's for last-4 pooling); the MLM and
 NSP heads belong to the objective (tfcli.objectives.mlm_nsp), the classifier to the task.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +12,20 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .pooling import text_encoder_features, text_encoder_layer_features
-from .kinds import TEXT_ENCODER
 from ..errors import UserError
-from .blocks import ACTIVATIONS, dense_flops_per_token, Attention, Block, MLP, check_config, init_normal_, make_norm, padding_mask
+from .blocks import (
+    ACTIVATIONS,
+    MLP,
+    Attention,
+    Block,
+    check_config,
+    dense_flops_per_token,
+    init_normal_,
+    make_norm,
+    padding_mask,
+)
+from .kinds import TEXT_ENCODER
+from .pooling import text_encoder_features, text_encoder_layer_features
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,13 @@ class Bert(nn.Module):
         x = x + (self.wse(token_type_ids) if token_type_ids is not None else self.wse.weight[0])
         return self.drop(self.ln_emb(x))
 
-    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None, all_layers: bool = False):
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        all_layers: bool = False,
+    ):
         """input_ids (B, T), token_type_ids (B, T), attention_mask (B, T) of 1 = token, 0 = pad
         -> hidden states (B, T, D), or with all_layers the list of every block's output (last = final)."""
         return run_blocks(self.blocks, self.embed(input_ids, token_type_ids), attention_mask, all_layers)
@@ -131,6 +147,7 @@ class Bert(nn.Module):
 
 
 # --- BERT's pretraining head and special tokens: the MLM objective trains them, cloze scoring reads them
+
 
 class MLMHead(nn.Module):
     """BERT's prediction-head transform (dense, activation, LayerNorm) and the output bias; the
@@ -154,8 +171,9 @@ class MLMHead(nn.Module):
 
 def build_heads(cfg, nsp: bool = True) -> nn.ModuleDict:
     """The pretraining heads for a BertConfig: 'mlm' and (with NSP) 'nsp' on the pooled [CLS]."""
-    heads = nn.ModuleDict({"mlm": MLMHead(cfg.d_model, cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps,
-                                          cfg.activation)})
+    heads = nn.ModuleDict(
+        {"mlm": MLMHead(cfg.d_model, cfg.d_model, cfg.vocab_size, cfg.layer_norm_eps, cfg.activation)}
+    )
     if nsp:
         heads["nsp"] = nn.Linear(cfg.d_model, 2)
     init_normal_(heads)

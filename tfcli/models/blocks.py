@@ -4,6 +4,7 @@ This is the only attention code in tfcli. BERT, GPT, T5 and ViT differ only in h
 builders wire these parts (pre- or post-norm, LayerNorm or RMSNorm, biases, activation,
 what goes into the attention mask), never in the parts themselves.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,20 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-
-POSITIVE = ("n_layer", "n_head", "d_model", "max_seq_len", "image_size", "patch_size", "channels", "decoder_d_model",
-            "decoder_n_layer", "decoder_n_head", "type_vocab_size", "relative_attention_max_distance")
+POSITIVE = (
+    "n_layer",
+    "n_head",
+    "d_model",
+    "max_seq_len",
+    "image_size",
+    "patch_size",
+    "channels",
+    "decoder_d_model",
+    "decoder_n_layer",
+    "decoder_n_head",
+    "type_vocab_size",
+    "relative_attention_max_distance",
+)
 NON_NEGATIVE = ("d_ff", "vocab_size", "n_decoder_layer", "d_kv", "decoder_d_ff")
 
 
@@ -95,8 +107,14 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return F.linear(x, weight, bias)
     parts, rows = torch.get_num_threads(), x.numel() // max(1, x.size(-1))
     out, d_in = weight.shape
-    if (parts < 2 or not 0 < rows <= FEW_ROWS or weight.numel() < SLICED_MIN_WEIGHT or out % parts
-            or not weight.is_contiguous() or x.dtype != weight.dtype):
+    if (
+        parts < 2
+        or not 0 < rows <= FEW_ROWS
+        or weight.numel() < SLICED_MIN_WEIGHT
+        or out % parts
+        or not weight.is_contiguous()
+        or x.dtype != weight.dtype
+    ):
         return F.linear(x, weight, bias)
     slices = weight.view(parts, out // parts, d_in).transpose(1, 2)  # (P, D_in, out/P), a view
     y = product_by_slices(x.reshape(rows, d_in), slices).view(*x.shape[:-1], out)
@@ -176,8 +194,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape  # (B, T, n*hs) -> (B, n, T, hs)
         return x.view(B, T, n, self.head_dim).transpose(1, 2)
 
-    def _project(self, x: Tensor, context: Optional[Tensor], cache: Optional[KVCache],
-                 rope: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(
+        self, x: Tensor, context: Optional[Tensor], cache: Optional[KVCache], rope: Optional[tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, nh, T, hs) and the keys and values to attend to (B, n_kv, Tk, hs), cache included."""
         if self.cross:
             q = self._heads(self.q(x), self.n_head)
@@ -218,7 +237,9 @@ class Attention(nn.Module):
                 allowed = causal_mask(T, t_key, x.device, self.window)
                 mask = allowed if mask is None else _combine(mask, allowed)
         y = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal,
@@ -236,8 +257,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None].to(x.dtype) + turned * sin[:, None].to(x.dtype)
 
 
-def decoder_positions(input_ids: Tensor, caches: Optional[list], context: int, doc_ids: Optional[Tensor] = None,
-                      key_mask: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+def decoder_positions(
+    input_ids: Tensor,
+    caches: Optional[list],
+    context: int,
+    doc_ids: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """A causal decoder's positions and attention mask for input_ids (B, T) after the cached tokens:
     plain (positions start.., no mask: SDPA's causal fast path), packed documents (doc_ids (B, T):
     positions restart per document, (B, 1, T, T) within-document mask), or left-padded batched
@@ -289,8 +315,16 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     """Position-wise feed-forward: up, activation (optionally gated as in T5 v1.1), down."""
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", bias: bool = True,
-                 gated: bool = False, dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        gated: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
@@ -320,9 +354,18 @@ class Block(nn.Module):
     prenorm=True (GPT, T5, ViT): x + f(norm(x)). prenorm=False (BERT): norm(x + f(x)).
     """
 
-    def __init__(self, attn: Attention, mlp: MLP, norm_attn: nn.Module, norm_mlp: nn.Module, *,
-                 cross_attn: Optional[Attention] = None, norm_cross: Optional[nn.Module] = None,
-                 prenorm: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        attn: Attention,
+        mlp: MLP,
+        norm_attn: nn.Module,
+        norm_mlp: nn.Module,
+        *,
+        cross_attn: Optional[Attention] = None,
+        norm_cross: Optional[nn.Module] = None,
+        prenorm: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.attn, self.mlp = attn, mlp
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
@@ -336,23 +379,48 @@ class Block(nn.Module):
             return x + self.drop(f(norm(x)))
         return norm(x + self.drop(f(x)))
 
-    def forward(self, x: Tensor, *, mask: Optional[Tensor] = None, causal: bool = False,
-                cache: Optional[KVCache] = None, context: Optional[Tensor] = None,
-                context_mask: Optional[Tensor] = None, cross_cache: Optional[KVCache] = None,
-                rope: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
-        kwargs = dict(mask=mask, causal=causal, cache=cache, context=context, context_mask=context_mask,
-                      cross_cache=cross_cache, rope=rope)
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Optional[Tensor] = None,
+        causal: bool = False,
+        cache: Optional[KVCache] = None,
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        cross_cache: Optional[KVCache] = None,
+        rope: Optional[tuple[Tensor, Tensor]] = None,
+    ) -> Tensor:
+        kwargs = dict(
+            mask=mask,
+            causal=causal,
+            cache=cache,
+            context=context,
+            context_mask=context_mask,
+            cross_cache=cross_cache,
+            rope=rope,
+        )
         if self.checkpointing and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **kwargs)
         return self._forward(x, **kwargs)
 
-    def _forward(self, x: Tensor, *, mask: Optional[Tensor], causal: bool, cache: Optional[KVCache],
-                 context: Optional[Tensor], context_mask: Optional[Tensor], cross_cache: Optional[KVCache],
-                 rope: Optional[tuple[Tensor, Tensor]]) -> Tensor:
+    def _forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Optional[Tensor],
+        causal: bool,
+        cache: Optional[KVCache],
+        context: Optional[Tensor],
+        context_mask: Optional[Tensor],
+        cross_cache: Optional[KVCache],
+        rope: Optional[tuple[Tensor, Tensor]],
+    ) -> Tensor:
         x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache, rope=rope))
         if self.cross_attn is not None:
-            x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
-                h, context=context, mask=context_mask, cache=cross_cache))
+            x = self._residual(
+                x, self.norm_cross, lambda h: self.cross_attn(h, context=context, mask=context_mask, cache=cross_cache)
+            )
         return self._residual(x, self.norm_mlp, self.mlp)
 
 

@@ -1,4 +1,5 @@
 """GPT-2-shaped decoder: learned positions, pre-norm causal blocks, LM head tied to the embedding."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,10 +7,21 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from .pooling import decoder_features, decoder_layer_features
+from .blocks import (  # noqa: F401
+    MLP,
+    Attention,
+    Block,
+    KVCache,
+    check_config,
+    decoder_positions,
+    dense_flops_per_token,
+    document_positions,
+    init_normal_,
+    make_norm,
+    scale_residual_projections_,
+)
 from .kinds import DECODER, DECODER_POOLINGS
-from .blocks import (Attention, dense_flops_per_token, Block, KVCache, MLP, check_config, decoder_positions, document_positions,  # noqa: F401
-                     init_normal_, make_norm, scale_residual_projections_)
+from .pooling import decoder_features, decoder_layer_features
 
 
 @dataclass(frozen=True)
@@ -77,8 +89,14 @@ class GPT(nn.Module):
     def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
-    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False,
-                doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None):
+    def forward(
+        self,
+        input_ids: Tensor,
+        caches: Optional[list[KVCache]] = None,
+        all_layers: bool = False,
+        doc_ids: Optional[Tensor] = None,
+        key_mask: Optional[Tensor] = None,
+    ):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
         all_layers: the embeddings and every block's output (n_layer + 1), each through the final norm
         (features for a classifier or a probe of every depth)

@@ -9,6 +9,7 @@ Each family's model class declares:
 and `models.transformer_blocks` finds its blocks (what FSDP shards and activation checkpointing
 recomputes) by type, whatever the family.
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
@@ -37,8 +38,14 @@ class DecoderLM(Protocol):
     kind: ClassVar[str]
     cfg: Any
 
-    def forward(self, input_ids: Tensor, caches: Optional[list] = None, all_layers: bool = False,
-                doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None) -> Any: ...
+    def forward(
+        self,
+        input_ids: Tensor,
+        caches: Optional[list] = None,
+        all_layers: bool = False,
+        doc_ids: Optional[Tensor] = None,
+        key_mask: Optional[Tensor] = None,
+    ) -> Any: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...
 
@@ -61,8 +68,13 @@ class EncoderDecoder(Protocol):
 
     def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor: ...
 
-    def decode(self, decoder_input_ids: Tensor, encoder_out: Tensor, encoder_mask: Optional[Tensor] = None,
-               caches: Optional[list] = None) -> Tensor: ...
+    def decode(
+        self,
+        decoder_input_ids: Tensor,
+        encoder_out: Tensor,
+        encoder_mask: Optional[Tensor] = None,
+        caches: Optional[list] = None,
+    ) -> Tensor: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...
 
@@ -82,8 +94,13 @@ class TextEncoder(Protocol):
     kind: ClassVar[str]
     cfg: Any
 
-    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None, all_layers: bool = False) -> Any: ...
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        all_layers: bool = False,
+    ) -> Any: ...
 
     def pool(self, hidden: Tensor) -> Tensor: ...
 
@@ -114,5 +131,9 @@ class VisionEncoder(Protocol):
     def layer_features(self, batch: dict, pooling: str) -> list: ...  # n_layer + 1 of (B, D): what a probe reads
 
 
-PROTOCOLS = {DECODER: DecoderLM, ENCODER_DECODER: EncoderDecoder, TEXT_ENCODER: TextEncoder,
-             VISION_ENCODER: VisionEncoder}
+PROTOCOLS = {
+    DECODER: DecoderLM,
+    ENCODER_DECODER: EncoderDecoder,
+    TEXT_ENCODER: TextEncoder,
+    VISION_ENCODER: VisionEncoder,
+}

@@ -2,6 +2,7 @@
 rotary positions, grouped-query attention, tied or untied LM head; qkv (and output) biases, per-head
 q/k norms and a sliding window where an architecture has them. Built from the shared parts only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,9 +10,19 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from .pooling import decoder_features, decoder_layer_features
+from .blocks import (
+    MLP,
+    Attention,
+    Block,
+    KVCache,
+    check_config,
+    decoder_positions,
+    dense_flops_per_token,
+    init_normal_,
+    make_norm,
+)
 from .kinds import DECODER, DECODER_POOLINGS
-from .blocks import Attention, dense_flops_per_token, Block, KVCache, MLP, check_config, decoder_positions, init_normal_, make_norm
+from .pooling import decoder_features, decoder_layer_features
 from .rotary import RopeScaling, Rotary, check_rope
 
 
@@ -48,8 +59,10 @@ class LlamaConfig:
             raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head ({self.n_kv_head})")
         if not self.head_dim:
             if self.d_model % self.n_head:
-                raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head}) "
-                                 f"unless model.head_dim is set")
+                raise ValueError(
+                    f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head}) "
+                    f"unless model.head_dim is set"
+                )
             object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim ({self.head_dim}) must be even for rotary positions")
@@ -84,11 +97,20 @@ class Llama(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(
-                Attention(cfg.d_model, cfg.n_head, n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim, bias=cfg.qkv_bias,
-                          out_bias=cfg.out_bias, dropout=cfg.dropout, qk_norm=rms if cfg.qk_norm else None,
-                          window=cfg.sliding_window),
+                Attention(
+                    cfg.d_model,
+                    cfg.n_head,
+                    n_kv_head=cfg.n_kv_head,
+                    head_dim=cfg.head_dim,
+                    bias=cfg.qkv_bias,
+                    out_bias=cfg.out_bias,
+                    dropout=cfg.dropout,
+                    qk_norm=rms if cfg.qk_norm else None,
+                    window=cfg.sliding_window,
+                ),
                 MLP(cfg.d_model, cfg.d_ff, activation="silu", bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout),
-                rms(cfg.d_model), rms(cfg.d_model),
+                rms(cfg.d_model),
+                rms(cfg.d_model),
                 prenorm=True,
                 dropout=cfg.dropout,
             )
@@ -105,8 +127,14 @@ class Llama(nn.Module):
     def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
-    def forward(self, input_ids: Tensor, caches: Optional[list[KVCache]] = None, all_layers: bool = False,
-                doc_ids: Optional[Tensor] = None, key_mask: Optional[Tensor] = None):
+    def forward(
+        self,
+        input_ids: Tensor,
+        caches: Optional[list[KVCache]] = None,
+        all_layers: bool = False,
+        doc_ids: Optional[Tensor] = None,
+        key_mask: Optional[Tensor] = None,
+    ):
         """input_ids (B, T) -> hidden states (B, T, D); the arguments mean what they mean for GPT
         (blocks.decoder_positions): caches, every layer's output, packed documents, left padding."""
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)

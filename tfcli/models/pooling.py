@@ -5,6 +5,7 @@ kind's protocol, models/kinds.py), so a task asks the model and never its kind.
 BERT's pooled [CLS] is transformers' BertForSequenceClassification exactly; the mean is over real
 tokens (or patches) only; last4 sums or concatenates the last four layers' summary vectors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,7 @@ def _last_rows(batch: dict) -> tuple[Tensor, Tensor]:
 
 # --- decoders (GPT, llama): the last real token, the mean, or the last token of the last four layers
 
+
 def decoder_features(model, batch: dict, pooling: str) -> Tensor:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     rows, last = _last_rows(batch)
@@ -50,6 +52,7 @@ def decoder_layer_features(model, batch: dict, pooling: str) -> list[Tensor]:
 # --- encoder-decoders (T5): the mean of the encoder's outputs, or the decoder's first position reading
 # the encoder (as a span-corruption decoder fills its first sentinel)
 
+
 def encoder_decoder_features(model, batch: dict, pooling: str) -> Tensor:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     encoded = model.encode(ids, mask)  # (B, S, D)
@@ -63,6 +66,7 @@ def encoder_decoder_layer_features(model, batch: dict, pooling: str) -> list[Ten
 
 
 # --- text encoders (BERT): the pooler on [CLS], the mean, or [CLS] of the last four layers
+
 
 def text_encoder_features(model, batch: dict, pooling: str) -> Tensor:
     args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
@@ -81,6 +85,7 @@ def text_encoder_layer_features(model, batch: dict, pooling: str) -> list[Tensor
 
 
 # --- vision encoders (ViT): [CLS] or the mean of the patch vectors
+
 
 def vision_features(model, batch: dict, pooling: str) -> Tensor:
     return model.pool(model.forward_features(batch["pixels"]), pooling)  # (B, D)

@@ -10,6 +10,7 @@ exactly, so that a Llama, Qwen or Mistral directory computes the same logits her
   llama3    Llama 3.1's smooth per-band interpolation (low_freq_factor, high_freq_factor)
   yarn      YaRN: interpolation blended with extrapolation per band, cos/sin scaled by mscale
 """
+
 from __future__ import annotations
 
 import math
@@ -130,8 +131,14 @@ def rope_scaling_of(theta: float, params: Optional[dict]) -> RopeScaling:
         p["attention_factor"] = mscale(p["mscale"]) / mscale(p["mscale_all_dim"])
     kind = p.get("rope_type") or p.get("type") or "default"
     return RopeScaling(
-        theta=float(p.get("rope_theta") or theta), type=kind, factor=float(p.get("factor") or 1.0),
+        theta=float(p.get("rope_theta") or theta),
+        type=kind,
+        factor=float(p.get("factor") or 1.0),
         original_max=int(p.get("original_max_position_embeddings") or 0),
-        low_freq_factor=float(p.get("low_freq_factor") or 1.0), high_freq_factor=float(p.get("high_freq_factor") or 4.0),
-        beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
-        attention_factor=float(p.get("attention_factor") or 0.0), truncate=bool(p.get("truncate", True)))
+        low_freq_factor=float(p.get("low_freq_factor") or 1.0),
+        high_freq_factor=float(p.get("high_freq_factor") or 4.0),
+        beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0),
+        attention_factor=float(p.get("attention_factor") or 0.0),
+        truncate=bool(p.get("truncate", True)),
+    )

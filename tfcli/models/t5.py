@@ -5,6 +5,7 @@ as T5 folds 1/sqrt(d) into the initialisation) whose additive mask carries the r
 position bias. Each stack computes its bias once, from its own bucket embedding, and hands the
 same bias to every layer (as T5's first layer does for the rest).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,9 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .pooling import encoder_decoder_features, encoder_decoder_layer_features
+from .blocks import MLP, Attention, Block, KVCache, causal_mask, check_config, make_norm, padding_mask
 from .kinds import ENCODER_DECODER
-from .blocks import Attention, Block, KVCache, MLP, causal_mask, check_config, make_norm, padding_mask
+from .pooling import encoder_decoder_features, encoder_decoder_layer_features
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,18 @@ class T5Config:
             object.__setattr__(self, "n_decoder_layer", self.n_layer)
         if not self.d_kv:
             if self.d_model % self.n_head:
-                raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head "
-                                 f"({self.n_head}) unless model.d_kv is set")
+                raise ValueError(
+                    f"model.d_model ({self.d_model}) must be divisible by model.n_head "
+                    f"({self.n_head}) unless model.d_kv is set"
+                )
             object.__setattr__(self, "d_kv", self.d_model // self.n_head)
         if self.relative_attention_num_buckets < 4:
             raise ValueError("model.relative_attention_num_buckets must be at least 4")
 
 
-def relative_position_bucket(relative_position: Tensor, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> Tensor:
+def relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> Tensor:
     """Mesh TensorFlow's bucketing of (key - query) distances: exact for small ones, log-spaced
     up to max_distance, one bucket beyond. Bidirectional splits the buckets by sign."""
     buckets = torch.zeros_like(relative_position)
@@ -65,8 +69,14 @@ def relative_position_bucket(relative_position: Tensor, bidirectional: bool, num
         relative_position = -relative_position.clamp(max=0)  # future keys fold onto distance 0
     max_exact = num_buckets // 2
     is_small = relative_position < max_exact
-    large = max_exact + (torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).long()
+    large = (
+        max_exact
+        + (
+            torch.log(relative_position.float() / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, relative_position, large)
 
@@ -90,17 +100,29 @@ class RelativePositionBias(nn.Module):
 
 def _block(cfg: T5Config, cross: bool) -> Block:
     def attn(is_cross: bool) -> Attention:
-        return Attention(cfg.d_model, cfg.n_head, head_dim=cfg.d_kv, bias=False, dropout=cfg.dropout,
-                         cross=is_cross, scale=1.0)
+        return Attention(
+            cfg.d_model, cfg.n_head, head_dim=cfg.d_kv, bias=False, dropout=cfg.dropout, cross=is_cross, scale=1.0
+        )
 
     gated = cfg.feed_forward == "gated-gelu"
     norm = lambda: make_norm("rmsnorm", cfg.d_model, cfg.layer_norm_eps)  # noqa: E731
-    return Block(attn(False),
-                 MLP(cfg.d_model, cfg.d_ff, activation="gelu_tanh" if gated else "relu", bias=False,
-                     gated=gated, dropout=cfg.dropout),
-                 norm(), norm(),
-                 cross_attn=attn(True) if cross else None, norm_cross=norm() if cross else None,
-                 prenorm=True, dropout=cfg.dropout)
+    return Block(
+        attn(False),
+        MLP(
+            cfg.d_model,
+            cfg.d_ff,
+            activation="gelu_tanh" if gated else "relu",
+            bias=False,
+            gated=gated,
+            dropout=cfg.dropout,
+        ),
+        norm(),
+        norm(),
+        cross_attn=attn(True) if cross else None,
+        norm_cross=norm() if cross else None,
+        prenorm=True,
+        dropout=cfg.dropout,
+    )
 
 
 SENTINELS = tuple(f"<extra_id_{i}>" for i in range(100))
@@ -110,7 +132,10 @@ class T5(nn.Module):
     """Encoder-decoder. encode() and decode() return hidden states; logits() applies the LM head."""
 
     kind = ENCODER_DECODER
-    features, layer_features = encoder_decoder_features, encoder_decoder_layer_features  # what a classifier / probe reads
+    features, layer_features = (
+        encoder_decoder_features,
+        encoder_decoder_layer_features,
+    )  # what a classifier / probe reads
     special_tokens = ("<pad>", "</s>", "<unk>") + SENTINELS  # T5's ids: pad 0, eos 1, unk 2
     poolings = ("encoder-mean", "decoder-first")
 
@@ -145,20 +170,20 @@ class T5(nn.Module):
             if isinstance(m, Attention):
                 w = m.q.weight if m.cross else m.qkv.weight[:inner]
                 w.normal_(0.0, (d * self.cfg.d_kv) ** -0.5)
-                (m.kv.weight if m.cross else m.qkv.weight[inner:]).normal_(0.0, d ** -0.5)
-                m.out.weight.normal_(0.0, inner ** -0.5)
+                (m.kv.weight if m.cross else m.qkv.weight[inner:]).normal_(0.0, d**-0.5)
+                m.out.weight.normal_(0.0, inner**-0.5)
             elif isinstance(m, MLP):
                 for lin in (m.up, m.gate):
                     if lin is not None:
-                        lin.weight.normal_(0.0, d ** -0.5)
-                m.down.weight.normal_(0.0, self.cfg.d_ff ** -0.5)
+                        lin.weight.normal_(0.0, d**-0.5)
+                m.down.weight.normal_(0.0, self.cfg.d_ff**-0.5)
             elif isinstance(m, nn.RMSNorm):
                 m.weight.fill_(1.0)
         for bias in (self.encoder_bias, self.decoder_bias):
-            bias.embedding.weight.normal_(0.0, d ** -0.5)
+            bias.embedding.weight.normal_(0.0, d**-0.5)
         self.shared.weight.normal_(0.0, 1.0)
         if self.lm_head is not None:
-            self.lm_head.weight.normal_(0.0, d ** -0.5)
+            self.lm_head.weight.normal_(0.0, d**-0.5)
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -179,7 +204,7 @@ class T5(nn.Module):
         n_enc = count(self.encoder) + kv
         n_dec = count(self.decoder) - kv + cfg.vocab_size * cfg.d_model
         inner = cfg.n_head * cfg.d_kv
-        attn = 12 * inner * (cfg.n_layer * seq_len ** 2 + cfg.n_decoder_layer * (target_len ** 2 + target_len * seq_len))
+        attn = 12 * inner * (cfg.n_layer * seq_len**2 + cfg.n_decoder_layer * (target_len**2 + target_len * seq_len))
         return (6.0 * (n_enc * seq_len + n_dec * target_len) + attn) / (seq_len + target_len)
 
     def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
@@ -194,8 +219,13 @@ class T5(nn.Module):
             x = block(x, mask=mask)
         return self.drop(self.encoder_norm(x))
 
-    def decode(self, decoder_input_ids: Tensor, encoder_out: Tensor, encoder_mask: Optional[Tensor] = None,
-               caches: Optional[list[tuple[KVCache, KVCache]]] = None) -> Tensor:
+    def decode(
+        self,
+        decoder_input_ids: Tensor,
+        encoder_out: Tensor,
+        encoder_mask: Optional[Tensor] = None,
+        caches: Optional[list[tuple[KVCache, KVCache]]] = None,
+    ) -> Tensor:
         """decoder_input_ids (B, T) after the cached ones, encoder_out (B, S, D) -> (B, T, D).
 
         The output is what the LM head sees: with tied embeddings already scaled by d_model**-0.5.
@@ -203,8 +233,9 @@ class T5(nn.Module):
         T = decoder_input_ids.size(1)
         past = caches[0][0].length if caches else 0
         if past + T > self.cfg.max_seq_len:
-            raise ValueError(f"decoder sequence of {past + T} tokens is longer than model.max_seq_len "
-                             f"({self.cfg.max_seq_len})")
+            raise ValueError(
+                f"decoder sequence of {past + T} tokens is longer than model.max_seq_len ({self.cfg.max_seq_len})"
+            )
         bias = self.decoder_bias(T, past + T, offset=past)  # (1, nh, T, past+T)
         mask = bias.masked_fill(~causal_mask(T, past + T, bias.device), float("-inf"))
         context_mask = None
@@ -213,10 +244,11 @@ class T5(nn.Module):
         x = self.drop(self.shared(decoder_input_ids))  # (B, T, D)
         for i, block in enumerate(self.decoder):
             self_cache, cross_cache = caches[i] if caches else (None, None)
-            x = block(x, mask=mask, cache=self_cache, context=encoder_out, context_mask=context_mask,
-                      cross_cache=cross_cache)
+            x = block(
+                x, mask=mask, cache=self_cache, context=encoder_out, context_mask=context_mask, cross_cache=cross_cache
+            )
         x = self.drop(self.decoder_norm(x))
-        return x * self.cfg.d_model ** -0.5 if self.lm_head is None else x
+        return x * self.cfg.d_model**-0.5 if self.lm_head is None else x
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor], decoder_input_ids: Tensor) -> Tensor:
         """Teacher-forced pass: encode, then decode every target position -> (B, T, D)."""

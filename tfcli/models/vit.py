@@ -5,6 +5,7 @@ visible patches back into pixels of every patch. The decoder is an objective hea
 the MAE objective's heads and is dropped after pretraining. Patchify, unpatchify and random
 masking are pure functions so that the objective, the pictures and the tests share them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,9 +14,9 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .pooling import vision_features, vision_layer_features
+from .blocks import MLP, Attention, Block, check_config, dense_flops_per_token, make_norm
 from .kinds import VISION_ENCODER
-from .blocks import Attention, dense_flops_per_token, Block, MLP, check_config, make_norm
+from .pooling import vision_features, vision_layer_features
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ class ViTConfig:
     def __post_init__(self):
         check_config(self)
         if self.image_size % self.patch_size:
-            raise ValueError(f"model.image_size ({self.image_size}) must be a multiple of "
-                             f"model.patch_size ({self.patch_size})")
+            raise ValueError(
+                f"model.image_size ({self.image_size}) must be a multiple of model.patch_size ({self.patch_size})"
+            )
         for d, h, name in ((self.d_model, self.n_head, ""), (self.decoder_d_model, self.decoder_n_head, "decoder_")):
             if d % h:
                 raise ValueError(f"model.{name}d_model ({d}) must be divisible by model.{name}n_head ({h})")
@@ -54,8 +56,10 @@ class ViTConfig:
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ValueError(f"model.mask_ratio must be in [0, 1), got {self.mask_ratio}")
         if self.stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
-            raise ValueError(f"model.stem conv halves the image log2(patch_size) times: model.patch_size must be a "
-                             f"power of 2 (>= 2), got {self.patch_size}")
+            raise ValueError(
+                f"model.stem conv halves the image log2(patch_size) times: model.patch_size must be a "
+                f"power of 2 (>= 2), got {self.patch_size}"
+            )
 
     @property
     def grid(self) -> int:
@@ -63,10 +67,11 @@ class ViTConfig:
 
     @property
     def n_patches(self) -> int:
-        return self.grid ** 2
+        return self.grid**2
 
 
 # --- pure functions -----------------------------------------------------------------------------
+
 
 def patchify(pixels: Tensor, patch: int) -> Tensor:
     """(B, C, H, W) -> (B, N, P*P*C), patches in raster order, each flattened as (row, col, channel)."""
@@ -79,7 +84,7 @@ def patchify(pixels: Tensor, patch: int) -> Tensor:
 def unpatchify(patches: Tensor, patch: int, channels: int = 3) -> Tensor:
     """(B, N, P*P*C) -> (B, C, H, W): the exact inverse of patchify for a square grid."""
     B, N, _ = patches.shape
-    g = int(round(N ** 0.5))
+    g = int(round(N**0.5))
     x = patches.reshape(B, g, g, patch, patch, channels)
     return x.permute(0, 5, 1, 3, 2, 4).reshape(B, channels, g * patch, g * patch)
 
@@ -112,8 +117,9 @@ def sincos_2d(grid: int, dim: int) -> Tensor:
     the column, the second half the row, each as [sin | cos] over dim/4 frequencies.
     """
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))  # (dim/4,)
-    rows, cols = torch.meshgrid(torch.arange(grid, dtype=torch.float64),
-                                torch.arange(grid, dtype=torch.float64), indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64), indexing="ij"
+    )
     c = cols.flatten().outer(omega)  # (N, dim/4)
     r = rows.flatten().outer(omega)
     emb = torch.cat([c.sin(), c.cos(), r.sin(), r.cos()], dim=1)  # (N, dim)
@@ -122,14 +128,20 @@ def sincos_2d(grid: int, dim: int) -> Tensor:
 
 # --- modules ------------------------------------------------------------------------------------
 
+
 def _blocks(n: int, d: int, heads: int, d_ff: int, eps: float, dropout: float) -> nn.ModuleList:
     """Pre-norm shared blocks with exact GELU, as in ViT and MAE."""
     return nn.ModuleList(
-        Block(Attention(d, heads, bias=True, dropout=dropout),
-              MLP(d, d_ff, activation="gelu", bias=True, dropout=dropout),
-              make_norm("layernorm", d, eps), make_norm("layernorm", d, eps),
-              prenorm=True, dropout=dropout)
-        for _ in range(n))
+        Block(
+            Attention(d, heads, bias=True, dropout=dropout),
+            MLP(d, d_ff, activation="gelu", bias=True, dropout=dropout),
+            make_norm("layernorm", d, eps),
+            make_norm("layernorm", d, eps),
+            prenorm=True,
+            dropout=dropout,
+        )
+        for _ in range(n)
+    )
 
 
 def _positions(module: nn.Module, cfg: ViTConfig, dim: int) -> None:
@@ -180,8 +192,14 @@ class ConvStem(nn.Module):
         widths = [max(8, cfg.d_model >> (steps - i)) for i in range(1, steps + 1)]  # ..., D/2, D
         layers, c = [], cfg.channels
         for w in widths:
-            layers.append(nn.ModuleDict({"conv": nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
-                                         "norm": ChannelNorm(w, cfg.layer_norm_eps)}))
+            layers.append(
+                nn.ModuleDict(
+                    {
+                        "conv": nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
+                        "norm": ChannelNorm(w, cfg.layer_norm_eps),
+                    }
+                )
+            )
             c = w
         self.layers = nn.ModuleList(layers)
         self.proj = nn.Conv2d(c, cfg.d_model, 1)
@@ -208,8 +226,11 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size) \
-            if cfg.stem == "patch" else ConvStem(cfg)
+        self.patch_embed = (
+            nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)
+            if cfg.stem == "patch"
+            else ConvStem(cfg)
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
         _positions(self, cfg, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -237,9 +258,13 @@ class ViT(nn.Module):
     def describe(self) -> str:
         """A line for the run's banner: the stem, its tokens and its parameters."""
         params = sum(p.numel() for p in self.patch_embed.parameters())
-        patchify = self.cfg.patch_size ** 2 * self.cfg.channels * self.cfg.d_model + self.cfg.d_model
-        what = "patchify" if self.cfg.stem == "patch" else f"convolutional stem ({len(self.patch_embed.layers)} 3x3 " \
+        patchify = self.cfg.patch_size**2 * self.cfg.channels * self.cfg.d_model + self.cfg.d_model
+        what = (
+            "patchify"
+            if self.cfg.stem == "patch"
+            else f"convolutional stem ({len(self.patch_embed.layers)} 3x3 "
             f"stride-2 convolutions + 1x1; patchify would have {patchify:,})"
+        )
         return f"{what}: {self.cfg.n_patches} tokens ({self.cfg.grid}x{self.cfg.grid}) + [CLS], {params:,} parameters"
 
     def tokens(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
@@ -256,7 +281,7 @@ class ViT(nn.Module):
         """Training FLOPs per token of seq_len tokens ([CLS] and seq_len - 1 patches): the blocks, and
         the patch projection on the patches."""
         cfg = self.cfg
-        embed = cfg.d_model * cfg.channels * cfg.patch_size ** 2 * (seq_len - 1) / seq_len
+        embed = cfg.d_model * cfg.channels * cfg.patch_size**2 * (seq_len - 1) / seq_len
         return dense_flops_per_token(self.blocks, cfg.n_layer, seq_len, cfg.d_model) + 6.0 * embed
 
     def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None, all_layers: bool = False):
@@ -288,10 +313,11 @@ class MAEDecoder(nn.Module):
         self.embed = nn.Linear(cfg.d_model, d)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, d))
         _positions(self, cfg, d)
-        self.blocks = _blocks(cfg.decoder_n_layer, d, cfg.decoder_n_head, cfg.decoder_d_ff,
-                              cfg.layer_norm_eps, cfg.dropout)
+        self.blocks = _blocks(
+            cfg.decoder_n_layer, d, cfg.decoder_n_head, cfg.decoder_d_ff, cfg.layer_norm_eps, cfg.dropout
+        )
         self.norm = make_norm("layernorm", d, cfg.layer_norm_eps)
-        self.pred = nn.Linear(d, cfg.patch_size ** 2 * cfg.channels)
+        self.pred = nn.Linear(d, cfg.patch_size**2 * cfg.channels)
         _init_linear_(self)
         nn.init.normal_(self.mask_token, std=0.02)
 

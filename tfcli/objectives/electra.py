@@ -8,6 +8,7 @@ position, segment, LayerNorm); the generator reads them through a projection to 
 as transformers' ElectraForMaskedLM does with `embeddings_project`. After pretraining the
 discriminator is the model (`--from` a run finetunes it as any BERT); the generator is a head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -51,8 +52,13 @@ class Generator(nn.Module):
         super().__init__()
         head_dim = disc.d_model // disc.n_head
         n_head = max(1, round(disc.n_head * size))
-        self.cfg = replace(disc, n_head=n_head, d_model=n_head * head_dim, d_ff=max(1, round(disc.d_ff * size)),
-                           n_layer=layers or disc.n_layer)
+        self.cfg = replace(
+            disc,
+            n_head=n_head,
+            d_model=n_head * head_dim,
+            d_ff=max(1, round(disc.d_ff * size)),
+            n_layer=layers or disc.n_layer,
+        )
         self.project = nn.Linear(disc.d_model, self.cfg.d_model)
         self.blocks = encoder_blocks(self.cfg)
         self.mlm = MLMHead(self.cfg.d_model, disc.d_model, disc.vocab_size, disc.layer_norm_eps, disc.activation)
@@ -94,7 +100,12 @@ def ranking_auc(scores: Tensor, positive: Tensor) -> Tensor:
 def make_loss(disc_weight: float, temperature: float):
     def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Generator MLM at the masked positions, then the discriminator on the sampled replacements."""
-        ids, types, attn, labels = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["mlm_labels"]
+        ids, types, attn, labels = (
+            batch["input_ids"],
+            batch["token_type_ids"],
+            batch["attention_mask"],
+            batch["mlm_labels"],
+        )
         chosen = labels != IGNORE  # (B, T)
         gen = heads["generator"]
         logits = gen.mlm.logits(gen(model.embed(ids, types), attn)[chosen], model.lm_head_weight).float()  # (N, V)
@@ -109,11 +120,17 @@ def make_loss(disc_weight: float, temperature: float):
         scores, targets = disc_logits[valid].float(), replaced[valid]  # (N_tokens,) each
         disc_loss = F.binary_cross_entropy_with_logits(scores, targets)
         total = gen_loss + disc_weight * disc_loss
-        metrics = {"loss": total.detach(), "gen_loss": gen_loss.detach(),
-                   "gen_acc": (logits.argmax(-1) == labels[chosen]).float().mean(), "disc_loss": disc_loss.detach(),
-                   "disc_acc": ((scores > 0).float() == targets).float().mean(),
-                   "disc_auc": ranking_auc(scores.detach(), targets.bool()), "replaced": targets.mean()}
+        metrics = {
+            "loss": total.detach(),
+            "gen_loss": gen_loss.detach(),
+            "gen_acc": (logits.argmax(-1) == labels[chosen]).float().mean(),
+            "disc_loss": disc_loss.detach(),
+            "disc_acc": ((scores > 0).float() == targets).float().mean(),
+            "disc_auc": ranking_auc(scores.detach(), targets.bool()),
+            "replaced": targets.mean(),
+        }
         return total, metrics
+
     return loss
 
 
@@ -127,12 +144,18 @@ class Electra(MaskedLM):
     def setup(self, recipe, backbone) -> Job:
         s, cfg, T = recipe.settings, backbone.cfg, recipe.data.seq_len
         train, val = self.example_sources(recipe, backbone, nsp=False)
-        heads = nn.ModuleDict({"generator": Generator(cfg, s.generator_size, s.generator_layers),
-                               "discriminator": DiscriminatorHead(cfg)})
+        heads = nn.ModuleDict(
+            {"generator": Generator(cfg, s.generator_size, s.generator_layers), "discriminator": DiscriminatorHead(cfg)}
+        )
         gen = heads["generator"].cfg
         n_gen = sum(p.numel() for p in heads.parameters())  # the generator (and the discriminator's head)
         generator = 6.0 * n_gen + 12.0 * T * gen.n_layer * gen.d_model
-        return Job(heads=heads, loss=make_loss(s.disc_weight, s.temperature), train=train, val=val,
-                   flops_per_item=backbone.model.flops_per_token(T) + generator,
-                   count_items=lambda b: int(b["attention_mask"].sum()),
-                   unread=tuple(backbone.model.pool_parameters()))  # no NSP: nothing pools
+        return Job(
+            heads=heads,
+            loss=make_loss(s.disc_weight, s.temperature),
+            train=train,
+            val=val,
+            flops_per_item=backbone.model.flops_per_token(T) + generator,
+            count_items=lambda b: int(b["attention_mask"].sum()),
+            unread=tuple(backbone.model.pool_parameters()),
+        )  # no NSP: nothing pools

@@ -9,6 +9,7 @@ start token, and a decoder (GPT or llama family) trained to predict the next col
 The palette is fitted once on a seeded sample of the training pixels and kept in the run
 (palette.json); image classification and generation from the run read it back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -19,16 +20,24 @@ import numpy as np
 from torch import nn
 
 from ..data.images import load_images
-from ..data.palette import (PALETTE_FILE, PaletteSource, dequantize, fit_palette, palette_file, palette_tokens,
-                            read_palette, squares, start_id)
+from ..data.palette import (
+    PALETTE_FILE,
+    PaletteSource,
+    dequantize,
+    fit_palette,
+    palette_file,
+    palette_tokens,
+    read_palette,
+    squares,
+    start_id,
+)
 from ..display import phase
 from ..errors import UserError
 from ..models import kinds
 from ..plugin import Job
 from ..recipe import require
-from .objective import Objective
 from .next_token import loss, with_perplexity
-
+from .objective import Objective
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,7 @@ class IGPTConfig:
 
     @property
     def length(self) -> int:
-        return self.image_size ** 2
+        return self.image_size**2
 
 
 class ImageGPT(Objective):
@@ -80,9 +89,11 @@ class ImageGPT(Objective):
     def setup(self, recipe, backbone) -> Job:
         cfg, model = recipe.settings, backbone.model
         if model.cfg.vocab_size < cfg.palette + 1 or model.cfg.max_seq_len < cfg.length + 1:
-            raise UserError(f"igpt needs a decoder with {cfg.palette + 1} tokens and a context of {cfg.length} "
-                            f"+ 1 ({cfg.image_size}x{cfg.image_size} and a start); this one has {model.cfg.vocab_size} and "
-                            f"{model.cfg.max_seq_len}")
+            raise UserError(
+                f"igpt needs a decoder with {cfg.palette + 1} tokens and a context of {cfg.length} "
+                f"+ 1 ({cfg.image_size}x{cfg.image_size} and a start); this one has {model.cfg.vocab_size} and "
+                f"{model.cfg.max_seq_len}"
+            )
         with phase(f"reading images from {recipe.data.source}"):
             splits = load_images(recipe.data.source, recipe.data.val_fraction, recipe.train.seed)
         palette = self.palette(recipe, splits.train)
@@ -90,15 +101,23 @@ class ImageGPT(Objective):
             train = palette_tokens(splits.train, cfg.image_size, palette)
             test = palette_tokens(splits.test, cfg.image_size, palette) if splits.test is not None else None
         start = start_id(palette)
-        return Job(heads=nn.ModuleDict(), loss=loss, train=PaletteSource(train, start),
-                   val=PaletteSource(test, start) if test is not None and len(test) else None,
-                   flops_per_item=model.flops_per_token(cfg.length), count_items=lambda b: b["input_ids"].numel(),
-                   held_out_metrics=with_perplexity, files=palette_file(palette, cfg.image_size))
+        return Job(
+            heads=nn.ModuleDict(),
+            loss=loss,
+            train=PaletteSource(train, start),
+            val=PaletteSource(test, start) if test is not None and len(test) else None,
+            flops_per_item=model.flops_per_token(cfg.length),
+            count_items=lambda b: b["input_ids"].numel(),
+            held_out_metrics=with_perplexity,
+            files=palette_file(palette, cfg.image_size),
+        )
 
     def hints(self, run_dir) -> list[str]:
-        return [f"complete images:   tfcli generate --checkpoint {run_dir} --images 16",
-                f"probe a layer:     tfcli finetune image-classify --from {run_dir} --train head --layer 1",
-                f"probe every layer: tfcli probe image-classify --from {run_dir}"]
+        return [
+            f"complete images:   tfcli generate --checkpoint {run_dir} --images 16",
+            f"probe a layer:     tfcli finetune image-classify --from {run_dir} --train head --layer 1",
+            f"probe every layer: tfcli probe image-classify --from {run_dir}",
+        ]
 
 
 def held_out_tokens(recipe, palette: np.ndarray, side: int, n: int, seed: int) -> Optional[np.ndarray]:
@@ -122,8 +141,9 @@ def sample_grid(backbone, n: int, out: Path, temperature: float, top_k: int, see
     tokens = held_out_tokens(recipe, palette, side, n, seed)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=1.0, seed=seed, pad_id=start)
     with phase(f"completing {len(tokens)} half-images and drawing {n} samples"):
-        completed = generate_batch(backbone.model, [[start] + t[:half].tolist() for t in tokens],
-                                   max_new_tokens=side * side - half, **sampling)
+        completed = generate_batch(
+            backbone.model, [[start] + t[:half].tolist() for t in tokens], max_new_tokens=side * side - half, **sampling
+        )
         free = generate_batch(backbone.model, [[start]] * n, max_new_tokens=side * side, **sampling)
     given = [np.concatenate([t[:half], np.full(side * side - half, -1)]) for t in tokens]
     rows = [given, [np.concatenate([t[:half], c]) for t, c in zip(tokens, completed)], list(tokens), free]

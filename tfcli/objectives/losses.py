@@ -5,6 +5,7 @@ Training a small model on a 50k vocabulary spends most of its time and memory on
 logits are at hand, computes the loss and both gradients (softmax - one-hot), so the full logits
 tensor, its log-softmax and their backward passes never exist. Same FLOPs, far less memory traffic.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,15 @@ def _chunk_probs(h: Tensor, weight: Tensor, rows: int) -> Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_hidden_needed: bool,
-                grad_weight_needed: bool, with_accuracy: bool):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        grad_hidden_needed: bool,
+        grad_weight_needed: bool,
+        with_accuracy: bool,
+    ):
         # hidden (N, D), weight (V, D), targets (N,) with IGNORE for positions without a loss.
         # A frozen head (LoRA, a probe) gets no weight gradient: a third of the head's FLOPs saved
         n, v = hidden.size(0), weight.size(0)
@@ -55,8 +63,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_weight_needed else None
         step = _chunk_rows(v)
         for s in range(0, n, step):
-            h = hidden[s: s + step]
-            t, ok = safe[s: s + step], valid[s: s + step]
+            h = hidden[s : s + step]
+            t, ok = safe[s : s + step], valid[s : s + step]
             probs = _chunk_probs(h, weight, step)  # (c, V)
             if with_accuracy:
                 correct += ((probs.argmax(-1) == t) & ok).sum()
@@ -69,7 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 row = (ok.float() / n_valid)[:, None]  # (c, 1)
                 g = probs.to(hidden.dtype)
                 if grad_hidden_needed:
-                    grad_hidden[s: s + step] = (g @ weight.to(hidden.dtype)) * row.to(hidden.dtype)
+                    grad_hidden[s : s + step] = (g @ weight.to(hidden.dtype)) * row.to(hidden.dtype)
                 if grad_weight_needed:
                     grad_weight.addmm_(g.t().float(), h.float() * row)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight_needed else None)
@@ -84,8 +92,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
-                         with_accuracy: bool = False) -> tuple[Tensor, Tensor]:
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, with_accuracy: bool = False
+) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy of softmax(hidden @ weight.T) against targets, and the number of argmax
     hits (0 unless with_accuracy: it costs a pass over the logits). hidden (..., D), weight (V, D),
     targets (...) with -100 marking ignored positions.
@@ -97,8 +106,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     grad = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(h, weight, t, grad and hidden.requires_grad, grad and weight.requires_grad,
-                                     with_accuracy)
+    return _LinearCrossEntropy.apply(
+        h, weight, t, grad and hidden.requires_grad, grad and weight.requires_grad, with_accuracy
+    )
 
 
 class _LinearTokenLogProbs(torch.autograd.Function):
@@ -112,9 +122,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         safe = targets.clamp(min=0)
         step = _chunk_rows(weight.size(0))
         for s in range(0, hidden.size(0), step):
-            logits = (hidden[s: s + step] @ weight.t()).float()  # (c, V)
-            picked = logits.gather(1, safe[s: s + step, None]).squeeze(1)
-            out[s: s + step] = picked - torch.logsumexp(logits, dim=-1)
+            logits = (hidden[s : s + step] @ weight.t()).float()  # (c, V)
+            picked = logits.gather(1, safe[s : s + step, None]).squeeze(1)
+            out[s : s + step] = picked - torch.logsumexp(logits, dim=-1)
         out.masked_fill_(targets == IGNORE, 0.0)
         ctx.save_for_backward(hidden, weight, targets)
         return out
@@ -127,12 +137,12 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         safe, valid = targets.clamp(min=0), targets != IGNORE
         step = _chunk_rows(weight.size(0))
         for s in range(0, hidden.size(0), step):
-            h = hidden[s: s + step]
+            h = hidden[s : s + step]
             g = -torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V): d logp / d logits = onehot - p
-            g[torch.arange(len(h), device=h.device), safe[s: s + step]] += 1.0
-            g *= (grad_out[s: s + step] * valid[s: s + step])[:, None]
+            g[torch.arange(len(h), device=h.device), safe[s : s + step]] += 1.0
+            g *= (grad_out[s : s + step] * valid[s : s + step])[:, None]
             if grad_hidden is not None:
-                grad_hidden[s: s + step] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[s : s + step] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(g.t(), h.float())
         return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None
@@ -145,13 +155,18 @@ def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor
     log pi(y|x)). hidden (B, T, D), weight (V, D), targets (B, T). No (B, T, V) logits are kept."""
     b, t = targets.shape
     rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target: only
-    token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows])  # they reach the head
+    token = _LinearTokenLogProbs.apply(
+        hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows]
+    )  # they reach the head
     return token.new_zeros(b).index_add(0, rows // t, token)  # (B,)
 
 
 # --- the losses of the text objectives, which text-to-text tasks (SFT, classification as text) train too
 
-def next_token_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+
+def next_token_loss(
+    model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean next-token cross-entropy; `targets` are the inputs shifted left by one (IGNORE where a
     packed block crosses into the next document, with data.document_mask)."""
     hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)

@@ -3,6 +3,7 @@ the encoded ones plus mask tokens, mean squared error on the masked patches only
 
 The decoder is this objective's head: it is trained here and dropped after pretraining.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -15,15 +16,15 @@ from torch import Tensor, nn
 
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
+from ..data.sampler import HELD_OUT, Draw, sequential_batches
 from ..display import console, phase
+from ..engine.evaluate import held_out_metrics, metrics_table
+from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..models import kinds
-from ..engine.evaluate import held_out_metrics, metrics_table
 from ..models.vit import MAEDecoder, n_visible, patchify, random_masking
-from .mae_pictures import reconstruction_png
 from ..plugin import EvalOptions, Job
-from ..data.sampler import HELD_OUT, Draw, sequential_batches
-from ..engine.trainer import ObjectiveModule
+from .mae_pictures import reconstruction_png
 from .objective import Objective
 
 PICTURE_IMAGES = 8  # held-out images drawn in each reconstruction grid
@@ -74,8 +75,14 @@ def picture_batch(source: ImageSource, seed: int, k: int = PICTURE_IMAGES) -> di
 
 def save_picture(module: ObjectiveModule, batch: dict[str, Tensor], transform: ImageTransform, path: Path) -> Path:
     device = next(module.parameters()).device
-    return reconstruction_png(module.model, module.heads["decoder"], batch["pixels"].to(device),
-                              batch["noise"].to(device), transform.denormalize, path)
+    return reconstruction_png(
+        module.model,
+        module.heads["decoder"],
+        batch["pixels"].to(device),
+        batch["noise"].to(device),
+        transform.denormalize,
+        path,
+    )
 
 
 class MaskedAutoencoder(Objective):
@@ -93,8 +100,10 @@ class MaskedAutoencoder(Objective):
         if splits.skipped and self.rt.is_main and not self.quiet:
             console.print(f"[yellow]note:[/] skipped {splits.skipped} unreadable image file(s) in {d.source}")
         val = held_out(d, seed) if d.val_source else (splits.test or splits.train)
-        return (ImageSource(splits.train, ImageTransform.from_config(recipe.settings, size, train=True), n),
-                ImageSource(val, ImageTransform.from_config(recipe.settings, size, train=False), n))
+        return (
+            ImageSource(splits.train, ImageTransform.from_config(recipe.settings, size, train=True), n),
+            ImageSource(val, ImageTransform.from_config(recipe.settings, size, train=False), n),
+        )
 
     def setup(self, recipe, backbone) -> Job:
         train, val = self.sources(recipe, backbone)
@@ -104,43 +113,65 @@ class MaskedAutoencoder(Objective):
         def evaluate(module: ObjectiveModule, run_dir: Path) -> dict[str, float]:
             if self.rt.is_main:  # the reconstruction grid of this evaluation, and the latest as recon.png
                 folder = Path(run_dir) / "recon"
-                path = save_picture(module, pictures, val.transform,
-                                    folder / f"eval-{len(list(folder.glob('eval-*.png'))) + 1:03d}.png")
+                path = save_picture(
+                    module, pictures, val.transform, folder / f"eval-{len(list(folder.glob('eval-*.png'))) + 1:03d}.png"
+                )
                 shutil.copyfile(path, Path(run_dir) / "recon.png")
             return {}
 
-        return Job(heads=heads, loss=loss, train=train, val=val, evaluate=evaluate, item_name="img",
-                   flops_per_item=flops_per_image(backbone.model, heads["decoder"]),
-                   count_items=lambda b: b["pixels"].size(0))
+        return Job(
+            heads=heads,
+            loss=loss,
+            train=train,
+            val=val,
+            evaluate=evaluate,
+            item_name="img",
+            flops_per_item=flops_per_image(backbone.model, heads["decoder"]),
+            count_items=lambda b: b["pixels"].size(0),
+        )
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
         """Held-out reconstruction loss and the picture grid (default: RUN/recon-eval.png; the
         training's own RUN/recon.png is left as it is)."""
         if not any(k.startswith("decoder.") for k in backbone.heads):
-            raise UserError(f"{backbone.checkpoint} has no MAE decoder; `eval mae` needs an MAE pretraining run "
-                            f"(tfcli pretrain --objective mae)")
+            raise UserError(
+                f"{backbone.checkpoint} has no MAE decoder; `eval mae` needs an MAE pretraining run "
+                f"(tfcli pretrain --objective mae)"
+            )
         t = recipe.train
-        recipe = replace(recipe, train=replace(t, seed=t.seed + options.seed),  # --seed: another masking
-                         data=replace(recipe.data, val_source=options.data or recipe.data.val_source))
+        recipe = replace(
+            recipe,
+            train=replace(t, seed=t.seed + options.seed),  # --seed: another masking
+            data=replace(recipe.data, val_source=options.data or recipe.data.val_source),
+        )
         job = self.setup(recipe, backbone)
         job.heads.load_state_dict(backbone.heads)
         module = ObjectiveModule(backbone.model, job.heads, loss).to(self.rt.device)
         val = job.val
         val.images = val.images.subset(options.limit)
         with phase("evaluating"):
-            metrics = held_out_metrics(module, sequential_batches(val, t.batch_size, recipe.train.seed), self.rt.device,
-                                       recipe.train.precision)
+            metrics = held_out_metrics(
+                module, sequential_batches(val, t.batch_size, recipe.train.seed), self.rt.device, recipe.train.precision
+            )
         out = Path(options.out) if options.out else Path(backbone.checkpoint).parent.parent / "recon-eval.png"
         save_picture(module, picture_batch(val, recipe.train.seed), val.transform, out)
-        metrics = {"recon_loss": metrics["loss"], "images": float(len(val.images)), "mask_ratio": backbone.cfg.mask_ratio}
+        metrics = {
+            "recon_loss": metrics["loss"],
+            "images": float(len(val.images)),
+            "mask_ratio": backbone.cfg.mask_ratio,
+        }
         console.print(metrics_table(f"{backbone.checkpoint} (MAE reconstruction, held-out)", metrics))
         console.print(f"picture: {out}  (columns: original | masked input | reconstruction, visible patches pasted)")
         if backbone.cfg.norm_pix_loss:
-            console.print("note: this model predicts per-patch normalised pixels (norm_pix_loss); the picture draws each "
-                          "masked patch with its true mean and variance, so colours and contrast are not predicted")
+            console.print(
+                "note: this model predicts per-patch normalised pixels (norm_pix_loss); the picture draws each "
+                "masked patch with its true mean and variance, so colours and contrast are not predicted"
+            )
         return metrics
 
     def hints(self, run_dir) -> list[str]:
-        return [f"reconstructions: {run_dir}/recon.png",
-                f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png",
-                f"probe it on the built-in photos:  tfcli finetune image-classify --from {run_dir} --train head"]
+        return [
+            f"reconstructions: {run_dir}/recon.png",
+            f"evaluate it:  tfcli eval mae --checkpoint {run_dir} --out recon.png",
+            f"probe it on the built-in photos:  tfcli finetune image-classify --from {run_dir} --train head",
+        ]

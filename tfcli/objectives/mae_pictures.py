@@ -3,6 +3,7 @@
 The reconstruction shows the decoder's prediction on masked patches with the visible patches
 pasted back, as in the MAE paper's figures.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,7 @@ GREY = 0.5  # masked patches are drawn in mid grey
 
 
 @torch.no_grad()
-def reconstruct(encoder: nn.Module, decoder: nn.Module, pixels: Tensor, noise: Tensor,
-                denormalize) -> list[Tensor]:
+def reconstruct(encoder: nn.Module, decoder: nn.Module, pixels: Tensor, noise: Tensor, denormalize) -> list[Tensor]:
     """pixels (B, 3, S, S) normalised -> [original, masked, reconstruction], each (B, 3, S, S) in [0, 1]."""
     cfg = encoder.cfg
     ids_keep, ids_restore, mask = random_masking(noise, cfg.mask_ratio)
@@ -45,7 +45,7 @@ def grid(columns: list[Tensor], scale: int = 1, gap: int = 2) -> np.ndarray:
         for r in range(B):
             pic = pics[r].repeat(scale, axis=0).repeat(scale, axis=1)  # nearest upscale for small images
             y, x = gap + r * (cell + gap), gap + c * (cell + gap)
-            out[y: y + cell, x: x + cell] = pic
+            out[y : y + cell, x : x + cell] = pic
     return out
 
 

@@ -5,6 +5,7 @@ pairs). Of the non-special tokens 15% are chosen; of those 80% become [MASK], 10
 10% stay. The MLM logits are computed at the chosen positions only (gather, then a fused output
 projection + cross-entropy), not at all T positions as in transformers' BertForPreTraining.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,14 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import segments
+from ..data.sampler import Draw, Source
 from ..errors import UserError
-from ..recipe import require
 from ..models import kinds
 from ..models.bert import Bert, MLMHead, build_heads, special_ids  # noqa: F401 (electra and tests read them here)
 from ..plugin import Job
-from ..data.sampler import Draw, Source
-from .objective import TextObjective
+from ..recipe import require
 from .losses import IGNORE, linear_cross_entropy
+from .objective import TextObjective
 
 SPECIAL_TOKENS = list(Bert.special_tokens)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 
@@ -50,8 +51,9 @@ def loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tu
     h = mlm.transform(hidden[chosen])  # (N, D): only the predicted positions
     # the bias rides along as one more input column: [h, 1] @ [W, b]^T = h W^T + b
     weight = torch.cat([model.lm_head_weight, mlm.bias[:, None]], dim=1)  # (V, D + 1)
-    mlm_loss, correct = linear_cross_entropy(F.pad(h, (0, 1), value=1.0), weight, batch["mlm_labels"][chosen],
-                                             with_accuracy=True)
+    mlm_loss, correct = linear_cross_entropy(
+        F.pad(h, (0, 1), value=1.0), weight, batch["mlm_labels"][chosen], with_accuracy=True
+    )
     metrics = {"mlm_loss": mlm_loss.detach(), "mlm_acc": correct.float() / chosen.sum().clamp(min=1)}
     total = mlm_loss
     if "nsp" in heads:
@@ -110,9 +112,14 @@ def collate(items: list, ids: dict[str, int], masker: Masker, rngs: list[np.rand
     for i, ((row, n_a), rng) in enumerate(zip(rows, rngs)):
         masked, lab = masker(row, rng)
         input_ids[i, : len(row)], mlm_labels[i, : len(row)] = torch.from_numpy(masked), torch.from_numpy(lab)
-        token_type[i, n_a: len(row)] = 1
+        token_type[i, n_a : len(row)] = 1
         attention[i, : len(row)] = 1
-    batch = {"input_ids": input_ids, "token_type_ids": token_type, "attention_mask": attention, "mlm_labels": mlm_labels}
+    batch = {
+        "input_ids": input_ids,
+        "token_type_ids": token_type,
+        "attention_mask": attention,
+        "mlm_labels": mlm_labels,
+    }
     if labels[0] >= 0:
         batch["nsp_labels"] = torch.tensor(labels)
     return batch
@@ -124,8 +131,17 @@ class PairSource(Source):
     (seed, epoch) as BERT's dupe_factor does; pairing and masking draw from the example's own
     random stream."""
 
-    def __init__(self, corpus: segments.Corpus, max_tokens: int, nsp: bool, short_seq_prob: float,
-                 ids: dict[str, int], masker: Masker, seed: int, shift: bool = True):
+    def __init__(
+        self,
+        corpus: segments.Corpus,
+        max_tokens: int,
+        nsp: bool,
+        short_seq_prob: float,
+        ids: dict[str, int],
+        masker: Masker,
+        seed: int,
+        shift: bool = True,
+    ):
         self.corpus, self.max_tokens, self.nsp, self.short_seq_prob = corpus, max_tokens, nsp, short_seq_prob
         self.ids, self.masker, self.seed, self.shift = ids, masker, seed, shift
 
@@ -140,8 +156,11 @@ class PairSource(Source):
         items = []
         for e, i, rng in zip(draw.epochs, draw.indices, rngs):
             at = self.offset(int(e)) + int(i) * self.max_tokens
-            items.append(segments.pair_at(self.corpus, at, self.max_tokens, rng, self.short_seq_prob) if self.nsp
-                         else segments.segment_at(self.corpus, at, self.max_tokens, self.ids["sep"]))
+            items.append(
+                segments.pair_at(self.corpus, at, self.max_tokens, rng, self.short_seq_prob)
+                if self.nsp
+                else segments.segment_at(self.corpus, at, self.max_tokens, self.ids["sep"])
+            )
         return collate(items, self.ids, self.masker, rngs)
 
 
@@ -163,7 +182,10 @@ class MaskedLM(TextObjective):
         mode = "paragraphs" if s.documents == "paragraphs" else "sentences"
         train_store, val_store = self.stores(recipe, backbone.tokenizer, mode=mode, eos=False)
         if val_store is not None:
-            train_c, val_c = segments.Corpus(train_store, 0, train_store.n_docs), segments.Corpus(val_store, 0, val_store.n_docs)
+            train_c, val_c = (
+                segments.Corpus(train_store, 0, train_store.n_docs),
+                segments.Corpus(val_store, 0, val_store.n_docs),
+            )
         else:
             train_c, val_c = segments.split_corpus(train_store, d.val_fraction)
         if train_c.n_docs < (2 if nsp else 1):
@@ -176,11 +198,18 @@ class MaskedLM(TextObjective):
 
     def setup(self, recipe, backbone) -> Job:
         train, val = self.example_sources(recipe, backbone, recipe.settings.nsp)
-        return Job(heads=build_heads(backbone.cfg, nsp=recipe.settings.nsp), loss=loss, train=train, val=val,
-                   flops_per_item=backbone.model.flops_per_token(recipe.data.seq_len),
-                   count_items=lambda b: int(b["attention_mask"].sum()),
-                   unread=() if recipe.settings.nsp else tuple(backbone.model.pool_parameters()))
+        return Job(
+            heads=build_heads(backbone.cfg, nsp=recipe.settings.nsp),
+            loss=loss,
+            train=train,
+            val=val,
+            flops_per_item=backbone.model.flops_per_token(recipe.data.seq_len),
+            count_items=lambda b: int(b["attention_mask"].sum()),
+            unread=() if recipe.settings.nsp else tuple(backbone.model.pool_parameters()),
+        )
 
     def hints(self, run_dir) -> list[str]:
-        return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
-                f"finetune it:  tfcli finetune mnli --from {run_dir} --data <MNLI directory>"]
+        return [
+            f"evaluate it:  tfcli eval --checkpoint {run_dir}",
+            f"finetune it:  tfcli finetune mnli --from {run_dir} --data <MNLI directory>",
+        ]

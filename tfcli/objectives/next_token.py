@@ -1,4 +1,5 @@
 """GPT next-token prediction: cross-entropy of token t+1 given tokens <= t over packed blocks."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -11,9 +12,9 @@ from ..data.packing import BlockSource, WindowSource, documents_from_eos, split_
 from ..errors import UserError
 from ..models import kinds
 from ..plugin import Job
-from .objective import TextObjective
 from .losses import next_token_loss as loss  # noqa: F401  (the objective's loss; text-to-text tasks train it too)
 from .losses import with_perplexity
+from .objective import TextObjective
 
 
 def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:
@@ -39,18 +40,31 @@ class NextToken(TextObjective):
         if d.streaming:
             eos = backbone.tokenizer.eos_id if mask else None
             if mask and eos is None:
-                raise UserError("data.document_mask: a stream's documents are told apart by the end-of-text "
-                                "token, and this tokenizer has none")
+                raise UserError(
+                    "data.document_mask: a stream's documents are told apart by the end-of-text "
+                    "token, and this tokenizer has none"
+                )
             source, held_out = self.streams(recipe, backbone, d.seq_len + 1, partial(shifted_pairs, eos=eos))
         else:
             train, val = split_stores(*self.stores(recipe, backbone.tokenizer), d.val_fraction, d.seq_len)
-            source = WindowSource(train, d.seq_len, mask) if d.sampling == "windows" else \
-                BlockSource(train, d.seq_len, recipe.train.seed, document_mask=mask)
+            source = (
+                WindowSource(train, d.seq_len, mask)
+                if d.sampling == "windows"
+                else BlockSource(train, d.seq_len, recipe.train.seed, document_mask=mask)
+            )
             held_out = BlockSource(val, d.seq_len, shift=False, document_mask=mask) if len(val) > d.seq_len else None
-        return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
-                   flops_per_item=backbone.model.flops_per_token(d.seq_len),
-                   count_items=lambda b: b["input_ids"].numel(), held_out_metrics=with_perplexity)
+        return Job(
+            heads=nn.ModuleDict(),
+            loss=loss,
+            train=source,
+            val=held_out,
+            flops_per_item=backbone.model.flops_per_token(d.seq_len),
+            count_items=lambda b: b["input_ids"].numel(),
+            held_out_metrics=with_perplexity,
+        )
 
     def hints(self, run_dir) -> list[str]:
-        return [f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"...\"",
-                f"evaluate it:       tfcli eval --checkpoint {run_dir}"]
+        return [
+            f'generate from it:  tfcli generate --checkpoint {run_dir} --prompt "..."',
+            f"evaluate it:       tfcli eval --checkpoint {run_dir}",
+        ]

@@ -5,6 +5,7 @@ the text objectives share: their documents' sources, the token stores made from 
 sample of the text for training a tokenizer. An objective module then defines only its data
 source, heads and loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,13 +14,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..data.documents import open_source
+from ..data.sampler import sequential_batches
 from ..data.store import TokenStore, cached_store, is_store
 from ..display import console, counted, phase
-from ..errors import UserError
 from ..engine.evaluate import held_out_metrics, metrics_table
-from ..plugin import EvalOptions, Plugin
-from ..data.sampler import sequential_batches
 from ..engine.trainer import ObjectiveModule
+from ..errors import UserError
+from ..plugin import EvalOptions, Plugin
 
 
 class Objective(Plugin):
@@ -53,14 +54,19 @@ class TextObjective(Objective):
     def sources(self, recipe) -> dict:
         """{'train': DocumentSource or a prepared store's path, 'val': the same or None}."""
         d = recipe.data
-        return {"train": _source(d.source, d.text_field), "val": _source(d.val_source, d.text_field) if d.val_source else None}
+        return {
+            "train": _source(d.source, d.text_field),
+            "val": _source(d.val_source, d.text_field) if d.val_source else None,
+        }
 
     def stores(self, recipe, tokenizer, mode: str = "text", eos: bool = True) -> tuple:
         """(training store, held-out store or None) of the recipe's data through `tokenizer`."""
         src = self.sources(recipe)
         quiet = self.quiet or not self.rt.is_main
-        return tuple(None if s is None else open_store(s, tokenizer, mode, eos, recipe.data.workers, quiet)
-                     for s in (src["train"], src["val"]))
+        return tuple(
+            None if s is None else open_store(s, tokenizer, mode, eos, recipe.data.workers, quiet)
+            for s in (src["train"], src["val"])
+        )
 
     def streams(self, recipe, backbone, block_len: int, make_batch) -> tuple:
         """(training stream, held-out blocks) of the documents read as a stream (data.streaming)."""
@@ -82,8 +88,10 @@ class TextObjective(Objective):
         limit = getattr(backbone.cfg, "max_seq_len", recipe.data.seq_len)
         if backbone.source != "scratch" and recipe.data.seq_len > limit:
             if self.rt.is_main and not self.quiet:
-                console.print(f"[yellow]note:[/] {backbone.source} reads at most {limit} positions: data.seq_len "
-                              f"{recipe.data.seq_len} -> {limit}")
+                console.print(
+                    f"[yellow]note:[/] {backbone.source} reads at most {limit} positions: data.seq_len "
+                    f"{recipe.data.seq_len} -> {limit}"
+                )
             recipe = replace(recipe, data=replace(recipe.data, seq_len=limit))
         return recipe
 
@@ -91,7 +99,9 @@ class TextObjective(Objective):
     def check_length(recipe, backbone) -> None:
         """Blocks must fit the model's learned positions."""
         if recipe.data.seq_len > backbone.cfg.max_seq_len:
-            raise UserError(f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len ({backbone.cfg.max_seq_len})")
+            raise UserError(
+                f"data.seq_len ({recipe.data.seq_len}) exceeds model.max_seq_len ({backbone.cfg.max_seq_len})"
+            )
 
     def tokenizer_texts(self, recipe) -> Iterator[str]:
         """The first tokenizer.train_chars characters of the training documents (streamed)."""
@@ -119,10 +129,14 @@ def open_store(source, tokenizer, mode: str, eos: bool, workers: int, quiet: boo
     if isinstance(source, str):
         store = TokenStore.open(Path(source))
         if store.tokenizer_fingerprint() != tokenizer.fingerprint():
-            raise UserError(f"{source} was tokenized with another tokenizer than this model's; prepare it with "
-                            f"the model's (tfcli prepare --tokenizer RUN_OR_TOKENIZER)")
+            raise UserError(
+                f"{source} was tokenized with another tokenizer than this model's; prepare it with "
+                f"the model's (tfcli prepare --tokenizer RUN_OR_TOKENIZER)"
+            )
         if (store.index["mode"] == "text") != (mode == "text"):
-            raise UserError(f"{source} was prepared as {store.index['mode']!r}; this objective needs {mode!r} "
-                            f"(tfcli prepare --objective ...)")
+            raise UserError(
+                f"{source} was prepared as {store.index['mode']!r}; this objective needs {mode!r} "
+                f"(tfcli prepare --objective ...)"
+            )
         return store
     return cached_store(source, tokenizer, mode=mode, eos=eos, workers=workers, quiet=quiet)

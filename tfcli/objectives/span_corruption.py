@@ -11,6 +11,7 @@ the start token (the pad id, as T5). Example, noise spans marked:
     input   Thank you <extra_id_0> me to your party <extra_id_1> week . </s>
     target  <extra_id_0> for inviting <extra_id_1> last </s>       (T5 ends on a noise span)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from ..data.packing import BlockSource, split_stores
+from ..data.sampler import Draw
 from ..errors import UserError
 from ..models import kinds, t5
 from ..plugin import Job
-from ..data.sampler import Draw
-from .objective import TextObjective
 from .losses import seq2seq_loss as loss  # noqa: F401  (the objective's loss; text-to-text tasks train it too)
 from .losses import shift_right
+from .objective import TextObjective
 
 SENTINELS = list(t5.SENTINELS)  # <extra_id_0> ... <extra_id_99>
 N_SENTINELS = len(SENTINELS)
@@ -43,10 +44,12 @@ def noise_counts(length: int, noise_density: float, mean_span_length: float) -> 
     return n_noise, n_spans
 
 
-def compute_input_and_target_lengths(inputs_length: int, noise_density: float = NOISE_DENSITY,
-                                     mean_span_length: float = MEAN_SPAN_LENGTH) -> tuple[int, int]:
+def compute_input_and_target_lengths(
+    inputs_length: int, noise_density: float = NOISE_DENSITY, mean_span_length: float = MEAN_SPAN_LENGTH
+) -> tuple[int, int]:
     """(raw tokens to cut, target length) so that the noised input is exactly `inputs_length` long:
     non-noise tokens + one sentinel per span + EOS (T5's random_spans_helper; 512 -> 568, 114)."""
+
     def lengths(tokens: int) -> tuple[int, int]:
         n_noise, n_spans = noise_counts(tokens, noise_density, mean_span_length)
         return tokens - n_noise + n_spans + 1, n_noise + n_spans + 1
@@ -67,8 +70,12 @@ def _random_segmentation(n_items: int, n_segments: int, rng: np.random.Generator
     return np.bincount(np.cumsum(first), minlength=n_segments)
 
 
-def random_spans_noise_mask(length: int, rng: np.random.Generator, noise_density: float = NOISE_DENSITY,
-                            mean_span_length: float = MEAN_SPAN_LENGTH) -> np.ndarray:
+def random_spans_noise_mask(
+    length: int,
+    rng: np.random.Generator,
+    noise_density: float = NOISE_DENSITY,
+    mean_span_length: float = MEAN_SPAN_LENGTH,
+) -> np.ndarray:
     """(length,) bool, True = noise: alternating non-noise / noise spans, starting non-noise."""
     n_noise, n_spans = noise_counts(length, noise_density, mean_span_length)
     n = max(length, 2)
@@ -112,8 +119,15 @@ class SpanCorruptor:
 
     def __call__(self, raw: np.ndarray, rngs: list[np.random.Generator]) -> dict[str, Tensor]:
         """raw (B, N) and each row's random generator -> input_ids (B, S), labels (B, T), decoder_input_ids (B, T)."""
-        pairs = [corrupt(row, random_spans_noise_mask(len(row), rng, self.noise_density, self.mean_span_length),
-                         self.sentinels, self.eos_id) for row, rng in zip(raw, rngs)]
+        pairs = [
+            corrupt(
+                row,
+                random_spans_noise_mask(len(row), rng, self.noise_density, self.mean_span_length),
+                self.sentinels,
+                self.eos_id,
+            )
+            for row, rng in zip(raw, rngs)
+        ]
         inputs = torch.from_numpy(np.stack([p[0] for p in pairs]))
         labels = torch.from_numpy(np.stack([p[1] for p in pairs]))
         return {"input_ids": inputs, "labels": labels, "decoder_input_ids": shift_right(labels, self.start_id)}
@@ -135,8 +149,10 @@ def make_corruptor(tokenizer) -> SpanCorruptor:
     ids = [tokenizer.token_id(s) for s in SENTINELS]
     pad, eos = tokenizer.token_id("<pad>"), tokenizer.token_id("</s>")
     if None in ids or pad is None or eos is None:
-        raise UserError("span corruption needs a tokenizer with <pad>, </s> and <extra_id_0..99> "
-                        "(train one: tokenizer.kind unigram or bpe)")
+        raise UserError(
+            "span corruption needs a tokenizer with <pad>, </s> and <extra_id_0..99> "
+            "(train one: tokenizer.kind unigram or bpe)"
+        )
     return SpanCorruptor(np.array(ids, dtype=np.int64), eos_id=eos, start_id=pad)
 
 
@@ -163,10 +179,17 @@ class SpanCorruption(TextObjective):
             train, val = split_stores(*self.stores(recipe, backbone.tokenizer), d.val_fraction, raw_len - 1)
             source = CorruptedBlocks(train, raw_len, corruptor, recipe.train.seed)
             held_out = CorruptedBlocks(val, raw_len, corruptor, shift=False) if len(val) >= raw_len else None
-        return Job(heads=nn.ModuleDict(), loss=loss, train=source, val=held_out,
-                   flops_per_item=backbone.model.flops_per_token(d.seq_len, targets_len),
-                   count_items=lambda b: b["input_ids"].numel() + b["labels"].numel())
+        return Job(
+            heads=nn.ModuleDict(),
+            loss=loss,
+            train=source,
+            val=held_out,
+            flops_per_item=backbone.model.flops_per_token(d.seq_len, targets_len),
+            count_items=lambda b: b["input_ids"].numel() + b["labels"].numel(),
+        )
 
     def hints(self, run_dir) -> list[str]:
-        return [f"generate from it:  tfcli generate --checkpoint {run_dir} --prompt \"... <extra_id_0> ...\"",
-                f"evaluate it:       tfcli eval --checkpoint {run_dir}"]
+        return [
+            f'generate from it:  tfcli generate --checkpoint {run_dir} --prompt "... <extra_id_0> ..."',
+            f"evaluate it:       tfcli eval --checkpoint {run_dir}",
+        ]

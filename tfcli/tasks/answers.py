@@ -1,6 +1,7 @@
 """Scoring generated replies against references: exact match, containment, or the final number (GSM8K:
 the number after '####' in the reference; in a generation the number after '####' if it wrote one,
 else the last number it wrote, as lm-evaluation-harness's flexible extraction does)."""
+
 from __future__ import annotations
 
 import re
@@ -51,14 +52,28 @@ def scores(predictions: list[str], references: list[str], metric: str) -> dict[s
     n = max(1, len(predictions))
     out = {SCORE_NAMES[metric]: sum(correct(p, r, metric) for p, r in zip(predictions, references)) / n}
     if metric == "final-number":
-        out["strict_exact_match"] = sum(final_number(p, strict=True) is not None and
-                                        final_number(p, strict=True) == final_number(r)
-                                        for p, r in zip(predictions, references)) / n
+        out["strict_exact_match"] = (
+            sum(
+                final_number(p, strict=True) is not None and final_number(p, strict=True) == final_number(r)
+                for p, r in zip(predictions, references)
+            )
+            / n
+        )
     return out
 
 
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int,
-             stops: set[int], pad_id: int, what: str = "replies", seed: int = 0) -> list[str]:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    stops: set[int],
+    pad_id: int,
+    what: str = "replies",
+    seed: int = 0,
+) -> list[str]:
     """The reply generated for every prompt (greedy at temperature 0), in the prompts' order. Prompts
     of similar length go together (less padding), `batch_size` at a time, each row ending at its
     first stop token (end of text, end of turn)."""
@@ -67,12 +82,21 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[str] = [""] * len(prompts)
-    groups = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     with phase(f"generating {what}", len(prompts), "rows") as advance:
         for group in groups:
-            rows = generate_batch(model, [prompts[i] for i in group], max_new_tokens=max_new_tokens, stop_ids=stops,
-                                  temperature=temperature, top_k=0, top_p=1.0, seed=seed,
-                                  start_id=pad_id, pad_id=pad_id)
+            rows = generate_batch(
+                model,
+                [prompts[i] for i in group],
+                max_new_tokens=max_new_tokens,
+                stop_ids=stops,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                seed=seed,
+                start_id=pad_id,
+                pad_id=pad_id,
+            )
             for i, ids in zip(group, rows):
                 out[i] = tokenizer.decode(ids).strip()
             advance(len(group))

@@ -4,6 +4,7 @@ split during training (the best checkpoint kept), and the same report for every 
 beside the majority class, per-class precision and recall, and the confusion matrix. A subclass
 says only how its data is read (`load`) and which head reads it (`head`).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..engine.backbone import from_run
+from ..data.sampler import Source, sequential_batches
 from ..display import console, counted, phase
+from ..engine.backbone import from_run
+from ..engine.runtime import autocast_context, to_device
+from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..plugin import Batch, EvalOptions, Job, Plugin
-from ..engine.runtime import autocast_context, to_device
-from ..data.sampler import Source, sequential_batches
-from ..engine.trainer import ObjectiveModule
 from .classification_report import metrics, tables
 
 
@@ -71,8 +72,15 @@ class Head:
 
 
 @torch.no_grad()
-def predict(module: ObjectiveModule, head: Head, source: Source, batch_size: int, device: torch.device,
-            precision: str = "fp32", advance=lambda n=1: None) -> tuple[np.ndarray, np.ndarray]:
+def predict(
+    module: ObjectiveModule,
+    head: Head,
+    source: Source,
+    batch_size: int,
+    device: torch.device,
+    precision: str = "fp32",
+    advance=lambda n=1: None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Scores (N, n_labels) and gold labels (N,) of every example of `source`, in order."""
     was = module.training
     module.eval()
@@ -88,8 +96,9 @@ def predict(module: ObjectiveModule, head: Head, source: Source, batch_size: int
 class ClassificationTask(Plugin):
     kind = "task"
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
-             need_train: bool = True) -> TaskData:
+    def load(
+        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+    ) -> TaskData:
         """The task's data (`data` instead of the recipe's, for `tfcli eval --data`); `labels`: the
         label set a trained classifier was trained with (evaluation must use its ids); need_train=False:
         evaluation, which may read data without a training split."""
@@ -121,11 +130,21 @@ class ClassificationTask(Plugin):
                 out[f"{split}_acc"] = float((scores.argmax(1) == gold).mean())
             return out
 
-        return Job(heads=head.heads, loss=head.loss, train=head.source(data.train, train=True),
-                   val=head.source(limited[first], train=True), evaluate=evaluate, best_key=f"{first}_acc",
-                   flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train),
-                   count_items=head.count_items, item_name=head.item_name, examples=len(data.train),
-                   labels=data.labels, files=head.files, unread=head.unread(backbone.model))
+        return Job(
+            heads=head.heads,
+            loss=head.loss,
+            train=head.source(data.train, train=True),
+            val=head.source(limited[first], train=True),
+            evaluate=evaluate,
+            best_key=f"{first}_acc",
+            flops_per_item=head.flops_per_item(backbone.model, data.train, ft.train),
+            count_items=head.count_items,
+            item_name=head.item_name,
+            examples=len(data.train),
+            labels=data.labels,
+            files=head.files,
+            unread=head.unread(backbone.model),
+        )
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:
         """Metrics of every evaluation split (a sample of options.limit examples each)."""
@@ -138,8 +157,15 @@ class ClassificationTask(Plugin):
         for split, d in data.evals.items():
             rows = self.sample(d, options.limit, options.seed)
             with phase(f"scoring {split}", math.ceil(len(rows) / recipe.train.batch_size), "batches") as advance:
-                scores, gold = predict(module, head, head.source(rows, train=False), recipe.train.batch_size,
-                                       self.rt.device, recipe.train.precision, advance)
+                scores, gold = predict(
+                    module,
+                    head,
+                    head.source(rows, train=False),
+                    recipe.train.batch_size,
+                    self.rt.device,
+                    recipe.train.precision,
+                    advance,
+                )
             results[split] = {**metrics(scores.argmax(1), gold, data.labels), **head.notes()}
         return results
 
@@ -150,8 +176,9 @@ class ClassificationTask(Plugin):
         limit = recipe.finetune.report_limit
         results = self.score(recipe, backbone, EvalOptions(limit=limit))  # the sample `tfcli eval --limit N` scores
         self.show(results)
-        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "limit": limit,
-                                                             **results}, indent=1))
+        (Path(run_dir) / "eval.json").write_text(
+            json.dumps({"checkpoint": str(backbone.checkpoint), "limit": limit, **results}, indent=1)
+        )
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
@@ -165,11 +192,15 @@ class ClassificationTask(Plugin):
         if options.out:
             out = Path(options.out)
         elif backbone.recipe is None:  # a Hugging Face model: the report goes to the working directory
-            out = Path(f"eval-{Path(backbone.source).name}-{name[len('eval-'):]}")
+            out = Path(f"eval-{Path(backbone.source).name}-{name[len('eval-') :]}")
         else:
             out = Path(backbone.checkpoint).parent.parent / name
-        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, "limit": options.limit,
-                                   **results}, indent=1))
+        out.write_text(
+            json.dumps(
+                {"checkpoint": str(backbone.checkpoint), "data": options.data, "limit": options.limit, **results},
+                indent=1,
+            )
+        )
         console.print(f"report: {out}")
         return results
 
@@ -181,9 +212,13 @@ class ClassificationTask(Plugin):
         return self.key
 
     def eval_name(self, recipe, options: EvalOptions) -> str:
-        parts = [self.name(recipe)] + ([Path(options.data).stem] if options.data else []) + \
-            ([f"limit{options.limit}"] if options.limit else []) + ([f"{options.few_shot}shot"] if options.few_shot >= 0 else []) + \
-            (["cloze"] if options.cloze else [])
+        parts = (
+            [self.name(recipe)]
+            + ([Path(options.data).stem] if options.data else [])
+            + ([f"limit{options.limit}"] if options.limit else [])
+            + ([f"{options.few_shot}shot"] if options.few_shot >= 0 else [])
+            + (["cloze"] if options.cloze else [])
+        )
         return "-".join(parts)
 
     def show(self, results: dict[str, dict]) -> None:

@@ -7,6 +7,7 @@ an id. How the backbone reads them depends on its family: a BERT gets a classifi
 features (tasks.heads); a T5 or GPT learns the label word as text (tasks.text_to_text), and an
 un-finetuned one can be prompted with k solved examples (`tfcli eval mnli --few-shot K`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -16,21 +17,20 @@ import numpy as np
 import torch
 
 from ..data.labelled import TextSpec, balanced_sample, load_splits
+from ..data.sampler import sequential_batches
 from ..display import console, phase
+from ..engine.runtime import to_device
 from ..errors import UserError, listing
 from ..models import kinds
 from ..models.bert import build_heads, special_ids
 from ..plugin import EvalOptions
-from ..engine.runtime import to_device
-from ..data.sampler import sequential_batches
 from ..recipe import FinetuneConfig
-from .classification import ClassificationTask, Head, TaskData, with_data
 from . import cloze, prompts
+from .classification import ClassificationTask, Head, TaskData, with_data
 from .cloze import ClozeHead
 from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
 from .presets import presets_of
 from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
-
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class ClassifyConfig:
 
     def __post_init__(self):
         if self.preset and self.preset not in presets_of("classify"):
-            raise ValueError(f"classify.preset: unknown preset {self.preset!r} "
-                             f"(known: {', '.join(sorted(presets_of('classify')))})")
+            raise ValueError(
+                f"classify.preset: unknown preset {self.preset!r} (known: {', '.join(sorted(presets_of('classify')))})"
+            )
 
 
 def text_spec(cfg: ClassifyConfig) -> TextSpec:
@@ -61,8 +62,16 @@ def text_spec(cfg: ClassifyConfig) -> TextSpec:
         raise UserError(f"classify.text_fields: one text or a pair, not {len(fields)} ({', '.join(fields)})")
     if p is None:
         return TextSpec("classify", fields, cfg.label_field or "label", cfg.labels)
-    return TextSpec(cfg.preset, fields, cfg.label_field or p.label_field, cfg.labels or p.labels, p.splits, p.hub,
-                    p.hub_splits, p.aliases)
+    return TextSpec(
+        cfg.preset,
+        fields,
+        cfg.label_field or p.label_field,
+        cfg.labels or p.labels,
+        p.splits,
+        p.hub,
+        p.hub_splits,
+        p.aliases,
+    )
 
 
 def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int, int]]:
@@ -89,8 +98,10 @@ def reads_as(recipe, backbone) -> str:
     if head == "auto":
         return "classifier" if encoder else "text"
     if head == "text" and encoder:
-        raise UserError(f"a {backbone.family.upper()} cannot answer as text (a text encoder generates nothing); "
-                        f"--head classifier (or --cloze in eval for zero-shot)")
+        raise UserError(
+            f"a {backbone.family.upper()} cannot answer as text (a text encoder generates nothing); "
+            f"--head classifier (or --cloze in eval for zero-shot)"
+        )
     return head
 
 
@@ -103,8 +114,21 @@ def text_encoder(backbone, spec: TextSpec, max_length: int):
     pad = type(backbone.model).pad_id(tok)
 
     def encode_rows(rows: list) -> list:
-        return [(np.array(fit_input(lambda t: tok.encode(prompts.input_text(spec.name, spec.text_fields, t)) + eos,
-                                    texts, max_length), dtype=np.int64), 0, y) for texts, y in rows]
+        return [
+            (
+                np.array(
+                    fit_input(
+                        lambda t: tok.encode(prompts.input_text(spec.name, spec.text_fields, t)) + eos,
+                        texts,
+                        max_length,
+                    ),
+                    dtype=np.int64,
+                ),
+                0,
+                y,
+            )
+            for texts, y in rows
+        ]
 
     def batch(examples: list) -> dict[str, torch.Tensor]:
         out = collate(examples, pad)
@@ -112,6 +136,7 @@ def text_encoder(backbone, spec: TextSpec, max_length: int):
         if seq2seq:
             out["decoder_input_ids"] = torch.full((len(examples), 1), pad, dtype=torch.long)
         return out
+
     return encode_rows, batch
 
 
@@ -123,10 +148,14 @@ def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
     mask = torch.zeros((len(examples), T), dtype=torch.long)
     for i, (seq, n_a, _) in enumerate(examples):
         ids[i, : len(seq)] = torch.from_numpy(seq)
-        types[i, n_a: len(seq)] = 1
+        types[i, n_a : len(seq)] = 1
         mask[i, : len(seq)] = 1
-    return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask,
-            "labels": torch.tensor([e[2] for e in examples])}
+    return {
+        "input_ids": ids,
+        "token_type_ids": types,
+        "attention_mask": mask,
+        "labels": torch.tensor([e[2] for e in examples]),
+    }
 
 
 class Classify(ClassificationTask):
@@ -143,8 +172,10 @@ class Classify(ClassificationTask):
         ft = recipe.finetune
         if ft is not None and ft.train == "head" and ft.head == "auto" and reads_as(recipe, backbone) == "text":
             if self.rt.is_main and not self.quiet:
-                console.print(f"[yellow]note:[/] --train head on a {backbone.family}: a classifier on its frozen "
-                              f"last-layer features (finetune.head classifier, pooling {ft.pooling})")
+                console.print(
+                    f"[yellow]note:[/] --train head on a {backbone.family}: a classifier on its frozen "
+                    f"last-layer features (finetune.head classifier, pooling {ft.pooling})"
+                )
             recipe = replace(recipe, finetune=replace(ft, head="classifier"))
         return recipe
 
@@ -157,8 +188,9 @@ class Classify(ClassificationTask):
             total += sum(map(len, texts))
             yield from texts
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
-             need_train: bool = True) -> TaskData:
+    def load(
+        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+    ) -> TaskData:
         spec = text_spec(recipe.settings)
         spec = replace(spec, labels=labels) if labels else spec
         d, ft = with_data(recipe, data).data, recipe.finetune or FinetuneConfig()
@@ -172,11 +204,16 @@ class Classify(ClassificationTask):
             if not split.rows and not (name == spec.splits[0] and not need_train):
                 raise UserError(f"{split.where}: no usable rows ({split.skipped} skipped)")
             if self.rt.is_main and not self.quiet and backbone is not None and (split.rows or need_train):
-                console.print(f"{spec.name} {name}: {len(split.rows):,} rows, {split.skipped:,} skipped "
-                              f"(missing text or no label) from {split.where}")
+                console.print(
+                    f"{spec.name} {name}: {len(split.rows):,} rows, {split.skipped:,} skipped "
+                    f"(missing text or no label) from {split.where}"
+                )
         train = splits[spec.splits[0]].rows
-        return TaskData(train[: ft.limit] if ft.limit > 0 else train,
-                        {s: v.rows for s, v in splits.items() if s != spec.splits[0]}, labels)
+        return TaskData(
+            train[: ft.limit] if ft.limit > 0 else train,
+            {s: v.rows for s, v in splits.items() if s != spec.splits[0]},
+            labels,
+        )
 
     def sample(self, rows: list, n: int, seed: int) -> list:
         return [rows[i] for i in balanced_sample(np.array([y for _, y in rows]), n, seed)]
@@ -191,21 +228,28 @@ class Classify(ClassificationTask):
         if reads_as(recipe, backbone) == "classifier":
             check_pooling(backbone.cfg, resolve_pooling(backbone.family, ft.pooling))
         elif ft.train == "head" or ft.pooling != "auto" or ft.head_lr:
-            raise UserError(f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (finetune.head "
-                            f"text): there is no head to pool for or train alone; use --head classifier, or --train "
-                            f"all, lora, ia3 or bitfit")
+            raise UserError(
+                f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (finetune.head "
+                f"text): there is no head to pool for or train alone; use --head classifier, or --train "
+                f"all, lora, ia3 or bitfit"
+            )
 
     @staticmethod
     def cloze_family(backbone) -> None:
         if backbone.model.kind != kinds.TEXT_ENCODER:
-            raise UserError(f"--cloze reads a BERT's masked-LM head (a text encoder's); this is a {backbone.family} "
-                            f"(prompt it with --few-shot K instead)")
+            raise UserError(
+                f"--cloze reads a BERT's masked-LM head (a text encoder's); this is a {backbone.family} "
+                f"(prompt it with --few-shot K instead)"
+            )
 
     def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
         if options is not None and options.cloze:
             return self.cloze(recipe, backbone, data)
-        return self.classifier(recipe, backbone, data) if reads_as(recipe, backbone) == "classifier" \
+        return (
+            self.classifier(recipe, backbone, data)
+            if reads_as(recipe, backbone) == "classifier"
             else self.text_head(recipe, backbone, data, options)
+        )
 
     def classifier(self, recipe, backbone, data: TaskData) -> ClassifierHead:
         """A linear classifier on pooled features, for any family: BERT reads [CLS] a [SEP] b [SEP], a
@@ -225,8 +269,9 @@ class Classify(ClassificationTask):
         sample = encode_rows(data.train[:2000]) if data.train else []
         mean_len = float(np.mean([len(e[0]) for e in sample])) if sample else float(max_length)
         ft = recipe.finetune or FinetuneConfig()
-        return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout,
-                              layer=ft.layer)
+        return ClassifierHead(
+            cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout, layer=ft.layer
+        )
 
     def cloze(self, recipe, backbone, data: TaskData) -> ClozeHead:
         """Zero-shot: label words scored at the template's [MASK] by the BERT's MLM head."""
@@ -235,15 +280,17 @@ class Classify(ClassificationTask):
         preset = presets_of("classify").get(settings.preset)
         words = settings.cloze_words or (preset.cloze_words if preset else ())
         if len(words) != len(data.labels):
-            raise UserError(f"classify.cloze_words: give one word per label ({listing(data.labels)}), "
-                            f"got {len(words)}")
-        pieces = cloze.parse_template(settings.cloze_template or cloze.default_template(spec.text_fields),
-                                      spec.text_fields)
+            raise UserError(f"classify.cloze_words: give one word per label ({listing(data.labels)}), got {len(words)}")
+        pieces = cloze.parse_template(
+            settings.cloze_template or cloze.default_template(spec.text_fields), spec.text_fields
+        )
         ids, max_length = special_ids(tok), min(recipe.data.seq_len, backbone.cfg.max_seq_len)
         mlm = build_heads(backbone.cfg, nsp=False) if "mlm.bias" in backbone.heads else None
         if mlm is None and not self.quiet:
-            console.print(f"[yellow]note:[/] {backbone.source} has no masked-LM head; label words are scored by "
-                          f"the [MASK]'s hidden state against their embeddings (an untrained head)")
+            console.print(
+                f"[yellow]note:[/] {backbone.source} has no masked-LM head; label words are scored by "
+                f"the [MASK]'s hidden state against their embeddings (an untrained head)"
+            )
 
         def make_source(rows: list, train: bool) -> ExampleSource:
             examples = cloze.encode(tok, ids, pieces, spec.text_fields, rows, max_length)
@@ -258,8 +305,10 @@ class Classify(ClassificationTask):
         finetuned = backbone.recipe is not None and backbone.recipe.task == self.key
         k = options.few_shot if options is not None else -1
         if options is not None and k < 0 and not finetuned:
-            raise UserError(f"{backbone.checkpoint} was not finetuned on {spec.name}; score it with --few-shot K "
-                            f"(K solved examples in the prompt, 0 for none)")
+            raise UserError(
+                f"{backbone.checkpoint} was not finetuned on {spec.name}; score it with --few-shot K "
+                f"(K solved examples in the prompt, 0 for none)"
+            )
         demos, max_length = [], recipe.data.seq_len
         seq2seq = kinds.is_seq2seq(backbone.model)
         if k >= 0:
@@ -268,15 +317,18 @@ class Classify(ClassificationTask):
             shots = prompts.balanced_shots([y for _, y in data.train], k, len(data.labels), options.seed)
             demos = prompts.few_shot_prefix(spec.name, spec.text_fields, data.train, shots, data.labels)
         cue = backbone.model.kind == kinds.DECODER or (options is not None and not finetuned)
-        return TextHead(backbone.model, backbone.tokenizer, spec.name, spec.text_fields,
-                        data.labels, max_length, cue, demos)
+        return TextHead(
+            backbone.model, backbone.tokenizer, spec.name, spec.text_fields, data.labels, max_length, cue, demos
+        )
 
     def classify_one(self, recipe, backbone, options: EvalOptions) -> dict[str, float]:
         """The label probabilities of one input (e.g. --premise and --hypothesis)."""
         spec = text_spec(recipe.settings)
         if len(options.inputs) != len(spec.text_fields):
-            raise UserError(f"{spec.name} reads {len(spec.text_fields)} text(s) ({', '.join(spec.text_fields)}); "
-                            f"got {len(options.inputs)}")
+            raise UserError(
+                f"{spec.name} reads {len(spec.text_fields)} text(s) ({', '.join(spec.text_fields)}); "
+                f"got {len(options.inputs)}"
+            )
         labels = backbone.labels or spec.labels
         if not labels:
             raise UserError(f"{backbone.checkpoint} does not record its labels")
@@ -284,10 +336,13 @@ class Classify(ClassificationTask):
         data = self.load(recipe, backbone, options.data) if options.few_shot > 0 else TaskData([], {}, labels)
         head = self.head(recipe, backbone, data, options)
         head.heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.split(".")[0] in head.heads})
-        batch = to_device(next(sequential_batches(head.source([(tuple(options.inputs), 0)], train=False), 1, seed=0)),
-                          self.rt.device)
+        batch = to_device(
+            next(sequential_batches(head.source([(tuple(options.inputs), 0)], train=False), 1, seed=0)), self.rt.device
+        )
         with torch.no_grad():
-            probs = torch.softmax(head.scores(backbone.model.eval(), head.heads.to(self.rt.device), batch).float(), -1)[0]
+            probs = torch.softmax(head.scores(backbone.model.eval(), head.heads.to(self.rt.device), batch).float(), -1)[
+                0
+            ]
         for name, p in zip(labels, probs.tolist()):
             console.print(f"{name:>14}  {p:.4f}")
         return dict(zip(labels, probs.tolist()))

@@ -9,6 +9,7 @@ The template is split into its pieces (text, {field}, [MASK]) and each piece tok
 so a long text is cut by tokens, never the template; WordPiece splits at spaces and punctuation, so
 the pieces tokenize as the filled-in string would.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data.sampler import Source
 from ..errors import UserError
 from ..plugin import Batch
-from ..data.sampler import Source
 from .classification import Head
 
 MASK = "[MASK]"
@@ -45,7 +46,9 @@ def parse_template(template: str, fields: tuple[str, ...]) -> list[str]:
         raise UserError(f"{where}: needs exactly one {MASK}, has {pieces.count(MASK)}")
     unknown = [n for n in named if n not in fields]
     if unknown:
-        raise UserError(f"{where}: unknown field {{{unknown[0]}}} (the texts are {', '.join('{' + f + '}' for f in fields)})")
+        raise UserError(
+            f"{where}: unknown field {{{unknown[0]}}} (the texts are {', '.join('{' + f + '}' for f in fields)})"
+        )
     missing = [f for f in fields if named.count(f) != 1]
     if missing:
         raise UserError(f"{where}: must name {{{missing[0]}}} exactly once")
@@ -58,14 +61,17 @@ def word_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
     for word in words:
         ids = tokenizer.encode(word)
         if len(ids) != 1:
-            raise UserError(f"classify.cloze_words: {word!r} is {len(ids)} tokens in this vocabulary; "
-                            f"each label word must be a single token")
+            raise UserError(
+                f"classify.cloze_words: {word!r} is {len(ids)} tokens in this vocabulary; "
+                f"each label word must be a single token"
+            )
         out.append(ids[0])
     return out
 
 
-def encode(tokenizer, ids: dict[str, int], pieces: list[str], text_fields: tuple[str, ...], rows: list,
-           max_length: int) -> list:
+def encode(
+    tokenizer, ids: dict[str, int], pieces: list[str], text_fields: tuple[str, ...], rows: list, max_length: int
+) -> list:
     """(texts, label) rows, texts in `text_fields` order -> ([CLS] filled template [SEP] ids, its length,
     label): the longest text is cut token by token until the row fits; a [MASK] inside a text
     becomes [UNK], so each row has exactly one."""
@@ -92,8 +98,14 @@ class ClozeHead(Head):
     BERT saved without its MLM head (e.g. a sentence-transformers model) scores by the dot product of
     the mask's hidden state with the words' embeddings, and says so in its report."""
 
-    def __init__(self, make_source: Callable[[list, bool], Source], mask_id: int, words: list[int],
-                 mlm_heads: Optional[nn.ModuleDict], tokens_per_item: float):
+    def __init__(
+        self,
+        make_source: Callable[[list, bool], Source],
+        mask_id: int,
+        words: list[int],
+        mlm_heads: Optional[nn.ModuleDict],
+        tokens_per_item: float,
+    ):
         self.make_source, self.mask_id, self.words, self.tokens_per_item = make_source, mask_id, words, tokens_per_item
         self.heads = mlm_heads if mlm_heads is not None else nn.ModuleDict()
 

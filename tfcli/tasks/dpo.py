@@ -15,6 +15,7 @@ model itself with its adapters switched off (LoRA, IA3: no second copy; the defa
 `precompute`, one pass before training writes the reference log-probabilities of every pair to the run
 directory (reference_logps.json), so training holds one model and a resumed run reads them back.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,22 +30,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import adapters
-from ..engine.backbone import base_model, for_inference, from_run, recorded
-from ..engine.checkpoint import run_dir_of
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
 from ..data.labelled import TextSpec
 from ..data.preferences import PairBuilder, PairFields, Pairs
+from ..data.sampler import sequential_batches
 from ..display import console, phase
-from ..errors import UserError
+from ..engine.backbone import base_model, for_inference, from_run, recorded
+from ..engine.checkpoint import run_dir_of
 from ..engine.evaluate import held_out_metrics
+from ..engine.perf import training_flops_multiplier
+from ..engine.trainer import ObjectiveModule
+from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import sequence_logprobs
-from ..engine.perf import training_flops_multiplier
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
-from ..data.sampler import sequential_batches
-from ..engine.trainer import ObjectiveModule
 from .reply_batches import PairBatches, pair_count
 from .sft import count_tokens, read_splits, summary_line, template_for
 
@@ -76,8 +77,10 @@ def reference_mode(recipe) -> str:
     if mode == "auto":
         return "base" if train in ("lora", "ia3") else "copy"
     if mode == "base" and train not in ("lora", "ia3"):
-        raise UserError(f"dpo.reference base is the model with its adapters switched off; --train {train} changes the "
-                        f"base weights themselves (use copy or precompute, or --train lora)")
+        raise UserError(
+            f"dpo.reference base is the model with its adapters switched off; --train {train} changes the "
+            f"base weights themselves (use copy or precompute, or --train lora)"
+        )
     return mode
 
 
@@ -99,9 +102,15 @@ def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig)
         per_pair = -(1 - cfg.label_smoothing) * F.logsigmoid(h) - cfg.label_smoothing * F.logsigmoid(-h)
     rc, rr = cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
     loss = per_pair.mean()
-    return loss, {"loss": loss.detach(), "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
-                  "rewards/accuracies": (rc > rr).float().mean(), "rewards/margins": (rc - rr).mean(),
-                  "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean()}
+    return loss, {
+        "loss": loss.detach(),
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "logps/chosen": pc.detach().mean(),
+        "logps/rejected": pr.detach().mean(),
+    }
 
 
 class Preference:
@@ -146,20 +155,31 @@ class DPO(Plugin):
     Config = DPOConfig
     describe = "DPO preference tuning"
 
-    def pairs(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
-              say: bool = True) -> dict[str, Pairs]:
+    def pairs(
+        self, recipe, backbone, data: Optional[str] = None, need_train: bool = True, say: bool = True
+    ) -> dict[str, Pairs]:
         """Every split's pairs (the training split first), each split's skipped rows named (say)."""
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
         examples = DecoderExamples(backbone.tokenizer, template_for(cfg.chat_template, backbone), "last", length)
         build = PairBuilder(examples, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.system))
-        describe = (lambda split, built, where: summary_line(f"dpo {split}", len(built.pairs), "pairs", built.skipped, where))
-        return read_splits(recipe, TextSpec("dpo", ()), build, data, need_train,
-                           describe if say and self.rt.is_main and not self.quiet else None)
+        describe = lambda split, built, where: summary_line(
+            f"dpo {split}", len(built.pairs), "pairs", built.skipped, where
+        )
+        return read_splits(
+            recipe,
+            TextSpec("dpo", ()),
+            build,
+            data,
+            need_train,
+            describe if say and self.rt.is_main and not self.quiet else None,
+        )
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
         if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
-            raise UserError("dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)")
+            raise UserError(
+                "dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)"
+            )
         mode = reference_mode(recipe)
         splits = self.pairs(recipe, backbone)
         (train_split, train), *held_out = splits.items()
@@ -168,20 +188,33 @@ class DPO(Plugin):
             raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
         held_split, held = next(((s, p.pairs) for s, p in held_out if p.pairs), ("", []))
         if not held and self.rt.is_main and not self.quiet:
-            console.print("[yellow]note:[/] dpo: no held-out pairs; training without held-out evaluation (give more "
-                          "pairs, a larger data.val_fraction, or a dev split with usable pairs)")
+            console.print(
+                "[yellow]note:[/] dpo: no held-out pairs; training without held-out evaluation (give more "
+                "pairs, a larger data.val_fraction, or a dev split with usable pairs)"
+            )
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         frozen = {"reference": self.starting_model(recipe, backbone).requires_grad_(False)} if mode == "copy" else {}
-        refs, files = self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
+        refs, files = (
+            self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
+        )
         loss = Preference(cfg, mode, frozen)
         full = backbone.model.flops_per_token(int(np.mean([p.length for p in train.pairs[:500]])))
         extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
         val = PairBatches(held, pad, refs.get("held_out")) if held else None
         self.trained = (held_split, loss, val)  # what the final report measures against, as training did
-        return Job(heads=nn.ModuleDict(), loss=loss, train=PairBatches(train.pairs, pad, refs.get("train")), val=val,
-                   flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0, count_items=count_tokens,
-                   best_key="rewards/accuracies" if held else "", examples=len(train.pairs), loss_weight=pair_count,
-                   frozen=frozen, files=files)
+        return Job(
+            heads=nn.ModuleDict(),
+            loss=loss,
+            train=PairBatches(train.pairs, pad, refs.get("train")),
+            val=val,
+            flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0,
+            count_items=count_tokens,
+            best_key="rewards/accuracies" if held else "",
+            examples=len(train.pairs),
+            loss_weight=pair_count,
+            frozen=frozen,
+            files=files,
+        )
 
     def starting_model(self, recipe, backbone) -> nn.Module:
         """A copy of the model training starts from (dpo.reference copy). A resumed run's model holds
@@ -197,11 +230,14 @@ class DPO(Plugin):
                 saved = json.loads(path.read_text())
                 if len(saved["train"]) == len(train) and len(saved["held_out"]) == len(held):
                     text = path.read_text()
-                    return {k: torch.tensor(v, dtype=torch.float32).reshape(-1, 2) for k, v in saved.items()}, \
-                        {REFERENCE_FILE: text}
+                    return {k: torch.tensor(v, dtype=torch.float32).reshape(-1, 2) for k, v in saved.items()}, {
+                        REFERENCE_FILE: text
+                    }
         b = recipe.train.batch_size
-        refs = {"train": precompute(backbone.model, train, pad, b, self.rt.device),
-                "held_out": precompute(backbone.model, held, pad, b, self.rt.device)}
+        refs = {
+            "train": precompute(backbone.model, train, pad, b, self.rt.device),
+            "held_out": precompute(backbone.model, held, pad, b, self.rt.device),
+        }
         return refs, {REFERENCE_FILE: json.dumps({k: v.tolist() for k, v in refs.items()})}
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
@@ -213,7 +249,9 @@ class DPO(Plugin):
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
         results = {split: measure(recipe, backbone.model, loss, val, split, self.rt.device)}
         self.say(results)
-        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        (Path(run_dir) / "eval.json").write_text(
+            json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1)
+        )
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
@@ -221,15 +259,34 @@ class DPO(Plugin):
         first --limit N of each split) against --reference (default: the run's own reference)."""
         results = self.score(recipe, backbone, options.data, options.reference, options.limit)
         run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
-        out = Path(options.out) if options.out else run / ("eval-dpo" + (f"-{Path(options.data).stem}" if options.data else "")
-                                                          + (f"-limit{options.limit}" if options.limit else "") + ".json")
-        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data,
-                                   "reference": options.reference, **results}, indent=1))
+        out = (
+            Path(options.out)
+            if options.out
+            else run
+            / (
+                "eval-dpo"
+                + (f"-{Path(options.data).stem}" if options.data else "")
+                + (f"-limit{options.limit}" if options.limit else "")
+                + ".json"
+            )
+        )
+        out.write_text(
+            json.dumps(
+                {
+                    "checkpoint": str(backbone.checkpoint),
+                    "data": options.data,
+                    "reference": options.reference,
+                    **results,
+                },
+                indent=1,
+            )
+        )
         console.print(f"report: {out}")
         return results
 
-    def score(self, recipe, backbone, data: Optional[str], reference: Optional[str], limit: int,
-              say: bool = True) -> dict[str, dict]:
+    def score(
+        self, recipe, backbone, data: Optional[str], reference: Optional[str], limit: int, say: bool = True
+    ) -> dict[str, dict]:
         splits = self.pairs(recipe, backbone, data, need_train=False, say=say)
         held = {s: p.pairs[: limit or None] for i, (s, p) in enumerate(splits.items()) if i > 0 and p.pairs}
         if not held:
@@ -246,10 +303,12 @@ class DPO(Plugin):
         if self.quiet:
             return
         for split, m in results.items():
-            console.print(f"dpo {split} ({m['n']} pairs): reward accuracy {100 * m['rewards/accuracies']:.2f}%, "
-                          f"margin {m['rewards/margins']:.4f}, rewards chosen {m['rewards/chosen']:.4f} / rejected "
-                          f"{m['rewards/rejected']:.4f}, logps chosen {m['logps/chosen']:.2f} / rejected "
-                          f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}")
+            console.print(
+                f"dpo {split} ({m['n']} pairs): reward accuracy {100 * m['rewards/accuracies']:.2f}%, "
+                f"margin {m['rewards/margins']:.4f}, rewards chosen {m['rewards/chosen']:.4f} / rejected "
+                f"{m['rewards/rejected']:.4f}, logps chosen {m['logps/chosen']:.2f} / rejected "
+                f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}"
+            )
 
     def eval_reference(self, recipe, backbone, reference: Optional[str]) -> Preference:
         """What an evaluation compares the model with: --reference, else the run's: its adapters off
@@ -257,23 +316,27 @@ class DPO(Plugin):
         cfg = recipe.settings
         if reference is None and recipe.finetune.train in ("lora", "ia3") and backbone.recipe is not None:
             return Preference(cfg, "base", {})
-        source = reference or (recorded(run_dir_of(Path(backbone.checkpoint))).get("from")
-                               if backbone.recipe is not None else None)
+        source = reference or (
+            recorded(run_dir_of(Path(backbone.checkpoint))).get("from") if backbone.recipe is not None else None
+        )
         if not source:
             raise UserError("eval dpo: name the reference model (--reference MODEL)")
         device = next(backbone.model.parameters()).device
         return Preference(cfg, "copy", {"reference": for_inference(Path(source), device=str(device)).model})
 
     def hints(self, run_dir) -> list[str]:
-        return [f"evaluate it:  tfcli eval --checkpoint {run_dir}",
-                f"chat with it: tfcli chat --checkpoint {run_dir}",
-                f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
+        return [
+            f"evaluate it:  tfcli eval --checkpoint {run_dir}",
+            f"chat with it: tfcli chat --checkpoint {run_dir}",
+            f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
+        ]
 
 
 def measure(recipe, model: nn.Module, loss: "Preference", pairs: PairBatches, split: str, device) -> dict[str, float]:
     """Loss and TRL's reward metrics of `model` against `loss`'s reference on every pair, in order."""
     batches = sequential_batches(pairs, recipe.train.batch_size, 0)
     with phase(f"scoring {split} pairs"):
-        m = held_out_metrics(ObjectiveModule(model, nn.ModuleDict(), loss), batches, device,
-                             recipe.train.precision, pair_count)
+        m = held_out_metrics(
+            ObjectiveModule(model, nn.ModuleDict(), loss), batches, device, recipe.train.precision, pair_count
+        )
     return {**m, "acc": m["rewards/accuracies"], "n": pairs.epoch_size(0)}

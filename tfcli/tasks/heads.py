@@ -4,6 +4,7 @@ How a model's hidden states become a feature vector is the model's to say (its `
 `layer_features`, models/pooling.py): BERT's pooled [CLS], the mean of the token outputs, the last
 four layers; a decoder's last token; T5's encoder mean; ViT's [CLS] or the mean of its patches.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -12,12 +13,13 @@ import numpy as np
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data.sampler import Draw, Source
+from ..engine.perf import training_flops_multiplier
 from ..errors import UserError
 from ..models import kinds, model_class
-from ..engine.perf import training_flops_multiplier
 from ..plugin import Batch
-from ..data.sampler import Draw, Source
 from .classification import Head
+
 
 def resolve_pooling(family: str, pooling: str) -> str:
     """`auto`: the family's natural summary, the first of its declared poolings: [CLS] (BERT, ViT),
@@ -52,7 +54,8 @@ def features(model: nn.Module, batch: Batch, pooling: str, layer: int = -1) -> T
 def matmul_params(model: nn.Module) -> int:
     """Parameters in matrix products (embedding tables are lookups and do not count towards MFU)."""
     return sum(p.numel() for p in model.parameters()) - sum(
-        p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+        p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    )
 
 
 class ExampleSource(Source):
@@ -71,15 +74,29 @@ class ExampleSource(Source):
 class ClassifierHead(Head):
     """A linear layer on dropout(pooled features); cross-entropy; the logits are the scores."""
 
-    def __init__(self, cfg, pooling: str, n_labels: int, make_source: Callable[[object, bool], Source],
-                 tokens_per_item: float, dropout: float = 0.0, init_std: float = 0.02, item_name: str = "ex",
-                 layer: int = -1):
+    def __init__(
+        self,
+        cfg,
+        pooling: str,
+        n_labels: int,
+        make_source: Callable[[object, bool], Source],
+        tokens_per_item: float,
+        dropout: float = 0.0,
+        init_std: float = 0.02,
+        item_name: str = "ex",
+        layer: int = -1,
+    ):
         pooling = resolve_pooling(cfg.family, pooling)
         check_pooling(cfg, pooling)
         if layer > cfg.n_layer:
             raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {cfg.n_layer}")
         self.item_name, self.layer = item_name, layer
-        self.pooling, self.dropout, self.make_source, self.tokens_per_item = pooling, dropout, make_source, tokens_per_item
+        self.pooling, self.dropout, self.make_source, self.tokens_per_item = (
+            pooling,
+            dropout,
+            make_source,
+            tokens_per_item,
+        )
         linear = nn.Linear(feature_dim(cfg, pooling), n_labels)
         nn.init.trunc_normal_(linear.weight, std=init_std)
         nn.init.zeros_(linear.bias)
@@ -106,8 +123,9 @@ class ClassifierHead(Head):
         (and, for decoder-first, its decoder at one position), plus attention's 12 L T D per token."""
         cfg, tokens = model.cfg, self.tokens_per_item
         if model.kind == kinds.ENCODER_DECODER:
-            n_tokens = sum(p.numel() for p in model.encoder.parameters()) * tokens + \
-                (sum(p.numel() for p in model.decoder.parameters()) if self.pooling == "decoder-first" else 0)
+            n_tokens = sum(p.numel() for p in model.encoder.parameters()) * tokens + (
+                sum(p.numel() for p in model.decoder.parameters()) if self.pooling == "decoder-first" else 0
+            )
         else:
             n_tokens = matmul_params(model) * tokens
         attention = 12.0 * cfg.n_layer * tokens * cfg.d_model * tokens

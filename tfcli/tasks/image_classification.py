@@ -3,12 +3,12 @@ patch vectors (no BatchNorm). `finetune.train: head` is a linear probe (frozen e
 finetuning. The encoder comes from a tfcli MAE run, a Hugging Face ViT/ViT-MAE directory, or a
 fresh initialisation (the baseline a probe on a pretrained encoder must beat).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
-
 
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
@@ -29,16 +29,19 @@ class ImageClassify(ClassificationTask):
     Config = ImageConfig
     describe = "image classification"
 
-    def load(self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (),
-             need_train: bool = True) -> TaskData:
+    def load(
+        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+    ) -> TaskData:
         """The images (data.source, or `data`); they must carry labels. Without a test split of their
         own a seeded data.val_fraction is held out."""
         source, ft = data or recipe.data.source, recipe.finetune or FinetuneConfig()
         with phase(f"reading images from {source}"):
             splits = load_images(source, recipe.data.val_fraction, recipe.train.seed)
         if splits.train.labels is None:
-            raise UserError(f"{source}: images without labels; image-classify needs class sub-folders, "
-                            f"y_train/y_test in a .npz, or a labelled dataset")
+            raise UserError(
+                f"{source}: images without labels; image-classify needs class sub-folders, "
+                f"y_train/y_test in a .npz, or a labelled dataset"
+            )
         if backbone is not None and backbone.model.kind == kinds.VISION_ENCODER:
             check_images(splits.train, backbone.cfg.patch_size, source)
         test = splits.test or splits.train
@@ -51,13 +54,16 @@ class ImageClassify(ClassificationTask):
     def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
         """A decoder reads images only as an ImageGPT run's colours: a text model is refused before the
         images are read."""
-        from ..engine.checkpoint import run_dir_of
         from ..data.palette import PALETTE_FILE
+        from ..engine.checkpoint import run_dir_of
 
         if backbone.model.kind == kinds.DECODER and (
-                backbone.checkpoint is None or not (run_dir_of(Path(backbone.checkpoint)) / PALETTE_FILE).is_file()):
-            raise UserError(f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective igpt); "
-                            f"{backbone.source} is not one")
+            backbone.checkpoint is None or not (run_dir_of(Path(backbone.checkpoint)) / PALETTE_FILE).is_file()
+        ):
+            raise UserError(
+                f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective igpt); "
+                f"{backbone.source} is not one"
+            )
 
     def sample(self, images: ImageSet, n: int, seed: int) -> ImageSet:
         return images.take(balanced_sample(images.labels, n, seed))
@@ -70,24 +76,41 @@ class ImageClassify(ClassificationTask):
         def make_source(images: ImageSet, train: bool) -> ImageSource:
             return ImageSource(images, ImageTransform.from_config(settings, cfg.image_size, train))
 
-        return ClassifierHead(cfg, ft.pooling, len(data.labels), make_source, cfg.n_patches + 1, init_std=0.01,
-                              item_name="img", layer=ft.layer)
+        return ClassifierHead(
+            cfg,
+            ft.pooling,
+            len(data.labels),
+            make_source,
+            cfg.n_patches + 1,
+            init_std=0.01,
+            item_name="img",
+            layer=ft.layer,
+        )
 
     def colour_head(self, backbone, data: TaskData, ft: FinetuneConfig) -> ClassifierHead:
         """An ImageGPT run's classifier: the images in the run's palette, features average-pooled from
         finetune.layer (the paper's best features sit in the middle layers)."""
-        from ..engine.checkpoint import run_dir_of
         from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
+        from ..engine.checkpoint import run_dir_of
 
         self.check(None, backbone)
         palette, side = read_palette(run_dir_of(backbone.checkpoint))
 
         def make_source(images: ImageSet, train: bool) -> PaletteSource:
-            return PaletteSource(palette_tokens(images, side, palette), start_id(palette), images.labels,
-                                 with_target=False)
+            return PaletteSource(
+                palette_tokens(images, side, palette), start_id(palette), images.labels, with_target=False
+            )
 
-        head = ClassifierHead(backbone.cfg, ft.pooling, len(data.labels), make_source, side * side + 1,
-                              init_std=0.01, item_name="img", layer=ft.layer)
+        head = ClassifierHead(
+            backbone.cfg,
+            ft.pooling,
+            len(data.labels),
+            make_source,
+            side * side + 1,
+            init_std=0.01,
+            item_name="img",
+            layer=ft.layer,
+        )
         head.files = palette_file(palette, side)  # the classifier's run reads its images the same way
         return head
 

@@ -3,6 +3,7 @@ classify` with the `mnli` preset (text fields and a label set); `tfcli finetune 
 finetune sft` with the `gsm8k` preset (prompt and reply fields, and how a generated reply is scored).
 A new preset is one entry.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,16 +58,25 @@ def preset_recipes(task: str, pattern: str) -> dict[str, str]:
 
 PRESETS = {
     "mnli": Preset(
-        task="classify", text_fields=("premise", "hypothesis"), label_field="label",
-        labels=("entailment", "neutral", "contradiction"), splits=("train", "dev_matched", "dev_mismatched"),
+        task="classify",
+        text_fields=("premise", "hypothesis"),
+        label_field="label",
+        labels=("entailment", "neutral", "contradiction"),
+        splits=("train", "dev_matched", "dev_mismatched"),
         hub=("nyu-mll/glue", "mnli"),
         hub_splits={"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
         aliases={"premise": ("sentence1",), "hypothesis": ("sentence2",), "label": ("gold_label",)},
         recipe_pattern="mnli-{family}-mini",
-        cloze_words=("yes", "maybe", "no")),
+        cloze_words=("yes", "maybe", "no"),
+    ),
     "gsm8k": ReplyPreset(
-        task="sft", prompt_field="question", response_field="answer", metric="final-number",
-        splits=("train", "test"), hub=("openai/gsm8k", "main")),
+        task="sft",
+        prompt_field="question",
+        response_field="answer",
+        metric="final-number",
+        splits=("train", "test"),
+        hub=("openai/gsm8k", "main"),
+    ),
 }
 
 

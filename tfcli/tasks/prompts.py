@@ -4,6 +4,7 @@ k-shot prompts (k solved training examples, balanced over the labels and seeded)
 Pure string functions, no tokenizer: the same text serves T5 (encoder input, label word as the
 target) and GPT (label word as the continuation after "answer:").
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,7 +43,8 @@ def balanced_shots(labels: list[int], k: int, n_labels: int, seed: int) -> list[
     return [picked[i] for i in rng.permutation(len(picked))]
 
 
-def few_shot_prefix(task: str, fields: tuple[str, ...], rows: list, shots: list[int],
-                    label_words: tuple[str, ...]) -> list[str]:
+def few_shot_prefix(
+    task: str, fields: tuple[str, ...], rows: list, shots: list[int], label_words: tuple[str, ...]
+) -> list[str]:
     """The demonstrations of a k-shot prompt, one string each (they are joined with newlines)."""
     return [demonstration(task, fields, rows[i][0], label_words[rows[i][1]]) for i in shots]

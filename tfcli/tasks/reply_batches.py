@@ -7,6 +7,7 @@ loss is its loss alone. Targets are IGNORE wherever a token is not trained (prom
 first token of every packed example), and only trained positions reach the output projection.
 An encoder-decoder's batch is the padded source and the reply as T5 targets.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,9 +20,9 @@ from torch import Tensor, nn
 
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples, Example, Seq2SeqExample, Seq2SeqExamples
+from ..data.sampler import Draw, Source
 from ..models import kinds
 from ..objectives.losses import linear_cross_entropy, seq2seq_loss, shift_right
-from ..data.sampler import Draw, Source
 
 
 def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -132,8 +133,12 @@ class Seq2SeqReplies(Source):
         for r, e in enumerate(rows):
             ids[r, : len(e.source)], mask[r, : len(e.source)] = torch.from_numpy(e.source), 1
             labels[r, : len(e.target)] = torch.from_numpy(e.target)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                "decoder_input_ids": shift_right(labels, self.pad)}
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "decoder_input_ids": shift_right(labels, self.pad),
+        }
 
 
 class PairBatches(Source):

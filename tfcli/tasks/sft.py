@@ -11,6 +11,7 @@ trained token of the global batch (Job.loss_weight), with or without packing (ta
 Each evaluation reports the held-out reply loss and perplexity; the final report and `tfcli eval
 sft` also generate replies and score them (tasks/answers.py), writing predictions.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,20 +23,20 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from ..engine.backbone import from_run
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import Examples, Fields, require_targets
 from ..data.labelled import TextSpec, raw_splits
+from ..data.sampler import sequential_batches
 from ..display import console, counted, phase
-from ..errors import UserError
+from ..engine.backbone import from_run
 from ..engine.evaluate import held_out_metrics
-from ..models import kinds
 from ..engine.perf import training_flops_multiplier
+from ..engine.trainer import ObjectiveModule
+from ..errors import UserError
+from ..models import kinds
 from ..objectives.losses import with_perplexity
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
-from ..data.sampler import sequential_batches
-from ..engine.trainer import ObjectiveModule
 from . import answers
 from .presets import presets_of
 from .reply_batches import reply_format
@@ -65,8 +66,12 @@ class SFTConfig:
     generate_batch: int = 32  # replies generated together (decoding reads every weight once per step for all)
 
     def __post_init__(self):
-        require(not self.preset or self.preset in presets_of("sft"), "sft.preset",
-                f"one of {', '.join(presets_of('sft'))}", self.preset)
+        require(
+            not self.preset or self.preset in presets_of("sft"),
+            "sft.preset",
+            f"one of {', '.join(presets_of('sft'))}",
+            self.preset,
+        )
         require(self.max_new_tokens >= 1, "sft.max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.temperature >= 0, "sft.temperature", ">= 0 (0: greedy)", self.temperature)
         require(self.generate_limit >= 0, "sft.generate_limit", ">= 0", self.generate_limit)
@@ -75,9 +80,13 @@ class SFTConfig:
 
 def fields(cfg: SFTConfig) -> Fields:
     p = presets_of("sft").get(cfg.preset)
-    return Fields(prompt=cfg.prompt_field or (p.prompt_field if p else "prompt"),
-                  response=cfg.response_field or (p.response_field if p else "completion"),
-                  messages=cfg.messages_field, text=cfg.text_field, system=cfg.system)
+    return Fields(
+        prompt=cfg.prompt_field or (p.prompt_field if p else "prompt"),
+        response=cfg.response_field or (p.response_field if p else "completion"),
+        messages=cfg.messages_field,
+        text=cfg.text_field,
+        system=cfg.system,
+    )
 
 
 def metric(cfg: SFTConfig) -> str:
@@ -105,36 +114,54 @@ class SFT(Plugin):
     def tokenizer_texts(self, recipe):
         """A fresh model's tokenizer learns from the training rows' texts."""
         cfg, d = recipe.settings, recipe.data
-        rows = next(iter(raw_splits(data_spec(cfg), d.source, d.val_source, d.val_fraction, recipe.train.seed).values()))[0]
+        rows = next(
+            iter(raw_splits(data_spec(cfg), d.source, d.val_source, d.val_fraction, recipe.train.seed).values())
+        )[0]
         f = fields(cfg)
         for row in rows:
             yield from (row[k] for k in (f.prompt, f.response, f.text) if isinstance(row.get(k), str))
-            yield from (m["content"] for m in row.get(f.messages) or [] if isinstance(m, dict) and isinstance(m.get("content"), str))
+            yield from (
+                m["content"]
+                for m in row.get(f.messages) or []
+                if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
 
     def check(self, recipe, backbone) -> None:
         """What SFT cannot do, refused before the data is read."""
         ft, cfg = recipe.finetune, recipe.settings
         if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
-            raise UserError("sft trains the model to write replies: there is no classifier head or pooling "
-                            "(--train all, lora, ia3 or bitfit)")
+            raise UserError(
+                "sft trains the model to write replies: there is no classifier head or pooling "
+                "(--train all, lora, ia3 or bitfit)"
+            )
         if reply_format(backbone.model).seq2seq and (cfg.pack or cfg.chat_template not in ("", "none")):
-            raise UserError(f"a {backbone.family} reads the prompt with its encoder: sft.pack and sft.chat_template "
-                            f"are for decoders")
+            raise UserError(
+                f"a {backbone.family} reads the prompt with its encoder: sft.pack and sft.chat_template "
+                f"are for decoders"
+            )
 
     def template(self, recipe, backbone) -> Optional[ChatTemplate]:
         return template_for(recipe.settings.chat_template, backbone)
 
     def builder(self, recipe, backbone, template: Optional[ChatTemplate]):
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
-        return reply_format(backbone.model).builder(backbone.tokenizer, template, cfg.train_on, length, fields(cfg),
-                                                    cfg.format)
+        return reply_format(backbone.model).builder(
+            backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format
+        )
 
-    def examples(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True,
-                 say: bool = True) -> dict[str, Examples]:
+    def examples(
+        self, recipe, backbone, data: Optional[str] = None, need_train: bool = True, say: bool = True
+    ) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
         build = self.builder(recipe, backbone, self.template(recipe, backbone))
-        return read_splits(recipe, data_spec(recipe.settings), build, data, need_train,
-                           summary if say and self.rt.is_main and not self.quiet else None)
+        return read_splits(
+            recipe,
+            data_spec(recipe.settings),
+            build,
+            data,
+            need_train,
+            summary if say and self.rt.is_main and not self.quiet else None,
+        )
 
     def setup(self, recipe, backbone) -> Job:
         self.check(recipe, backbone)
@@ -150,9 +177,17 @@ class SFT(Plugin):
         source = self.source(recipe, backbone, train.examples, pad, for_training=True)
         val = next((self.source(recipe, backbone, e.examples, pad) for _, e in held_out if e.examples), None)
         replies = reply_format(backbone.model)
-        return Job(heads=torch.nn.ModuleDict(), loss=replies.loss, train=source, val=val,
-                   flops_per_item=self.flops(recipe, backbone, train), count_items=count_tokens,
-                   held_out_metrics=with_perplexity, examples=source.epoch_size(0), loss_weight=replies.loss_weight)
+        return Job(
+            heads=torch.nn.ModuleDict(),
+            loss=replies.loss,
+            train=source,
+            val=val,
+            flops_per_item=self.flops(recipe, backbone, train),
+            count_items=count_tokens,
+            held_out_metrics=with_perplexity,
+            examples=source.epoch_size(0),
+            loss_weight=replies.loss_weight,
+        )
 
     def source(self, recipe, backbone, examples: list, pad: int, for_training: bool = False):
         pack = min(recipe.data.seq_len, backbone.cfg.max_seq_len) if for_training and recipe.settings.pack else 0
@@ -170,30 +205,54 @@ class SFT(Plugin):
         printed, and saved as eval.json and predictions.jsonl."""
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
         n = report_rows(recipe)
-        results = self.score(recipe, backbone, None, n, min(recipe.settings.generate_limit, n),
-                             Path(run_dir) / "predictions.jsonl", say=False)
-        (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1))
+        results = self.score(
+            recipe,
+            backbone,
+            None,
+            n,
+            min(recipe.settings.generate_limit, n),
+            Path(run_dir) / "predictions.jsonl",
+            say=False,
+        )
+        (Path(run_dir) / "eval.json").write_text(
+            json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1)
+        )
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
         """`tfcli eval sft`: reply loss and generated replies on the held-out splits (--limit N: the first
         N examples of each), written beside the run (or --out) with predictions-<name>.jsonl."""
         if options.inputs or options.few_shot > 0 or options.cloze:
-            raise UserError("eval sft scores generated replies on a data split (--data FILE, --limit N); "
-                            "to answer one prompt use tfcli generate --chat")
+            raise UserError(
+                "eval sft scores generated replies on a data split (--data FILE, --limit N); "
+                "to answer one prompt use tfcli generate --chat"
+            )
         run = Path(backbone.checkpoint).parent.parent if backbone.recipe is not None else None
-        name = "eval-sft" + (f"-{Path(options.data).stem}" if options.data else "") + \
-            (f"-limit{options.limit}" if options.limit else "")
+        name = (
+            "eval-sft"
+            + (f"-{Path(options.data).stem}" if options.data else "")
+            + (f"-limit{options.limit}" if options.limit else "")
+        )
         out = Path(options.out) if options.out else (run or Path(".")) / f"{name}.json"
-        stem = out.stem.replace("eval-", "predictions-", 1) if out.stem.startswith("eval-") else f"{out.stem}-predictions"
+        stem = (
+            out.stem.replace("eval-", "predictions-", 1) if out.stem.startswith("eval-") else f"{out.stem}-predictions"
+        )
         predictions = out.with_name(f"{stem}.jsonl")
         results = self.score(recipe, backbone, options.data, options.limit or None, options.limit or None, predictions)
         out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
         console.print(f"report: {out}\npredictions: {predictions}")
         return results
 
-    def score(self, recipe, backbone, data: Optional[str], n_loss: Optional[int], n_generated: Optional[int],
-              predictions: Path, say: bool = True) -> dict:
+    def score(
+        self,
+        recipe,
+        backbone,
+        data: Optional[str],
+        n_loss: Optional[int],
+        n_generated: Optional[int],
+        predictions: Path,
+        say: bool = True,
+    ) -> dict:
         """Per held-out split: the reply loss and perplexity of its first n_loss examples and the scores
         of replies generated for its first n_generated (None: all of them; 0: none)."""
         splits = self.examples(recipe, backbone, data, need_train=False, say=say)
@@ -208,18 +267,49 @@ class SFT(Plugin):
             scored = e.examples[:n_loss]
             batches = list(sequential_batches(self.source(recipe, backbone, scored, pad), recipe.train.batch_size, 0))
             with phase(f"reply loss on {split}", len(batches), "batches") as advance:
-                metrics = held_out_metrics(ObjectiveModule(model, torch.nn.ModuleDict(), loss), counted(batches, advance),
-                                           next(model.parameters()).device, recipe.train.precision, weight)
+                metrics = held_out_metrics(
+                    ObjectiveModule(model, torch.nn.ModuleDict(), loss),
+                    counted(batches, advance),
+                    next(model.parameters()).device,
+                    recipe.train.precision,
+                    weight,
+                )
             generated = [x for x in e.examples if not x.plain_text][:n_generated]
-            texts = answers.generate(model, backbone.tokenizer, [x.prompt for x in generated], cfg.max_new_tokens,
-                                     cfg.temperature, cfg.generate_batch, stop_ids(backbone.tokenizer), pad,
-                                     f"{split} replies") if generated else []
-            results[split] = {**with_perplexity(metrics), "n": len(scored), "generated": len(texts),
-                              **({"metric": metric(cfg), **answers.scores(texts, [x.reply for x in generated], metric(cfg))}
-                                 if texts else {})}
-            lines += [{"split": split, "prompt": backbone.tokenizer.decode(x.prompt, skip_special_tokens=False),
-                       "reference": x.reply, "prediction": t, "correct": answers.correct(t, x.reply, metric(cfg))}
-                      for x, t in zip(generated, texts)]
+            texts = (
+                answers.generate(
+                    model,
+                    backbone.tokenizer,
+                    [x.prompt for x in generated],
+                    cfg.max_new_tokens,
+                    cfg.temperature,
+                    cfg.generate_batch,
+                    stop_ids(backbone.tokenizer),
+                    pad,
+                    f"{split} replies",
+                )
+                if generated
+                else []
+            )
+            results[split] = {
+                **with_perplexity(metrics),
+                "n": len(scored),
+                "generated": len(texts),
+                **(
+                    {"metric": metric(cfg), **answers.scores(texts, [x.reply for x in generated], metric(cfg))}
+                    if texts
+                    else {}
+                ),
+            }
+            lines += [
+                {
+                    "split": split,
+                    "prompt": backbone.tokenizer.decode(x.prompt, skip_special_tokens=False),
+                    "reference": x.reply,
+                    "prediction": t,
+                    "correct": answers.correct(t, x.reply, metric(cfg)),
+                }
+                for x, t in zip(generated, texts)
+            ]
         predictions.write_text("".join(json.dumps(line) + "\n" for line in lines))
         if not self.quiet:
             console.print(results_table(results))
@@ -227,13 +317,16 @@ class SFT(Plugin):
 
     def title(self, recipe, backbone) -> str:
         train_on = "all (plain text)" if self.plain_text else recipe.settings.train_on
-        return f"sft ({recipe.settings.preset or 'own data'}, train_on {train_on}" + \
-            (", packed)" if recipe.settings.pack else ")")
+        return f"sft ({recipe.settings.preset or 'own data'}, train_on {train_on}" + (
+            ", packed)" if recipe.settings.pack else ")"
+        )
 
     def hints(self, run_dir) -> list[str]:
-        return [f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 50",
-                f"chat with it: tfcli chat --checkpoint {run_dir}",
-                f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf"]
+        return [
+            f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 50",
+            f"chat with it: tfcli chat --checkpoint {run_dir}",
+            f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
+        ]
 
 
 REPORT_FLOOR = 32  # the fewest held-out examples a proportionate final report scores
@@ -254,8 +347,14 @@ def read_splits(recipe, spec: TextSpec, build, data: Optional[str], need_train: 
     d, ft = recipe.data, recipe.finetune
     held_out_file = data if data and not need_train and Path(data).is_file() else ""
     with phase(f"reading {spec.name} data"):
-        raw = raw_splits(spec, data or d.source, held_out_file or ("" if data else d.val_source), d.val_fraction,
-                         recipe.train.seed, need_train)
+        raw = raw_splits(
+            spec,
+            data or d.source,
+            held_out_file or ("" if data else d.val_source),
+            d.val_fraction,
+            recipe.train.seed,
+            need_train,
+        )
     out = {}
     for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
         rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
@@ -291,8 +390,10 @@ def summary_line(label: str, count: int, noun: str, skipped, where: str) -> str:
 
 def summary(split: str, examples: Examples, where: str) -> str:
     share = examples.trained_tokens / max(1, examples.tokens)
-    return (summary_line(f"sft {split}", len(examples.examples), "examples", examples.skipped, where) +
-            f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)")
+    return (
+        summary_line(f"sft {split}", len(examples.examples), "examples", examples.skipped, where)
+        + f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)"
+    )
 
 
 def preview(tok, example, colour: Optional[bool] = None) -> Text:
@@ -314,17 +415,32 @@ def preview(tok, example, colour: Optional[bool] = None) -> Text:
         runs = [(example.source.tolist(), 0), (example.target.tolist(), 1)]
     for ids, trained in runs:
         piece = tok.decode(ids, skip_special_tokens=False)
-        text.append((f"{marks[0]}{piece}{marks[1]}" if trained else piece) + ("" if hasattr(example, "trained") else "\n"),
-                    style="bold green" if trained else "dim")
+        text.append(
+            (f"{marks[0]}{piece}{marks[1]}" if trained else piece) + ("" if hasattr(example, "trained") else "\n"),
+            style="bold green" if trained else "dim",
+        )
     return text
 
 
 def results_table(results: dict[str, dict]) -> Table:
-    table = Table("split", "reply loss", "ppl", "scored", "generated", "metric", "replies right", title="sft evaluation")
+    table = Table(
+        "split", "reply loss", "ppl", "scored", "generated", "metric", "replies right", title="sft evaluation"
+    )
     for split, r in results.items():
         key = answers.SCORE_NAMES.get(r.get("metric", ""), "")
-        acc = f"{100 * r[key]:.2f}%" + (f" (strict {100 * r['strict_exact_match']:.2f}%)" if "strict_exact_match" in r
-                                         else "") if key in r else "-"
-        table.add_row(split, f"{r.get('loss', float('nan')):.4f}", f"{r.get('ppl', float('nan')):.2f}", str(r["n"]),
-                      str(r["generated"]), r.get("metric", "-"), acc)
+        acc = (
+            f"{100 * r[key]:.2f}%"
+            + (f" (strict {100 * r['strict_exact_match']:.2f}%)" if "strict_exact_match" in r else "")
+            if key in r
+            else "-"
+        )
+        table.add_row(
+            split,
+            f"{r.get('loss', float('nan')):.4f}",
+            f"{r.get('ppl', float('nan')):.2f}",
+            str(r["n"]),
+            str(r["generated"]),
+            r.get("metric", "-"),
+            acc,
+        )
     return table

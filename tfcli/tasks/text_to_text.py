@@ -7,6 +7,7 @@ word as the next tokens. Prediction is never free-running decoding: the model sc
 word (the sum of its tokens' log-probabilities) and the highest wins. k-shot prompting scores an
 un-finetuned checkpoint the same way, with k solved training examples before the question.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,14 +16,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from ..models import kinds
 from ..data import IGNORE
 from ..engine.perf import training_flops_multiplier
+from ..errors import UserError
+from ..models import kinds
 from ..objectives.losses import next_token_loss, seq2seq_loss, shift_right
 from ..plugin import Batch
-from .classification import Head
 from . import prompts
+from .classification import Head
 from .heads import ExampleSource
 
 T5_PROMPT_TOKENS = 1024  # T5's encoder has no position table; k-shot prompts may be this long
@@ -70,16 +71,25 @@ class Seq2SeqReader:
 
     def batch(self, prompt_ids: list[list[int]], labels: list[int]) -> Batch:
         targets = _pad([self.answers[y] for y in labels], IGNORE)
-        return {"input_ids": _pad(prompt_ids, self.pad), "attention_mask": _mask(prompt_ids),
-                "labels": targets, "decoder_input_ids": shift_right(targets, self.pad)}
+        return {
+            "input_ids": _pad(prompt_ids, self.pad),
+            "attention_mask": _mask(prompt_ids),
+            "labels": targets,
+            "decoder_input_ids": shift_right(targets, self.pad),
+        }
 
     def scores(self, model: nn.Module, prompt_ids: list[list[int]]) -> Tensor:
         """(N, n_labels) log p(answer | prompt)."""
         dev = _device(model)
         ids, mask = _pad(prompt_ids, self.pad).to(dev), _mask(prompt_ids).to(dev)
         encoded = model.encode(ids, mask)  # (N, S, D), once for every label
-        return torch.stack([target_log_probs(model, encoded, mask, _pad([a] * len(prompt_ids), IGNORE).to(dev), self.pad)
-                            for a in self.answers], dim=1)
+        return torch.stack(
+            [
+                target_log_probs(model, encoded, mask, _pad([a] * len(prompt_ids), IGNORE).to(dev), self.pad)
+                for a in self.answers
+            ],
+            dim=1,
+        )
 
 
 class DecoderReader:
@@ -93,7 +103,7 @@ class DecoderReader:
         self.answers = []
         for w in label_words:  # the word as the tokenizer splits it right after "answer:"
             full = tokenizer.encode(f"answer: {w}")
-            self.answers.append(full[len(probe):] if full[: len(probe)] == probe else tokenizer.encode(f" {w}"))
+            self.answers.append(full[len(probe) :] if full[: len(probe)] == probe else tokenizer.encode(f" {w}"))
         self.fill = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
     def query(self, text: str) -> list[int]:
@@ -123,13 +133,21 @@ class DecoderReader:
                 rest = torch.tensor(answer[:-1], device=dev).expand(len(prompt_ids), -1)  # (N, A-1)
                 key_mask = torch.cat([mask, mask.new_ones(len(prompt_ids), len(answer) - 1)], dim=1)
                 logp = model.logits(model(rest, caches, key_mask=key_mask)).float().log_softmax(-1)  # (N, A-1, V)
-                total = total + logp.gather(-1, torch.tensor(answer[1:], device=dev).expand(len(prompt_ids), -1)[..., None]).squeeze(-1).sum(-1)
+                total = total + logp.gather(
+                    -1, torch.tensor(answer[1:], device=dev).expand(len(prompt_ids), -1)[..., None]
+                ).squeeze(-1).sum(-1)
             out.append(total)
         return torch.stack(out, dim=1)
 
 
-def target_log_probs(model: nn.Module, encoded: Tensor, encoder_mask: Optional[Tensor], targets: Tensor,
-                     start_id: int, ignore_id: int = IGNORE) -> Tensor:
+def target_log_probs(
+    model: nn.Module,
+    encoded: Tensor,
+    encoder_mask: Optional[Tensor],
+    targets: Tensor,
+    start_id: int,
+    ignore_id: int = IGNORE,
+) -> Tensor:
     """Sum of log p(target token) over each row's target: targets (B, T) with ignore_id padding -> (B,).
     Teacher-forced: the decoder input is the target shifted right behind the start token."""
     dec = shift_right(targets, start_id)
@@ -162,13 +180,25 @@ class TextHead(Head):
 
     item_name = "tok"
 
-    def __init__(self, model: nn.Module, tokenizer, task: str, fields: tuple[str, ...],
-                 labels: tuple[str, ...], max_length: int, cue: bool, demos: list[str] = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        task: str,
+        fields: tuple[str, ...],
+        labels: tuple[str, ...],
+        max_length: int,
+        cue: bool,
+        demos: list[str] = (),
+    ):
         self.task, self.fields, self.cue, self.demos = task, fields, cue, list(demos)
         self.seq2seq = kinds.is_seq2seq(model)
         self.reader = READERS[model.kind](tokenizer, labels)
-        self.budget = max_length if self.seq2seq else \
-            min(max_length, model.cfg.max_seq_len - max(len(a) for a in self.reader.answers))
+        self.budget = (
+            max_length
+            if self.seq2seq
+            else min(max_length, model.cfg.max_seq_len - max(len(a) for a in self.reader.answers))
+        )
         self.heads = nn.ModuleDict()
         self.loss = self.reader.loss
         self.shots_used: list[int] = []
@@ -189,9 +219,11 @@ class TextHead(Head):
         """k-shot scoring where no demonstration fits beside any question would be zero-shot scoring
         reported as k-shot: one line with the sizes instead."""
         demo = int(np.mean([len(self.reader.tok.encode(d + "\n")) for d in self.demos]))
-        raise UserError(f"--few-shot {len(self.demos)}: no solved example fits beside the questions in this model's "
-                        f"{self.budget}-token prompt (a question takes {min(questions)}-{max(questions)} tokens, "
-                        f"an example about {demo}); use --few-shot 0, or a model with a longer context")
+        raise UserError(
+            f"--few-shot {len(self.demos)}: no solved example fits beside the questions in this model's "
+            f"{self.budget}-token prompt (a question takes {min(questions)}-{max(questions)} tokens, "
+            f"an example about {demo}); use --few-shot 0, or a model with a longer context"
+        )
 
     def fit(self, texts: tuple[str, ...], budget: int) -> list[int]:
         make = prompts.question if self.cue else prompts.input_text
@@ -199,13 +231,16 @@ class TextHead(Head):
 
     def source(self, rows: list, train: bool) -> ExampleSource:
         examples = [(self.prompt(texts), y) for texts, y in rows]
-        if self.demos and rows and not any(self.shots_used[-len(rows):]):
+        if self.demos and rows and not any(self.shots_used[-len(rows) :]):
             self.no_shot_fits([len(p) for p, _ in examples])
         lengths = np.array([len(p) for p, _ in examples])
         if train:
-            return ExampleSource(examples, lambda ex: self.reader.batch([p for p, _ in ex], [y for _, y in ex]), lengths)
-        return ExampleSource(examples, lambda ex: {"prompts": [p for p, _ in ex],
-                                                   "labels": torch.tensor([y for _, y in ex])})
+            return ExampleSource(
+                examples, lambda ex: self.reader.batch([p for p, _ in ex], [y for _, y in ex]), lengths
+            )
+        return ExampleSource(
+            examples, lambda ex: {"prompts": [p for p, _ in ex], "labels": torch.tensor([y for _, y in ex])}
+        )
 
     def scores(self, model: nn.Module, heads: nn.ModuleDict, batch: Batch) -> Tensor:
         return self.reader.scores(model, batch["prompts"])
