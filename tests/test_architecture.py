@@ -199,6 +199,7 @@ ROOMS = {  # room -> the rooms and root modules it must not import (each rule a 
     "tasks": ("tfcli.commands", "tfcli.driver", "tfcli.cli"),
     "objectives": ("tfcli.tasks", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
     "hf": ("tfcli.tasks", "tfcli.objectives", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
+    "bench": ("tfcli.tasks", "tfcli.commands", "tfcli.driver", "tfcli.cli"),
 }
 
 

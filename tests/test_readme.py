@@ -154,6 +154,22 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
                 for r in sums
             )
         )
+    (root / "piqa").mkdir()  # benchmarks: PIQA's and MMLU's own file layouts, a few rows each
+    (root / "piqa" / "valid.jsonl").write_text(
+        "".join(
+            json.dumps({"goal": f"To add {a} and {b},", "sol1": "count on.", "sol2": "count back."}) + "\n"
+            for a, b, _ in rows
+        )
+    )
+    (root / "piqa" / "valid-labels.lst").write_text("0\n" * len(rows))
+    from tfcli.bench.spec import load as load_benchmark
+
+    for split in ("dev", "test"):
+        (root / "mmlu" / split).mkdir(parents=True)
+        for subject in load_benchmark("mmlu").subjects:
+            (root / "mmlu" / split / f"{subject}_{split}.csv").write_text(
+                "".join(f"What is {i} plus one?,{i + 1},{i},{i + 2},{i + 3},A\n" for i in range(5))
+            )
     (root / "other.txt").write_text((shared_data / "text" / "tinyshakespeare.txt").read_text()[:20_000])
     (root / "my_texts").mkdir()
     (root / "my_texts" / "a.txt").write_text((shared_data / "text" / "war_and_peace.txt").read_text()[:60_000])

@@ -44,10 +44,44 @@ def eval_(
     reference: Optional[str] = typer.Option(
         None, help="dpo: the model rewards are measured against [default: the run's reference]."
     ),
+    batch_size: int = typer.Option(16, help="Benchmarks: rows scored at once."),
 ):
-    """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, or a task's report."""
+    """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, a task's
+    report, or standard benchmarks scored as lm-evaluation-harness scores them (tfcli eval piqa,mmlu)."""
+    from ..bench.spec import is_benchmark
     from ..driver import evaluate
     from ..plugin import EvalOptions
+
+    if task is not None and not is_benchmark(task) and task not in registry.OBJECTIVES:
+        from ..tasks.presets import PRESETS
+
+        if task not in registry.TASKS and task not in PRESETS:
+            raise UserError(
+                f"unknown task or benchmark {task!r} (tasks: {', '.join(sorted([*registry.TASKS, *PRESETS]))};"
+                f" benchmarks: piqa, mmlu, mmlu_cloze, mmlu_<subject>, or a benchmark .yaml file)"
+            )
+    if task is not None and is_benchmark(task):
+        from ..bench.run import BenchRequest, run
+        from ..engine.runtime import pick_device
+
+        check_device(device)
+        if batch_size < 1 or limit < 0:
+            raise UserError("--batch-size must be >= 1 and --limit >= 0")
+        names = [n.strip() for n in task.split(",") if n.strip()]
+        run(
+            BenchRequest(
+                names,
+                newest(checkpoint),
+                data,
+                max(few_shot, 0),
+                limit,
+                batch_size,
+                out,
+                str(pick_device(device or "auto")),
+                quiet,
+            )
+        )
+        return
 
     if (premise is None) != (hypothesis is None):
         raise UserError("give both --premise and --hypothesis, or neither")

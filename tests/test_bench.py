@@ -1,0 +1,161 @@
+"""Benchmarks scored by log-likelihood (tfcli/bench): each choice's log-likelihood equals a direct
+transformers computation on the same weights and ids; the metrics and the results layout are
+lm-evaluation-harness's; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tfcli.bench import loglik, report, spec
+from tfcli.data.tokenizers import load_tokenizer_files
+from tfcli.engine.backbone import for_inference
+
+from .conftest import invoke
+from .test_llama import spread_
+
+transformers = pytest.importorskip("transformers")
+
+PIQA_ROWS = [
+    ({"goal": "How do I dry wet shoes?", "sol1": "Stuff them with newspaper.", "sol2": "Put them in the freezer."}, 0),
+    ({"goal": "Keep bread fresh", "sol1": "leave it in the sun", "sol2": "wrap it in a cloth bag"}, 1),
+    ({"goal": "To open a jar,", "sol1": "run the lid under hot water.", "sol2": "put it in the fridge."}, 0),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "llama"
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    spread_(model)
+    model.save_pretrained(path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def piqa_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("piqa")
+    (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r, _ in PIQA_ROWS))
+    (root / "valid-labels.lst").write_text("".join(f"{y}\n" for _, y in PIQA_ROWS))
+    return root
+
+
+def test_each_choices_loglikelihood_equals_transformers_on_the_same_ids(hf_llama, piqa_dir):
+    bench = spec.load("piqa")
+    questions = spec.questions(bench, piqa_dir, 0)
+    backbone = for_inference(hf_llama)
+    requests = loglik.requests(backbone.tokenizer, questions, bench.target_delimiter)
+    ours = loglik.score(backbone.model, requests, pad=0, batch_size=1)
+    theirs_model = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    assert len(ours) == 6
+    for r, s in zip(requests, ours):
+        ids = torch.tensor([r.context + r.continuation])
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs_model(ids).logits[0, :-1].float(), dim=-1)
+        n = len(r.continuation)
+        targets = ids[0, -n:]
+        expected = float(logp[-n:].gather(1, targets[:, None]).sum())
+        assert s.loglikelihood == pytest.approx(expected, abs=1e-5)
+        assert s.greedy == bool((logp[-n:].argmax(-1) == targets).all())
+    batched = loglik.score(backbone.model, requests, pad=0, batch_size=4)  # right-padded rows of other lengths
+    assert [b.loglikelihood for b in batched] == pytest.approx([s.loglikelihood for s in ours], rel=1e-6)
+
+
+def test_encoding_moves_the_contexts_trailing_space_to_the_continuation(hf_llama):
+    tok = for_inference(hf_llama).tokenizer
+    context, continuation = loglik.encode_pair(tok, "Answer: ", "yes")
+    assert context == tok.encode("Answer:") and continuation == tok.encode("Answer: yes")[len(context) :]
+
+
+def test_metrics_are_lm_evaluation_harness_s():
+    questions = [spec.Question("q", ["a", "bbbb"], 1), spec.Question("q", ["aa", "b"], 0)]
+    scores = [
+        loglik.Score(0, 0, -1.0, False),
+        loglik.Score(0, 1, -2.0, False),  # acc wrong, acc_norm right
+        loglik.Score(1, 0, -1.0, True),
+        loglik.Score(1, 1, -3.0, False),
+    ]
+    rows = report.per_question(questions, scores)
+    assert [r["acc"] for r in rows] == [0.0, 1.0] and [r["acc_norm"] for r in rows] == [1.0, 1.0]
+    m = report.metrics(rows)
+    assert m["acc,none"] == 0.5 and m["acc_norm,none"] == 1.0
+    assert m["acc_stderr,none"] == pytest.approx(0.5)  # sample std (n-1) 0.7071 / sqrt(2)
+
+
+def test_eval_piqa_writes_lm_eval_results_and_mmlu_groups_subjects(hf_llama, piqa_dir, tmp_path):
+    out = tmp_path / "piqa.json"
+    result = invoke("eval", "piqa", "--checkpoint", hf_llama, "--data", piqa_dir, "--out", out)
+    assert result.exit_code == 0, result.output
+    piqa = json.loads(out.read_text())["results"]["piqa"]
+    assert {"acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"} <= set(piqa)
+    mmlu = tmp_path / "mmlu"
+    for split in ("dev", "test"):
+        (mmlu / split).mkdir(parents=True)
+        for subject in ("anatomy", "virology"):
+            rows = [f"What is {i} plus one?,{i + 1},{i},{i + 2},{i + 3},A\n" for i in range(6)]
+            (mmlu / split / f"{subject}_{split}.csv").write_text("".join(rows))
+    bench = spec.load("mmlu")
+    part = {p.name: p for p in bench.parts}
+    rows = {
+        name: report.per_question(
+            spec.questions(part[name], mmlu, 2),
+            [loglik.Score(q, c, -float(c), False) for q in range(6) for c in range(4)],
+        )
+        for name in ("mmlu_anatomy", "mmlu_virology")
+    }
+    results = report.grouped("mmlu", rows, {"mmlu_anatomy": "stem", "mmlu_virology": "other"})
+    assert results["mmlu"]["acc,none"] == 1.0 and set(results) == {
+        "mmlu",
+        "mmlu_stem",
+        "mmlu_other",
+        "mmlu_anatomy",
+        "mmlu_virology",
+    }
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval", "piqa,nope_bench"], "unknown benchmark"),
+        (["eval", "mmlu_nosuchsubject"], "mmlu has no subject 'nosuchsubject'"),
+        (["eval", "piqa", "--few-shot", "3"], "train.jsonl is missing (the train split"),
+        (["eval", "hellaswag"], "unknown task or benchmark 'hellaswag'"),
+        (["eval", "piqa", "--data", "missing-dir"], "--data missing-dir: not a directory"),
+    ],
+)
+def test_bad_benchmark_input_is_one_line(args, message, hf_llama, piqa_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if "--data" not in args:
+        args = [*args, "--data", str(piqa_dir)]
+    result = invoke(*args, "--checkpoint", hf_llama)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_encoder_is_refused_in_one_line(piqa_dir, tmp_path):
+    bert = tmp_path / "bert"
+    transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    ).save_pretrained(bert)
+    tok = load_tokenizer_files("builtin:bert-base-uncased", [])
+    tok.tok.save(str(bert / "tokenizer.json"))
+    result = invoke("eval", "piqa", "--checkpoint", bert, "--data", piqa_dir, "--out", tmp_path / "x.json")
+    assert result.exit_code == 2 and "needs a decoder or an encoder-decoder" in result.output, result.output
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,122 @@
+"""`tfcli eval piqa,mmlu --checkpoint M`: every named benchmark scored on one model, printed as a
+table and written as JSON in lm-evaluation-harness's layout (results, n-samples, config), so tools that
+read its output read tfcli's."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..display import console, phase
+from ..errors import UserError
+from ..models import kinds
+from . import loglik, report, spec
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    names: list[str]
+    checkpoint: Path
+    data: Optional[str] = None
+    few_shot: int = 0
+    limit: int = 0
+    batch_size: int = 16
+    out: Optional[Path] = None
+    device: str = "cpu"
+    quiet: bool = False
+
+
+def run(req: BenchRequest) -> dict:
+    """Check every benchmark's files and sizes first, then score; nothing is written on an error."""
+    from ..engine.backbone import for_inference
+
+    benches = [spec.load(n) for n in req.names]
+    jobs = [
+        (b, [(part, spec.questions(part, spec.data_root(b, req.data), req.few_shot, req.limit)) for part in b.parts])
+        for b in benches
+    ]
+    backbone = for_inference(req.checkpoint, device=req.device)
+    model, tok = backbone.model, backbone.tokenizer
+    if model.kind not in kinds.GENERATIVE:
+        raise UserError(
+            f"{req.checkpoint} holds a {model.kind} ({backbone.family}); benchmarks score the "
+            f"log-likelihood of each choice, which needs a decoder or an encoder-decoder"
+        )
+    pad = type(model).pad_id(tok)
+    scored = []
+    for bench, parts in jobs:
+        part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs in parts]
+        _check_fits(bench, part_requests, model)
+        scored.append((bench, part_requests))
+    results, samples, started = {}, {}, time.time()
+    for bench, part_requests in scored:
+        total = sum(len(q) for _, q, _ in part_requests)
+        rows = {}
+        with phase(f"{bench.name}: scoring", total=total, unit="questions") as advance:
+            for part, qs, reqs in part_requests:
+                per_choice = len(reqs) / max(len(qs), 1)
+                scores = loglik.score(model, reqs, pad, req.batch_size, lambda n: advance(n / per_choice))
+                rows[part.name] = report.per_question(qs, scores)
+                samples[part.name] = len(qs)
+        if bench.subjects and not bench.subject:
+            categories = {f"{bench.name}_{s}": c for s, c in bench.subjects.items()}
+            results.update(report.grouped(bench.name, rows, categories))
+        else:
+            results[bench.name] = {"alias": bench.name, **report.metrics(rows[bench.name])}
+    payload = {
+        "results": results,
+        "n-samples": samples,
+        "config": {
+            "model": str(req.checkpoint),
+            "num_fewshot": req.few_shot,
+            "limit": req.limit or None,
+            "batch_size": req.batch_size,
+            "device": req.device,
+            "seconds": round(time.time() - started, 1),
+        },
+    }
+    out = req.out or _default_out(req)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    if not req.quiet:
+        show(results, req.names)
+        console.print(f"wrote {out}")
+    return payload
+
+
+def _check_fits(bench, part_requests, model) -> None:
+    limit = getattr(model.cfg, "max_seq_len", 0)
+    longest = max((len(r.context) + len(r.continuation) for _, _, reqs in part_requests for r in reqs), default=0)
+    if limit and longest > limit + 1:
+        raise UserError(
+            f"{bench.name}: a question of {longest} tokens does not fit the model's {limit} positions "
+            f"(fewer --few-shot, or a model with a longer context)"
+        )
+
+
+def _default_out(req: BenchRequest) -> Path:
+    from ..engine.backbone import is_run
+    from ..engine.checkpoint import run_dir_of
+
+    name = f"eval-{'-'.join(Path(n).stem for n in req.names)}{f'-{req.few_shot}shot' if req.few_shot else ''}.json"
+    return run_dir_of(Path(req.checkpoint)) / name if is_run(Path(req.checkpoint)) else Path(name)
+
+
+def show(results: dict, names: list[str]) -> None:
+    from rich.table import Table
+
+    table = Table("benchmark", "acc", "±", "acc_norm", "±")
+    for name, r in results.items():
+        if r["alias"].startswith("  - ") and len(results) > 12:
+            continue  # subjects of a whole benchmark: in the JSON, not on the screen
+        table.add_row(
+            r["alias"],
+            f"{100 * r['acc,none']:.2f}",
+            f"{100 * r['acc_stderr,none']:.2f}",
+            f"{100 * r['acc_norm,none']:.2f}",
+            f"{100 * r['acc_norm_stderr,none']:.2f}",
+        )
+    console.print(table)

@@ -1,0 +1,237 @@
+"""A benchmark as data: a YAML file names its files, how a row becomes a context and its choices, the
+answer, the few-shot split and its delimiters (lm-evaluation-harness's task fields: doc_to_text,
+doc_to_choice, doc_to_target, target_delimiter, fewshot_delimiter, description). Templates are
+rendered in jinja2's immutable sandbox: a benchmark file is data, never code.
+
+Shipped: piqa, mmlu (the letter form, as lm-evaluation-harness's `mmlu`), mmlu_cloze (each choice's
+text scored, as lighteval's MMLU), and mmlu_<subject> / mmlu_cloze_<subject> for one subject. A user's
+own benchmark is a YAML file beside a JSONL or CSV of rows (`tfcli eval my_bench.yaml`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from ..errors import UserError
+
+SHIPPED_DIR = Path(__file__).parent / "tasks"
+FIELDS = {
+    "name",
+    "data",
+    "files",
+    "format",
+    "columns",
+    "split",
+    "fewshot_split",
+    "context",
+    "choices",
+    "answer",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "description",
+    "subjects",
+    "labels",
+}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark (or one subject of a benchmark with subjects, e.g. mmlu_anatomy)."""
+
+    name: str
+    files: dict[str, str]  # split -> file under the data directory; {subject} is filled in
+    context: str  # jinja2: a row -> the question's text (lm-evaluation-harness's doc_to_text)
+    choices: list[str]  # jinja2 each: a row -> the choices' texts (doc_to_choice)
+    answer: str  # jinja2: a row -> the correct choice, as its index or its text (doc_to_target)
+    split: str = "test"  # the split scored
+    fewshot_split: str = ""  # where --few-shot K takes its K solved examples (the first K rows)
+    format: str = "jsonl"  # jsonl | csv (csv: `columns` names the columns of a file without a header)
+    columns: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # split -> a file of one label per row (PIQA)
+    target_delimiter: str = " "  # between the context and a choice
+    fewshot_delimiter: str = "\n\n"  # between the solved examples
+    description: str = ""  # jinja2: a header before the examples, e.g. MMLU's subject line
+    data: str = ""  # where the files are when --data is not given (a directory)
+    subjects: dict[str, str] = field(default_factory=dict)  # subject -> category (a benchmark with subjects)
+    subject: str = ""  # set on one subject's Benchmark
+
+    @property
+    def parts(self) -> list["Benchmark"]:
+        """The subjects as Benchmarks of their own (a benchmark without subjects is its one part)."""
+        if not self.subjects or self.subject:
+            return [self]
+        return [replace(self, name=f"{self.name}_{s}", subject=s) for s in self.subjects]
+
+    def path(self, root: Path, split: str) -> Path:
+        return root / self.files[split].format(subject=self.subject)
+
+
+def shipped() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+
+
+def is_benchmark(name: str) -> bool:
+    """Whether `tfcli eval NAME` names benchmarks (piqa, mmlu, mmlu_anatomy, a .yaml, or a list with one of
+    them) rather than a task: a list that names any benchmark is read as benchmarks, and an unknown
+    name in it is then one line listing the benchmarks."""
+    names = shipped()
+    parts = [p.strip() for p in name.split(",") if p.strip()]
+    return any(p.endswith((".yaml", ".yml")) or p in names or any(p.startswith(s + "_") for s in names) for p in parts)
+
+
+def _known(names: list[str], most: int = 12) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def load(name: str) -> Benchmark:
+    """A shipped benchmark, one subject of one (mmlu_anatomy), or a user's YAML file."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+        if not path.is_file():
+            raise UserError(f"{name}: no such benchmark file")
+        return _from_yaml(path)
+    if (SHIPPED_DIR / f"{name}.yaml").is_file():
+        return _from_yaml(SHIPPED_DIR / f"{name}.yaml")
+    for parent in sorted(shipped(), key=len, reverse=True):  # mmlu_cloze_anatomy before mmlu_...
+        if name.startswith(parent + "_"):
+            bench, subject = _from_yaml(SHIPPED_DIR / f"{parent}.yaml"), name[len(parent) + 1 :]
+            if subject in bench.subjects:
+                return replace(bench, name=name, subject=subject)
+            raise UserError(f"{parent} has no subject {subject!r} (it has {_known(sorted(bench.subjects))})")
+    raise UserError(f"unknown benchmark {name!r} (shipped: {_known(shipped())}; or a .yaml file of your own)")
+
+
+def _from_yaml(path: Path) -> Benchmark:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a benchmark file is a mapping of fields ({', '.join(sorted(FIELDS))})")
+    unknown = sorted(set(raw) - FIELDS)
+    if unknown:
+        raise UserError(f"{path}: unknown field {unknown[0]!r} (allowed: {', '.join(sorted(FIELDS))})")
+    missing = [k for k in ("files", "context", "choices", "answer") if k not in raw]
+    if missing:
+        raise UserError(f"{path}: {missing[0]} is missing (a benchmark names its files, context, choices and answer)")
+    raw.setdefault("name", path.stem)
+    if raw.get("data", "") and not Path(raw["data"]).is_absolute():
+        raw["data"] = str((path.parent / raw["data"]).resolve())
+    bench = Benchmark(**raw)
+    if bench.split not in bench.files:
+        raise UserError(f"{path}: split {bench.split!r} is not among its files ({', '.join(bench.files)})")
+    return bench
+
+
+@dataclass(frozen=True)
+class Question:
+    """One row as the scorer sees it: the context (few-shot examples and description included), the
+    choices' texts, the correct one's index."""
+
+    context: str
+    choices: list[str]
+    gold: int
+
+
+def _environment():
+    import jinja2.sandbox
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+
+
+def read_rows(bench: Benchmark, root: Path, split: str) -> list[dict]:
+    """The rows of one split: JSON Lines or CSV, with a labels file joined in where it has one."""
+    path = bench.path(root, split)
+    if not path.is_file():
+        raise UserError(f"{bench.name}: {path} is missing (the {split} split: {bench.files[split]} under --data)")
+    if bench.format == "csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [dict(zip(bench.columns, line)) for line in csv.reader(f) if line]
+    else:
+        try:
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not JSON Lines ({e})") from None
+    if split in bench.labels:
+        labels = (root / bench.labels[split]).read_text().split()
+        if len(labels) != len(rows):
+            raise UserError(f"{bench.name}: {len(rows)} rows but {len(labels)} labels in {bench.labels[split]}")
+        rows = [{**row, "label": label} for row, label in zip(rows, labels)]
+    return rows
+
+
+class Renderer:
+    """A benchmark's templates compiled once; a row -> its context, choices and answer."""
+
+    def __init__(self, bench: Benchmark):
+        import jinja2
+
+        env = _environment()
+        try:
+            self.context = env.from_string(bench.context)
+            self.choices = [env.from_string(c) for c in bench.choices]
+            self.answer = env.from_string(bench.answer)
+            self.description = env.from_string(bench.description)
+        except jinja2.TemplateError as e:
+            raise UserError(f"{bench.name}: a template does not parse ({e})") from None
+        self.bench = bench
+        self.subject_name = bench.subject.replace("_", " ")
+
+    def _render(self, template, row: dict) -> str:
+        import jinja2
+
+        try:
+            return template.render(**row, subject=self.subject_name)
+        except jinja2.TemplateError as e:
+            raise UserError(f"{self.bench.name}: {e} (the row has {', '.join(row)})") from None
+
+    def question(self, row: dict) -> tuple[str, list[str], int]:
+        choices = [self._render(c, row) for c in self.choices]
+        answer = self._render(self.answer, row).strip()
+        gold = int(answer) if answer.isdigit() else choices.index(answer) if answer in choices else -1
+        if not 0 <= gold < len(choices):
+            raise UserError(f"{self.bench.name}: answer {answer!r} is neither a choice's index nor one of {choices}")
+        return self._render(self.context, row), choices, gold
+
+    def header(self) -> str:
+        return self._render(self.description, {})
+
+
+def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> list[Question]:
+    """The scored split's questions, each with the description and the first `few_shot` solved rows of
+    the few-shot split before it (lm-evaluation-harness's first_n sampler)."""
+    render = Renderer(bench)
+    rows = read_rows(bench, root, bench.split)
+    rows = rows[:limit] if limit else rows
+    shots = ""
+    if few_shot > 0:
+        if not bench.fewshot_split or bench.fewshot_split not in bench.files:
+            raise UserError(f"{bench.name} has no few-shot split; score it 0-shot")
+        solved = read_rows(bench, root, bench.fewshot_split)
+        if few_shot > len(solved):
+            raise UserError(f"--few-shot {few_shot}: {bench.name}'s few-shot split has {len(solved)} rows")
+        for row in solved[:few_shot]:
+            context, choices, gold = render.question(row)
+            shots += context + bench.target_delimiter + choices[gold] + bench.fewshot_delimiter
+    header = render.header()
+    out = []
+    for row in rows:
+        context, choices, gold = render.question(row)
+        out.append(Question(header + shots + context, choices, gold))
+    return out
+
+
+def data_root(bench: Benchmark, data: Optional[str]) -> Path:
+    where = data or bench.data
+    if not where:
+        raise UserError(f"{bench.name}: give --data, the directory holding {', '.join(bench.files.values())}")
+    root = Path(where)
+    if not root.is_dir():
+        raise UserError(f"--data {where}: not a directory (a benchmark's data is a directory of its files)")
+    return root
