@@ -76,6 +76,23 @@ def test_each_choices_loglikelihood_equals_transformers_on_the_same_ids(hf_llama
     assert [b.loglikelihood for b in batched] == pytest.approx([s.loglikelihood for s in ours], rel=1e-6)
 
 
+def test_one_token_choices_read_from_one_context_row_equal_transformers(hf_llama):
+    """MMLU's letters: the context runs once and each choice is read from its last position."""
+    backbone = for_inference(hf_llama)
+    questions = [
+        spec.Question(f"Q{i}: which is right?\nA. x\nB. y\nAnswer:", ["A", "B", "C", "D"], 1) for i in range(5)
+    ]
+    requests = loglik.requests(backbone.tokenizer, questions, " ")
+    assert all(len(r.continuation) == 1 for r in requests) and len(loglik._rows(requests)) == 5
+    ours = loglik.score(backbone.model, requests, pad=0, batch_size=2)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    for r, s in zip(requests, ours):
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(torch.tensor([r.context])).logits[0, -1].float(), dim=-1)
+        assert s.loglikelihood == pytest.approx(float(logp[r.continuation[0]]), abs=1e-5)
+        assert s.greedy == (int(logp.argmax()) == r.continuation[0])
+
+
 def test_encoding_moves_the_contexts_trailing_space_to_the_continuation(hf_llama):
     tok = for_inference(hf_llama).tokenizer
     context, continuation = loglik.encode_pair(tok, "Answer: ", "yes")

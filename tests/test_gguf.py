@@ -167,6 +167,16 @@ def test_the_cli_exports_generates_from_and_finetunes_a_gguf(tmp_path, small_tex
     assert generated.exit_code == 0 and generated.output.startswith("The"), generated.output
     again = invoke("export", "--checkpoint", run, "--gguf", out)
     assert again.exit_code == 2 and "exists" in again.output
+    hf = tmp_path / "from-gguf"  # a GGUF exports as what --checkpoint reads elsewhere: a transformers directory
+    result = invoke("export", "--checkpoint", out, "--hf", hf)
+    assert result.exit_code == 0 and (hf / "model.safetensors").is_file(), result.output
+    import transformers
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits
+        ours = for_inference(out).model
+        assert torch.allclose(ours.logits(ours(ids)), theirs, atol=1e-4)
     result = invoke(
         "finetune",
         "mnli",

@@ -60,25 +60,34 @@ def requests(tokenizer, questions, delimiter: str) -> list[Request]:
     return out
 
 
-def _decoder_batch(model, batch: list[Request], pad: int, device) -> list[tuple[float, bool]]:
-    """Right-padded rows of context + continuation; each row's continuation positions scored."""
+def _decoder_batch(model, batch: list[list[Request]], pad: int, device) -> list[list[tuple[float, bool]]]:
+    """Right-padded rows of context + continuation (a shared row: the context, and its choices' one
+    token each read from the last position); each row's continuation positions scored."""
     limit = model.cfg.max_seq_len
-    rows = [(r.context + r.continuation)[-(limit + 1) :][:-1] for r in batch]  # the inputs: all but the last token
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
+    texts = [(row[0].context + (row[0].continuation if len(row) == 1 else []))[-(limit + 1) :] for row in batch]
+    inputs = [
+        t[:-1] if len(row) == 1 else t[-limit:] for t, row in zip(texts, batch)
+    ]  # a shared row scores after its end
+    width = max(len(x) for x in inputs)
+    ids = torch.full((len(inputs), width), pad, dtype=torch.long)
+    for i, x in enumerate(inputs):
+        ids[i, : len(x)] = torch.tensor(x)
     hidden = model(ids.to(device))  # (B, T, D); right padding: causal attention never reads it
     out = []
-    for i, (row, r) in enumerate(zip(rows, batch)):
-        n = len(r.continuation)
-        scored = hidden[i, len(row) - n : len(row)]  # (n, D): the positions that predict the continuation
-        out.append(_score(model.logits(scored[None])[0], r.continuation, device))
+    for i, (x, row) in enumerate(zip(inputs, batch)):
+        if len(row) == 1:
+            n = len(row[0].continuation)
+            logits = model.logits(hidden[i : i + 1, len(x) - n : len(x)])[0]  # (n, V): the positions predicting it
+            out.append([_score(logits, row[0].continuation, device)])
+        else:
+            logits = model.logits(hidden[i : i + 1, len(x) - 1 : len(x)])[0]  # (1, V): the next token's distribution
+            out.append([_score(logits, r.continuation, device) for r in row])
     return out
 
 
-def _seq2seq_batch(model, batch: list[Request], pad: int, device) -> list[tuple[float, bool]]:
+def _seq2seq_batch(model, rows: list[list[Request]], pad: int, device) -> list[list[tuple[float, bool]]]:
     """The context to the encoder, the continuation as the decoder's target (teacher forcing)."""
+    batch = [row[0] for row in rows]
     enc_width, dec_width = max(len(r.context) for r in batch), max(len(r.continuation) for r in batch)
     ids = torch.full((len(batch), enc_width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -89,7 +98,7 @@ def _seq2seq_batch(model, batch: list[Request], pad: int, device) -> list[tuple[
     ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
     hidden = model.decode(shift_right(labels, pad), model.encode(ids, mask), mask)  # (B, T, D)
     return [
-        _score(model.logits(hidden[i : i + 1, : len(r.continuation)])[0], r.continuation, device)
+        [_score(model.logits(hidden[i : i + 1, : len(r.continuation)])[0], r.continuation, device)]
         for i, r in enumerate(batch)
     ]
 
@@ -105,15 +114,37 @@ def _score(logits: Tensor, continuation: list[int], device) -> tuple[float, bool
 @torch.no_grad()
 def score(model, requests: list[Request], pad: int, batch_size: int, progress=None) -> list[Score]:
     """Every request's log-likelihood, in batches of similar lengths (longest first, so a batch that
-    does not fit in memory fails at once)."""
+    does not fit in memory fails at once). A decoder's questions whose choices are one token each after
+    one context run that context once (one row for all their choices)."""
     device = next(model.parameters()).device
-    run = _seq2seq_batch if kinds.is_seq2seq(model) else _decoder_batch
-    order = sorted(range(len(requests)), key=lambda i: -(len(requests[i].context) + len(requests[i].continuation)))
+    if kinds.is_seq2seq(model):
+        rows, run = [[i] for i in range(len(requests))], _seq2seq_batch
+    else:
+        rows, run = _rows(requests), _decoder_batch
+    rows.sort(key=lambda row: -(len(requests[row[0]].context) + len(requests[row[0]].continuation)))
     results: dict[int, Score] = {}
-    for start in range(0, len(order), batch_size):
-        batch = [requests[i] for i in order[start : start + batch_size]]
-        for i, (ll, greedy) in zip(order[start : start + batch_size], run(model, batch, pad, device)):
-            results[i] = Score(requests[i].question, requests[i].choice, ll, greedy)
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        scored = run(model, [[requests[i] for i in row] for row in batch], pad, device)
+        for row, row_scores in zip(batch, scored):
+            for i, (ll, greedy) in zip(row, row_scores):
+                results[i] = Score(requests[i].question, requests[i].choice, ll, greedy)
         if progress is not None:
-            progress(len(batch))
+            progress(sum(len(row) for row in batch))
     return [results[i] for i in range(len(requests))]
+
+
+def _rows(requests: list[Request]) -> list[list[int]]:
+    """The requests a decoder row scores: a question's one-token choices after one context share a
+    row; any other request has a row of its own."""
+    by_question: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_question.setdefault(r.question, []).append(i)
+    rows = []
+    for members in by_question.values():
+        first = requests[members[0]]
+        if all(len(requests[i].continuation) == 1 and requests[i].context == first.context for i in members):
+            rows.append(members)
+        else:
+            rows += [[i] for i in members]
+    return rows

@@ -136,7 +136,7 @@ def export(
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
     from ..display import console
-    from ..engine.backbone import from_run
+    from ..engine.backbone import for_inference, from_run, is_run, looks_like_run
     from ..hf import convert, interop
     from ..hf.gguf import WRITE_TYPES
 
@@ -151,7 +151,9 @@ def export(
         raise UserError(f"{gguf} exists; choose a new --gguf file")
     if hf is not None:
         convert.check_writable(hf)
-    backbone = from_run(newest(checkpoint), which="best")
+    source = newest(checkpoint)
+    # a run (its best checkpoint), or what eval and generate read: a Hugging Face directory, a GGUF, a hub id
+    backbone = from_run(source, which="best") if is_run(source) or looks_like_run(source) else for_inference(source)
     if peft is not None:  # first: the adapters unmerged (the other exports merge them into the model)
         from ..engine.backbone import recorded
         from ..engine.checkpoint import run_dir_of
