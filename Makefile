@@ -29,6 +29,7 @@ docs: install
 	$(BIN)/mkdocs build --strict
 
 bench: install
+	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python -m benchmarks
 
 bench-data: install
