@@ -205,6 +205,7 @@ def test_every_strategy_trains_and_reports_what_it_trains(method, hf_bert, mnli_
     assert "model.wte.weight" not in weights  # only what trained, and the head
 
 
+@pytest.mark.slow  # whole suite only: other fast tests exercise its modules
 def test_a_partial_run_reads_its_base_again_and_names_it_when_gone(small_text, mnli_dir, tmp_path):
     from .conftest import pretrained_run
 

@@ -245,6 +245,7 @@ def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, c
     assert evaluated.exit_code == 0 and "reward accuracy" in evaluated.output, evaluated.output
 
 
+@pytest.mark.slow  # whole suite only: other fast tests exercise its modules
 def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
     raw = recipes.load_raw("dpo-llama-mini")

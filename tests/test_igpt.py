@@ -115,6 +115,7 @@ def test_generate_completes_half_images_and_draws_samples(igpt_run, tmp_path):
     assert refused.exit_code == 2
 
 
+@pytest.mark.slow  # whole suite only: other fast tests exercise its modules
 def test_a_classifier_and_a_probe_read_any_layer_of_an_igpt_run(igpt_run, tmp_path):
     run, npz = igpt_run
     result = invoke(

@@ -95,6 +95,7 @@ def test_a_lora_run_exports_adapters_peft_applies_to_the_base(hf_llama, mnli_dir
     assert (theirs - want).abs().max() < 1e-5
 
 
+@pytest.mark.slow  # whole suite only: other fast tests exercise its modules
 def test_runs_that_are_not_lora_text_runs_are_refused(hf_llama, mnli_dir, tmp_path):
     for train, message in (("bitfit", "writes LoRA adapters; this run trained bitfit"),):
         run = tmp_path / train

@@ -280,6 +280,7 @@ def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
     assert chat.exit_code == 0, chat.output
 
 
+@pytest.mark.slow  # whole suite only: other fast tests exercise its modules
 def test_an_sft_run_resumes_bit_for_bit_packed(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(40))
     raw = recipes.load_raw("sft-llama-mini")
