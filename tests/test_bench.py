@@ -176,3 +176,28 @@ def test_an_encoder_is_refused_in_one_line(piqa_dir, tmp_path):
     result = invoke("eval", "piqa", "--checkpoint", bert, "--data", piqa_dir, "--out", tmp_path / "x.json")
     assert result.exit_code == 2 and "needs a decoder or an encoder-decoder" in result.output, result.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_t5_scores_the_context_with_its_encoder_and_the_choice_with_its_decoder(tmp_path, small_text):
+    """Encoder-decoders: each choice's log-likelihood equals transformers' T5 on the same weights
+    (the run's export), the context the encoder's input and the choice the labels."""
+    from .conftest import pretrained_run
+
+    run = pretrained_run(
+        tmp_path,
+        small_text,
+        "span",
+        {"family": "t5", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 64},
+    )
+    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
+    backbone = for_inference(run)
+    questions = [spec.Question("the king said", ["to the queen", "and then"], 0)]
+    requests = loglik.requests(backbone.tokenizer, questions, " ")
+    ours = loglik.score(backbone.model, requests, pad=0, batch_size=2)
+    theirs = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    for r, s in zip(requests, ours):
+        with torch.no_grad():
+            logits = theirs(input_ids=torch.tensor([r.context]), labels=torch.tensor([r.continuation])).logits
+        logp = torch.log_softmax(logits[0].float(), dim=-1)
+        expected = float(logp.gather(1, torch.tensor(r.continuation)[:, None]).sum())
+        assert s.loglikelihood == pytest.approx(expected, abs=1e-5)
