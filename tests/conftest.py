@@ -270,3 +270,31 @@ def hf_bert(tmp_path_factory, shared_data) -> Path:
 def hf_bert_mlm(tmp_path_factory, shared_data) -> Path:
     """A tiny BertForMaskedLM: a BERT with its masked-LM head."""
     return save_hf_bert(tmp_path_factory.mktemp("hf-bert-mlm"), shared_data, "BertForMaskedLM")
+
+
+def hf_llama_dir(path: Path, max_positions: int = 128) -> Path:
+    """A tiny random transformers Llama (GPT-2's tokenizer, spread weights) saved as a Hugging Face
+    directory: what adapter export and benchmark parity compare tfcli against."""
+    import transformers
+
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_llama import spread_
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    spread_(model)
+    model.save_pretrained(path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    return path

@@ -13,8 +13,7 @@ from tfcli.bench import loglik, report, spec
 from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.engine.backbone import for_inference
 
-from .conftest import invoke
-from .test_llama import spread_
+from .conftest import hf_llama_dir, invoke
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,24 +26,7 @@ PIQA_ROWS = [
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "llama"
-    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    spread_(model)
-    model.save_pretrained(path)
-    tok.tok.save(str(path / "tokenizer.json"))
-    return path
+    return hf_llama_dir(tmp_path_factory.mktemp("bench") / "llama", max_positions=256)
 
 
 @pytest.fixture(scope="module")

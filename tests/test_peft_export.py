@@ -8,11 +8,9 @@ import json
 import pytest
 import torch
 
-from tfcli.data.tokenizers import load_tokenizer_files
 from tfcli.engine.backbone import from_run
 
-from .conftest import invoke
-from .test_llama import spread_
+from .conftest import hf_llama_dir, invoke
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -20,24 +18,7 @@ peft = pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("base") / "llama"
-    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    spread_(model)
-    model.save_pretrained(path)
-    tok.tok.save(str(path / "tokenizer.json"))
-    return path
+    return hf_llama_dir(tmp_path_factory.mktemp("base") / "llama", max_positions=128)
 
 
 def test_a_lora_run_exports_adapters_peft_applies_to_the_base(hf_llama, mnli_dir, tmp_path):
