@@ -65,7 +65,7 @@ def test_one_token_choices_read_from_one_context_row_equal_transformers(hf_llama
         spec.Question(f"Q{i}: which is right?\nA. x\nB. y\nAnswer:", ["A", "B", "C", "D"], 1) for i in range(5)
     ]
     requests = loglik.requests(backbone.tokenizer, questions, " ")
-    assert all(len(r.continuation) == 1 for r in requests) and len(loglik._rows(requests)) == 5
+    assert all(len(r.continuation) == 1 for r in requests) and len(loglik._groups(requests)) == 5
     ours = loglik.score(backbone.model, requests, pad=0, batch_size=2)
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
     for r, s in zip(requests, ours):
@@ -73,6 +73,32 @@ def test_one_token_choices_read_from_one_context_row_equal_transformers(hf_llama
             logp = torch.log_softmax(theirs(torch.tensor([r.context])).logits[0, -1].float(), dim=-1)
         assert s.loglikelihood == pytest.approx(float(logp[r.continuation[0]]), abs=1e-5)
         assert s.greedy == (int(logp.argmax()) == r.continuation[0])
+
+
+def test_a_few_shot_prefix_runs_once_per_batch_and_every_choice_still_equals_transformers(hf_llama):
+    """Three passes through the KV cache (the batch's common prefix, each question's context after
+    it, left-padded, then the choices of several tokens) give what one full row gives."""
+    backbone = for_inference(hf_llama)
+    shots = "Solved: one plus one is two.\n\nSolved: two plus two is four.\n\n"
+    questions = [
+        spec.Question(shots + f"Question {'very ' * i}hard: {i} plus {i} is\nAnswer:", [" A", " six", "the answer"], 0)
+        for i in range(4)
+    ]
+    requests = loglik.requests(backbone.tokenizer, questions, " ")
+    widths = []
+    backbone.model.register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
+    ours = loglik.score(backbone.model, requests, pad=0, batch_size=12)
+    prefix = len(backbone.tokenizer.encode(shots)) - 2  # the boundary's tokens may merge with the question's
+    assert widths[0][0] == 1 and widths[0][1] >= prefix >= loglik.MIN_SHARED  # pass 1: the prefix, once
+    assert widths[1][0] == 4 and widths[1][1] < 20  # pass 2: each question's own tokens
+    assert sum(a * b for a, b in widths) < sum(len(r.context) + len(r.continuation) for r in requests) / 2
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    for r, s in zip(requests, ours):
+        ids = torch.tensor([r.context + r.continuation])
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(ids).logits[0, :-1].float(), dim=-1)
+        n = len(r.continuation)
+        assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, ids[0, -n:, None]).sum()), abs=1e-5)
 
 
 def test_encoding_moves_the_contexts_trailing_space_to_the_continuation(hf_llama):

@@ -3,13 +3,17 @@
 
 Encoding follows lm-evaluation-harness's `_encode_pair`: the context's trailing whitespace moves to the
 continuation, the whole text is encoded once, and the continuation's tokens are those after the
-context's own encoding. A decoder reads context + continuation (cut on the left to its positions) and
-only the continuation's positions go through the LM head; rows of one batch have similar lengths.
+context's own encoding. A decoder runs each context once for all its choices, and the prefix common
+to every context (few-shot examples) once for the call, through the KV cache; only the positions that
+predict a choice go through the LM head; the questions of one batch have similar lengths. Every row
+fits the model's positions (bench.run checks that first), so nothing is cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -60,29 +64,76 @@ def requests(tokenizer, questions, delimiter: str) -> list[Request]:
     return out
 
 
-def _decoder_batch(model, batch: list[list[Request]], pad: int, device) -> list[list[tuple[float, bool]]]:
-    """Right-padded rows of context + continuation (a shared row: the context, and its choices' one
-    token each read from the last position); each row's continuation positions scored."""
-    limit = model.cfg.max_seq_len
-    texts = [(row[0].context + (row[0].continuation if len(row) == 1 else []))[-(limit + 1) :] for row in batch]
-    inputs = [
-        t[:-1] if len(row) == 1 else t[-limit:] for t, row in zip(texts, batch)
-    ]  # a shared row scores after its end
-    width = max(len(x) for x in inputs)
-    ids = torch.full((len(inputs), width), pad, dtype=torch.long)
-    for i, x in enumerate(inputs):
-        ids[i, : len(x)] = torch.tensor(x)
-    hidden = model(ids.to(device))  # (B, T, D); right padding: causal attention never reads it
-    out = []
-    for i, (x, row) in enumerate(zip(inputs, batch)):
-        if len(row) == 1:
-            n = len(row[0].continuation)
-            logits = model.logits(hidden[i : i + 1, len(x) - n : len(x)])[0]  # (n, V): the positions predicting it
-            out.append([_score(logits, row[0].continuation, device)])
-        else:
-            logits = model.logits(hidden[i : i + 1, len(x) - 1 : len(x)])[0]  # (1, V): the next token's distribution
-            out.append([_score(logits, r.continuation, device) for r in row])
+MIN_SHARED = 8  # tokens: a shorter prefix common to a whole batch is not worth a pass of its own
+
+
+def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int], Optional[list]]:
+    """The tokens every context starts with (the description and few-shot examples), run once for the
+    whole call: (those tokens, their KV caches), or ([], None) when they are too few to be worth it.
+    Every context keeps at least its last token to run (its position predicts the choices)."""
+    contexts = [g[0].context for g in groups]
+    shared = _common_prefix(contexts)[: min(len(c) for c in contexts) - 1]
+    if len(shared) < MIN_SHARED:
+        return [], None
+    caches = model.new_caches(len(shared))
+    model(torch.tensor([shared], device=device), caches=caches)  # (1, P)
+    return shared, caches
+
+
+def _decoder_batch(
+    model, groups: list[list[Request]], pad: int, device, shared: list[int], prefix: Optional[list]
+) -> list[list[tuple[float, bool]]]:
+    """A batch of questions, each a group of choices after one context, in passes that share what can
+    be shared through the KV cache:
+
+    1. the prefix common to every context (`shared`, `prefix`: its caches), run once for the call;
+    2. each question's context after it, once per question (left-padded: the pads sit between the
+       prefix and the context, unseen, and positions count real tokens only); its last position gives
+       every choice's first token;
+    3. the choices of more than one token, one row each after its question's cached context.
+
+    Only the positions that predict a choice's tokens go through the LM head."""
+    contexts = [g[0].context for g in groups]
+    width = max(len(c) for c in contexts) - len(shared)
+    tail = max(len(r.continuation) for g in groups for r in g) - 1  # pass 3's width
+    caches = model.new_caches(len(shared) + width + tail)
+    for c, p in zip(caches, prefix or []):
+        c.append(*(t[:, :, : p.length].expand(len(groups), -1, -1, -1) for t in (p.k, p.v)))
+    ids = torch.full((len(groups), width), pad, dtype=torch.long)
+    key_mask = torch.zeros(len(groups), len(shared) + width, dtype=torch.long)
+    key_mask[:, : len(shared)] = 1
+    for g, context in enumerate(contexts):
+        rest = context[len(shared) :]
+        ids[g, width - len(rest) :] = torch.tensor(rest)
+        key_mask[g, len(shared) + width - len(rest) :] = 1
+    key_mask = key_mask.to(device)
+    hidden = model(ids.to(device), caches=caches, key_mask=key_mask)  # (G, width, D): pass 2
+    first = torch.log_softmax(model.logits(hidden[:, -1:]).float(), dim=-1)[:, 0]  # (G, V): after each context
+    out = [[_score(first[g], r.continuation[:1]) for r in group] for g, group in enumerate(groups)]
+    longer = [(g, c) for g, group in enumerate(groups) for c, r in enumerate(group) if len(r.continuation) > 1]
+    if longer:
+        for c in caches:
+            c.select(torch.tensor([g for g, _ in longer], device=device))
+        ids = torch.full((len(longer), tail), pad, dtype=torch.long)
+        own = torch.zeros(len(longer), tail, dtype=torch.long)
+        for i, (g, c) in enumerate(longer):
+            rest = groups[g][c].continuation[:-1]  # right-padded: a causal query never reaches the pads
+            ids[i, : len(rest)], own[i, : len(rest)] = torch.tensor(rest), 1
+        rows = torch.tensor([g for g, _ in longer])
+        hidden = model(ids.to(device), caches=caches, key_mask=torch.cat([key_mask[rows], own.to(device)], 1))
+        for i, (g, c) in enumerate(longer):  # hidden: (R, tail, D), pass 3
+            target = groups[g][c].continuation
+            logp = torch.log_softmax(model.logits(hidden[i : i + 1, : len(target) - 1])[0].float(), dim=-1)
+            ll, greedy = _score(logp, target[1:])
+            out[g][c] = (out[g][c][0] + ll, out[g][c][1] and greedy)
     return out
+
+
+def _common_prefix(rows: list[list[int]]) -> list[int]:
+    first, n = rows[0], min(len(r) for r in rows)
+    for other in rows[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return first[:n]
 
 
 def _seq2seq_batch(model, rows: list[list[Request]], pad: int, device) -> list[list[tuple[float, bool]]]:
@@ -98,53 +149,69 @@ def _seq2seq_batch(model, rows: list[list[Request]], pad: int, device) -> list[l
     ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
     hidden = model.decode(shift_right(labels, pad), model.encode(ids, mask), mask)  # (B, T, D)
     return [
-        [_score(model.logits(hidden[i : i + 1, : len(r.continuation)])[0], r.continuation, device)]
+        [
+            _score(
+                torch.log_softmax(model.logits(hidden[i : i + 1, : len(r.continuation)])[0].float(), -1), r.continuation
+            )
+        ]
         for i, r in enumerate(batch)
     ]
 
 
-def _score(logits: Tensor, continuation: list[int], device) -> tuple[float, bool]:
-    """(n, vocab) logits of the positions predicting the continuation's n tokens -> (summed
+def _score(logp: Tensor, tokens: list[int]) -> tuple[float, bool]:
+    """(n, vocab) or (vocab,) log-probabilities of the positions predicting n tokens -> (their summed
     log-probability, whether each token is the argmax)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    target = torch.tensor(continuation, device=device)
+    logp = logp if logp.dim() == 2 else logp[None]
+    target = torch.tensor(tokens, device=logp.device)
     return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
 
 
 @torch.no_grad()
 def score(model, requests: list[Request], pad: int, batch_size: int, progress=None) -> list[Score]:
     """Every request's log-likelihood, in batches of similar lengths (longest first, so a batch that
-    does not fit in memory fails at once). A decoder's questions whose choices are one token each after
-    one context run that context once (one row for all their choices)."""
+    does not fit in memory fails at once). A decoder runs each question's context once for all its
+    choices, and the prefix common to every context once; an encoder-decoder reads each choice as a
+    row of its own."""
+    if not requests:
+        return []
     device = next(model.parameters()).device
-    if kinds.is_seq2seq(model):
-        rows, run = [[i] for i in range(len(requests))], _seq2seq_batch
+    seq2seq = kinds.is_seq2seq(model)
+    groups = [[i] for i in range(len(requests))] if seq2seq else _groups(requests)
+    if seq2seq:
+        run = _seq2seq_batch
     else:
-        rows, run = _rows(requests), _decoder_batch
-    rows.sort(key=lambda row: -(len(requests[row[0]].context) + len(requests[row[0]].continuation)))
+        shared, prefix = _shared_prefix(model, [[requests[i] for i in g] for g in groups], device)
+        run = partial(_decoder_batch, shared=shared, prefix=prefix)
+    groups.sort(key=lambda g: -max(len(requests[i].context) + len(requests[i].continuation) for i in g))
     results: dict[int, Score] = {}
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        scored = run(model, [[requests[i] for i in row] for row in batch], pad, device)
-        for row, row_scores in zip(batch, scored):
-            for i, (ll, greedy) in zip(row, row_scores):
+    for batch in _batches(groups, requests, batch_size):
+        scored = run(model, [[requests[i] for i in g] for g in batch], pad, device)
+        for group, group_scores in zip(batch, scored):
+            for i, (ll, greedy) in zip(group, group_scores):
                 results[i] = Score(requests[i].question, requests[i].choice, ll, greedy)
         if progress is not None:
-            progress(sum(len(row) for row in batch))
+            progress(sum(len(g) for g in batch))
     return [results[i] for i in range(len(requests))]
 
 
-def _rows(requests: list[Request]) -> list[list[int]]:
-    """The requests a decoder row scores: a question's one-token choices after one context share a
-    row; any other request has a row of its own."""
-    by_question: dict[int, list[int]] = {}
+def _groups(requests: list[Request]) -> list[list[int]]:
+    """The requests of one question after one context: its context runs once for all of them."""
+    by_context: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
-        by_question.setdefault(r.question, []).append(i)
-    rows = []
-    for members in by_question.values():
-        first = requests[members[0]]
-        if all(len(requests[i].continuation) == 1 and requests[i].context == first.context for i in members):
-            rows.append(members)
-        else:
-            rows += [[i] for i in members]
-    return rows
+        by_context.setdefault((r.question, tuple(r.context)), []).append(i)
+    return list(by_context.values())
+
+
+def _batches(groups: list[list[int]], requests: list[Request], batch_size: int):
+    """Consecutive groups whose widest pass has at most batch_size rows: a group is one row of its
+    context, and one row per choice of more than one token."""
+    batch, rows = [], 0
+    for g in groups:
+        n = max(1, sum(len(requests[i].continuation) > 1 for i in g))
+        if batch and rows + n > batch_size:
+            yield batch
+            batch, rows = [], 0
+        batch.append(g)
+        rows += n
+    if batch:
+        yield batch

@@ -73,6 +73,11 @@ class KVCache:
         self.length += T
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
+    def select(self, rows: Tensor) -> None:
+        """Keep the batch rows `rows` (B',), in that order, repeats allowed: one cached prefix then
+        serves several continuations."""
+        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+
     def rewind(self, length: int) -> None:
         """Forget every position from `length` on: one shared prefix, then several continuations."""
         self.length = min(self.length, length)
