@@ -161,6 +161,8 @@ def test_eval_piqa_writes_lm_eval_results_and_mmlu_groups_subjects(hf_llama, piq
         (["eval", "piqa", "--few-shot", "3"], "train.jsonl is missing (the train split"),
         (["eval", "hellaswag"], "unknown task or benchmark 'hellaswag'"),
         (["eval", "piqa", "--data", "missing-dir"], "--data missing-dir: not a directory"),
+        (["eval", "piqa", "--batch-size", "many"], "--batch-size many: give a number >= 1 or auto"),
+        (["eval", "gsm8k,piqa,nope_bench"], "unknown benchmark 'nope_bench'"),  # before gsm8k runs
     ],
 )
 def test_bad_benchmark_input_is_one_line(args, message, hf_llama, piqa_dir, tmp_path, monkeypatch):
@@ -209,3 +211,36 @@ def test_a_t5_scores_the_context_with_its_encoder_and_the_choice_with_its_decode
         logp = torch.log_softmax(logits[0].float(), dim=-1)
         expected = float(logp.gather(1, torch.tensor(r.continuation)[:, None]).sum())
         assert s.loglikelihood == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_list_mixes_tasks_and_benchmarks_found_under_one_data_directory(hf_llama, piqa_dir, tmp_path, monkeypatch):
+    """`tfcli eval gsm8k,piqa --data D`: D/gsm8k and D/piqa; gsm8k through its own scorer (exact
+    match of a generated reply), piqa by log-likelihood, both in one results file."""
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True)
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(2)]
+    (data / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "piqa").symlink_to(piqa_dir)
+    out = tmp_path / "both.json"
+    args = ("eval", "gsm8k,piqa", "--checkpoint", hf_llama, "--data", data, "--batch-size", "auto", "--out", out)
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert payload["results"]["gsm8k"]["n,none"] == 2 and "exact_match,none" in payload["results"]["gsm8k"]
+    assert payload["n-samples"]["piqa"] == 3 and payload["config"]["batch_size"] == "auto"
+    assert payload["config"]["batch_sizes"][0] >= 1
+
+
+def test_auto_batch_size_is_the_largest_power_of_two_the_free_memory_holds(hf_llama, monkeypatch):
+    model = for_inference(hf_llama).model
+    requests = [loglik.Request(0, 0, list(range(100)), [1, 2])]
+    monkeypatch.setattr(loglik, "_free_bytes", lambda device: 1 << 40)
+    assert loglik.auto_batch_size(model, requests) == 64
+    monkeypatch.setattr(loglik, "_free_bytes", lambda device: 1)
+    assert loglik.auto_batch_size(model, requests) == 1
+    monkeypatch.setattr(loglik, "_free_bytes", lambda device: 1 << 26)
+    middle = loglik.auto_batch_size(model, requests, most=1 << 20)
+    assert 1 < middle < 1 << 20 and middle & (middle - 1) == 0
+    longer = [loglik.Request(0, 0, list(range(200)), [1, 2])]
+    assert loglik.auto_batch_size(model, longer, most=1 << 20) < middle  # longer rows: fewer at once

@@ -215,3 +215,38 @@ def _batches(groups: list[list[int]], requests: list[Request], batch_size: int):
         rows += n
     if batch:
         yield batch
+
+
+def auto_batch_size(model, requests: list[Request], most: int = 64) -> int:
+    """`--batch-size auto`: the largest power of two (up to `most`) whose widest pass over the longest
+    question fits in half the free memory (a GPU's free memory; on a CPU, MemAvailable, since a CPU
+    allocation too large is killed rather than raised). Per row: the KV cache of every layer, one
+    layer's attention scores and its widest activations, over the longest row's tokens."""
+    from ..models.blocks import Attention
+
+    device = next(model.parameters()).device
+    size = next(model.parameters()).element_size()
+    tokens = max((len(r.context) + len(r.continuation) for r in requests), default=1)
+    attention = [m for m in model.modules() if isinstance(m, Attention) and not m.cross]
+    widest = max(m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    per_row = tokens * (
+        sum(2 * a.kv_inner * size for a in attention)  # the KV cache
+        + max((a.n_head for a in attention), default=1) * tokens * 5  # fp32 scores and a boolean mask
+        + 8 * widest * size  # activations of the widest layer, with room
+    )
+    batch = 1
+    while batch * 2 <= most and batch * 2 * per_row <= _free_bytes(device) / 2:
+        batch *= 2
+    return batch
+
+
+def _free_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # unknown: assume a small machine

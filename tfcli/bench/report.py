@@ -73,3 +73,17 @@ def grouped(name: str, parts: dict[str, list[dict]], categories: dict[str, str])
         whole[f"{metric}_subjects,none"] = sum(means) / len(means)
     results[name] = whole
     return results
+
+
+def task_results(name: str, report: dict) -> dict:
+    """A task's own report (gsm8k's exact match, mnli's accuracy: split -> metrics) in the same layout,
+    so one results file holds the tasks and the benchmarks of one `tfcli eval a,b,c`."""
+    splits = {k: v for k, v in report.items() if isinstance(v, dict)}
+    out = {}
+    for split, metrics in splits.items():
+        key = name if len(splits) == 1 else f"{name}_{split}"
+        numbers = {
+            f"{m},none": v for m, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        out[key] = {"alias": key, **numbers}
+    return out

@@ -23,21 +23,27 @@ class BenchRequest:
     data: Optional[str] = None
     few_shot: int = 0
     limit: int = 0
-    batch_size: int = 16
+    batch_size: int = 16  # 0: auto, the largest the free memory holds (loglik.auto_batch_size)
     out: Optional[Path] = None
     device: str = "cpu"
     quiet: bool = False
+    tasks: Optional[dict] = None  # results of tasks scored alongside (gsm8k, mnli), in the same layout
 
 
-def run(req: BenchRequest) -> dict:
-    """Check every benchmark's files and sizes first, then score; nothing is written on an error."""
-    from ..engine.backbone import for_inference
-
+def plan(req: BenchRequest) -> list:
+    """Every benchmark's questions, read and checked before anything is scored or written."""
     benches = [spec.load(n) for n in req.names]
-    jobs = [
+    return [
         (b, [(part, spec.questions(part, spec.data_root(b, req.data), req.few_shot, req.limit)) for part in b.parts])
         for b in benches
     ]
+
+
+def run(req: BenchRequest, jobs: Optional[list] = None) -> dict:
+    """Check every benchmark's files and sizes first, then score; nothing is written on an error."""
+    from ..engine.backbone import for_inference
+
+    jobs = plan(req) if jobs is None else jobs
     backbone = for_inference(req.checkpoint, device=req.device)
     model, tok = backbone.model, backbone.tokenizer
     if model.kind not in kinds.GENERATIVE:
@@ -51,6 +57,7 @@ def run(req: BenchRequest) -> dict:
         part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs in parts]
         _check_fits(bench, part_requests, model)
         scored.append((bench, part_requests))
+    batch_size = req.batch_size or loglik.auto_batch_size(model, [r for _, p in scored for _, _, rs in p for r in rs])
     results, samples, started = {}, {}, time.time()
     for bench, part_requests in scored:
         total = sum(len(q) for _, q, _ in part_requests)
@@ -58,7 +65,7 @@ def run(req: BenchRequest) -> dict:
         with phase(f"{bench.name}: scoring", total=total, unit="questions") as advance:
             for part, qs, reqs in part_requests:
                 per_choice = len(reqs) / max(len(qs), 1)
-                scores = loglik.score(model, reqs, pad, req.batch_size, lambda n: advance(n / per_choice))
+                scores, batch_size = _score(model, reqs, pad, batch_size, not req.batch_size, advance, per_choice)
                 rows[part.name] = report.per_question(qs, scores)
                 samples[part.name] = len(qs)
         if bench.subjects and not bench.subject:
@@ -67,13 +74,14 @@ def run(req: BenchRequest) -> dict:
         else:
             results[bench.name] = {"alias": bench.name, **report.metrics(rows[bench.name])}
     payload = {
-        "results": results,
+        "results": {**(req.tasks or {}), **results},
         "n-samples": samples,
         "config": {
             "model": str(req.checkpoint),
             "num_fewshot": req.few_shot,
             "limit": req.limit or None,
-            "batch_size": req.batch_size,
+            "batch_size": req.batch_size or "auto",
+            "batch_sizes": [batch_size],
             "device": req.device,
             "seconds": round(time.time() - started, 1),
         },
@@ -85,6 +93,32 @@ def run(req: BenchRequest) -> dict:
         show(results, req.names)
         console.print(f"wrote {out}")
     return payload
+
+
+def _score(model, reqs, pad: int, batch_size: int, auto: bool, advance, per_choice: float):
+    """Score one part; out of memory, `auto` halves the batch and starts the part again (as
+    lm-evaluation-harness's auto does), a given batch size is one line naming it."""
+    import torch
+
+    while True:
+        done = 0
+
+        def step(n):
+            nonlocal done
+            done += n
+            advance(n / per_choice)
+
+        try:
+            return loglik.score(model, reqs, pad, batch_size, step), batch_size
+        except torch.OutOfMemoryError:
+            advance(-done / per_choice)
+            if not auto or batch_size == 1:
+                raise UserError(
+                    f"out of memory scoring {batch_size} rows at once; give a smaller --batch-size"
+                ) from None
+            batch_size //= 2
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def _check_fits(bench, part_requests, model) -> None:

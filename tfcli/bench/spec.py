@@ -228,10 +228,16 @@ def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> li
 
 
 def data_root(bench: Benchmark, data: Optional[str]) -> Path:
+    """The directory of the benchmark's files: --data itself, or the one of its subdirectories that
+    holds them (so `tfcli eval piqa,mmlu --data bench/` finds bench/piqa and bench/mmlu)."""
     where = data or bench.data
     if not where:
         raise UserError(f"{bench.name}: give --data, the directory holding {', '.join(bench.files.values())}")
     root = Path(where)
     if not root.is_dir():
         raise UserError(f"--data {where}: not a directory (a benchmark's data is a directory of its files)")
-    return root
+    part = bench.parts[0]
+    if part.path(root, bench.split).is_file():
+        return root
+    holding = [d for d in sorted(root.iterdir()) if d.is_dir() and part.path(d, bench.split).is_file()]
+    return holding[0] if holding else root  # none: reading the split names the missing file

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -44,10 +45,13 @@ def eval_(
     reference: Optional[str] = typer.Option(
         None, help="dpo: the model rewards are measured against [default: the run's reference]."
     ),
-    batch_size: int = typer.Option(16, help="Benchmarks: rows scored at once."),
+    batch_size: str = typer.Option(
+        "16", help="Benchmarks: rows scored at once, or auto (the most the free memory holds, halved on out-of-memory)."
+    ),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, a task's
     report, or standard benchmarks scored as lm-evaluation-harness scores them (tfcli eval piqa,mmlu)."""
+    from ..bench import report as bench_report
     from ..bench.spec import is_benchmark
     from ..driver import evaluate
     from ..plugin import EvalOptions
@@ -61,26 +65,35 @@ def eval_(
                 f" benchmarks: piqa, mmlu, mmlu_cloze, mmlu_<subject>, or a benchmark .yaml file)"
             )
     if task is not None and is_benchmark(task):
-        from ..bench.run import BenchRequest, run
+        from ..bench import run as bench_run
+        from ..bench.run import BenchRequest
         from ..engine.runtime import pick_device
 
         check_device(device)
-        if batch_size < 1 or limit < 0:
-            raise UserError("--batch-size must be >= 1 and --limit >= 0")
+        rows_at_once = 0 if batch_size == "auto" else int(batch_size) if batch_size.isdigit() else -1
+        if rows_at_once < 0 or batch_size == "0" or limit < 0:
+            raise UserError(f"--batch-size {batch_size}: give a number >= 1 or auto (and --limit >= 0)")
         names = [n.strip() for n in task.split(",") if n.strip()]
-        run(
-            BenchRequest(
-                names,
-                newest(checkpoint),
-                data,
-                max(few_shot, 0),
-                limit,
-                batch_size,
-                out,
-                str(pick_device(device or "auto")),
-                quiet,
-            )
+        tasks = [n for n in names if n in registry.TASKS or n in _presets()]
+        req = BenchRequest(
+            [n for n in names if n not in tasks],
+            newest(checkpoint),
+            data,
+            max(few_shot, 0),
+            limit,
+            rows_at_once,
+            out,
+            str(pick_device(device or "auto")),
+            quiet,
         )
+        jobs = bench_run.plan(req)  # every benchmark checked before a task runs
+        scored = {}
+        for name in tasks:  # tasks of their own (gsm8k, mnli) beside the benchmarks: their own scorers
+            key, settings, defaults = task_target(name)
+            options = EvalOptions(data=_task_data(data, name), limit=limit, device=device or "auto", quiet=quiet)
+            report = evaluate(newest(checkpoint), key, settings, options, defaults)
+            scored.update(bench_report.task_results(name, report))
+        bench_run.run(replace(req, tasks=scored), jobs)
         return
 
     if (premise is None) != (hypothesis is None):
@@ -170,3 +183,16 @@ def export(
             f"wrote a {gguf_type} GGUF ({arch}) to {gguf}\nrun it with:  tfcli generate --checkpoint {gguf}",
             soft_wrap=True,
         )
+
+
+def _presets():
+    from ..tasks.presets import PRESETS
+
+    return PRESETS
+
+
+def _task_data(data: Optional[str], name: str) -> Optional[str]:
+    """A task's data in a list with benchmarks: --data itself, or its subdirectory named after the task."""
+    if data and (Path(data) / name).is_dir():
+        return str(Path(data) / name)
+    return data
