@@ -162,6 +162,14 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
         )
     )
     (root / "piqa" / "valid-labels.lst").write_text("0\n" * len(rows))
+    (root / "bench").mkdir()  # a directory holding one directory per benchmark or task
+    for name in ("piqa", "gsm8k"):
+        (root / "bench" / name).symlink_to(root / name)
+    from tfcli.hf.interop import export_gguf
+
+    from .test_gguf import tiny_backbone  # stands in for the README's SmolLM2 GGUF (the same command)
+
+    export_gguf(tiny_backbone(max_seq_len=256), None, root / "SmolLM2-135M-Instruct.Q4_1.gguf", "f32")
     from tfcli.bench.spec import load as load_benchmark
 
     for split in ("dev", "test"):

@@ -25,6 +25,7 @@ import torch
 
 from . import adapters, display, registry
 from . import recipe as recipes
+from .bench import in_training
 from .display import console
 from .engine import backbone as backbones
 from .engine import checkpoint
@@ -72,6 +73,7 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         plugin.run_dir = run_dir
         with rt.main_first():  # rank 0 fills the tokenization caches first
             job = plugin.setup(recipe, backbone)
+        job = with_benchmarks(job, recipe, backbone, rt)
         if source is not None and ckpt is None and plugin.kind == "objective":
             carry_heads(job, backbone, rt.is_main and not req.quiet)
         recipe = resolve_schedule(recipe, job, rt)
@@ -93,6 +95,18 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     if rt.is_main:
         plugin.report(recipe, run_dir)
     return run_dir, plugin
+
+
+def with_benchmarks(job: Job, recipe: Recipe, backbone: Backbone, rt: Runtime) -> Job:
+    """train.eval_tasks scored at every evaluation and train.select_by picking the best checkpoint;
+    both checked here, before the run directory exists."""
+    t = recipe.train
+    planned = in_training.plan(
+        t.eval_tasks, t.eval_tasks_data, t.eval_tasks_few_shot, backbone.model, backbone.tokenizer
+    )
+    pad = type(backbone.model).pad_id(backbone.tokenizer) if planned else 0
+    job = in_training.add_to(job, planned, pad, t.precision, rt.device)
+    return in_training.select_by(job, t.select_by, in_training.metric_names(planned))
 
 
 def check_streaming(recipe: Recipe, plugin: Plugin) -> None:

@@ -62,7 +62,8 @@ class Job:
     # run at each evaluation with the trained module (train.ObjectiveModule) and the run directory;
     # returns metrics to log (e.g. accuracy) and may write files (e.g. MAE's reconstruction pictures)
     evaluate: Optional[Callable[[nn.Module, Path], dict[str, float]]] = None
-    best_key: str = ""  # the metric (higher is better) that picks the best checkpoint; "" = none
+    best_key: str = ""  # the metric that picks the best checkpoint (train.select_by may name another); "" = none
+    best_lowest: bool = False  # the lowest best_key is the best (a loss), not the highest
     examples: int = 0  # training examples per epoch, for finetune.epochs
     labels: tuple[str, ...] = ()  # a classifier's class names (saved in the run as labels.json)
     # models the loss reads but never trains (a preference-tuning reference, a distillation teacher):

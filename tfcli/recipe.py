@@ -129,6 +129,14 @@ class TrainConfig:
     loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
     max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
     collective_timeout: float = 10.0  # minutes a collective (torchrun) may wait before the run stops with an error
+    # benchmarks scored at every evaluation of a decoder or encoder-decoder, name[:N] (N questions; a
+    # benchmark with subjects spreads them over its subjects), logged as val_<name>_acc and _acc_norm
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_data: str = ""  # the directory of their files, or one holding each benchmark's directory
+    eval_tasks_few_shot: int = 0  # solved examples before each question (from the benchmark's few-shot split)
+    # the logged metric that picks the best checkpoint, e.g. val_piqa_acc_norm (a loss or perplexity: the
+    # lowest; any other: the highest); "": the task's own (a classifier's accuracy, DPO's reward accuracy)
+    select_by: str = ""
 
     def __post_init__(self):
         require(self.steps >= 0, "train.steps", ">= 1 (0: a task's finetune.epochs decides)", self.steps)
@@ -147,6 +155,14 @@ class TrainConfig:
         require(self.skip_nonfinite >= 0, "train.skip_nonfinite", ">= 0", self.skip_nonfinite)
         require(self.max_time >= 0, "train.max_time", ">= 0 minutes (0: no limit)", self.max_time)
         require(self.collective_timeout > 0, "train.collective_timeout", "> 0 minutes", self.collective_timeout)
+        for entry in self.eval_tasks:
+            require(
+                re.fullmatch(r"[\w./-]+(:\d+)?", str(entry)) is not None,
+                "train.eval_tasks",
+                "a list of benchmark[:questions], e.g. [piqa:500, mmlu:300]",
+                list(self.eval_tasks),
+            )
+        require(self.eval_tasks_few_shot >= 0, "train.eval_tasks_few_shot", ">= 0", self.eval_tasks_few_shot)
         require(self.prefetch >= 0, "train.prefetch", ">= 0 (0: no prefetching)", self.prefetch)
         require(
             set(self.loggers) <= {"csv", "tensorboard", "wandb"},
@@ -401,6 +417,9 @@ RESUMABLE_CHANGES = {
         "precision",
         "activation_checkpointing",
         "grad_accum",
+        "eval_tasks",
+        "eval_tasks_data",
+        "eval_tasks_few_shot",
     )
 } | {"finetune.epochs", "finetune.eval_limit"}
 

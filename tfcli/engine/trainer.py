@@ -335,6 +335,7 @@ class Trainer:
         display.note(self.step, "val", val)
         self.last.update({f"val_{k}": v for k, v in val.items()})
         score = val.get(self.job.best_key) if self.job.best_key else None
+        score = -score if score is not None and self.job.best_lowest else score  # self.best: the higher, the better
         if score is None or (self.best is not None and score <= self.best):
             return False
         self.best = score
