@@ -83,6 +83,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # adamw (fused, fp32 moments) | adamw8bit | adamw4bit (torchao: the moments in 8 or 4 bits, a quarter or
+    # an eighth of the memory; tensors under 4,096 elements stay fp32)
+    name: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
     lr: float = 3e-4  # the peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8

@@ -21,7 +21,7 @@ from ..data.sampler import StreamSampler, make_sampler, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
 from ..plugin import Batch, Job, LossFn
-from . import checkpoint, plots
+from . import checkpoint, optimizers, plots
 from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
@@ -59,14 +59,13 @@ def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict
     ]
 
 
-def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.AdamW:
-    """Fused AdamW over what trains (adapters.apply froze the rest), weight decay on matrices only; a
-    task's head at finetune.head_lr (0: optim.lr). The fused kernel can skip a step on the device
-    (found_inf), which is how a non-finite step is skipped without reading anything back."""
+def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.Optimizer:
+    """AdamW (optim.name: fused, or torchao's 8/4-bit) over what trains (adapters.apply froze the rest),
+    weight decay on matrices only; a task's head at finetune.head_lr (0: optim.lr)."""
     o, ft = recipe.optim, recipe.finetune
     head_lr = ft.head_lr if ft is not None and ft.head_lr > 0 else o.lr
     groups = decay_groups(module.heads, o.weight_decay, head_lr) + decay_groups(module.model, o.weight_decay, o.lr)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    return optimizers.build([g for g in groups if g["params"]], o)
 
 
 def compiled(module: nn.Module, setting: str, device: torch.device):
@@ -118,6 +117,8 @@ class Trainer:
         # wrapped before the optimizer is built: FSDP replaces the parameters with their shards
         self.wrapped = rt.strategy.wrap(module, self.tc.precision)
         prepare_frozen(job.frozen, rt)
+        if recipe.optim.name != "adamw" and rt.strategy.name == "fsdp":
+            raise UserError(f"optim.name {recipe.optim.name} under FSDP is not supported yet; use adamw, or ddp")
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -167,7 +168,7 @@ class Trainer:
         # a partial run's base weights are in place already: only what it trained is loaded
         self.rt.strategy.load_state_dict(self.module, weights, strict=self.saved is None)
         state = checkpoint.load_state(ckpt)
-        self.rt.strategy.load_optimizer_state_dict(self.module, self.opt, state["optimizer"])
+        self.rt.strategy.load_optimizer_state_dict(self.module, self.opt, optimizers.rebuilt(state["optimizer"]))
         self.sched.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
@@ -254,8 +255,8 @@ class Trainer:
         sums, items = self._backward(batches), sum(self.job.count_items(b) for b in batches)
         max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
         sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()
-        self.opt.found_inf = (~torch.stack(list(sums.values())).isfinite().all()).float()  # 1.0: skip this step
-        self.opt.step()
+        found_inf = (~torch.stack(list(sums.values())).isfinite().all()).float()  # 1.0: skip this step
+        optimizers.step(self.opt, found_inf)
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         return sums, items
@@ -312,7 +313,7 @@ class Trainer:
             "step": self.step,
             "split": "train",
             **{k: round(v, 6) for k, v in metrics.items()},
-            "lr": self.opt.param_groups[0]["lr"],
+            "lr": float(self.opt.param_groups[0]["lr"]),  # torchao keeps it as a tensor
             f"{self.job.item_name}_per_s": round(rate, 1),
             "mfu": _rounded(mfu(rate * self.job.flops_per_item, peak * self.rt.world_size), 4),
             "peak_mem_mb": round(peak_memory_mb(self.rt.device), 1),
@@ -357,7 +358,7 @@ class Trainer:
     def _save(self, is_best: bool) -> None:
         self.doing = f"the checkpoint at step {self.step}"
         weights = self.rt.strategy.state_dict(self.module)  # every rank takes part (FSDP gathers)
-        optimizer = self.rt.strategy.optimizer_state_dict(self.module, self.opt)
+        optimizer = optimizers.plain(self.rt.strategy.optimizer_state_dict(self.module, self.opt))
         if self.saved is not None:
             weights = {k: v for k, v in weights.items() if k in self.saved}
         if self.rt.is_main:

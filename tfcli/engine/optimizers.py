@@ -1,0 +1,128 @@
+"""The optimizer a run trains with (optim.name): PyTorch's fused AdamW, or torchao's AdamW with its
+moments kept in 8 or 4 bits (block-wise quantized, dynamic-tree / linear maps), which store the two
+moments in about a quarter (8-bit) or an eighth (4-bit) of fp32's memory.
+
+torchao is the field's kept implementation (torchtune's and torchtitan's choice); it runs on CPU and
+CUDA, unlike bitsandbytes' CPU build, which has no 8-bit AdamW. Its states are tensor subclasses:
+a checkpoint stores their plain parts (codes, scales, the quantization map) and rebuilds them on
+resume, so nothing is pickled and the resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+
+LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+STATE_CLASSES = {"OptimState8bit": "subclass_8bit", "OptimState4bit": "subclass_4bit"}  # what a checkpoint rebuilds
+
+
+def torchao_optim():
+    """torchao.optim, imported quietly (it reports each CUDA kernel library it cannot load on a CPU)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.optim as optim
+    except ImportError:
+        raise UserError("optim.name adamw8bit/adamw4bit needs torchao (pip install torchao)") from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    return optim
+
+
+def build(groups: list[dict], o) -> torch.optim.Optimizer:
+    """groups: decay_groups' parameter groups; o: the recipe's optim section."""
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    # the compiled step's note to torchao's developers, not to a user: said once per state class
+    warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching.*")
+    return getattr(torchao_optim(), LOW_BIT[o.name])(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+
+
+def step(opt: torch.optim.Optimizer, found_inf: Tensor) -> None:
+    """One optimizer step, skipped when found_inf is 1: the fused AdamW skips on the device (nothing read
+    back); torchao's optimizers do not read found_inf, so the flag is read back first."""
+    if isinstance(opt, torch.optim.AdamW):
+        opt.found_inf = found_inf
+        opt.step()
+    elif not bool(found_inf):
+        opt.step()
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """The memory the optimizer's states hold (the moments, their scales and maps)."""
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, Tensor):
+                total += sum(t.numel() * t.element_size() for t in _parts(value).values())
+    return total
+
+
+def plain(state):
+    """An optimizer state dict with each low-bit moment as {"__lowbit__": class, parts..., ctx}: plain
+    tensors and JSON values a checkpoint stores."""
+    if isinstance(state, dict):
+        return {k: plain(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain(v) for v in state]
+    if isinstance(state, Tensor) and type(state).__name__ in STATE_CLASSES:
+        names, ctx = state.__tensor_flatten__()
+        return {
+            "__lowbit__": type(state).__name__,
+            "parts": {n: getattr(state, n) for n in names},
+            "ctx": [_ctx_value(c) for c in ctx],
+            "shape": list(state.shape),
+            "stride": list(state.stride()),
+        }
+    return state
+
+
+def rebuilt(state):
+    """plain()'s inverse: only torchao's two state classes are rebuilt, from tensors and plain values."""
+    if isinstance(state, dict) and "__lowbit__" in state:
+        name = state["__lowbit__"]
+        if name not in STATE_CLASSES:
+            raise UserError(f"the checkpoint's optimizer holds {name!r}, which tfcli does not rebuild")
+        module = __import__(f"torchao.optim.{STATE_CLASSES[name]}", fromlist=[name])
+        ctx = [_ctx_from(c) for c in state["ctx"]]
+        return getattr(module, name).__tensor_unflatten__(
+            dict(state["parts"]), ctx, torch.Size(state["shape"]), tuple(state["stride"])
+        )
+    if isinstance(state, dict):
+        return {k: rebuilt(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [rebuilt(v) for v in state]
+    return state
+
+
+def _parts(t: Tensor) -> dict[str, Tensor]:
+    if type(t).__name__ in STATE_CLASSES:
+        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
+    return {"": t}
+
+
+def _ctx_value(c):
+    if isinstance(c, torch.dtype):
+        return {"__dtype__": str(c).removeprefix("torch.")}
+    if isinstance(c, torch.Size):
+        return {"__size__": list(c)}
+    return c
+
+
+def _ctx_from(c):
+    if isinstance(c, dict) and "__dtype__" in c:
+        return getattr(torch, c["__dtype__"])
+    if isinstance(c, dict) and "__size__" in c:
+        return torch.Size(c["__size__"])
+    return c
