@@ -272,7 +272,7 @@ def hf_bert_mlm(tmp_path_factory, shared_data) -> Path:
     return save_hf_bert(tmp_path_factory.mktemp("hf-bert-mlm"), shared_data, "BertForMaskedLM")
 
 
-def hf_llama_dir(path: Path, max_positions: int = 128) -> Path:
+def hf_llama_dir(path: Path, max_positions: int = 128, hidden: int = 32, inner: int = 64) -> Path:
     """A tiny random transformers Llama (GPT-2's tokenizer, spread weights) saved as a Hugging Face
     directory: what adapter export and benchmark parity compare tfcli against."""
     import transformers
@@ -284,8 +284,8 @@ def hf_llama_dir(path: Path, max_positions: int = 128) -> Path:
     tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
     config = transformers.LlamaConfig(
         vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=inner,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -5,6 +5,8 @@ family and task through one module.
   all     every parameter
   head    the task's head only (the backbone frozen: a linear probe)
   lora    low-rank updates of named linears (Hu et al. 2021): y = W x + (alpha / r) B A dropout(x)
+  qlora   LoRA on a base whose block linears are frozen in 4-bit NF4 (Dettmers et al. 2023; torchao's
+          NF4, as torchtune builds it): the base's matrices in about an eighth of fp32's memory
   ia3     learned scales of keys, values and the MLP's inner activations (Liu et al. 2022), init 1
   bitfit  biases and norms only (Ben Zaken et al. 2021; T5 has no biases: its norms)
 
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import UserError
+from .models import nf4
 from .models.blocks import MLP, Attention, linear
 from .recipe import AdapterConfig
 
@@ -103,9 +106,11 @@ class LoRALinear(nn.Module):
         return out
 
     def merged(self) -> nn.Linear:
+        """A plain linear: the base (dequantized if NF4) plus the update, in full precision."""
+        base = self.base.dequantized() if isinstance(self.base, nf4.NF4Linear) else self.base
         with torch.no_grad():
-            self.base.weight += self.delta_weight().to(self.base.weight.dtype)
-        return self.base
+            base.weight += self.delta_weight().to(base.weight.dtype)
+        return base
 
 
 class IA3Linear(nn.Module):
@@ -154,6 +159,9 @@ class IA3Linear(nn.Module):
         return self.base
 
 
+SWITCHABLE = ("lora", "qlora", "ia3")  # methods whose adapters switch off to leave the base model (disabled)
+
+
 def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
     """Swap adapters into the model's block linears (lora, ia3) and freeze what the method does not
     train; return how many linears were adapted. The caller keeps the task's heads trainable."""
@@ -179,7 +187,10 @@ def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
         if parts is None:
             continue
         names = {p for p, _ in parts}
-        if method == "lora" and names & set(cfg.targets):
+        if method == "qlora" and nf4.quantizable(module):
+            module = nf4.NF4Linear(module)  # every block linear frozen in NF4, adapted or not
+            _replace(model, name, module)
+        if method in ("lora", "qlora") and names & set(cfg.targets):
             _replace(model, name, LoRALinear(module, parts, cfg.targets, cfg))
             count += 1
         elif method == "ia3" and (names & {"k", "v"} or names == {"down"}):
@@ -211,11 +222,19 @@ def disabled(model: nn.Module):
 
 
 def merge(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its linear, leaving a plain model (for export)."""
+    """Fold every adapter into its linear and dequantize every NF4 base, leaving a plain model (for
+    export)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, (LoRALinear, IA3Linear)):
             _replace(model, name, module.merged())
+        elif isinstance(module, nf4.NF4Linear) and not _inside_adapter(model, name):
+            _replace(model, name, module.dequantized())
     return model
+
+
+def _inside_adapter(model: nn.Module, name: str) -> bool:
+    parent = name.rpartition(".")[0]
+    return bool(parent) and isinstance(model.get_submodule(parent), (LoRALinear, IA3Linear))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

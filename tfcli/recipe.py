@@ -185,8 +185,8 @@ class TrainConfig:
 class FinetuneConfig:
     """What a task trains and for how long (task recipes only)."""
 
-    # what trains: all | head (frozen backbone: a linear probe) | lora | ia3 | bitfit (tfcli.adapters)
-    train: Literal["all", "head", "lora", "ia3", "bitfit"] = "all"
+    # what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit
+    train: Literal["all", "head", "lora", "qlora", "ia3", "bitfit"] = "all"
     # classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on
     # encoders, the label word as text on T5 and GPT
     head: Literal["auto", "classifier", "text"] = "auto"
@@ -359,7 +359,8 @@ def strategy_defaults(raw: dict, overridden: set[str]) -> dict[str, Any]:
         if not isinstance(fields, dict):
             raise RecipeError(f"strategies.{name}: expected a mapping of fields, e.g. {{optim.lr: 1.0e-3}}")
     train = (raw.get("finetune") or {}).get("train", "all")
-    return {k: v for k, v in (table.get(train) or {}).items() if k not in overridden}
+    fields = table.get(train) or (table.get("lora") if train == "qlora" else None) or {}  # QLoRA: LoRA's, unless named
+    return {k: v for k, v in fields.items() if k not in overridden}
 
 
 def parse_override(text: str) -> tuple[str, Any]:

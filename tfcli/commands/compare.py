@@ -34,7 +34,7 @@ import yaml
 
 from ..errors import UserError
 
-STRATEGIES = ("all", "head", "lora", "ia3", "bitfit")
+STRATEGIES = ("all", "head", "lora", "qlora", "ia3", "bitfit")
 POOLINGS = ("cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first")
 _STRATEGY = re.compile(
     r"^(?:(?P<shots>\d+)-?shots?|(?P<train>[a-z0-9]+)(?P<head>\+head)?(?::(?P<pooling>[a-z0-9-]+))?)$"
@@ -673,7 +673,7 @@ def marker(spec: str) -> str:
     """One marker per training strategy; a classifier head on an adapter is filled differently."""
     strategy = parse_strategy(spec)
     return (
-        dict(zip(STRATEGIES, "osD^v")).get(strategy.train, "o")
+        dict(zip(STRATEGIES, "osDP^v")).get(strategy.train, "o")
         if not (strategy.classifier and strategy.train != "head")
         else "P"
     )

@@ -10,34 +10,23 @@ resume, so nothing is pickled and the resumed run continues bit for bit.
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..models.nf4 import quiet_torchao
 
 LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 STATE_CLASSES = {"OptimState8bit": "subclass_8bit", "OptimState4bit": "subclass_4bit"}  # what a checkpoint rebuilds
 
 
 def torchao_optim():
-    """torchao.optim, imported quietly (it reports each CUDA kernel library it cannot load on a CPU)."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.optim as optim
+        return quiet_torchao("torchao.optim")
     except ImportError:
         raise UserError("optim.name adamw8bit/adamw4bit needs torchao (pip install torchao)") from None
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
-    return optim
 
 
 def build(groups: list[dict], o) -> torch.optim.Optimizer:

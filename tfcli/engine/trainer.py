@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..data.sampler import StreamSampler, make_sampler, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
+from ..models.nf4 import NF4Linear
 from ..plugin import Batch, Job, LossFn
 from . import checkpoint, optimizers, plots
 from .evaluate import held_out_sums
@@ -119,6 +120,8 @@ class Trainer:
         prepare_frozen(job.frozen, rt)
         if recipe.optim.name != "adamw" and rt.strategy.name == "fsdp":
             raise UserError(f"optim.name {recipe.optim.name} under FSDP is not supported yet; use adamw, or ddp")
+        if rt.strategy.name != "none" and any(isinstance(m, NF4Linear) for m in module.modules()):
+            raise UserError("--train qlora runs in one process for now (its NF4 base is not yet sharded or broadcast)")
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(

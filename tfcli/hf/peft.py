@@ -49,7 +49,7 @@ def adapter_tensors(model, rules) -> tuple[dict[str, Tensor], set[str]]:
 def export(backbone, recipe, rules, base: str, out: Path) -> None:
     """Write the run's LoRA adapters as a PEFT directory over `base` (the run's --from model)."""
     ft = recipe.finetune if recipe is not None else None
-    if ft is None or ft.train != "lora":
+    if ft is None or ft.train not in ("lora", "qlora"):
         raise UserError(
             f"export --peft writes LoRA adapters; this run trained {ft.train if ft else 'from scratch'} "
             f"(export --hf writes the whole model)"

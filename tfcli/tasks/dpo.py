@@ -75,8 +75,8 @@ def reference_mode(recipe) -> str:
     """dpo.reference, with auto resolved: the adapter-free base where there are adapters."""
     mode, train = recipe.settings.reference, recipe.finetune.train
     if mode == "auto":
-        return "base" if train in ("lora", "ia3") else "copy"
-    if mode == "base" and train not in ("lora", "ia3"):
+        return "base" if train in adapters.SWITCHABLE else "copy"
+    if mode == "base" and train not in adapters.SWITCHABLE:
         raise UserError(
             f"dpo.reference base is the model with its adapters switched off; --train {train} changes the "
             f"base weights themselves (use copy or precompute, or --train lora)"
@@ -314,7 +314,7 @@ class DPO(Plugin):
         """What an evaluation compares the model with: --reference, else the run's: its adapters off
         when it trained adapters, else the model it started from."""
         cfg = recipe.settings
-        if reference is None and recipe.finetune.train in ("lora", "ia3") and backbone.recipe is not None:
+        if reference is None and recipe.finetune.train in adapters.SWITCHABLE and backbone.recipe is not None:
             return Preference(cfg, "base", {})
         source = reference or (
             recorded(run_dir_of(Path(backbone.checkpoint))).get("from") if backbone.recipe is not None else None

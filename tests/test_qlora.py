@@ -1,0 +1,105 @@
+"""QLoRA (--train qlora): LoRA beside a base whose block linears are frozen in NF4 (torchao). The base's
+matrices take at most 30% of fp32's memory, the quantized model computes nearly what the base does,
+a run trains, resumes bit for bit, and exports: --hf merges into full-precision weights (dequantized
+base + update) that transformers loads with the same logits (1e-3), --peft writes the adapters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tfcli import adapters
+from tfcli.engine.backbone import for_inference
+from tfcli.models import nf4
+from tfcli.models.llama import Llama, LlamaConfig
+from tfcli.recipe import AdapterConfig
+
+from .conftest import hf_llama_dir, invoke, write_jsonl
+from .test_from_runs import ROWS
+from .test_resume_matrix import assert_resumes_exactly
+
+pytest.importorskip("torchao")
+transformers = pytest.importorskip("transformers")
+
+
+def quantizable_llama() -> Llama:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=128, d_ff=256, max_seq_len=32, vocab_size=300)
+    return Llama(cfg).eval()
+
+
+def test_every_block_linear_is_nf4_in_under_30_percent_of_fp32_and_computes_nearly_the_same():
+    model = quantizable_llama()
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model.logits(model(ids))
+    fp32_bytes = sum(
+        m.weight.numel() * 4
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2 and m.weight.shape[0] != 300
+    )
+    adapters.apply(model, "qlora", AdapterConfig(targets=("q", "v")))
+    quantized = [m for m in model.modules() if isinstance(m, nf4.NF4Linear)]
+    assert len(quantized) == 2 * 5  # qkv, out, gate, up, down of each block
+    assert sum(m.weight_bytes() for m in quantized) <= 0.30 * fp32_bytes
+    assert all(not p.requires_grad for m in quantized for p in m.parameters())
+    assert {n.split(".")[-1] for n, p in model.named_parameters() if p.requires_grad} == {"lora_a", "lora_b"}
+    with torch.no_grad():
+        after = model.logits(model(ids))
+    assert (after - before).abs().max() < 0.1 * before.abs().max()  # NF4's rounding, not another model
+    adapters.merge(model)
+    assert not any(isinstance(m, (nf4.NF4Linear, adapters.LoRALinear)) for m in model.modules())
+    with torch.no_grad():
+        assert torch.allclose(model.logits(model(ids)), after, atol=1e-4)  # B = 0: merged = dequantized base
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    return hf_llama_dir(tmp_path_factory.mktemp("qlora") / "base", hidden=128, inner=256)
+
+
+def qlora_args(base, data):
+    return [
+        "sft",
+        "--from",
+        base,
+        "--data",
+        data,
+        "--train",
+        "qlora",
+        "--batch-size",
+        4,
+        "--lr",
+        1e-2,
+        "--set",
+        "train.log_interval=1",
+    ]
+
+
+def test_a_qlora_run_trains_and_exports_merged_weights_transformers_loads(hf_base, tmp_path):
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    run = tmp_path / "run"
+    result = invoke("finetune", *qlora_args(hf_base, data), "--steps", 6, "--out", run, "--quiet")
+    assert result.exit_code == 0, result.output
+    losses = [
+        json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line
+    ]
+    assert losses[-1] < losses[0]
+    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
+    ours = for_inference(run).model  # the run as it trained: NF4 base + adapters
+    assert any(isinstance(m, nf4.NF4Linear) for m in ours.modules())
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours.logits(ours(ids)), atol=1e-3)
+    peft = invoke("export", "--checkpoint", run, "--peft", tmp_path / "peft")
+    assert peft.exit_code == 0, peft.output
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_qlora_run_resumes_bit_for_bit(hf_base, tmp_path):
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    assert_resumes_exactly("finetune", qlora_args(hf_base, data), tmp_path)

@@ -1,0 +1,72 @@
+"""A frozen linear whose weight is kept in 4-bit NormalFloat (NF4, Dettmers et al. 2023, QLoRA), built
+with torchao's NF4 tensor as torchtune's FrozenNF4Linear is: blocks of 64 weights share a scale, the
+scales themselves quantized to 8 bits in blocks of 256, about 4.1 bits a weight. The weight is
+dequantized block by block inside the matmul; the gradient flows to the input only (the base is
+frozen; QLoRA trains adapters beside it).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+BLOCK, SCALER_BLOCK = 64, 256  # torchao's (and the QLoRA paper's) defaults
+
+
+def quiet_torchao(module: str):
+    """A torchao module, imported without its notes about CUDA kernel libraries a CPU cannot load."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return __import__(module, fromlist=["_"])
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+def _nf4():
+    return quiet_torchao("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+
+
+def quantizable(linear: nn.Linear) -> bool:
+    """torchao's NF4 needs whole blocks: the weight's size a multiple of 64 x 256."""
+    return linear.weight.numel() % (BLOCK * SCALER_BLOCK) == 0
+
+
+class NF4Linear(nn.Module):
+    """y = x W^T + b with W (out, in) in NF4, frozen, and b (if any) frozen in its own precision."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        weight = _nf4().to_nf4(base.weight.detach(), BLOCK, SCALER_BLOCK)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if base.bias is None else nn.Parameter(base.bias.detach(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = _nf4().linear_nf4(x, self.weight)  # (..., out)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self) -> nn.Linear:
+        """A plain linear of the dequantized weight (what export writes)."""
+        weight = self.weight.get_original_weight()
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=weight.device)
+        with torch.no_grad():
+            plain.weight.copy_(weight)
+            if self.bias is not None:
+                plain.bias.copy_(self.bias)
+        return plain.to(weight.dtype)
+
+    def weight_bytes(self) -> int:
+        """The memory the weight (its 4-bit codes, quantized scales and their factors) and bias take."""
+        parts = [getattr(self.weight, name) for name in self.weight.__tensor_flatten__()[0]]
+        if self.bias is not None:
+            parts.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in parts)
