@@ -10,7 +10,8 @@ choice and their predictions; per task: acc, acc_norm and questions per second.
 lm_eval's side of each task is kept in bench-results/lm_eval/ (its log-likelihoods, results, seconds):
 BENCH_EVAL_SIDE=lm_eval runs that side alone (the long full-set runs, once), and BENCH_EVAL_REUSE=1
 compares tfcli with the kept side instead of running lm_eval again (the parity then holds; the speed
-ratio is of two different runs, and is left out unless both ran here).
+ratio is of two different runs, and is left out unless both ran here). BENCH_EVAL_TASKS=piqa:0,mmlu_anatomy:5
+runs only those (benchmark:shots).
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def main() -> None:
         task_dir = str(lm_eval_task_dir(Path(tmp)))
         rows = []
         side, reuse = os.environ.get("BENCH_EVAL_SIDE", ""), os.environ.get("BENCH_EVAL_REUSE") == "1"
+        only = [t for t in os.environ.get("BENCH_EVAL_TASKS", "").split(",") if t]  # e.g. piqa:0,mmlu_anatomy:5
         for bench, task, k in tasks(limit):
+            if only and f"{bench}:{k}" not in only:
+                continue
             kept = RESULTS / "lm_eval" / f"{task}-{k}shot-{limit or 'all'}.json"
             if reuse and kept.exists():
                 b, b_ran_here = json.loads(kept.read_text()), False

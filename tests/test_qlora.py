@@ -103,3 +103,15 @@ def test_a_qlora_run_trains_and_exports_merged_weights_transformers_loads(hf_bas
 def test_a_qlora_run_resumes_bit_for_bit(hf_base, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     assert_resumes_exactly("finetune", qlora_args(hf_base, data), tmp_path)
+
+
+def test_a_matrix_whose_blocks_256_does_not_divide_takes_a_smaller_scaler_block():
+    """SmolLM2's 576 x 576 attention output: 5,184 blocks of 64, which 64 divides and 256 does not."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 576, bias=False)
+    assert nf4.scaler_block(linear) == 64 and nf4.scaler_block(torch.nn.Linear(512, 512)) == 256
+    assert nf4.scaler_block(torch.nn.Linear(10, 10)) == 0  # not whole blocks: stays in full precision
+    x = torch.randn(3, 576)
+    with torch.no_grad():
+        exact, quantized = linear(x), nf4.NF4Linear(linear)(x)
+    assert (quantized - exact).norm() < 0.15 * exact.norm()

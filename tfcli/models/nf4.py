@@ -1,6 +1,7 @@
 """A frozen linear whose weight is kept in 4-bit NormalFloat (NF4, Dettmers et al. 2023, QLoRA), built
 with torchao's NF4 tensor as torchtune's FrozenNF4Linear is: blocks of 64 weights share a scale, the
-scales themselves quantized to 8 bits in blocks of 256, about 4.1 bits a weight. The weight is
+scales themselves quantized to 8 bits in blocks of 256 (or 128, 64 where 256 does not divide them),
+about 4.1 bits a weight. The weight is
 dequantized block by block inside the matmul; the gradient flows to the input only (the base is
 frozen; QLoRA trains adapters beside it).
 """
@@ -13,7 +14,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-BLOCK, SCALER_BLOCK = 64, 256  # torchao's (and the QLoRA paper's) defaults
+BLOCK, SCALER_BLOCKS = 64, (256, 128, 64)  # torchao's (and the QLoRA paper's) 64 and 256; smaller scaler
+# blocks where 256 does not divide a matrix's blocks (SmolLM2's 576-wide attention: 5,184 blocks)
 
 
 def quiet_torchao(module: str):
@@ -35,9 +37,17 @@ def _nf4():
     return quiet_torchao("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 
 
+def scaler_block(linear: nn.Linear) -> int:
+    """The largest scaler block (of 256, 128, 64) that divides the weight's blocks of 64; 0: the weight
+    cannot be held in NF4 (torchao needs whole blocks of both)."""
+    n = linear.weight.numel()
+    if n % BLOCK:
+        return 0
+    return next((s for s in SCALER_BLOCKS if (n // BLOCK) % s == 0), 0)
+
+
 def quantizable(linear: nn.Linear) -> bool:
-    """torchao's NF4 needs whole blocks: the weight's size a multiple of 64 x 256."""
-    return linear.weight.numel() % (BLOCK * SCALER_BLOCK) == 0
+    return scaler_block(linear) > 0
 
 
 class NF4Linear(nn.Module):
@@ -46,7 +56,7 @@ class NF4Linear(nn.Module):
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        weight = _nf4().to_nf4(base.weight.detach(), BLOCK, SCALER_BLOCK)
+        weight = _nf4().to_nf4(base.weight.detach(), BLOCK, scaler_block(base))
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if base.bias is None else nn.Parameter(base.bias.detach(), requires_grad=False)
 
