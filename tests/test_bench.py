@@ -101,6 +101,26 @@ def test_a_few_shot_prefix_runs_once_per_batch_and_every_choice_still_equals_tra
         assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, ids[0, -n:, None]).sum()), abs=1e-5)
 
 
+def test_choices_longer_than_their_context_are_rows_of_their_own_and_equal_transformers(hf_llama):
+    """PIQA's shape: a short goal, long solutions. Each choice is one row (context and choice), the
+    rows of a batch of other lengths left-padded."""
+    backbone = for_inference(hf_llama)
+    questions = [
+        spec.Question(f"Goal {i}:", ["first fill the pot with cold water" + " and wait" * i, "no"], 0)
+        for i in range(3)
+    ]
+    requests = loglik.requests(backbone.tokenizer, questions, " ")
+    assert all(len(g) == 1 for g in loglik._groups(requests))
+    ours = loglik.score(backbone.model, requests, pad=0, batch_size=4)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    for r, s in zip(requests, ours):
+        ids = torch.tensor([r.context + r.continuation])
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(ids).logits[0, :-1].float(), dim=-1)
+        n = len(r.continuation)
+        assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, ids[0, -n:, None]).sum()), abs=1e-5)
+
+
 def test_encoding_moves_the_contexts_trailing_space_to_the_continuation(hf_llama):
     tok = for_inference(hf_llama).tokenizer
     context, continuation = loglik.encode_pair(tok, "Answer: ", "yes")

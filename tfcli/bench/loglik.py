@@ -71,7 +71,7 @@ def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int
     """The tokens every context starts with (the description and few-shot examples), run once for the
     whole call: (those tokens, their KV caches), or ([], None) when they are too few to be worth it.
     Every context keeps at least its last token to run (its position predicts the choices)."""
-    contexts = [g[0].context for g in groups]
+    contexts = [g[0].context for g in groups]  # a lone choice's row starts with its context too
     shared = _common_prefix(contexts)[: min(len(c) for c in contexts) - 1]
     if len(shared) < MIN_SHARED:
         return [], None
@@ -83,34 +83,43 @@ def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int
 def _decoder_batch(
     model, groups: list[list[Request]], pad: int, device, shared: list[int], prefix: Optional[list]
 ) -> list[list[tuple[float, bool]]]:
-    """A batch of questions, each a group of choices after one context, in passes that share what can
-    be shared through the KV cache:
+    """A batch of questions, each a group of choices after one context (or one choice alone, its
+    row context and choice), in passes that share what can be shared through the KV cache:
 
     1. the prefix common to every context (`shared`, `prefix`: its caches), run once for the call;
-    2. each question's context after it, once per question (left-padded: the pads sit between the
-       prefix and the context, unseen, and positions count real tokens only); its last position gives
-       every choice's first token;
-    3. the choices of more than one token, one row each after its question's cached context.
+    2. each group's row after it: a shared context once for all its choices (its last position gives
+       every choice's first token), a lone choice's context and choice; left-padded when a cache is
+       read or kept (the pads sit between the prefix and the row, unseen, positions counting real
+       tokens only), else right-padded through SDPA's causal path, with no cache at all;
+    3. a shared context's choices of more than one token, one row each after the cached context.
 
     Only the positions that predict a choice's tokens go through the LM head."""
-    contexts = [g[0].context for g in groups]
-    width = max(len(c) for c in contexts) - len(shared)
-    tail = max(len(r.continuation) for g in groups for r in g) - 1  # pass 3's width
-    caches = model.new_caches(len(shared) + width + tail)
-    for c, p in zip(caches, prefix or []):
-        c.append(*(t[:, :, : p.length].expand(len(groups), -1, -1, -1) for t in (p.k, p.v)))
+    rows = [_row(g)[len(shared) :] for g in groups]
+    width = max(len(r) for r in rows)
+    longer = [(g, c) for g, group in enumerate(groups) if len(group) > 1 for c, r in enumerate(group)]
+    longer = [(g, c) for g, c in longer if len(groups[g][c].continuation) > 1]
+    tail = max((len(groups[g][c].continuation) for g, c in longer), default=1) - 1  # pass 3's width
     ids = torch.full((len(groups), width), pad, dtype=torch.long)
-    key_mask = torch.zeros(len(groups), len(shared) + width, dtype=torch.long)
-    key_mask[:, : len(shared)] = 1
-    for g, context in enumerate(contexts):
-        rest = context[len(shared) :]
-        ids[g, width - len(rest) :] = torch.tensor(rest)
-        key_mask[g, len(shared) + width - len(rest) :] = 1
-    key_mask = key_mask.to(device)
-    hidden = model(ids.to(device), caches=caches, key_mask=key_mask)  # (G, width, D): pass 2
-    first = torch.log_softmax(model.logits(hidden[:, -1:]).float(), dim=-1)[:, 0]  # (G, V): after each context
-    out = [[_score(first[g], r.continuation[:1]) for r in group] for g, group in enumerate(groups)]
-    longer = [(g, c) for g, group in enumerate(groups) for c, r in enumerate(group) if len(r.continuation) > 1]
+    if not shared and not longer:  # nothing cached before or after: right-padded rows, SDPA's causal path
+        for g, row in enumerate(rows):
+            ids[g, : len(row)] = torch.tensor(row)
+        hidden, ends, caches = model(ids.to(device)), [len(r) for r in rows], None  # (G, width, D)
+    else:
+        caches = model.new_caches(len(shared) + width + tail)
+        for c, p in zip(caches, prefix or []):
+            c.append(*(t[:, :, : p.length].expand(len(groups), -1, -1, -1) for t in (p.k, p.v)))
+        key_mask = torch.zeros(len(groups), len(shared) + width, dtype=torch.long)
+        key_mask[:, : len(shared)] = 1
+        for g, row in enumerate(rows):
+            ids[g, width - len(row) :] = torch.tensor(row)
+            key_mask[g, len(shared) + width - len(row) :] = 1
+        key_mask = key_mask.to(device)
+        hidden, ends = model(ids.to(device), caches=caches, key_mask=key_mask), [width] * len(rows)  # pass 2
+    out = []
+    for g, group in enumerate(groups):
+        n = len(group[0].continuation) if len(group) == 1 else 1  # the positions predicting what is scored
+        logp = torch.log_softmax(model.logits(hidden[g : g + 1, ends[g] - n : ends[g]])[0].float(), dim=-1)  # (n, V)
+        out.append([_score(logp, r.continuation if len(group) == 1 else r.continuation[:1]) for r in group])
     if longer:
         for c in caches:
             c.select(torch.tensor([g for g, _ in longer], device=device))
@@ -119,14 +128,21 @@ def _decoder_batch(
         for i, (g, c) in enumerate(longer):
             rest = groups[g][c].continuation[:-1]  # right-padded: a causal query never reaches the pads
             ids[i, : len(rest)], own[i, : len(rest)] = torch.tensor(rest), 1
-        rows = torch.tensor([g for g, _ in longer])
-        hidden = model(ids.to(device), caches=caches, key_mask=torch.cat([key_mask[rows], own.to(device)], 1))
+        rows_of = torch.tensor([g for g, _ in longer])
+        hidden = model(ids.to(device), caches=caches, key_mask=torch.cat([key_mask[rows_of], own.to(device)], 1))
         for i, (g, c) in enumerate(longer):  # hidden: (R, tail, D), pass 3
             target = groups[g][c].continuation
             logp = torch.log_softmax(model.logits(hidden[i : i + 1, : len(target) - 1])[0].float(), dim=-1)
             ll, greedy = _score(logp, target[1:])
             out[g][c] = (out[g][c][0] + ll, out[g][c][1] and greedy)
     return out
+
+
+def _row(group: list[Request]) -> list[int]:
+    """What pass 2 reads of a group: a shared context, or a lone choice's context and choice but its
+    last token (nothing predicts after it)."""
+    first = group[0]
+    return first.context + first.continuation[:-1] if len(group) == 1 else first.context
 
 
 def _common_prefix(rows: list[list[int]]) -> list[int]:
@@ -195,19 +211,29 @@ def score(model, requests: list[Request], pad: int, batch_size: int, progress=No
 
 
 def _groups(requests: list[Request]) -> list[list[int]]:
-    """The requests of one question after one context: its context runs once for all of them."""
+    """The requests of one question after one context share a row of that context when it pays:
+    choices of one token each (MMLU's letters), or a context at least as long as the longest choice
+    (HellaSwag). Otherwise (PIQA: a short goal, long solutions) each choice is a row of its own,
+    context and choice, which wastes less on padding than the shared context saves."""
     by_context: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
         by_context.setdefault((r.question, tuple(r.context)), []).append(i)
-    return list(by_context.values())
+    groups = []
+    for members in by_context.values():
+        longest = max(len(requests[i].continuation) for i in members)
+        if longest == 1 or len(requests[members[0]].context) >= longest:
+            groups.append(members)
+        else:
+            groups += [[i] for i in members]
+    return groups
 
 
 def _batches(groups: list[list[int]], requests: list[Request], batch_size: int):
     """Consecutive groups whose widest pass has at most batch_size rows: a group is one row of its
-    context, and one row per choice of more than one token."""
+    context, and a shared context one more row per choice of more than one token."""
     batch, rows = [], 0
     for g in groups:
-        n = max(1, sum(len(requests[i].continuation) > 1 for i in g))
+        n = max(1, sum(len(requests[i].continuation) > 1 for i in g)) if len(g) > 1 else 1
         if batch and rows + n > batch_size:
             yield batch
             batch, rows = [], 0
