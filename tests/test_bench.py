@@ -106,8 +106,7 @@ def test_choices_longer_than_their_context_are_rows_of_their_own_and_equal_trans
     rows of a batch of other lengths left-padded."""
     backbone = for_inference(hf_llama)
     questions = [
-        spec.Question(f"Goal {i}:", ["first fill the pot with cold water" + " and wait" * i, "no"], 0)
-        for i in range(3)
+        spec.Question(f"Goal {i}:", ["first fill the pot with cold water" + " and wait" * i, "no"], 0) for i in range(3)
     ]
     requests = loglik.requests(backbone.tokenizer, questions, " ")
     assert all(len(g) == 1 for g in loglik._groups(requests))
@@ -233,6 +232,7 @@ def test_a_t5_scores_the_context_with_its_encoder_and_the_choice_with_its_decode
         assert s.loglikelihood == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
 def test_a_list_mixes_tasks_and_benchmarks_found_under_one_data_directory(hf_llama, piqa_dir, tmp_path, monkeypatch):
     """`tfcli eval gsm8k,piqa --data D`: D/gsm8k and D/piqa; gsm8k through its own scorer (exact
     match of a generated reply), piqa by log-likelihood, both in one results file."""

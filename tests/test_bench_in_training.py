@@ -50,6 +50,7 @@ def sft_args(chat_model, data, bench_data, *extra):
     ]
 
 
+@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
 def test_an_sft_run_logs_piqa_at_each_evaluation_and_selects_its_best_checkpoint_by_it(
     chat_model, bench_data, tmp_path
 ):
@@ -73,6 +74,7 @@ def test_an_sft_run_logs_piqa_at_each_evaluation_and_selects_its_best_checkpoint
         assert piqa["acc,none"] == pytest.approx(m["piqa_acc"], abs=1e-6)
 
 
+@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
 def test_select_by_a_loss_keeps_the_lowest(chat_model, bench_data, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     run = tmp_path / "run"

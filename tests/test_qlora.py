@@ -78,6 +78,7 @@ def qlora_args(base, data):
     ]
 
 
+@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
 def test_a_qlora_run_trains_and_exports_merged_weights_transformers_loads(hf_base, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     run = tmp_path / "run"
