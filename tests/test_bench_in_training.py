@@ -64,6 +64,9 @@ def test_an_sft_run_logs_piqa_at_each_evaluation_and_selects_its_best_checkpoint
     assert all(0 <= m["piqa_acc"] <= 1 and 0 <= m["piqa_acc_norm"] <= 1 for m in val)
     best = max(val, key=lambda m: (m["piqa_acc_norm"], -m["step"]))  # the first of the highest
     assert (run / "checkpoints" / "best").read_text().strip() == f"step-{best['step']:07d}"
+    listed = invoke("runs", tmp_path)  # the runs table shows the selecting metric at the chosen checkpoint
+    assert listed.exit_code == 0 and f"{best['piqa_acc_norm']:.4f}" in listed.output.replace("\n", " ")
+    assert "val_piqa_acc_norm" in listed.output.replace("│", "").replace("\n", "").replace(" ", "")
     for m in val:  # the loop's figure is tfcli eval's on that step's checkpoint (6 questions: 3 x 2 rows)
         out = tmp_path / f"eval-{m['step']}.json"
         step = run / "checkpoints" / f"step-{m['step']:07d}"

@@ -56,7 +56,7 @@ def describe(run: Path) -> Optional[RunInfo]:
         f"{plugin} ({preset})" if preset else str(plugin),
         int(meta.get("step", 0)),
         int((raw.get("train") or {}).get("steps", 0)),
-        _best(run, meta),
+        _selected(run, str((raw.get("train") or {}).get("select_by") or "")) or _best(run, meta),
         (latest if latest.is_file() else config).stat().st_mtime,
     )
 
@@ -73,6 +73,18 @@ def split_scores(report: dict) -> dict[str, tuple[str, float]]:
         if key is not None:
             out[split] = (key, float(result[key]))
     return out
+
+
+def _selected(run: Path, metric: str) -> str:
+    """The metric train.select_by names, at the checkpoint it picked ("" when the run names none)."""
+    pointer = run / checkpoint.CHECKPOINTS / "best"
+    if not metric or not pointer.is_file():
+        return ""
+    try:
+        meta = checkpoint.read_meta(run / checkpoint.CHECKPOINTS / pointer.read_text().strip())
+    except UserError:
+        return ""
+    return f"{metric} {meta[metric]:.4f}" if isinstance(meta.get(metric), (int, float)) else ""
 
 
 def _best(run: Path, meta: dict) -> str:
