@@ -43,6 +43,9 @@ def test_every_block_linear_is_nf4_in_under_30_percent_of_fp32_and_computes_near
     adapters.apply(model, "qlora", AdapterConfig(targets=("q", "v")))
     quantized = [m for m in model.modules() if isinstance(m, nf4.NF4Linear)]
     assert len(quantized) == 2 * 5  # qkv, out, gate, up, down of each block
+    from tfcli.driver import quantized_note  # the run's header says it
+
+    assert quantized_note(model).strip().startswith("10 block matrices of the base in NF4:")
     assert sum(m.weight_bytes() for m in quantized) <= 0.30 * fp32_bytes
     assert all(not p.requires_grad for m in quantized for p in m.parameters())
     assert {n.split(".")[-1] for n, p in model.named_parameters() if p.requires_grad} == {"lora_a", "lora_b"}

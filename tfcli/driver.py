@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from . import adapters, display, registry
 from . import recipe as recipes
@@ -33,6 +34,7 @@ from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
 from .errors import UserError
 from .hf import hub
+from .models.nf4 import NF4Linear
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import Recipe
 
@@ -384,7 +386,18 @@ def banner(
         f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
         + (f" (resuming from {ckpt.name})" if ckpt else "")
         + (f"\n{described()}" if described else "")
+        + quantized_note(module)
     )
+
+
+def quantized_note(module: nn.Module) -> str:
+    """QLoRA's base: how many block matrices are held in NF4 and what they take against fp32."""
+    held = [m for m in module.modules() if isinstance(m, NF4Linear)]
+    if not held:
+        return ""
+    nf4_mb = sum(m.weight_bytes() for m in held) / 2**20
+    fp32_mb = sum(m.in_features * m.out_features * 4 for m in held) / 2**20
+    return f"\n{len(held)} block matrices of the base in NF4: {nf4_mb:,.1f} MB (fp32: {fp32_mb:,.1f} MB)"
 
 
 # --- evaluation ---------------------------------------------------------------------------------
