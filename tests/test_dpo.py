@@ -209,6 +209,7 @@ def chat_model(tmp_path_factory):
     return chat_gguf_file(tmp_path_factory)
 
 
+@pytest.mark.slow  # end to end; the fast tier keeps this module's other tests
 def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)
     result = invoke(

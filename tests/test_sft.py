@@ -234,6 +234,7 @@ def test_four_accumulated_micro_batches_give_the_gradient_of_one_batch_four_time
 # --- the tool ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end; the fast tier keeps this module's other tests
 def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(20) + [{"prompt": "no reply"}])
     result = invoke(
