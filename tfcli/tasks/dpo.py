@@ -59,7 +59,7 @@ class DPOConfig:
     beta: float = 0.1
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: float = 0.0  # conservative DPO: the share of preference labels taken as flipped
-    reference: Literal["auto", "copy", "base", "precompute"] = "auto"  # auto: base for lora/ia3, else copy
+    reference: Literal["auto", "copy", "base", "precompute"] = "auto"  # auto: base for lora/qlora/ia3, else copy
     prompt_field: str = "prompt"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
