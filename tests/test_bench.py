@@ -37,23 +37,28 @@ def piqa_dir(tmp_path_factory):
     return root
 
 
+def assert_equal_transformers(hf_llama, requests, scores) -> None:
+    """Each score is transformers' full forward pass over context + continuation on the same ids: the
+    continuation's summed log-probability (1e-5) and whether each of its tokens is the argmax."""
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    for r, s in zip(requests, scores, strict=True):
+        ids = torch.tensor([r.context + r.continuation])
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(ids).logits[0, :-1].float(), dim=-1)
+        n = len(r.continuation)
+        targets = ids[0, -n:]
+        assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, targets[:, None]).sum()), abs=1e-5)
+        assert s.greedy == bool((logp[-n:].argmax(-1) == targets).all())
+
+
 def test_each_choices_loglikelihood_equals_transformers_on_the_same_ids(hf_llama, piqa_dir):
     bench = spec.load("piqa")
     questions = spec.questions(bench, piqa_dir, 0)
     backbone = for_inference(hf_llama)
     requests = loglik.requests(backbone.tokenizer, questions, bench.target_delimiter)
     ours = loglik.score(backbone.model, requests, pad=0, batch_size=1)
-    theirs_model = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
     assert len(ours) == 6
-    for r, s in zip(requests, ours):
-        ids = torch.tensor([r.context + r.continuation])
-        with torch.no_grad():
-            logp = torch.log_softmax(theirs_model(ids).logits[0, :-1].float(), dim=-1)
-        n = len(r.continuation)
-        targets = ids[0, -n:]
-        expected = float(logp[-n:].gather(1, targets[:, None]).sum())
-        assert s.loglikelihood == pytest.approx(expected, abs=1e-5)
-        assert s.greedy == bool((logp[-n:].argmax(-1) == targets).all())
+    assert_equal_transformers(hf_llama, requests, ours)
     batched = loglik.score(backbone.model, requests, pad=0, batch_size=4)  # right-padded rows of other lengths
     assert [b.loglikelihood for b in batched] == pytest.approx([s.loglikelihood for s in ours], rel=1e-6)
 
@@ -92,13 +97,7 @@ def test_a_few_shot_prefix_runs_once_per_batch_and_every_choice_still_equals_tra
     assert widths[0][0] == 1 and widths[0][1] >= prefix >= loglik.MIN_SHARED  # pass 1: the prefix, once
     assert widths[1][0] == 4 and widths[1][1] < 20  # pass 2: each question's own tokens
     assert sum(a * b for a, b in widths) < sum(len(r.context) + len(r.continuation) for r in requests) / 2
-    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
-    for r, s in zip(requests, ours):
-        ids = torch.tensor([r.context + r.continuation])
-        with torch.no_grad():
-            logp = torch.log_softmax(theirs(ids).logits[0, :-1].float(), dim=-1)
-        n = len(r.continuation)
-        assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, ids[0, -n:, None]).sum()), abs=1e-5)
+    assert_equal_transformers(hf_llama, requests, ours)
 
 
 def test_choices_longer_than_their_context_are_rows_of_their_own_and_equal_transformers(hf_llama):
@@ -111,13 +110,7 @@ def test_choices_longer_than_their_context_are_rows_of_their_own_and_equal_trans
     requests = loglik.requests(backbone.tokenizer, questions, " ")
     assert all(len(g) == 1 for g in loglik._groups(requests))
     ours = loglik.score(backbone.model, requests, pad=0, batch_size=4)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
-    for r, s in zip(requests, ours):
-        ids = torch.tensor([r.context + r.continuation])
-        with torch.no_grad():
-            logp = torch.log_softmax(theirs(ids).logits[0, :-1].float(), dim=-1)
-        n = len(r.continuation)
-        assert s.loglikelihood == pytest.approx(float(logp[-n:].gather(1, ids[0, -n:, None]).sum()), abs=1e-5)
+    assert_equal_transformers(hf_llama, requests, ours)
 
 
 def test_encoding_moves_the_contexts_trailing_space_to_the_continuation(hf_llama):
