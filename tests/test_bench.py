@@ -257,3 +257,12 @@ def test_auto_batch_size_is_the_largest_power_of_two_the_free_memory_holds(hf_ll
     assert 1 < middle < 1 << 20 and middle & (middle - 1) == 0
     longer = [loglik.Request(0, 0, list(range(200)), [1, 2])]
     assert loglik.auto_batch_size(model, longer, most=1 << 20) < middle  # longer rows: fewer at once
+
+
+def test_a_question_longer_than_the_model_is_one_line_with_the_sizes(piqa_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    short = hf_llama_dir(tmp_path / "short", max_positions=8)
+    result = invoke("eval", "piqa", "--checkpoint", short, "--data", piqa_dir)
+    assert result.exit_code == 2, result.output
+    assert "piqa: a question of" in result.output and "does not fit the model's 8 positions" in result.output
+    assert list(tmp_path.iterdir()) == [short]  # nothing written

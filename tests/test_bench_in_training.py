@@ -136,3 +136,13 @@ def test_a_pretraining_run_logs_benchmarks_too(small_text, bench_data, tmp_path,
     assert result.exit_code == 0, result.output
     val = [m for m in read_metrics(tmp_path / "r") if m.get("split") == "val"]
     assert val and all({"loss", "piqa_acc", "piqa_acc_norm"} <= set(m) for m in val)
+
+
+def test_a_benchmark_longer_than_the_model_is_refused_before_the_run(small_text, bench_data, tmp_path, write_recipe):
+    from .conftest import tiny_gpt_recipe
+
+    recipe = write_recipe(tiny_gpt_recipe(small_text))  # 32 positions: PIQA's questions are longer
+    args = ("--set", "train.eval_tasks=[piqa:4]", "--set", f"train.eval_tasks_data={bench_data}")
+    result = invoke("pretrain", "--recipe", recipe, *args, "--out", tmp_path / "r")
+    assert result.exit_code == 2 and "train.eval_tasks: piqa: a question of" in result.output, result.output
+    assert "does not fit the model's 32 positions" in result.output and not (tmp_path / "r").exists()

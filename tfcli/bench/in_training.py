@@ -49,12 +49,7 @@ def plan(entries: tuple[str, ...], data: str, few_shot: int, model: nn.Module, t
         root = spec.data_root(bench, data or None)
         questions = [q for part in parts for q in spec.questions(part, root, few_shot, each)]
         requests = loglik.requests(tokenizer, questions, bench.target_delimiter)
-        longest = max((len(r.context) + len(r.continuation) for r in requests), default=0)
-        limit = getattr(model.cfg, "max_seq_len", 0)
-        if limit and longest > limit + 1:
-            raise UserError(
-                f"train.eval_tasks: a {name} question of {longest} tokens does not fit the model's {limit} positions"
-            )
+        loglik.check_fits(model, requests, f"train.eval_tasks: {name}")
         out.append(Planned(Path(name).stem, questions, requests))
     return out
 

@@ -64,6 +64,18 @@ def requests(tokenizer, questions, delimiter: str) -> list[Request]:
     return out
 
 
+def check_fits(model, requests: list[Request], what: str, hint: str = "") -> None:
+    """One line when a question (context and its longest choice) is longer than the model's positions:
+    checked before anything is scored, so scoring never cuts a row."""
+    limit = getattr(model.cfg, "max_seq_len", 0)
+    longest = max((len(r.context) + len(r.continuation) for r in requests), default=0)
+    if limit and longest > limit + 1:
+        raise UserError(
+            f"{what}: a question of {longest} tokens does not fit the model's {limit} positions"
+            + (f" ({hint})" if hint else "")
+        )
+
+
 MIN_SHARED = 8  # tokens: a shorter prefix common to a whole batch is not worth a pass of its own
 
 

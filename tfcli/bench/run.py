@@ -55,7 +55,8 @@ def run(req: BenchRequest, jobs: Optional[list] = None) -> dict:
     scored = []
     for bench, parts in jobs:
         part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs in parts]
-        _check_fits(bench, part_requests, model)
+        every = [r for _, _, reqs in part_requests for r in reqs]
+        loglik.check_fits(model, every, bench.name, "fewer --few-shot, or a model with a longer context")
         scored.append((bench, part_requests))
     batch_size = req.batch_size or loglik.auto_batch_size(model, [r for _, p in scored for _, _, rs in p for r in rs])
     results, samples, started = {}, {}, time.time()
@@ -119,16 +120,6 @@ def _score(model, reqs, pad: int, batch_size: int, auto: bool, advance, per_choi
             batch_size //= 2
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-
-
-def _check_fits(bench, part_requests, model) -> None:
-    limit = getattr(model.cfg, "max_seq_len", 0)
-    longest = max((len(r.context) + len(r.continuation) for _, _, reqs in part_requests for r in reqs), default=0)
-    if limit and longest > limit + 1:
-        raise UserError(
-            f"{bench.name}: a question of {longest} tokens does not fit the model's {limit} positions "
-            f"(fewer --few-shot, or a model with a longer context)"
-        )
 
 
 def _default_out(req: BenchRequest) -> Path:
