@@ -456,19 +456,23 @@ def test_sigint_saves_at_the_step_boundary_and_the_resumed_run_equals_an_uninter
 
 
 def test_a_nan_stops_the_run_with_latest_at_the_last_good_checkpoint(whole_run, tmp_path, capfd, monkeypatch):
+    from tfcli.engine.trainer import Trainer
     from tfcli.objectives import next_token
 
-    real, calls = next_token.loss, {"n": 0}
+    real, real_step, calls = next_token.loss, Trainer._train_step, {"n": 0}
+
+    def counted_step(self):  # training steps only (the memory plan's probes call the loss too)
+        calls["n"] += 1
+        return real_step(self)
 
     def poisoned(model, heads, batch):
         value, metrics = real(model, heads, batch)
-        if torch.is_grad_enabled():
-            calls["n"] += 1
-            if calls["n"] == 10:  # the 10th training step
-                value = value * float("nan")
+        if torch.is_grad_enabled() and calls["n"] == 10:  # the 10th training step
+            value = value * float("nan")
         return value, metrics
 
     monkeypatch.setattr(next_token, "loss", poisoned)
+    monkeypatch.setattr(Trainer, "_train_step", counted_step)
     run = tmp_path / "run"
     code, _, err = run_cli("pretrain", "--recipe", whole_run[1], "--out", run, "--quiet", capfd=capfd)
     assert code == 2 and err.count("\n") == 1

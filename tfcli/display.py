@@ -155,3 +155,16 @@ class TrainDisplay:
 def _eta(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def plan_table(plan, title: str) -> None:
+    """--dry-run's memory plan, a row per figure, then its one-line summary (what a run's header prints)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column(justify="right")
+    for what, amount in plan.rows_table():
+        table.add_row(what, f"[bold]{amount}[/]" if what == "planned peak" else amount)
+    console.print(table)
+    console.print(plan.summary())

@@ -29,7 +29,8 @@ from . import recipe as recipes
 from .bench import in_training
 from .display import console
 from .engine import backbone as backbones
-from .engine import checkpoint
+from .engine import checkpoint, memory
+from .engine.perf import peak_memory_mb
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
 from .errors import UserError
@@ -48,6 +49,7 @@ class RunRequest:
     out: Optional[Path] = None
     resume: Optional[Path] = None  # a run directory to continue
     quiet: bool = False
+    dry_run: bool = False  # print the memory plan and stop: nothing trained or written
 
 
 def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False) -> Plugin:
@@ -79,24 +81,104 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         if source is not None and ckpt is None and plugin.kind == "objective":
             carry_heads(job, backbone, rt.is_main and not req.quiet)
         recipe = resolve_schedule(recipe, job, rt)
-        module = trained_module(recipe, job, backbone.model)
         if ckpt is not None:
             recipe = keep_global_batch(recipe, ckpt, rt)
+        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, measured_so_far(rt), resumed=ckpt is not None)
+        module = trained_module(recipe, job, backbone.model)
         trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
         if ckpt is not None:
             trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
         created = req.resume is None and not run_dir.exists()  # not an empty --out the user made
         with run_lock(run_dir, rt), removed_on_failure(run_dir, rt, created):
-            write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module))
+            write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module), plan)
             trainer.forget_after(trainer.step)
             if rt.is_main and not req.quiet:
                 console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt, rt))
+                console.print(plan.summary(), highlight=False)
+                if note:
+                    console.print(f"[yellow]note:[/] {note}")
             trainer.fit()
+            if rt.is_main and not req.quiet:
+                console.print(peak_line(plan, rt), highlight=False)
     finally:
         teardown(rt)
     if rt.is_main:
         plugin.report(recipe, run_dir)
     return run_dir, plugin
+
+
+def dry_run(req: RunRequest) -> memory.Plan:
+    """--dry-run: the run's memory plan, from its model's shapes (on the meta device, no weight read)
+    and one batch of its data at the recipe's lengths, printed; nothing is trained or written."""
+    t = req.recipe.train
+    rt = runtime_for(req)
+    display.configure(rt.is_main and not req.quiet)
+    req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
+    try:
+        plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
+        check_streaming(req.recipe, plugin)
+        if req.out is not None and not req.resume:
+            new_run_dir(req.recipe, req.out)  # --out is checked as a run would (nothing is created)
+        ckpt = resume_point(req.resume)
+        torch.manual_seed(req.recipe.train.seed)
+        source, backbone = starting_model(req, plugin, rt, ckpt, shapes_only=True)
+        recipe = plugin.resolve(req.recipe, backbone)
+        job = with_benchmarks(plugin.setup(recipe, backbone), recipe, backbone, rt)
+        recipe = resolve_schedule(recipe, job, rt)
+        read = source is not None or ckpt is not None  # a fresh model is not read from a file
+        recipe, plan, note = fit_memory(
+            recipe, job, backbone.model, rt, None if read else 0.0, resumed=ckpt is not None, dry_run=True
+        )
+    finally:
+        teardown(rt)
+    if rt.is_main:
+        display.plan_table(plan, f"memory plan of {recipe.name} ({recipe.train.steps:,} steps): nothing trained")
+        if note:
+            console.print(f"[yellow]note:[/] {note}")
+    return plan
+
+
+def fit_memory(
+    recipe: Recipe,
+    job: Job,
+    model: nn.Module,
+    rt: Runtime,
+    reading: Optional[float],
+    resumed: bool = False,
+    dry_run: bool = False,
+) -> tuple[Recipe, memory.Plan, str]:
+    """The run's memory plan, and the recipe with what it chose: train.activation_checkpointing auto
+    resolved, and micro-batches when train.memory_limit needs them (a one-line error when nothing fits,
+    before the run directory exists). A resumed run keeps what it chose when it started."""
+    t = recipe.train
+    plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run)
+    limit = 0.0 if resumed else memory.limit_of(t.memory_limit, capacity)
+    plan, note = memory.choose(plans, t.batch_size, t.activation_checkpointing, t.micro_batch_size, limit)
+    if memory.parse_limit(t.memory_limit) and rt.device.type == "cpu" and not dry_run:
+        memory.follow_the_plan()
+    micro = plan.micro_batch if plan.micro_batch != t.batch_size else t.micro_batch_size
+    recipe = recipe_with(
+        recipe,
+        "train",
+        activation_checkpointing="blocks" if plan.checkpointing else "none",
+        micro_batch_size=micro,
+    )
+    return recipe, plan, note
+
+
+def measured_so_far(rt: Runtime) -> Optional[float]:
+    """The process's peak so far on the CPU (reading the weights, tokenizing), in bytes."""
+    return peak_memory_mb(rt.device) * 2**20 if rt.device.type == "cpu" else 0.0
+
+
+def peak_line(plan: memory.Plan, rt: Runtime) -> str:
+    """The final report's memory line: the measured peak beside the plan's."""
+    measured = peak_memory_mb(rt.device) * 2**20
+    what = "resident" if rt.device.type == "cpu" else "allocated"
+    return (
+        f"peak memory: {memory.gb(measured)} {what} (planned {memory.gb(plan.peak)}, "
+        f"{100 * (plan.peak - measured) / max(measured, 1):+.0f}%)"
+    )
 
 
 def with_benchmarks(job: Job, recipe: Recipe, backbone: Backbone, rt: Runtime) -> Job:
@@ -120,17 +202,18 @@ def check_streaming(recipe: Recipe, plugin: Plugin) -> None:
 
 
 def starting_model(
-    req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Optional[Path]
+    req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Optional[Path], shapes_only: bool = False
 ) -> tuple[Optional[str], Backbone]:
     """(where the weights come from, the backbone): --from (a hub id resolved), or the resumed run's
-    own record of it; the backbone read from there, or from the checkpoint being resumed."""
+    own record of it; the backbone read from there, or from the checkpoint being resumed (shapes_only:
+    on the meta device, for a memory plan)."""
     if req.source:
         source = str(hub.resolve(req.source))
     else:
         source = backbones.recorded(req.resume).get("from") if req.resume else None
     if ckpt:
-        return source, backbones.for_resume(req.resume, req.recipe, ckpt)
-    return source, backbones.load(source, req.recipe, plugin, rt)
+        return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
+    return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
 
 
 def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
@@ -291,12 +374,13 @@ def write_run_files(
     job: Job,
     source: Optional[str],
     parameters: dict[str, int],
+    plan: memory.Plan,
 ) -> None:
     """The resolved recipe, the tokenizer, the plug-in's files, and run.json: where the model came
-    from, the command line and the versions (rank 0)."""
+    from, the command line, the versions and the memory plan (rank 0)."""
     if rt.is_main:
         recipes.save(recipe, run_dir / "config.yaml")
-        record = {**run_record(run_dir, source, backbone, rt), "parameters": parameters}
+        record = {**run_record(run_dir, source, backbone, rt), "parameters": parameters, "memory_plan": plan.as_dict()}
         (run_dir / backbones.RUN_FILE).write_text(json.dumps(record, indent=1))
         if backbone.tokenizer is not None:
             backbone.tokenizer.save(run_dir)

@@ -40,6 +40,21 @@ def require(ok: bool, field: str, expected: str, value: Any) -> None:
         raise ValueError(f"{field} must be {expected}, got {value!r}")
 
 
+_POWERS = {"": 0, "b": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_limit(text) -> Optional[float]:
+    """'auto' -> None; '0' -> 0 (no limit); '4GB', '4G', '3.5GiB', '4000MB' -> bytes (K, M, G and T
+    with or without B or iB are powers of 1024, as memory is sold)."""
+    text = str(text).strip().lower()
+    if text == "auto":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", text)
+    if not m or (m.group(3) == "ib" and not m.group(2)):
+        raise ValueError(f"train.memory_limit must be auto, 0 or a size such as 4GB or 4000MB, got {text!r}")
+    return float(m.group(1)) * 1024 ** _POWERS[m.group(2)]
+
+
 @dataclass(frozen=True)
 class TokenizerConfig:
     """bpe/wordpiece/unigram: trained on the training text; char: one id per character;
@@ -125,7 +140,14 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch CPU threads; 0: the cores this process may use, shared by the processes on this node
     strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: DDP under torchrun, else none; fsdp: FSDP2
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    # recompute each block's activations in the backward pass: none | blocks | auto (the memory plan
+    # decides: on when the step's activations would outweigh the weights, frozen models and optimizer
+    # states and pass 1 GB, or when the run fits train.memory_limit only with it)
+    activation_checkpointing: Literal["none", "blocks", "auto"] = "auto"
+    micro_batch_size: int = (
+        0  # rows per forward and backward, accumulated to batch_size (0: batch_size, or what memory_limit needs)
+    )
+    memory_limit: str = "auto"  # what one process may hold: auto (90% of the device's), 0 (no limit), or a size (4GB)
     prefetch: int = 2  # batches built ahead in a background thread (0: on the main thread, between steps)
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of model + loss; auto: on CUDA only
     skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
@@ -166,6 +188,13 @@ class TrainConfig:
                 list(self.eval_tasks),
             )
         require(self.eval_tasks_few_shot >= 0, "train.eval_tasks_few_shot", ">= 0", self.eval_tasks_few_shot)
+        require(
+            self.micro_batch_size == 0 or self.batch_size % self.micro_batch_size == 0,
+            "train.micro_batch_size",
+            f"0 or a divisor of train.batch_size ({self.batch_size})",
+            self.micro_batch_size,
+        )
+        parse_limit(self.memory_limit)  # a ValueError naming the field
         require(self.prefetch >= 0, "train.prefetch", ">= 0 (0: no prefetching)", self.prefetch)
         require(
             set(self.loggers) <= {"csv", "tensorboard", "wandb"},
@@ -420,6 +449,8 @@ RESUMABLE_CHANGES = {
         "collective_timeout",
         "precision",
         "activation_checkpointing",
+        "micro_batch_size",
+        "memory_limit",
         "grad_accum",
         "eval_tasks",
         "eval_tasks_data",
@@ -531,7 +562,8 @@ def _build_model(raw: Any, path: str):
     return _build(FAMILIES[family][0], raw, path)
 
 
-YAML_BOOLEAN_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+# YAML 1.1 booleans taken back as the word a field offers (train.activation_checkpointing was a boolean)
+YAML_BOOLEAN_WORDS = {True: ("on", "yes", "true", "blocks"), False: ("off", "no", "false", "none")}
 
 
 def _coerce(tp, value: Any, path: str):

@@ -50,6 +50,11 @@ PRECISION = typer.Option(
     None, help="auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 [default: the recipe's train.precision]."
 )
 QUIET = typer.Option(False, "--quiet", help="Print nothing but errors and the final summary.")
+DRY_RUN = typer.Option(
+    False,
+    "--dry-run",
+    help="Print the run's memory plan (weights, gradients, optimizer, activations, against the device) and stop; nothing is trained or written.",
+)
 CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
 
 
@@ -186,11 +191,20 @@ def check_device(device: Optional[str]) -> None:
 
 
 def run_training(
-    rec: recipes.Recipe, source: Optional[str], out: Optional[Path], resume: Optional[Path], quiet: bool
-) -> None:
+    rec: recipes.Recipe,
+    source: Optional[str],
+    out: Optional[Path],
+    resume: Optional[Path],
+    quiet: bool,
+    dry_run: bool = False,
+):
+    """Train the run (returns nothing), or with dry_run print its memory plan and return it."""
     from ..display import console
     from ..driver import RunRequest, train
+    from ..driver import dry_run as plan_only
 
+    if dry_run:
+        return plan_only(RunRequest(rec, source, out, resume, quiet))
     run_dir, plugin = train(RunRequest(rec, source, out, resume, quiet))
     if int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))

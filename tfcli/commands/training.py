@@ -11,6 +11,7 @@ from .. import registry
 from ..errors import UserError
 from .common import (
     DEVICE,
+    DRY_RUN,
     PRECISION,
     QUIET,
     SEED,
@@ -58,6 +59,7 @@ def pretrain(
     precision: Optional[str] = PRECISION,
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = QUIET,
+    dry_run: bool = DRY_RUN,
     shortcuts: Optional[dict] = None,
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE,
@@ -78,7 +80,7 @@ def pretrain(
         if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
         rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
-    run_training(rec, from_, out, resume_dir, quiet)
+    return run_training(rec, from_, out, resume_dir, quiet, dry_run)
 
 
 def continued_from(source: Optional[str], resume: Optional[str]) -> Optional[str]:
@@ -222,6 +224,7 @@ def finetune(
     precision: Optional[str] = PRECISION,
     set_: List[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = QUIET,
+    dry_run: bool = DRY_RUN,
     shortcuts: Optional[dict] = None,
 ):
     """Finetune a pretrained model on a task."""
@@ -261,4 +264,4 @@ def finetune(
                 + ", ".join(f"{k}={v}" for k, v in applied.items())
                 + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)"
             )
-    run_training(rec, from_, out, resume_dir, quiet)
+    return run_training(rec, from_, out, resume_dir, quiet, dry_run)

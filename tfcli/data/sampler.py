@@ -35,6 +35,9 @@ class Draw:
     def __len__(self) -> int:
         return len(self.indices)
 
+    def __getitem__(self, rows: slice) -> "Draw":
+        return Draw(self.epochs[rows], self.indices[rows], self.keys[rows])
+
     def rng(self, i: int) -> np.random.Generator:
         """Example i's own random generator: the same for the same example of the same epoch."""
         return np.random.default_rng(self.keys[i].tolist())
@@ -64,15 +67,27 @@ def grouped_order(lengths: np.ndarray, rng: np.random.Generator, batch: int, gro
     return np.concatenate([batches.reshape(-1), order[full * batch :]])
 
 
+def micro_slices(batch_size: int, micro_batch: int) -> list[slice]:
+    """The rows of each micro-batch of a batch (train.micro_batch_size; 0: the batch whole)."""
+    step = micro_batch or batch_size
+    return [slice(s, s + step) for s in range(0, batch_size, step)]
+
+
 class Sampler:
     """Resumable batches from a Source: the global batch of batch_size * world_size examples in a
-    fresh seeded order each epoch, this rank's slice of it, epochs joined end to end."""
+    fresh seeded order each epoch, this rank's slice of it, epochs joined end to end. With
+    micro_batch, each batch comes as batch_size / micro_batch batches of its rows in turn (the same
+    examples and order as whole batches: a step accumulates them)."""
 
-    def __init__(self, source: Source, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, source: Source, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, micro_batch: int = 0
+    ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.rank, self.world_size = rank, world_size
+        self.micro_batch = micro_batch
         self.epoch, self.index = 0, 0  # the next example: position `index` of epoch `epoch`
         self._orders: dict[int, Optional[np.ndarray]] = {}
+        self._pending: list[Draw] = []  # the rest of the current batch's micro-batches
 
     def _order(self, epoch: int) -> Optional[np.ndarray]:
         """Epoch `epoch`'s example order (None: index order), cached for the current epochs."""
@@ -113,9 +128,10 @@ class Sampler:
         return Draw(epochs_, np.concatenate(indices), keys)
 
     def next_batch(self) -> dict[str, Tensor]:
-        d = self.draw()
-        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        return self.source.batch(Draw(d.epochs[mine], d.indices[mine], d.keys[mine]))
+        if not self._pending:
+            mine = self.draw()[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            self._pending = [mine[rows] for rows in micro_slices(len(mine), self.micro_batch)]
+        return self.source.batch(self._pending.pop(0))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
@@ -152,17 +168,23 @@ class StreamSampler:
     """The Sampler's counterpart for a Stream: every rank reads the global batch of batch_size x
     processes and keeps its slice; example k of the stream draws from (seed, STREAM_EPOCH, k)."""
 
-    def __init__(self, stream: Stream, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, stream: Stream, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, micro_batch: int = 0
+    ):
         self.stream, self.batch_size, self.seed, self.rank, self.world_size = stream, batch_size, seed, rank, world_size
+        self.micro_batch = micro_batch
         self.consumed = 0
+        self._pending: list[tuple[list, list]] = []  # the rest of the current batch's micro-batches
 
     def next_batch(self) -> dict[str, Tensor]:
-        examples = self.stream.next_examples(self.batch_size * self.world_size)
-        first = self.consumed + self.rank * self.batch_size
-        self.consumed += len(examples)
-        mine = examples[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        rngs = [np.random.default_rng([self.seed, STREAM_EPOCH, first + i]) for i in range(len(mine))]
-        return self.stream.batch(mine, rngs)
+        if not self._pending:
+            examples = self.stream.next_examples(self.batch_size * self.world_size)
+            first = self.consumed + self.rank * self.batch_size
+            self.consumed += len(examples)
+            mine = examples[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            rngs = [np.random.default_rng([self.seed, STREAM_EPOCH, first + i]) for i in range(len(mine))]
+            self._pending = [(mine[rows], rngs[rows]) for rows in micro_slices(len(mine), self.micro_batch)]
+        return self.stream.batch(*self._pending.pop(0))
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "stream": self.stream.state_dict()}
@@ -176,10 +198,10 @@ class StreamSampler:
         self.stream.load_state_dict(state["stream"])
 
 
-def make_sampler(source, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+def make_sampler(source, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, micro_batch: int = 0):
     """The sampler for a plug-in's training data: indexed Sources and Streams alike."""
     cls = StreamSampler if isinstance(source, Stream) else Sampler
-    return cls(source, batch_size, seed, rank, world_size)
+    return cls(source, batch_size, seed, rank, world_size, micro_batch)
 
 
 class PaddingBatch(dict):

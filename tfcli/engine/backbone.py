@@ -141,11 +141,12 @@ def for_inference(path: Path, device: str = "cpu") -> Backbone:
     return backbone
 
 
-def from_hf(path: Path, specials: list[str]) -> Backbone:
-    """A local Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer."""
+def from_hf(path: Path, specials: list[str], shapes_only: bool = False) -> Backbone:
+    """A local Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer;
+    shapes_only: the model on the meta device, no weight read (a memory plan)."""
     with phase(f"reading {path}"):
-        cfg, state = interop.read_pretrained(Path(path))
-    model = load_hf_weights(build_model(cfg), state, path)
+        cfg, state = interop.read_pretrained(Path(path), shapes_only)
+    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, path)
     heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
     if gguf.is_gguf(path):
         tok = gguf.read_tokenizer(Path(path))
@@ -165,26 +166,36 @@ def load_hf_weights(model, state: dict, path: Path):
     return model
 
 
-def fresh(recipe, plugin, rt: Runtime) -> Backbone:
+def on_meta(cfg):
+    """The model of `cfg` with no memory behind its tensors (what a memory plan reads: shapes)."""
+    with torch.device("meta"):
+        return build_model(cfg)
+
+
+def fresh(recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
     """The recipe's model, randomly initialised (seeded), with the tokenizer the recipe describes."""
     tok = shared_tokenizer(recipe, plugin, rt) if recipe.model.family in TEXT_FAMILIES and plugin.reads_text else None
     cfg = with_vocab(plugin.model_shape(recipe), tok)
     torch.manual_seed(recipe.train.seed)
-    return Backbone(build_model(cfg), tok, "scratch")
+    return Backbone(on_meta(cfg) if shapes_only else build_model(cfg), tok, "scratch")
 
 
-def for_resume(run_dir: Path, recipe, ckpt: Path) -> Backbone:
+def for_resume(run_dir: Path, recipe, ckpt: Path, shapes_only: bool = False) -> Backbone:
     """A run being resumed: its model (the base's weights when it saves only what it trained) and its
     tokenizer; its own weights come from the checkpoint."""
     tok = TextTokenizer.from_run(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
     partial = bool(checkpoint.read_meta(ckpt).get("partial"))
-    model = base_model(run_dir, recipe) if partial else build_model(recipe.model)
+    if shapes_only:
+        model = on_meta(recipe.model)
+    else:
+        model = base_model(run_dir, recipe) if partial else build_model(recipe.model)
     return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 
-def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
+def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
     """The backbone a training run starts from: `source` (--from) or a fresh model. The family is
-    checked against the plug-in before anything is built or trained."""
+    checked against the plug-in before anything is built or trained. shapes_only: the model on the
+    meta device, no weight read or initialised (a memory plan)."""
     if source is not None and not Path(source).exists():
         raise UserError(f"--from {source}: not found")
     family = recipe.model.family if source is None else family_of(source)
@@ -197,7 +208,11 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
             f"{' or '.join(repr(f) for f in plugin.families)}"
         )
     if source is None:
-        return fresh(recipe, plugin, rt)
+        return fresh(recipe, plugin, rt, shapes_only)
+    if is_run(Path(source)) and shapes_only:
+        run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
+        tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
+        return Backbone(on_meta(recipes.load_resolved(run / "config.yaml").model), tok, str(source))
     if is_run(Path(source)):
         backbone = from_run(Path(source), which="best")
         merged = merge_adapters(backbone.model)
@@ -208,7 +223,7 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime) -> Backbone:
             )
         backbone.model.train().requires_grad_(True)  # what this run trains is its own strategy's to choose
         return backbone
-    return from_hf(Path(source), plugin.special_tokens(family))
+    return from_hf(Path(source), plugin.special_tokens(family), shapes_only)
 
 
 def merge_adapters(model) -> str:

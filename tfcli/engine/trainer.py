@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..data.sampler import StreamSampler, make_sampler, sequential_batches
+from ..data.sampler import StreamSampler, make_sampler, micro_slices, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
 from ..models.nf4 import NF4Linear
@@ -77,13 +77,13 @@ def compiled(module: nn.Module, setting: str, device: torch.device):
     return torch.compile(module)
 
 
-def checkpoint_activations(module: nn.Module) -> None:
+def set_checkpointing(module: nn.Module, on: bool) -> None:
     """train.activation_checkpointing: every transformer block keeps only its input for the backward
     pass and recomputes the rest (less memory, about a third more compute)."""
     from ..models import transformer_blocks
 
     for block in transformer_blocks(module):
-        block.checkpointing = True
+        block.checkpointing = on
 
 
 def lr_multiplier(step: int, sched, total: int, base_lr: float) -> float:
@@ -113,8 +113,8 @@ class Trainer:
     ):
         self.module, self.job, self.recipe, self.run_dir, self.rt = module.to(rt.device), job, recipe, Path(run_dir), rt
         self.tc = recipe.train
-        if self.tc.activation_checkpointing:
-            checkpoint_activations(module)
+        # the driver resolved auto (the memory plan's choice) before the trainer was built
+        set_checkpointing(module, self.tc.activation_checkpointing == "blocks")
         # wrapped before the optimizer is built: FSDP replaces the parameters with their shards
         self.wrapped = rt.strategy.wrap(module, self.tc.precision)
         prepare_frozen(job.frozen, rt)
@@ -127,13 +127,8 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr)
         )
-        self.sampler = make_sampler(job.train, self.tc.batch_size, self.tc.seed, rt.rank, rt.world_size)
-        # batches built ahead in a thread (not for streams: their position is the whole shuffle buffer)
-        self.batches = (
-            Prefetcher(self.sampler, self.tc.prefetch, rt.device.type == "cuda")
-            if self.tc.prefetch > 0 and not isinstance(self.sampler, StreamSampler)
-            else self.sampler
-        )
+        self.sampler, self.batches = self._data(job, rt)
+        self.micro_batches = self.tc.grad_accum * len(micro_slices(self.tc.batch_size, self.tc.micro_batch_size))
         self.step, self.best, self.skipped = 0, None, 0
         self.elapsed_before, self.started = (
             0.0,
@@ -151,6 +146,15 @@ class Trainer:
         self.doing = "setup"  # what the loop is doing, for an error that stops it (e.g. a collective timeout)
         check_available(self.tc.loggers)
         self.log = MetricsLog(self.run_dir, self.tc.loggers, recipe.name) if rt.is_main else None
+
+    def _data(self, job: Job, rt: Runtime):
+        """The training data's sampler, and what the loop reads it through: batches built ahead in a
+        thread (not for streams: their position is the whole shuffle buffer)."""
+        t = self.tc
+        sampler = make_sampler(job.train, t.batch_size, t.seed, rt.rank, rt.world_size, t.micro_batch_size)
+        if t.prefetch > 0 and not isinstance(sampler, StreamSampler):
+            return sampler, Prefetcher(sampler, t.prefetch, rt.device.type == "cuda")
+        return sampler, sampler
 
     def restore(self, ckpt: Path) -> None:
         """Weights, optimizer, schedule, data position and RNG: training continues exactly. A checkpoint
@@ -250,11 +254,11 @@ class Trainer:
         return any(v > 0 for v in self.rt.mean({"stop": float(flag)}).values())
 
     def _train_step(self) -> tuple[dict[str, Tensor], int]:
-        """One optimizer step over grad_accum micro-batches -> (its metrics, averaged over them, still on
+        """One optimizer step over grad_accum batches (each in its micro-batches) -> (its metrics, averaged over them, still on
         the device; items). Nothing is read back to the host: a step whose loss or gradient is not
         finite is skipped inside the fused optimizer (found_inf), and noticed at the next log line."""
         self.module.train()
-        batches = [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.tc.grad_accum)]
+        batches = [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.micro_batches)]
         sums, items = self._backward(batches), sum(self.job.count_items(b) for b in batches)
         max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
         sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()

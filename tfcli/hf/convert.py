@@ -128,13 +128,15 @@ def read_config(path: Path) -> dict:
     return raw
 
 
-def read_state(path: Path) -> dict[str, Tensor]:
+def read_state(path: Path, shapes_only: bool = False) -> dict[str, Tensor]:
     """The weights of a transformers directory: model.safetensors, a sharded safetensors index, or
-    pytorch_model.bin (single or sharded) loaded with weights_only=True (no code runs)."""
+    pytorch_model.bin (single or sharded) loaded with weights_only=True (no code runs). shapes_only:
+    meta tensors of their shapes and dtypes, nothing read but the files' headers (a memory plan)."""
     path = Path(path)
+    safetensors, binary = (_safetensors_shapes, _bin_shapes) if shapes_only else (_load_safetensors, _load_bin)
     for index, loader in (
-        ("model.safetensors.index.json", _load_safetensors),
-        ("pytorch_model.bin.index.json", _load_bin),
+        ("model.safetensors.index.json", safetensors),
+        ("pytorch_model.bin.index.json", binary),
     ):
         if (path / index).is_file():
             shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
@@ -143,9 +145,9 @@ def read_state(path: Path) -> dict[str, Tensor]:
                 state.update(loader(path / shard))
             return state
     if (path / "model.safetensors").is_file():
-        return _load_safetensors(path / "model.safetensors")
+        return safetensors(path / "model.safetensors")
     if (path / "pytorch_model.bin").is_file():
-        return _load_bin(path / "pytorch_model.bin")
+        return binary(path / "pytorch_model.bin")
     raise UserError(f"{path}: no model.safetensors, sharded safetensors or pytorch_model.bin")
 
 
@@ -156,9 +158,28 @@ def _load_safetensors(file: Path) -> dict[str, Tensor]:
         raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
 
 
-def _load_bin(file: Path) -> dict[str, Tensor]:
+def _safetensors_shapes(file: Path) -> dict[str, Tensor]:
+    from safetensors import safe_open
+
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with safe_open(str(file), "pt") as f:
+            return {k: _meta(f.get_slice(k)) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:120]})") from None
+
+
+def _meta(piece) -> Tensor:
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    return torch.empty(piece.get_shape(), dtype=dtypes.get(piece.get_dtype(), torch.float32), device="meta")
+
+
+def _bin_shapes(file: Path) -> dict[str, Tensor]:
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in _load_bin(file, mmap=True).items()}
+
+
+def _load_bin(file: Path, mmap: bool = False) -> dict[str, Tensor]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # weights_only refuses pickled code; a truncated file fails to unpickle
         raise UserError(
             f"{file}: refused or unreadable with weights_only=True "

@@ -186,9 +186,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read(path: Path) -> tuple[dict, dict[str, Tensor]]:
+def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]]:
     """A GGUF -> (transformers-style config, transformers-named fp32 tensors); read_tokenizer gives its
-    tokenizer."""
+    tokenizer. shapes_only: meta tensors of their shapes, nothing dequantized (a memory plan)."""
     import gguf
 
     path = Path(path)
@@ -202,6 +202,9 @@ def read(path: Path) -> tuple[dict, dict[str, Tensor]]:
     raw["tie_word_embeddings"] = "output.weight" not in names
     state = {}
     for t in reader.tensors:
+        if shapes_only:
+            state[_hf_name(t.name, path)] = torch.empty([int(n) for n in reversed(t.shape)], device="meta")
+            continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:

@@ -34,12 +34,12 @@ def read_source_config(path: Path) -> dict:
     return gguf.read_config(Path(path)) if gguf.is_gguf(path) else read_config(path)
 
 
-def read_pretrained(path: Path):
+def read_pretrained(path: Path, shapes_only: bool = False):
     """A local transformers directory or a GGUF file -> (tfcli model config, state dict with model.* and
-    heads.* names)."""
-    raw, state = gguf.read(Path(path)) if gguf.is_gguf(path) else (read_config(path), None)
+    heads.* names); shapes_only: the state as meta tensors, no weight read (a memory plan)."""
+    raw, state = gguf.read(Path(path), shapes_only) if gguf.is_gguf(path) else (read_config(path), None)
     module = FAMILIES[family_of_config(raw, path)]
-    state = module.normalize(state if state is not None else read_state(path))
+    state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
         cfg = module.config_from_hf(raw, state)
     except KeyError as e:

@@ -136,7 +136,10 @@ class Preference:
 
 @torch.no_grad()
 def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device) -> Tensor:
-    """(N, 2) the reference's log-probabilities of every pair's chosen and rejected reply."""
+    """(N, 2) the reference's log-probabilities of every pair's chosen and rejected reply (zeros for a
+    model on the meta device: a memory plan, which needs their count only)."""
+    if any(p.is_meta for p in model.parameters()):
+        return torch.zeros(len(pairs), 2)
     was, out = model.training, []
     model.to(device).eval()
     with phase("reference log-probabilities", -(-len(pairs) // batch_size), "batches") as advance:

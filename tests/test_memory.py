@@ -1,0 +1,301 @@
+"""The memory plan (issue 39): tensors counted as they live, the probes' extrapolation equal to the
+full model's own count, --dry-run (no weight read, nothing written), train.memory_limit choosing
+recomputation and micro-batches (the same losses), and one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tfcli.engine import memory
+from tfcli.errors import UserError
+
+from .conftest import invoke, read_metrics, tiny_gpt_recipe, train_losses
+from .test_optimizers import tiny_llama_recipe
+from .test_resume_matrix import assert_resumes_exactly
+
+
+def test_live_bytes_counts_what_is_alive_and_its_peak():
+    with memory.LiveBytes() as counter:
+        a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes
+        b = torch.empty(500, dtype=torch.float64)  # 4,000 bytes
+        view = a[:10]  # shares a's storage: nothing more
+        del b
+        c = torch.empty(250)  # 1,000 bytes
+    assert counter.peak == 8000 and counter.live == 5000
+    del a, view, c
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("auto", None), ("0", 0.0), ("4GB", 4 * 2**30), ("4g", 4 * 2**30), ("3.5GiB", 3.5 * 2**30), ("512MB", 2**29)],
+)
+def test_memory_limits_read_as_sizes(text, expected):
+    assert memory.parse_limit(text) == expected
+
+
+def test_a_bad_memory_limit_is_one_line(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_gpt_recipe(small_text))
+    result = invoke("pretrain", "--recipe", recipe, "--set", "train.memory_limit=lots", "--out", tmp_path / "r")
+    assert result.exit_code == 2
+    assert "train.memory_limit must be auto, 0 or a size such as 4GB" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_gpt_recipe(small_text))
+    result = invoke("pretrain", "--recipe", recipe, "--set", "train.micro_batch_size=3", "--out", tmp_path / "r")
+    assert (
+        result.exit_code == 2
+        and "train.micro_batch_size must be 0 or a divisor of train.batch_size (8)" in result.output
+    )
+
+
+def test_the_old_boolean_checkpointing_setting_still_reads():
+    from tfcli import recipe as recipes
+
+    raw = recipes.load_raw("llama-mini")
+    for value, word in ((True, "blocks"), (False, "none")):
+        raw["train"]["activation_checkpointing"] = value
+        assert recipes.from_dict(raw).train.activation_checkpointing == word
+
+
+def plan(step=1.0, weights=1.0, optimizer=2.0, runtime=1.0, checkpointing=False, micro=8) -> memory.Plan:
+    figures = memory.Figures(weights=weights * 2**30, frozen=0.0, optimizer=optimizer * 2**30, step=step * 2**30)
+    return memory.Plan(figures, float("nan"), 0.0, runtime * 2**30, 0.0, checkpointing, micro, 32, 2**36, "cpu")
+
+
+def test_auto_keeps_recomputation_off_when_it_fits_and_activations_do_not_dominate():
+    chosen, note = memory.choose(lambda ckpt, micro: plan(), 8, "auto", 0, 10 * 2**30)
+    assert not chosen.checkpointing and chosen.micro_batch == 8 and note == ""
+
+
+def test_auto_recomputes_when_activations_dominate_even_if_the_run_fits():
+    def plans(ckpt, micro):
+        return plan(step=0.5 if ckpt else 6.0, checkpointing=ckpt, micro=micro)
+
+    chosen, note = memory.choose(plans, 8, "auto", 0, 100 * 2**30)
+    assert chosen.checkpointing and chosen.micro_batch == 8
+    assert note.startswith("recomputation on (the step's activations (6.00 GB) outweigh the weights and states)")
+
+
+def test_a_limit_takes_recomputation_then_ever_smaller_micro_batches():
+    def plans(ckpt, micro):  # the step shrinks with the micro-batch; recomputation halves it
+        return plan(step=micro * (0.25 if ckpt else 0.5), checkpointing=ckpt, micro=micro)
+
+    chosen, note = memory.choose(plans, 8, "auto", 0, 5.5 * 2**30)  # 4 GB of weights, states and process
+    assert chosen.checkpointing and chosen.micro_batch == 4
+    assert "micro-batches of 4 (2 per batch of 8, accumulated)" in note
+    chosen, _ = memory.choose(plans, 8, "none", 0, 5.5 * 2**30)  # recomputation kept off: smaller micro-batches
+    assert not chosen.checkpointing and chosen.micro_batch == 2
+    with pytest.raises(UserError, match=r"does not fit train.memory_limit 3.00 GB: with recomputation on and "):
+        memory.choose(plans, 8, "auto", 0, 3 * 2**30)
+
+
+def test_the_probes_extrapolate_to_the_full_models_own_count(small_text):
+    """Weights and optimizer states are exact; the step's peak within 2% of running the real depth."""
+    from tfcli import recipe as recipes
+    from tfcli.engine.trainer import ObjectiveModule, build_optimizer
+    from tfcli.models import build_model, transformer_blocks
+    from tfcli.objectives.losses import next_token_loss
+
+    rec = recipes.from_dict(tiny_llama_recipe(small_text))
+    cfg = dataclasses.replace(rec.model, n_layer=6, vocab_size=300)
+    ids = torch.randint(0, 300, (8, 32), generator=torch.Generator().manual_seed(0))
+    step = memory.Step(
+        cfg=cfg,
+        blocks=6,
+        make_trained=lambda m: ObjectiveModule(m, torch.nn.ModuleDict(), next_token_loss),
+        frozen={},
+        batch={"input_ids": ids, "targets": ids},
+        optimizer=lambda m: build_optimizer(m, rec),
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+    )
+    for ckpt in (False, True):
+        planned, _ = memory.plan_step(step, ckpt)
+        direct, _ = memory.probe_figures(step, 6, ckpt)
+        assert len(transformer_blocks(build_model(cfg))) == 6
+        assert planned.weights == pytest.approx(direct.weights, rel=1e-9)
+        assert planned.optimizer == pytest.approx(direct.optimizer, rel=1e-9)
+        assert planned.step == pytest.approx(direct.step, rel=0.02)
+    off, on = memory.plan_step(step, False)[0], memory.plan_step(step, True)[0]
+    assert on.step < off.step  # recomputation keeps less
+
+
+def test_a_dry_run_prints_the_plan_and_writes_nothing(small_text, write_recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    result = invoke("pretrain", "--recipe", recipe, "--dry-run", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "planned peak" in result.output and "step peak, recomputation on" in result.output
+    assert "memory plan: " in result.output and "nothing trained" in result.output
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_of_a_pretrained_model_reads_no_weights(tmp_path, monkeypatch, small_text, write_recipe):
+    """--from a Hugging Face directory: the model is built on the meta device from the header's shapes."""
+    from tfcli.engine import backbone as backbones
+    from tfcli.hf import convert
+
+    run = tmp_path / "base"
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    assert invoke("pretrain", "--recipe", recipe, "--steps", 2, "--out", run, "--quiet").exit_code == 0
+    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a dry run read the weights")
+
+    monkeypatch.setattr(convert, "_load_safetensors", no_weights)
+    result = invoke("pretrain", "--from", tmp_path / "hf", "--dry-run", "--set", f"data.source={small_text}")
+    assert result.exit_code == 0, result.output
+    assert "reading the weights" in result.output
+    shapes = convert.read_state(tmp_path / "hf", shapes_only=True)
+    assert shapes and all(t.is_meta for t in shapes.values())
+    monkeypatch.undo()
+    assert backbones.from_hf(tmp_path / "hf", [], shapes_only=True).model.lm_head_weight.is_meta
+
+
+def test_every_run_prints_its_plan_and_its_measured_peak(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    result = invoke("pretrain", "--recipe", recipe, "--steps", 2, "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "memory plan: " in result.output and "peak memory: " in result.output and "(planned " in result.output
+    plan = json.loads((tmp_path / "r" / "run.json").read_text())["memory_plan"]
+    assert plan["peak"] > plan["runtime"] > 0 and plan["micro_batch"] == 8
+
+
+@pytest.mark.slow
+def test_micro_batches_give_the_same_losses_as_the_whole_batch(small_text, write_recipe, tmp_path):
+    """train.micro_batch_size 2 of a batch of 8: the same examples, accumulated to the same gradient."""
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    losses = {}
+    for micro in (0, 2):
+        run = tmp_path / f"m{micro}"
+        args = ("--recipe", recipe, "--steps", 6, "--set", f"train.micro_batch_size={micro}", "--out", run, "--quiet")
+        assert invoke("pretrain", *args).exit_code == 0
+        losses[micro] = train_losses(run)
+    assert losses[0][1] == pytest.approx(losses[2][1], abs=1e-5)
+    assert all(losses[0][s] == pytest.approx(losses[2][s], abs=1e-4) for s in losses[0])
+
+
+@pytest.mark.slow
+def test_a_memory_limit_splits_the_batch_and_keeps_the_losses(small_text, write_recipe, tmp_path, monkeypatch):
+    """A limit between the plan of micro-batches of 2 and of the whole batch: the run says what it chose
+    and trains the same losses as without a limit; config.yaml records the choice (a resume keeps it).
+    The process's own memory is held constant: this test process's grows from one run to the next."""
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 300.0 * 2**20)
+    recipe = write_recipe(tiny_llama_recipe(small_text, batch_size=8))
+    import typer
+
+    from tfcli.cli import app
+
+    def planned(*sets):
+        args = ["pretrain", "--recipe", str(recipe), "--quiet", "--dry-run", "--set", "train.memory_limit=0"]
+        for s in sets:
+            args += ["--set", s]
+        return typer.main.get_command(app)(args, standalone_mode=False)
+
+    whole = planned("train.activation_checkpointing=none")
+    micro = planned("train.activation_checkpointing=none", "train.micro_batch_size=2")
+    assert micro.training < whole.training
+    limit = int((micro.training + whole.training) / 2)
+    free, limited = tmp_path / "free", tmp_path / "limited"
+    base = ("--recipe", recipe, "--steps", 4, "--set", "train.activation_checkpointing=none")
+    assert invoke("pretrain", *base, "--set", "train.memory_limit=0", "--out", free, "--quiet").exit_code == 0
+    result = invoke("pretrain", *base, "--set", f"train.memory_limit={limit}", "--out", limited)
+    assert result.exit_code == 0, result.output
+    assert "micro-batches of " in result.output
+    assert "micro_batch_size: 0" not in (limited / "config.yaml").read_text()
+    a, b = train_losses(free), train_losses(limited)
+    assert a[1] == pytest.approx(b[1], abs=1e-5) and all(a[s] == pytest.approx(b[s], abs=1e-4) for s in a)
+
+
+def test_a_limit_nothing_meets_is_one_line_before_anything_is_written(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    result = invoke("pretrain", "--recipe", recipe, "--set", "train.memory_limit=1MB", "--out", tmp_path / "r")
+    assert result.exit_code == 2
+    assert (
+        "this run does not fit train.memory_limit 1 MB: with recomputation on and micro-batches of 1" in result.output
+    )
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_run_in_micro_batches_resumes_bit_for_bit(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_llama_recipe(small_text))
+    assert_resumes_exactly("pretrain", ["--recipe", recipe, "--set", "train.micro_batch_size=4"], tmp_path)
+
+
+def test_metrics_still_log_the_measured_peak(small_text, write_recipe, tmp_path):
+    recipe = write_recipe(tiny_gpt_recipe(small_text))
+    assert invoke("pretrain", "--recipe", recipe, "--steps", 2, "--out", tmp_path / "r", "--quiet").exit_code == 0
+    assert all(m["peak_mem_mb"] > 0 for m in read_metrics(tmp_path / "r") if m["split"] == "train")
+
+
+# --- a dry run of every kind of run, the model on the meta device ------------------------------------
+
+from .test_resume_matrix import chat_model, t5_model, vit_model  # noqa: E402, F401  (fixtures)
+
+
+def dry_run_plan(*args):
+    import typer
+
+    from tfcli.cli import app
+
+    return typer.main.get_command(app)([str(a) for a in args] + ["--dry-run", "--quiet"], standalone_mode=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["copy", "base", "precompute"])
+def test_a_dpo_dry_run_counts_its_reference(reference, chat_model, tmp_path):  # noqa: F811
+    from .conftest import write_jsonl
+    from .test_dpo import PAIRS
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)
+    plan = dry_run_plan(
+        "finetune",
+        "dpo",
+        "--from",
+        chat_model,
+        "--data",
+        data,
+        "--train",
+        "lora",
+        "--batch-size",
+        4,
+        "--set",
+        f"dpo.reference={reference}",
+    )
+    assert (plan.figures.frozen > 0) == (reference == "copy")
+    assert plan.figures.weights > 0 and plan.figures.step > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft-t5", "qlora", "mae", "image-classify"])
+def test_a_dry_run_plans_every_kind(kind, chat_model, t5_model, vit_model, tmp_path):  # noqa: F811
+    from .conftest import mae_overrides, set_args, write_jsonl
+    from .test_from_runs import ROWS
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = {
+        "sft-t5": ["finetune", "sft", "--from", t5_model, "--data", rows, "--batch-size", 4],
+        "qlora": ["finetune", "sft", "--from", chat_model, "--data", rows, "--train", "qlora", "--batch-size", 4],
+        "mae": ["pretrain", "--objective", "mae", *set_args(mae_overrides(vit_model[1]))],
+        "image-classify": [
+            "finetune",
+            "image-classify",
+            "--from",
+            vit_model[0],
+            "--data",
+            vit_model[1],
+            "--batch-size",
+            4,
+        ],
+    }[kind]
+    plan = dry_run_plan(*args)
+    assert plan.peak > plan.runtime > 0 and plan.figures.weights > 0 and plan.figures.step > 0

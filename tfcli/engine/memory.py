@@ -1,0 +1,549 @@
+"""The memory plan: what a run will hold at its peak, before it holds it.
+
+Nothing here is a formula of a family. The plan runs the run's own training step (its loss, model
+family and widths, adapters, heads, frozen models, optimizer, precision and one micro-batch at the
+recipe's lengths) on two probes of the model, with one and with two transformer blocks and random
+weights, and counts the bytes of every tensor the step creates (`LiveBytes`). Every figure (weights,
+gradients, optimizer states, the step's transient peak: activations kept for backward, recomputation,
+the loss's logits chunk, temporaries) is linear in the number of blocks, so the two probes give it for
+the real depth. What the process holds besides tensors (Python, libraries, the tokenized data) is its
+resident memory when the plan is made, less the model's own tensors.
+
+torch's MemTracker does the same counting but cannot follow a model with frozen parameters (it hooks
+every parameter's gradient), which LoRA, QLoRA and a DPO reference all have: hence `LiveBytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import UserError
+from ..models import TEXT_FAMILIES, build_model, transformer_blocks
+from ..models.nf4 import NF4Linear
+from ..recipe import parse_limit
+from . import optimizers
+
+MARGIN = 0.9  # train.memory_limit auto: this share of what the device has
+DEPTH_FIELDS = ("n_layer", "n_decoder_layer", "decoder_n_layer")  # the block counts a probe shrinks
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of every tensor storage created inside it and still alive, and their peak. Views share
+    their storage (counted once); a storage is forgotten when it is freed. `held` tensors exist already
+    (weights, optimizer states): an op that updates them in place creates nothing."""
+
+    def __init__(self, held: Iterable[Tensor] = ()):
+        super().__init__()
+        self.live, self.peak = 0, 0
+        self._held: dict[int, int] = {}  # id of a live storage -> its bytes
+        self._known = {id(t.untyped_storage()) for t in held}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self._count(t)
+        return out
+
+    def _count(self, t: Tensor) -> None:
+        if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (torchao's)
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, Tensor):
+                    self._count(inner)
+            return
+        storage = t.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        if key in self._held or key in self._known or size == 0:
+            return
+        self._held[key] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._held.pop(key, 0)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Bytes a training step holds, for one model depth (a probe's, or the real one's by extrapolation)."""
+
+    weights: float  # the trained model's parameters and buffers, and the heads (QLoRA's base as NF4)
+    frozen: float  # models the loss reads but never trains (a DPO reference, a teacher)
+    optimizer: float  # the optimizer's states
+    step: float  # the peak of one micro-batch's forward, backward and update: activations, gradients, temporaries
+
+    def extrapolated(self, other: "Figures", blocks: tuple[int, int], to: int) -> "Figures":
+        """self at blocks[0], other at blocks[1] -> the figures at `to` blocks (each linear in blocks)."""
+        a, b = blocks
+        return Figures(
+            *(x + (y - x) * (to - a) / (b - a) for x, y in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one process of a run holds at its peak, in bytes."""
+
+    figures: Figures  # with the chosen recomputation
+    other_step: float  # the step's peak with the other setting of recomputation
+    gradients: float  # what the gradients alone take (part of `step`)
+    runtime: float  # the process besides the model's tensors: Python, libraries, data
+    reading: float  # the peak while the weights were read (measured in a run; the file and the model in a dry run)
+    checkpointing: bool
+    micro_batch: int
+    rows: int  # the micro-batch's sequence length (0: not text)
+    capacity: float  # what the device has for this process
+    device: str
+    processes: int = 1
+    strategy: str = "none"
+
+    @property
+    def training(self) -> float:
+        f = self.figures
+        return self.runtime + f.weights + f.frozen + f.optimizer + f.step
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.reading)
+
+    def as_dict(self) -> dict:
+        """What run.json keeps of the plan (bytes)."""
+        return {
+            **{k: round(v) for k, v in dataclasses.asdict(self.figures).items()},
+            "gradients": round(self.gradients),
+            "runtime": round(self.runtime),
+            "reading": round(self.reading),
+            "peak": round(self.peak),
+            "capacity": round(self.capacity),
+            "checkpointing": self.checkpointing,
+            "micro_batch": self.micro_batch,
+        }
+
+    def fits(self, limit: float) -> bool:
+        """Whether training fits `limit` (reading the weights has happened by the time the limit applies)."""
+        return limit <= 0 or self.training <= limit
+
+    def summary(self) -> str:
+        """The one line a run's header prints."""
+        f = self.figures
+        shape = f"{self.micro_batch} x {self.rows}" if self.rows else f"{self.micro_batch}"
+        return (
+            f"memory plan: {gb(self.peak)} peak of {gb(self.capacity)} ({self.where()}): weights {gb(f.weights)}"
+            + (f", frozen {gb(f.frozen)}" if f.frozen else "")
+            + f", optimizer {gb(f.optimizer)}, step {gb(f.step)} (micro-batch {shape}, "
+            + f"recomputation {'on' if self.checkpointing else 'off'}), process {gb(self.runtime)}"
+            + (f"; reading the weights {gb(self.reading)}" if self.reading > self.training else "")
+        )
+
+    def where(self) -> str:
+        if self.device == "cpu":
+            return "RAM" + (f", per process of {self.processes}" if self.processes > 1 else "")
+        return f"{self.device} memory" + (f", per process of {self.processes}" if self.processes > 1 else "")
+
+    def rows_table(self) -> list[tuple[str, str]]:
+        """The plan, line by line, for --dry-run."""
+        f = self.figures
+        on, off = (f.step, self.other_step) if self.checkpointing else (self.other_step, f.step)
+        rows = [
+            ("weights (trained model and heads)", gb(f.weights)),
+            ("frozen models (reference, teacher)", gb(f.frozen)),
+            ("gradients (in the step's peak)", gb(self.gradients)),
+            ("optimizer states", gb(f.optimizer)),
+            (f"step peak, recomputation off{' (chosen)' if not self.checkpointing else ''}", gb(off)),
+            (f"step peak, recomputation on{' (chosen)' if self.checkpointing else ''}", gb(on)),
+            ("the process (Python, libraries, data)", gb(self.runtime)),
+            ("reading the weights (the file's tensors and the model)", gb(self.reading)),
+            ("planned peak", gb(self.peak)),
+            (f"the device has ({self.where()})", gb(self.capacity)),
+        ]
+        return [(k, v) for k, v in rows if "nan" not in v]
+
+
+def gb(n: float) -> str:
+    if n != n:
+        return "nan"
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
+# --- reading train.memory_limit ------------------------------------------------------------------
+
+# --- what the process and the device have ---------------------------------------------------------
+
+
+def resident_bytes() -> float:
+    """This process's resident memory now (Linux: /proc/self/status; elsewhere its peak so far)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def device_capacity(device: torch.device, local_processes: int = 1) -> float:
+    """What one process may hold: a GPU's memory, or on the CPU the memory available now plus what this
+    process already holds, shared by the processes on this machine."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[1])
+    available = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                available = float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        import os
+
+        available = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return (available + resident_bytes() * local_processes) / local_processes
+
+
+def tensor_bytes(*modules: nn.Module) -> float:
+    """Bytes of the real (not meta) parameters and buffers of `modules` (QLoRA's NF4 base as held)."""
+    total = 0.0
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, NF4Linear):
+                total += m.weight_bytes()
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                if not t.is_meta and not (isinstance(m, NF4Linear) and t is getattr(m, "weight", None)):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+# --- the probes -----------------------------------------------------------------------------------
+
+
+def probe_config(cfg, blocks: int):
+    """The model config with `blocks` blocks in each of its stacks (encoder, decoder)."""
+    changes = {f: blocks for f in DEPTH_FIELDS if getattr(cfg, f, 0)}
+    return dataclasses.replace(cfg, **changes)
+
+
+def widened(batch: dict, length: int) -> dict:
+    """A batch at the recipe's length: every 2-D (or wider) tensor as long as the longest one is padded
+    to `length` by repeating its last column (ids stay ids, masks masks), so the plan holds for the
+    longest batch the data can give, not for the first one drawn."""
+    seq = [v.size(1) for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 2 and not v.is_floating_point()]
+    if not seq or max(seq) >= length:
+        return batch
+    t = max(seq)
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, Tensor) and v.dim() >= 2 and v.size(1) == t:
+            tail = v[:, -1:].expand(v.size(0), length - t, *v.shape[2:])
+            v = torch.cat([v, tail], dim=1)
+        out[k] = v
+    return out
+
+
+@dataclass
+class Step:
+    """What the plan needs of a run to replay its training step on a probe."""
+
+    cfg: object  # the model's config
+    blocks: int  # transformer blocks in the real model
+    make_trained: Callable[[nn.Module], nn.Module]  # probe model -> what the run trains (adapters applied, heads)
+    frozen: dict  # Job.frozen: name -> the real frozen model (its config is read; a probe replaces it)
+    batch: dict  # one micro-batch at the recipe's lengths
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    min_blocks: int = 1  # the fewest blocks a probe may have (the blocks the run's features read)
+
+
+def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures, float]:
+    """Run two training steps of a `blocks`-deep probe, counting the second (the optimizer's states
+    exist by then, as they do for every step but the first) -> (its figures, the gradients' bytes)."""
+    from .trainer import set_checkpointing
+
+    with torch.random.fork_rng(devices=[step.device] if step.device.type == "cuda" else []):
+        torch.manual_seed(0)
+        with torch.device(step.device):
+            model = build_model(probe_config(step.cfg, blocks))
+        trained = step.make_trained(model).to(step.device).train()
+        set_checkpointing(trained, checkpointing)
+        swapped = {n: probe_frozen(m, blocks, step.device) for n, m in step.frozen.items()}
+        originals = dict(step.frozen)
+        step.frozen.update(swapped)
+        try:
+            opt = step.optimizer(trained)
+            run_step(trained, opt, step)
+            counter = LiveBytes(held_tensors(trained, opt, *swapped.values()))
+            with counter:
+                run_step(trained, opt, step)
+            grads = sum(p.numel() * p.element_size() for p in trained.parameters() if p.requires_grad)
+            figures = Figures(
+                weights=tensor_bytes(trained),
+                frozen=tensor_bytes(*swapped.values()),
+                optimizer=float(optimizers.state_bytes(opt)),
+                step=float(counter.peak),
+            )
+        finally:
+            step.frozen.update(originals)
+    return figures, float(grads)
+
+
+def held_tensors(*objects) -> list[Tensor]:
+    """The tensors a step finds already there: modules' parameters and buffers, optimizers' states."""
+    out = []
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            out += [*obj.parameters(), *obj.buffers()]
+        else:
+            out += [v for state in obj.state.values() for v in state.values() if isinstance(v, Tensor)]
+    flat = []
+    for t in out:
+        if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):
+            flat += [getattr(t, n) for n in t.__tensor_flatten__()[0] if isinstance(getattr(t, n), Tensor)]
+        else:
+            flat.append(t)
+    return flat
+
+
+def probe_frozen(model: nn.Module, blocks: int, device: torch.device) -> nn.Module:
+    """A frozen model's probe: its config at `blocks` blocks, as the run holds it (no gradients, eval)."""
+    with torch.device(device):
+        probe = build_model(probe_config(model.cfg, blocks))
+    return probe.eval().requires_grad_(False)
+
+
+def run_step(trained: nn.Module, opt: torch.optim.Optimizer, step: Step) -> None:
+    with step.autocast():
+        loss, _ = trained(step.batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def plan_step(step: Step, checkpointing: bool) -> tuple[Figures, float]:
+    """The figures at the model's real depth, from probes of two depths (or the real depth itself)."""
+    depths = probe_depths(max(getattr(step.cfg, f, 0) for f in DEPTH_FIELDS), step.min_blocks)
+    measured = [probe_figures(step, d, checkpointing) for d in depths]
+    if len(depths) == 1:
+        return measured[0]
+    (one, g1), (two, g2) = measured
+    n1, n2 = blocks_of(step.cfg, depths[0]), blocks_of(step.cfg, depths[1])
+    grads = g1 + (g2 - g1) * (step.blocks - n1) / (n2 - n1)
+    return one.extrapolated(two, (n1, n2), step.blocks), grads
+
+
+def probe_depths(depth: int, needed: int) -> tuple[int, ...]:
+    """Blocks per stack of the two probes: the fewest the run's features need (a classifier reading the
+    last four blocks needs four) and one more; the model's own depth when it is no deeper."""
+    low = max(1, needed)
+    if depth <= low:
+        return (depth,)
+    return (low, low + 1)
+
+
+def blocks_of(cfg, blocks: int) -> int:
+    """How many transformer blocks a probe of `blocks` blocks per stack has."""
+    with torch.device("meta"):
+        return len(transformer_blocks(build_model(probe_config(cfg, blocks))))
+
+
+def per_process(figures: Figures, strategy: str, processes: int) -> Figures:
+    """One process's share: FSDP shards weights and optimizer states (and frozen models, as the run
+    wraps them); DDP holds everything whole, plus its gradient buckets (counted with the step)."""
+    if strategy != "fsdp" or processes <= 1:
+        return figures
+    return dataclasses.replace(
+        figures,
+        weights=figures.weights / processes,
+        frozen=figures.frozen / processes,
+        optimizer=figures.optimizer / processes,
+    )
+
+
+def choose(plans: Callable[[bool, int], Plan], batch_size: int, setting: str, micro_batch: int, limit: float):
+    """train.activation_checkpointing and train.memory_limit -> (the plan the run follows, a note saying
+    what was chosen, '' when nothing was). auto keeps recomputation off when the run fits without it
+    and it does not pay (recompute_pays); then the batch is split into ever smaller micro-batches
+    (accumulated: the same gradient) until the plan fits. When nothing fits: a one-line error with the
+    smallest plan's figures, before any data is trained on."""
+    micros = [micro_batch] if micro_batch else [m for m in range(batch_size, 0, -1) if batch_size % m == 0]
+    checkpointing = setting == "blocks"
+    why = ""
+    if setting == "auto":
+        off = plans(False, micros[0])
+        if off.fits(limit) and not recompute_pays(off):
+            return off, ""
+        checkpointing = True
+        why = (
+            f"the step's activations ({gb(off.figures.step)}) outweigh the weights and states"
+            if off.fits(limit)
+            else f"{gb(off.peak)} planned without it"
+        )
+    for micro in micros:
+        plan = plans(checkpointing, micro)
+        if plan.fits(limit):
+            chose = [f"recomputation on ({why})"] if why else []
+            if micro != micros[0]:
+                chose.append(f"micro-batches of {micro} ({batch_size // micro} per batch of {batch_size}, accumulated)")
+            return plan, (f"{' and '.join(chose)}; planned peak {gb(plan.peak)} of {gb(limit)}" if chose else "")
+    f = plan.figures
+    raise UserError(
+        f"this run does not fit train.memory_limit {gb(limit)}: with recomputation "
+        f"{'on' if plan.checkpointing else 'off'} and micro-batches of {plan.micro_batch} its planned peak is "
+        f"{gb(plan.peak)} (weights {gb(f.weights)}, frozen {gb(f.frozen)}, optimizer {gb(f.optimizer)}, step "
+        f"{gb(f.step)}, process {gb(plan.runtime)}); try --train lora or qlora, optim.name adamw8bit, "
+        f"or a shorter data.seq_len"
+    )
+
+
+def clone_heads(heads: nn.ModuleDict) -> nn.ModuleDict:
+    """The probe trains a copy of the Job's heads: the run's own are never touched."""
+    return copy.deepcopy(heads)
+
+
+def recompute_pays(plan: Plan) -> bool:
+    """activation_checkpointing auto, when the run fits without it: recompute when the step's
+    activations outweigh what the model holds anyway (weights, frozen models, optimizer states) and
+    pass 1 GB, where a third more compute buys most of the memory (a small model's runs keep their speed)."""
+    f = plan.figures
+    return f.step > max(f.weights + f.frozen + f.optimizer, 2**30)
+
+
+# --- a run's plan ---------------------------------------------------------------------------------
+
+
+def returned_to_os() -> None:
+    """Give freed heap memory back to the system (glibc), so that resident memory is what is held."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+MMAP_THRESHOLD = 1 << 20  # with a memory limit on the CPU: blocks from 1 MB up are mapped and unmapped
+
+
+def follow_the_plan() -> bool:
+    """With train.memory_limit set on the CPU, make resident memory follow the tensors the plan counts.
+    glibc raises its mmap threshold (to 32 MB) after the first large block is freed, and from then on
+    serves activations from its heap, where freed blocks stay resident between differently sized ones:
+    SmolLM2 full SFT with recomputation (8 x 512) held 4.9 GB resident for 3.0 GB of tensors and
+    process. A fixed 1 MB threshold maps and unmaps every large block instead (peak 3.0 GB), at the cost
+    of the kernel zeroing fresh pages: about a quarter slower a step on this 2-core CPU, so only when
+    a limit asks for it. Returns whether the allocator took the setting (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def first_batch(source, rows: int, seed: int, length: int, device: torch.device) -> dict:
+    """`rows` training examples at the recipe's length; a stream's position is left where it was."""
+    from ..data.sampler import Stream, make_sampler
+    from .runtime import to_device
+
+    saved = source.state_dict() if isinstance(source, Stream) else None
+    batch = make_sampler(source, rows, seed).next_batch()
+    if saved is not None:
+        source.load_state_dict(saved)
+    return to_device(widened(batch, length), device)
+
+
+def planner(recipe, job, model: nn.Module, rt, reading: Optional[float] = None, dry_run: bool = False):
+    """-> (plans(checkpointing, micro_batch) -> Plan, what the device has for this process), for the run
+    about to start: `model` is the backbone (real, or on the meta device for --dry-run), `reading` the
+    measured peak so far (None: estimated from the weights)."""
+    from .. import adapters
+    from .runtime import autocast_context
+    from .trainer import ObjectiveModule, build_optimizer
+
+    ft, t = recipe.finetune, recipe.train
+    returned_to_os()
+    held = tensor_bytes(model, job.heads, *job.frozen.values())
+    on_gpu = rt.device.type == "cuda"
+    runtime = 0.0 if on_gpu else max(resident_bytes() - held, 0.0)
+    if reading is None:  # a dry run: the weights as read (fp32 tensors) and the model they go into
+        reading = runtime + 2 * sum(p.numel() * 4 for p in model.parameters()) if not on_gpu else 0.0
+    length = min(recipe.data.seq_len, getattr(model.cfg, "max_seq_len", recipe.data.seq_len))
+    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+    capacity = device_capacity(rt.device, local)
+
+    def make_trained(probe: nn.Module) -> nn.Module:
+        if ft is not None:
+            adapters.apply(probe, ft.train, recipe.adapter)
+        return ObjectiveModule(probe, clone_heads(job.heads), job.loss)
+
+    cache: dict = {}
+
+    def plans(checkpointing: bool, micro: int, both: bool = dry_run) -> Plan:
+        def measured(ckpt: bool, rows: int):
+            if (ckpt, rows) not in cache:
+                step = Step(
+                    cfg=model.cfg,
+                    blocks=len(transformer_blocks(model)),
+                    make_trained=make_trained,
+                    frozen=job.frozen,
+                    batch=first_batch(job.train, rows, t.seed, length, rt.device),
+                    optimizer=lambda m: build_optimizer(m, recipe),
+                    device=rt.device,
+                    autocast=lambda: autocast_context(t.precision, rt.device),
+                    min_blocks=blocks_read(ft),
+                )
+                cache[ckpt, rows] = plan_step(step, ckpt)
+            return cache[ckpt, rows]
+
+        figures, grads = measured(checkpointing, micro)
+        other = measured(not checkpointing, micro)[0].step if both else float("nan")
+        if rt.strategy.name == "ddp":  # DDP's buckets hold a second copy of the gradients
+            figures = dataclasses.replace(figures, step=figures.step + grads)
+        figures = per_process(figures, rt.strategy.name, rt.world_size)
+        return Plan(
+            figures=figures,
+            other_step=other,
+            gradients=grads,
+            runtime=runtime,
+            reading=reading,
+            checkpointing=checkpointing,
+            micro_batch=micro,
+            rows=length if recipe.model.family in TEXT_FAMILIES else 0,
+            capacity=capacity,
+            device=rt.device.type,
+            processes=rt.world_size,
+            strategy=rt.strategy.name,
+        )
+
+    return plans, capacity
+
+
+def blocks_read(ft) -> int:
+    """The blocks a finetuning run's features need (finetune.layer, the last-four poolings)."""
+    if ft is None:
+        return 1
+    return max(1, ft.layer, 4 if ft.pooling.startswith("last4") else 1)
+
+
+def limit_of(setting: str, capacity: float) -> float:
+    """train.memory_limit in bytes: auto is MARGIN of what the device has; 0 is no limit."""
+    limit = parse_limit(setting)
+    return MARGIN * capacity if limit is None else limit
