@@ -98,8 +98,13 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
         val_one,
         val_fsdp,
     )
+    # each process wrote its own shard (safetensors, offsets in the header); nothing was gathered
+    step4 = tmp_path / "fsdp" / "checkpoints" / "step-0000004"
+    assert not (step4 / "model.safetensors").exists()
+    assert len(list((step4 / "shards").glob("*.safetensors"))) == 2
     for name, source, nproc, extra in (
         ("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
+        ("fsdp-then-fsdp", "fsdp", 2, ["--batch-size", 4]),
         ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"]),
     ):
         run = tmp_path / name
@@ -109,6 +114,29 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
         run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
         resumed = train_rows(run)
         assert all(abs(resumed[s] - one[s]) < 1e-5 for s in range(5, 9)), (name, resumed, one)
+        if name == "fsdp-then-fsdp":  # the same processes: the uninterrupted run's losses exactly
+            assert all(abs(resumed[s] - fsdp[s]) < 1e-6 for s in range(5, 9)), (resumed, fsdp)
+
+
+def test_a_sharded_checkpoint_exports_a_directory_transformers_loads(tmp_path, small_text):
+    """export consolidates the shards: transformers' GPT-2 gives the run's own logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tfcli.engine.backbone import from_run
+
+    recipe = small_recipe(tmp_path, small_text, steps=4)
+    run = tmp_path / "fsdp"
+    run_tfcli(
+        ["pretrain", "--recipe", recipe, "--out", run, "--batch-size", 4, "--quiet", "--set", "train.strategy=fsdp"],
+        nproc=2,
+    )
+    assert (run / "checkpoints" / "step-0000004" / "shards").is_dir()
+    run_tfcli(["export", "--checkpoint", run, "--hf", tmp_path / "hf"], nproc=1)
+    model = from_run(run).model
+    ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    torch.testing.assert_close(theirs, model.logits(model(ids)), atol=1e-4, rtol=1e-4)
 
 
 def cut_back(run, step: int) -> None:
@@ -217,3 +245,44 @@ def test_a_collective_that_times_out_ends_the_run_in_one_line_naming_the_rank(tm
         "a collective failed during a test (" in line and "collective_timeout is 0.05 min" in line for line in errors
     ), errors
     assert any("a collective failed during a test (Timed out" in line for line in errors), errors
+
+
+def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_path, tmp_path_factory):
+    """dpo.reference copy under FSDP: the reference is sharded like the trained model (each process holds
+    half of its block weights) and the losses are one process's at the same global batch."""
+    from .conftest import write_jsonl
+    from .test_dpo import PAIRS
+    from .test_gguf import chat_gguf_file
+
+    model = chat_gguf_file(tmp_path_factory, max_seq_len=128)
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 4)
+    common = ["finetune", "dpo", "--from", model, "--data", data, "--train", "all", "--steps", 4, "--quiet"]
+    common += ["--set", "dpo.reference=copy", "--set", "train.log_interval=1", "--set", "train.eval_interval=4"]
+    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
+    run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
+    one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
+    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    script = tmp_path / "shares.py"
+    script.write_text(
+        "import json, torch\n"
+        "from tfcli.engine.backbone import for_inference\n"
+        "from tfcli.engine.runtime import setup_runtime\n"
+        "from tfcli.models import transformer_blocks\n"
+        f"model = for_inference({str(model)!r}).model\n"
+        "whole = sum(p.numel() for b in transformer_blocks(model) for p in b.parameters())\n"
+        "rt = setup_runtime('cpu', 1, 'fsdp')\n"
+        "rt.strategy.wrap_frozen(model.requires_grad_(False))\n"
+        "local = sum(p.to_local().numel() for b in transformer_blocks(model) for p in b.parameters())\n"
+        "print(json.dumps({'rank': rt.rank, 'whole': whole, 'local': local}))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    shares = [__import__("json").loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(shares) == 2 and all(s["local"] * 2 == s["whole"] for s in shares), shares

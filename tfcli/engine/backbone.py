@@ -65,7 +65,7 @@ def is_run(path: Path) -> bool:
     """Whether `path` is a tfcli run directory or one of its checkpoints."""
     path = Path(path)
     return (checkpoint.run_dir_of(path) / "config.yaml").is_file() and (
-        (path / checkpoint.CHECKPOINTS).is_dir() or (path / checkpoint.WEIGHTS).is_file()
+        (path / checkpoint.CHECKPOINTS).is_dir() or checkpoint.has_weights(path)
     )
 
 
@@ -74,9 +74,7 @@ def looks_like_run(path: Path) -> bool:
     so that what is wrong with it is named."""
     path = Path(path)
     return (
-        (path / checkpoint.CHECKPOINTS).is_dir()
-        or (path / checkpoint.WEIGHTS).is_file()
-        and (path / checkpoint.META).is_file()
+        (path / checkpoint.CHECKPOINTS).is_dir() or checkpoint.has_weights(path) and (path / checkpoint.META).is_file()
     )
 
 

@@ -6,7 +6,8 @@ A run directory:
     metrics.jsonl         one JSON line per log interval and per evaluation
     checkpoints/
         step-0000500/     model.safetensors, state.safetensors + state.json (optimizer, schedule,
-                          RNG, data position), meta.json
+                          RNG, data position), meta.json; an FSDP run's: shards/ (each process's
+                          weights and optimizer states, engine/shards.py) instead of the whole weights
         latest            name of the newest complete checkpoint
         best              name of the best one (finetuning)
     .lock                 the process writing the run (pid@host), while it runs
@@ -35,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
+from . import shards
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "model.safetensors"
@@ -134,19 +136,36 @@ def load_state(ckpt: Path) -> dict:
 # --- writing ------------------------------------------------------------------------------------
 
 
-def save(
-    run_dir: Path, step: int, weights: dict[str, torch.Tensor], state: dict, meta: dict, keep: int, best: bool = False
-) -> Path:
-    """Write checkpoint `step`, point `latest` (and `best`) at it, prune old ones beyond `keep`.
-    A failed write (no space left, say) removes its temporary files and leaves `latest` as it was."""
+def staging(run_dir: Path, step: int, create: bool = True) -> Path:
+    """The temporary directory checkpoint `step` is written into (made empty when `create`)."""
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:07d}"
-    tmp = root / f".{name}.tmp"
-    try:
+    tmp = root / f".step-{step:07d}.tmp"
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(_untie({k: v.detach().contiguous().cpu() for k, v in weights.items()}), str(tmp / WEIGHTS))
+    return tmp
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    weights: Optional[dict[str, torch.Tensor]],
+    state: dict,
+    meta: dict,
+    keep: int,
+    best: bool = False,
+    staged: bool = False,
+) -> Path:
+    """Write checkpoint `step`, point `latest` (and `best`) at it, prune old ones beyond `keep`.
+    staged: the processes have written their shards into staging() already (weights None).
+    A failed write (no space left, say) removes its temporary files and leaves `latest` as it was."""
+    root = Path(run_dir) / CHECKPOINTS
+    name = f"step-{step:07d}"
+    try:
+        tmp = staging(run_dir, step, create=not staged)
+        if weights is not None:
+            save_file(_untie({k: v.detach().contiguous().cpu() for k, v in weights.items()}), str(tmp / WEIGHTS))
         write_state(tmp, state)
         (tmp / META).write_text(json.dumps({"step": step, "time": time.time(), **meta}, indent=2))
         final = root / name
@@ -156,7 +175,7 @@ def save(
         if best:
             _write_atomic(root / "best", name)
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging(run_dir, step, create=False), ignore_errors=True)
         previous = read_pointer(root / "latest")
         reason = getattr(e, "strerror", None) or _first_line(e).split("I/O error: ")[-1]
         raise UserError(
@@ -199,16 +218,21 @@ def _first_line(e: Exception) -> str:
 # --- finding and reading ---------------------------------------------------------------------------
 
 
+def has_weights(ckpt: Path) -> bool:
+    """Whether a directory is a checkpoint's: whole weights, or an FSDP run's shards."""
+    return (Path(ckpt) / WEIGHTS).is_file() or shards.is_sharded(ckpt)
+
+
 def find(path: Path, which: str = "latest") -> Path:
     """A checkpoint directory from a run directory (its latest or best) or a checkpoint directory."""
     path = Path(path)
-    if (path / WEIGHTS).is_file():
+    if has_weights(path):
         return path
     if not path.is_dir():
         raise UserError(f"checkpoint not found: {path}")
     root = path / CHECKPOINTS
     name = read_pointer(root / which) or read_pointer(root / "latest")
-    if not name or not (root / name / WEIGHTS).is_file():
+    if not name or not has_weights(root / name):
         raise UserError(f"{path} holds no complete checkpoint")
     return root / name
 
@@ -219,11 +243,15 @@ def verify(ckpt: Path, training_state: bool = True) -> None:
     ckpt = Path(ckpt)
     if training_state and (ckpt / LEGACY_STATE).is_file() and not (ckpt / STATE).is_file():
         load_state(ckpt)  # the one-line refusal naming the conversion
-    for name in FILES if training_state else (WEIGHTS, META):
+    sharded = shards.is_sharded(ckpt)
+    weights = () if sharded else (WEIGHTS,)
+    for name in (*weights, STATE_TENSORS, STATE, META) if training_state else (*weights, META):
         if not (ckpt / name).is_file():
             raise UserError(f"{ckpt}: {name} is missing; the checkpoint is incomplete")
+    if sharded:
+        shards.sizes(ckpt)  # every shard's header readable
     try:
-        for name in (WEIGHTS, STATE_TENSORS) if training_state else (WEIGHTS,):
+        for name in (*weights, STATE_TENSORS) if training_state else weights:
             with safe_open(str(ckpt / name), "pt") as f:
                 f.keys()
         for name in (STATE, META) if training_state else (META,):
@@ -263,6 +291,9 @@ def _family(run: Path) -> Optional[str]:
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's whole weights (an FSDP run's shards consolidated)."""
+    if shards.is_sharded(ckpt):
+        return shards.consolidated(ckpt)
     try:
         return load_file(str(Path(ckpt) / WEIGHTS))
     except (SafetensorError, OSError) as e:

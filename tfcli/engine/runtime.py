@@ -90,7 +90,8 @@ class FSDPStrategy(Strategy):
     """FSDP2 (fully_shard): every transformer block, then the whole module, sharded over the
     processes; parameters gathered for each block's forward and backward, gradients reduce-scattered.
     With bf16 on a GPU, blocks compute in bf16 and reduce gradients in fp32 (MixedPrecisionPolicy).
-    Checkpoints hold the full weights and optimizer state, gathered to rank 0."""
+    Frozen models (a DPO reference) are sharded the same way. Checkpoints are each process's shards
+    (engine/shards.py); a whole checkpoint (from one process or DDP) is read by every rank."""
 
     name = "fsdp"
     FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -110,6 +111,11 @@ class FSDPStrategy(Strategy):
             fully_shard(block, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
         return module
+
+    def wrap_frozen(self, module: nn.Module) -> nn.Module:
+        """A frozen model sharded like the trained one: each process holds its share of the weights and
+        gathers one block at a time for the forward pass, instead of a whole copy per process."""
+        return self.wrap(module)
 
     @contextlib.contextmanager
     def sync_gradients(self, wrapped: nn.Module, sync: bool):

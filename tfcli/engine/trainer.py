@@ -22,7 +22,7 @@ from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
 from ..models.nf4 import NF4Linear
 from ..plugin import Batch, Job, LossFn
-from . import checkpoint, optimizers, plots
+from . import checkpoint, optimizers, plots, shards
 from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
@@ -158,24 +158,21 @@ class Trainer:
 
     def restore(self, ckpt: Path) -> None:
         """Weights, optimizer, schedule, data position and RNG: training continues exactly. A checkpoint
-        that does not fit this run's model is refused before anything is written."""
+        that does not fit this run's model is refused before anything is written. An FSDP run's shards
+        load on any number of processes (torch.distributed.checkpoint reshards them)."""
         checkpoint.verify(ckpt)
-        weights = checkpoint.load_weights(ckpt)
-        mine = {k: v for k, v in self.module.state_dict().items() if self.saved is None or k in self.saved}
-        wrong = [k for k in mine if k not in weights or weights[k].shape != mine[k].shape] + [
-            k for k in weights if k not in mine
-        ]
-        if wrong:
-            k = wrong[0]
-            have = tuple(weights[k].shape) if k in weights else "none"
-            raise UserError(
-                f"{ckpt} does not fit this run's model: {k} is {have} in the checkpoint, "
-                f"{tuple(mine[k].shape) if k in mine else 'absent'} in the model (was the recipe's model changed?)"
-            )
-        # a partial run's base weights are in place already: only what it trained is loaded
-        self.rt.strategy.load_state_dict(self.module, weights, strict=self.saved is None)
+        sharded = shards.is_sharded(ckpt)
+        weights = None if sharded else checkpoint.load_weights(ckpt)
+        saved = shards.sizes(ckpt) if sharded else {k: tuple(v.shape) for k, v in weights.items()}
+        self._check_fits(ckpt, {k: v for k, v in saved.items() if not k.startswith(shards.OPTIM)})
         state = checkpoint.load_state(ckpt)
-        self.rt.strategy.load_optimizer_state_dict(self.module, self.opt, optimizers.rebuilt(state["optimizer"]))
+        if sharded:
+            shards.load(ckpt, self.module, self.opt, state["optimizer"]["param_groups"], self.saved)
+        else:
+            # a partial run's base weights are in place already: only what it trained is loaded
+            self.rt.strategy.load_state_dict(self.module, weights, strict=self.saved is None)
+            optimizer = optimizers.rebuilt(state["optimizer"])
+            self.rt.strategy.load_optimizer_state_dict(self.module, self.opt, optimizer)
         self.sched.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
@@ -183,6 +180,17 @@ class Trainer:
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self.skipped = int(state.get("skipped", 0))
         self.window = _Window.from_state(state.get("window"))  # the first log line covers its whole interval
+
+    def _check_fits(self, ckpt: Path, saved: dict[str, tuple]) -> None:
+        """Refuse a checkpoint whose weights are not this run's model's (names and whole shapes)."""
+        mine = {k: tuple(v.shape) for k, v in self.module.state_dict().items() if self.saved is None or k in self.saved}
+        wrong = [k for k in mine if saved.get(k) != mine[k]] + [k for k in saved if k not in mine]
+        if wrong:
+            k = wrong[0]
+            raise UserError(
+                f"{ckpt} does not fit this run's model: {k} is {saved.get(k, 'none')} in the checkpoint, "
+                f"{mine.get(k, 'absent')} in the model (was the recipe's model changed?)"
+            )
 
     def forget_after(self, step: int) -> None:
         """Drop metrics a run logged after the checkpoint it is resumed from (it will log them again)."""
@@ -364,7 +372,18 @@ class Trainer:
 
     def _save(self, is_best: bool) -> None:
         self.doing = f"the checkpoint at step {self.step}"
-        weights = self.rt.strategy.state_dict(self.module)  # every rank takes part (FSDP gathers)
+        if self.rt.strategy.name == "fsdp":  # each process writes its shards; nothing is gathered
+            if self.rt.is_main:
+                checkpoint.staging(self.run_dir, self.step)
+            self.rt.barrier()
+            tmp = checkpoint.staging(self.run_dir, self.step, create=False)
+            groups = shards.save(tmp, self.module, self.opt, self.saved)
+            self.rt.barrier()
+            if self.rt.is_main:
+                self._checkpoint(None, {"param_groups": groups}, is_best)
+            self.rt.barrier()
+            return
+        weights = self.rt.strategy.state_dict(self.module)  # every rank takes part (DDP: rank 0's copy)
         optimizer = optimizers.plain(self.rt.strategy.optimizer_state_dict(self.module, self.opt))
         if self.saved is not None:
             weights = {k: v for k, v in weights.items() if k in self.saved}
@@ -372,7 +391,8 @@ class Trainer:
             self._checkpoint(weights, optimizer, is_best)
         self.rt.barrier()
 
-    def _checkpoint(self, weights: dict, optimizer: dict, is_best: bool) -> None:
+    def _checkpoint(self, weights: Optional[dict], optimizer: dict, is_best: bool) -> None:
+        """Rank 0 writes the checkpoint (weights None: the processes' shards are in its staging directory)."""
         with phase(f"writing checkpoint step-{self.step:07d}"):
             state = {
                 "optimizer": optimizer,
@@ -393,7 +413,16 @@ class Trainer:
                 "global_batch": self.tc.batch_size * self.tc.grad_accum * self.rt.world_size,
                 **self.last,
             }
-            checkpoint.save(self.run_dir, self.step, weights, state, meta, keep=self.tc.keep_checkpoints, best=is_best)
+            checkpoint.save(
+                self.run_dir,
+                self.step,
+                weights,
+                state,
+                meta,
+                keep=self.tc.keep_checkpoints,
+                best=is_best,
+                staged=weights is None,
+            )
 
     def _write(self, record: dict) -> None:
         if self.log is not None:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .. import adapters
 from ..data import IGNORE
@@ -250,6 +251,10 @@ class DPO(Plugin):
         if val is None:
             return {}
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        if loss.mode == "copy" and any(isinstance(p, DTensor) for p in loss.frozen["reference"].parameters()):
+            # an FSDP run's reference is sharded over processes that have finished: read it whole again
+            reference = base_model(run_dir, recipe).to(self.rt.device).eval().requires_grad_(False)
+            loss = Preference(loss.cfg, "copy", {"reference": reference})
         results = {split: measure(recipe, backbone.model, loss, val, split, self.rt.device)}
         self.say(results)
         (Path(run_dir) / "eval.json").write_text(

@@ -1,0 +1,103 @@
+"""Sharded checkpoints: an FSDP run saves with torch.distributed.checkpoint, each process writing its
+own shards, and any number of processes (one included) reads them back, DCP resharding as it loads.
+
+The storage is DCP's Hugging Face layout (HuggingFaceStorageWriter/Reader): one safetensors file per
+process, each tensor's offsets in its header as JSON. DCP's default FileSystemReader unpickles its
+`.metadata` file; this one reads only safetensors headers, so a checkpoint still cannot run code.
+The model's weights keep their checkpoint names (model.*, heads.*); the optimizer's tensors are
+`optim.<parameter>.<state>`; what is not a tensor (the optimizer's param_groups) goes to state.json.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
+
+from ..errors import UserError
+
+SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
+OPTIM = "optim."  # the prefix of the optimizer's tensors
+SHARDED = StateDictOptions(full_state_dict=False)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (Path(ckpt) / SHARDS).is_dir()
+
+
+def _optimizer_tensors(optim: dict) -> dict[str, Tensor]:
+    return {
+        f"{OPTIM}{name}.{key}": value
+        for name, state in optim["state"].items()
+        for key, value in state.items()
+        if isinstance(value, Tensor)
+    }
+
+
+def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
+    """Every process writes its shards of the weights (`names` only, for a run that saves what it trains)
+    and of the optimizer's states into directory/shards; returns the optimizer's param_groups (JSON)."""
+    weights = get_model_state_dict(module, options=SHARDED)
+    if names is not None:
+        weights = {k: v for k, v in weights.items() if k in names}
+    optim = get_optimizer_state_dict(module, optimizer, options=SHARDED)
+    writer = dcp.HuggingFaceStorageWriter(str(Path(directory) / SHARDS), save_distributed=True)
+    dcp.save({**weights, **_optimizer_tensors(optim)}, storage_writer=writer, no_dist=not dist.is_initialized())
+    return optim["param_groups"]
+
+
+def _metadata(ckpt: Path) -> dict:
+    """Every tensor's metadata (whole shape, dtype), from the files' headers."""
+    try:
+        return dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)).read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign file: safetensors' own error
+        raise UserError(f"{Path(ckpt) / SHARDS}: unreadable ({str(e).splitlines()[0][:160]})") from None
+
+
+def sizes(ckpt: Path) -> dict[str, tuple]:
+    """Every tensor's whole (unsharded) shape."""
+    return {k: tuple(m.size) for k, m in _metadata(ckpt).items()}
+
+
+def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Optional[set]) -> None:
+    """The checkpoint's weights and optimizer states into this process's module and optimizer (sharded
+    or whole, on any number of processes). A parameter with no state in the checkpoint (it never had a
+    gradient) gets none, as in the run that saved it."""
+    from .runtime import load_optimizer_state
+
+    present = sizes(ckpt)
+    weights = get_model_state_dict(module, options=SHARDED)
+    if names is not None:
+        weights = {k: v for k, v in weights.items() if k in names}
+    optim = get_optimizer_state_dict(module, optimizer, options=SHARDED)  # every state made, to be filled
+    moments = {k: v for k, v in _optimizer_tensors(optim).items() if k in present}
+    reader = dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load({**weights, **moments}, storage_reader=reader, no_dist=not dist.is_initialized())
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=False, strict=names is None))
+    kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in moments)}
+    state = {"state": {n: s for n, s in optim["state"].items() if n in kept}, "param_groups": param_groups}
+    load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=False, strict=False))
+
+
+def consolidated(ckpt: Path) -> dict[str, Tensor]:
+    """The whole weights of a sharded checkpoint, read in this process alone (export, eval, generate)."""
+    weights = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(ckpt).items() if not k.startswith(OPTIM)
+    }
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: what it is asked to do
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(weights, storage_reader=dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)), no_dist=True)
+    return weights
