@@ -170,13 +170,16 @@ def accuracy(names: list[str]) -> list[dict]:
 
 
 def fit() -> dict:
-    """SmolLM2 full SFT at batch 8 x 512 with and without train.memory_limit=4GB."""
+    """SmolLM2 full SFT at batch 8 x 512 with and without train.memory_limit=4GB; LoRA DPO (8 pairs x
+    512) at the recipe's own settings (recomputation auto, memory_limit auto)."""
     with tempfile.TemporaryDirectory() as tmp:
         args = [*configurations(Path(tmp))["smollm2-full"], *_pairs(COMMON, False)]
         free = trained(
             [*args, "--set", "train.memory_limit=0", "--set", "train.activation_checkpointing=none"], Path(tmp) / "free"
         )
         limited = trained([*args, "--set", "train.memory_limit=4GB"], Path(tmp) / "limited")
+        dpo = [*configurations(Path(tmp))["dpo-base"][:-2], *_pairs(COMMON, False)]  # dpo.reference auto
+        defaults = trained(dpo, Path(tmp) / "dpo-defaults")  # the recipe's auto recomputation and limit
     first = abs(free["loss"][0] - limited["loss"][0])
     after = max(abs(a - b) for a, b in zip(free["loss"], limited["loss"]))
     out = {
@@ -186,6 +189,8 @@ def fit() -> dict:
         "first_loss_difference": first,
         "max_loss_difference": after,
         "losses": {"free": free["loss"], "limited": limited["loss"]},
+        "dpo_lora_at_defaults_peak_gb": defaults["peak"] / 2**30,
+        "dpo_lora_at_defaults_chosen": {k: defaults["plan"][k] for k in ("checkpointing", "micro_batch")},
     }
     print(f"memory fit: {json.dumps({k: v for k, v in out.items() if k != 'losses'})}", flush=True)
     return out

@@ -30,6 +30,7 @@ from ..errors import UserError
 SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
 OPTIM = "optim."  # the prefix of the optimizer's tensors
 SHARDED = StateDictOptions(full_state_dict=False)
+ONE_PROCESS = ".*assuming the intent is to (load|save) in a single process.*"  # DCP's note: what it is asked
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -53,7 +54,9 @@ def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) ->
         weights = {k: v for k, v in weights.items() if k in names}
     optim = get_optimizer_state_dict(module, optimizer, options=SHARDED)
     writer = dcp.HuggingFaceStorageWriter(str(Path(directory) / SHARDS), save_distributed=True)
-    dcp.save({**weights, **_optimizer_tensors(optim)}, storage_writer=writer, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=ONE_PROCESS)
+        dcp.save({**weights, **_optimizer_tensors(optim)}, storage_writer=writer, no_dist=not dist.is_initialized())
     return optim["param_groups"]
 
 
@@ -84,7 +87,7 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     moments = {k: v for k, v in _optimizer_tensors(optim).items() if k in present}
     reader = dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load({**weights, **moments}, storage_reader=reader, no_dist=not dist.is_initialized())
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=False, strict=names is None))
     kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in moments)}
@@ -97,7 +100,7 @@ def consolidated(ckpt: Path) -> dict[str, Tensor]:
     weights = {
         k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(ckpt).items() if not k.startswith(OPTIM)
     }
-    with warnings.catch_warnings():  # DCP's note that it loads in one process: what it is asked to do
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load(weights, storage_reader=dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)), no_dist=True)
     return weights
