@@ -60,13 +60,9 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     """Run a training job end to end; return its run directory and plug-in (for its hints). Every
     input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
     is created or touched."""
-    t = req.recipe.train
-    rt = runtime_for(req)
-    display.configure(rt.is_main and not req.quiet)
-    req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
+    rt = started(req)
     try:
-        plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
-        check_streaming(req.recipe, plugin)
+        plugin = checked_plugin(req, rt)
         run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
         ckpt = resume_point(req.resume)
         # everything random that is built from here (a fresh model, adapters, a task's heads) is built the
@@ -107,16 +103,26 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
     return run_dir, plugin
 
 
+def started(req: RunRequest) -> Runtime:
+    """The run's runtime, the display set for it, and the recipe's precision resolved on its device."""
+    rt = runtime_for(req)
+    display.configure(rt.is_main and not req.quiet)
+    req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(req.recipe.train.precision, rt.device))
+    return rt
+
+
+def checked_plugin(req: RunRequest, rt: Runtime) -> Plugin:
+    plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
+    check_streaming(req.recipe, plugin)
+    return plugin
+
+
 def dry_run(req: RunRequest) -> memory.Plan:
     """--dry-run: the run's memory plan, from its model's shapes (on the meta device, no weight read)
     and one batch of its data at the recipe's lengths, printed; nothing is trained or written."""
-    t = req.recipe.train
-    rt = runtime_for(req)
-    display.configure(rt.is_main and not req.quiet)
-    req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(t.precision, rt.device))
+    rt = started(req)
     try:
-        plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
-        check_streaming(req.recipe, plugin)
+        plugin = checked_plugin(req, rt)
         if req.out is not None and not req.resume:
             new_run_dir(req.recipe, req.out)  # --out is checked as a run would (nothing is created)
         ckpt = resume_point(req.resume)

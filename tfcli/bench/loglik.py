@@ -279,12 +279,9 @@ def auto_batch_size(model, requests: list[Request], most: int = 64) -> int:
 
 
 def _free_bytes(device) -> int:
+    from ..engine.memory import available_ram
+
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30  # unknown: assume a small machine
+    available = available_ram()
+    return int(available) if available is not None else 8 << 30  # unknown: assume a small machine

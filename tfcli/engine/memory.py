@@ -157,39 +157,32 @@ class Plan:
         f = self.figures
         on, off = (f.step, self.other_step) if self.checkpointing else (self.other_step, f.step)
         rows = [
-            ("weights (trained model and heads)", gb(f.weights)),
-            ("frozen models (reference, teacher)", gb(f.frozen)),
-            ("gradients (in the step's peak)", gb(self.gradients)),
-            ("optimizer states", gb(f.optimizer)),
-            (f"step peak, recomputation off{' (chosen)' if not self.checkpointing else ''}", gb(off)),
-            (f"step peak, recomputation on{' (chosen)' if self.checkpointing else ''}", gb(on)),
-            ("the process (Python, libraries, data)", gb(self.runtime)),
-            ("reading the weights (the file's tensors and the model)", gb(self.reading)),
-            ("planned peak", gb(self.peak)),
-            (f"the device has ({self.where()})", gb(self.capacity)),
+            ("weights (trained model and heads)", f.weights),
+            ("frozen models (reference, teacher)", f.frozen),
+            ("gradients (in the step's peak)", self.gradients),
+            ("optimizer states", f.optimizer),
+            (f"step peak, recomputation off{' (chosen)' if not self.checkpointing else ''}", off),
+            (f"step peak, recomputation on{' (chosen)' if self.checkpointing else ''}", on),
+            ("the process (Python, libraries, data)", self.runtime),
+            ("reading the weights (the file's tensors and the model)", self.reading),
+            ("planned peak", self.peak),
+            (f"the device has ({self.where()})", self.capacity),
         ]
-        return [(k, v) for k, v in rows if "nan" not in v]
+        return [(what, gb(n)) for what, n in rows if n == n]  # the setting not planned is nan
 
 
 def gb(n: float) -> str:
-    if n != n:
-        return "nan"
     return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
 
-
-# --- reading train.memory_limit ------------------------------------------------------------------
 
 # --- what the process and the device have ---------------------------------------------------------
 
 
 def resident_bytes() -> float:
     """This process's resident memory now (Linux: /proc/self/status; elsewhere its peak so far)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    now = _proc_bytes("/proc/self/status", "VmRSS:")
+    if now is not None:
+        return now
     import resource
     import sys
 
@@ -202,18 +195,28 @@ def device_capacity(device: torch.device, local_processes: int = 1) -> float:
     process already holds, shared by the processes on this machine."""
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[1])
-    available = None
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                available = float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = available_ram()
     if available is None:
         import os
 
         available = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return (available + resident_bytes() * local_processes) / local_processes
+
+
+def available_ram() -> Optional[float]:
+    """The memory the system could give now (Linux's MemAvailable), or None where it does not say."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_bytes(path: str, key: str) -> Optional[float]:
+    """A 'Key:  N kB' line of a Linux /proc file, in bytes (None elsewhere)."""
+    try:
+        for line in open(path):
+            if line.startswith(key):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def tensor_bytes(*modules: nn.Module) -> float:
