@@ -131,10 +131,8 @@ def dry_run(req: RunRequest) -> memory.Plan:
         recipe = plugin.resolve(req.recipe, backbone)
         job = with_benchmarks(plugin.setup(recipe, backbone), recipe, backbone, rt)
         recipe = resolve_schedule(recipe, job, rt)
-        read = source is not None or ckpt is not None  # a fresh model is not read from a file
-        recipe, plan, note = fit_memory(
-            recipe, job, backbone.model, rt, None if read else 0.0, resumed=ckpt is not None, dry_run=True
-        )
+        copies = reading_copies(source, ckpt)
+        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, copies, resumed=ckpt is not None, dry_run=True)
     finally:
         teardown(rt)
     if rt.is_main:
@@ -144,12 +142,23 @@ def dry_run(req: RunRequest) -> memory.Plan:
     return plan
 
 
+def reading_copies(source: Optional[str], ckpt: Optional[Path]) -> float:
+    """How many copies of its fp32 weights a run holds while reading them (a dry run's estimate)."""
+    from .hf import gguf
+
+    if ckpt is not None:
+        return memory.READ_COPIES["other"]
+    if source is None:
+        return 0.0  # a fresh model is not read from a file
+    return memory.READ_COPIES["gguf" if gguf.is_gguf(source) else "other"]
+
+
 def fit_memory(
     recipe: Recipe,
     job: Job,
     model: nn.Module,
     rt: Runtime,
-    reading: Optional[float],
+    reading: float,
     resumed: bool = False,
     dry_run: bool = False,
 ) -> tuple[Recipe, memory.Plan, str]:
@@ -172,7 +181,7 @@ def fit_memory(
     return recipe, plan, note
 
 
-def measured_so_far(rt: Runtime) -> Optional[float]:
+def measured_so_far(rt: Runtime) -> float:
     """The process's peak so far on the CPU (reading the weights, tokenizing), in bytes."""
     return peak_memory_mb(rt.device) * 2**20 if rt.device.type == "cpu" else 0.0
 
