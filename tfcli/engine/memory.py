@@ -274,8 +274,9 @@ class Step:
 
 
 def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures, float]:
-    """Run two training steps of a `blocks`-deep probe, counting the second (the optimizer's states
-    exist by then, as they do for every step but the first) -> (its figures, the gradients' bytes)."""
+    """Run two training steps of a `blocks`-deep probe, counting the second's forward and backward (the
+    optimizer's states exist by then, as they do for every step but the first) -> (its figures, the
+    gradients' bytes)."""
     from .trainer import set_checkpointing
 
     with torch.random.fork_rng(devices=[step.device] if step.device.type == "cuda" else []):
@@ -289,10 +290,12 @@ def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures
         step.frozen.update(swapped)
         try:
             opt = step.optimizer(trained)
-            run_step(trained, opt, step)
+            backward(trained, step)
+            update(opt)
             counter = LiveBytes(held_tensors(trained, opt, *swapped.values()))
-            with counter:
-                run_step(trained, opt, step)
+            with counter:  # the gradients are alive at the end of the backward pass: counted
+                backward(trained, step)
+            update(opt)
             grads = sum(p.numel() * p.element_size() for p in trained.parameters() if p.requires_grad)
             figures = Figures(
                 weights=tensor_bytes(trained),
@@ -329,10 +332,15 @@ def probe_frozen(model: nn.Module, blocks: int, device: torch.device) -> nn.Modu
     return probe.eval().requires_grad_(False)
 
 
-def run_step(trained: nn.Module, opt: torch.optim.Optimizer, step: Step) -> None:
+def backward(trained: nn.Module, step: Step) -> None:
     with step.autocast():
         loss, _ = trained(step.batch)
     loss.backward()
+
+
+def update(opt: torch.optim.Optimizer) -> None:
+    """The optimizer's step, never counted: it updates in place (torchao's low-bit step is compiled
+    with fullgraph, which a dispatch mode would stop), and its states are counted as they stand."""
     opt.step()
     opt.zero_grad(set_to_none=True)
 
