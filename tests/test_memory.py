@@ -19,6 +19,18 @@ from .test_optimizers import tiny_llama_recipe
 from .test_resume_matrix import assert_resumes_exactly
 
 
+def dry_run_plan(*args):
+    import typer
+
+    from tfcli.cli import app
+
+    return typer.main.get_command(app)([str(a) for a in args] + ["--dry-run", "--quiet"], standalone_mode=False)
+
+
+def set_pairs(sets) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
 def test_live_bytes_counts_what_is_alive_and_its_peak():
     with memory.LiveBytes() as counter:
         a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes
@@ -190,15 +202,9 @@ def test_a_memory_limit_splits_the_batch_and_keeps_the_losses(small_text, write_
     The process's own memory is held constant: this test process's grows from one run to the next."""
     monkeypatch.setattr(memory, "resident_bytes", lambda: 300.0 * 2**20)
     recipe = write_recipe(tiny_llama_recipe(small_text, batch_size=8))
-    import typer
-
-    from tfcli.cli import app
 
     def planned(*sets):
-        args = ["pretrain", "--recipe", str(recipe), "--quiet", "--dry-run", "--set", "train.memory_limit=0"]
-        for s in sets:
-            args += ["--set", s]
-        return typer.main.get_command(app)(args, standalone_mode=False)
+        return dry_run_plan("pretrain", "--recipe", recipe, "--set", "train.memory_limit=0", *set_pairs(sets))
 
     whole = planned("train.activation_checkpointing=none")
     micro = planned("train.activation_checkpointing=none", "train.micro_batch_size=2")
@@ -240,14 +246,6 @@ def test_metrics_still_log_the_measured_peak(small_text, write_recipe, tmp_path)
 # --- a dry run of every kind of run, the model on the meta device ------------------------------------
 
 from .test_resume_matrix import chat_model, t5_model, vit_model  # noqa: E402, F401  (fixtures)
-
-
-def dry_run_plan(*args):
-    import typer
-
-    from tfcli.cli import app
-
-    return typer.main.get_command(app)([str(a) for a in args] + ["--dry-run", "--quiet"], standalone_mode=False)
 
 
 @pytest.mark.slow
