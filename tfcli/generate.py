@@ -205,9 +205,13 @@ def generate_batch(
     seed: Optional[int] = None,
     start_id: int = 0,
     pad_id: int = 0,
+    keep_stop: bool = False,
+    finished: Callable[[bool], bool] = bool,
 ) -> list[list[int]]:
     """The new ids of every prompt, generated together (B rows, one cache of (B, nh, L, hs) per layer),
-    each row ending at its first stop token (not included) or after max_new_tokens. A decoder reads
+    each row ending at its first stop token (included with keep_stop: an on-policy loss trains it) or
+    after max_new_tokens. `finished(all rows stopped)` decides when to stop early: processes that must
+    run the same forward passes (FSDP) agree through it. A decoder reads
     the prompts left-padded (pads masked, positions counted per row); an encoder-decoder (a model with
     `encode`) reads them right-padded and starts every row's decoder from `start_id`. Greedy output is
     the batch-1 output, row by row."""
@@ -246,6 +250,8 @@ def generate_batch(
         dict(temperature=temperature, top_k=top_k, top_p=top_p),
         seed,
         device,
+        keep_stop,
+        finished,
     )
 
 
@@ -265,6 +271,8 @@ def _rows_until_stop(
     sampling: dict,
     seed: Optional[int],
     device,
+    keep_stop: bool = False,
+    finished: Callable[[bool], bool] = bool,
 ) -> list[list[int]]:
     """Sample every row until each has met a stop token (a finished row's later tokens are dropped)."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -275,9 +283,9 @@ def _rows_until_stop(
         for r, token in enumerate(nxt.tolist()):
             if not done[r]:
                 done[r] = token in stop
-                if not done[r]:
+                if keep_stop or not done[r]:
                     rows[r].append(token)
-        if all(done) or i == steps - 1:
+        if finished(all(done)) or i == steps - 1:
             break
         hidden = step(nxt[:, None])
     return rows

@@ -80,6 +80,14 @@ class Job:
     # parameters of the model the loss never reads (a BERT pooler that mean pooling does not call): the
     # driver freezes them, so that no strategy trains, counts or expects optimizer state for them
     unread: tuple = ()
+    # on-policy training (GRPO): rollout(module, batches) -> (batches, metrics) turns one step's drawn
+    # batches (prompts) into what the loss reads (sampled completions, their rewards and advantages),
+    # with the model as it is now and without gradients; the same rollouts train `reuse` steps in a row
+    # (a checkpoint between them keeps them, so a resumed run trains on the same ones)
+    rollout: Optional[Callable[[nn.Module, list], tuple[list, dict[str, Tensor]]]] = None
+    reuse: int = 1
+    # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
+    plan_batch: Optional[Callable[[Batch], Batch]] = None
 
 
 class Plugin:

@@ -456,7 +456,7 @@ RESUMABLE_CHANGES = {
         "eval_tasks_data",
         "eval_tasks_few_shot",
     )
-} | {"finetune.epochs", "finetune.eval_limit"}
+} | {"finetune.epochs", "finetune.eval_limit", "grpo.eval_prompts", "grpo.generate_batch", "grpo.show"}
 
 
 def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:

@@ -25,6 +25,7 @@ TASKS = {
     "image-classify": "image_classification:ImageClassify",
     "sft": "sft:SFT",
     "dpo": "dpo:DPO",
+    "grpo": "grpo:GRPO",
 }
 
 _PACKAGES = {"objective": ("tfcli.objectives", OBJECTIVES), "task": ("tfcli.tasks", TASKS)}

@@ -190,6 +190,7 @@ FINETUNE_FLAGS = (
     "sft.chat_template",
     "sft.train_on",
     "sft.pack",
+    "grpo.reward",
 )
 
 

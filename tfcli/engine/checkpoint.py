@@ -27,6 +27,7 @@ import random
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -367,7 +368,8 @@ def upgrade_legacy(run_dir: Path) -> list[Path]:
             _reconstruct,
         ]  # what np.random.get_state() pickles to
         try:
-            with torch.serialization.safe_globals(allowed):
+            with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's note on the pickle protocol: the refusal below says it all
                 state = torch.load(pt, map_location="cpu", weights_only=True)
         except Exception as e:  # the weights_only unpickler refuses anything it does not allow
             raise UserError(f"{pt}: refused by the weights_only loader ({_first_line(e)})") from None

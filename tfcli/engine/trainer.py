@@ -130,6 +130,7 @@ class Trainer:
         self.sampler, self.batches = self._data(job, rt)
         self.micro_batches = self.tc.grad_accum * len(micro_slices(self.tc.batch_size, self.tc.micro_batch_size))
         self.step, self.best, self.skipped = 0, None, 0
+        self.rollouts: Optional[tuple[list, dict]] = None  # on-policy batches and metrics, for job.reuse steps
         self.elapsed_before, self.started = (
             0.0,
             time.perf_counter(),
@@ -180,6 +181,9 @@ class Trainer:
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self.skipped = int(state.get("skipped", 0))
         self.window = _Window.from_state(state.get("window"))  # the first log line covers its whole interval
+        if state.get("rollouts") is not None:  # saved between two steps that train on the same rollouts
+            batches, sampled = state["rollouts"]
+            self.rollouts = [to_device(b, self.rt.device) for b in batches], to_device(sampled, self.rt.device)
 
     def _check_fits(self, ckpt: Path, saved: dict[str, tuple]) -> None:
         """Refuse a checkpoint whose weights are not this run's model's (names and whole shapes)."""
@@ -266,7 +270,7 @@ class Trainer:
         the device; items). Nothing is read back to the host: a step whose loss or gradient is not
         finite is skipped inside the fused optimizer (found_inf), and noticed at the next log line."""
         self.module.train()
-        batches = [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.micro_batches)]
+        batches, sampled = self._step_batches()
         sums, items = self._backward(batches), sum(self.job.count_items(b) for b in batches)
         max_norm = self.tc.clip_grad if self.tc.clip_grad > 0 else float("inf")
         sums["grad_norm"] = self.rt.strategy.clip_grad_norm(self.module, max_norm).detach().float()
@@ -274,7 +278,20 @@ class Trainer:
         optimizers.step(self.opt, found_inf)
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return sums, items
+        return {**sampled, **sums}, items
+
+    def _step_batches(self) -> tuple[list[Batch], dict[str, Tensor]]:
+        """The step's micro-batches as drawn, or (on-policy tasks) the rollouts made from them: sampled
+        afresh every job.reuse steps, the same ones in between."""
+        drawn = lambda: [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.micro_batches)]
+        if self.job.rollout is None:
+            return drawn(), {}
+        if self.rollouts is None or self.step % self.job.reuse == 0:
+            self.doing = f"sampling completions for step {self.step + 1}"
+            with torch.no_grad():
+                self.rollouts = self.job.rollout(self.module, drawn())
+            self.doing = f"training step {self.step + 1}"
+        return self.rollouts
 
     def _backward(self, batches: list[Batch]) -> dict[str, Tensor]:
         """Gradients of one optimizer step's micro-batches, accumulated; their metrics, averaged the
@@ -403,6 +420,7 @@ class Trainer:
                 "elapsed_s": self.elapsed(),
                 "skipped": self.skipped,
                 "window": self.window.state(),
+                "rollouts": self.rollouts if self.step % self.job.reuse else None,
             }
             meta = {
                 self.recipe.kind: self.recipe.plugin,

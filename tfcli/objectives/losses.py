@@ -149,16 +149,21 @@ class _LinearTokenLogProbs(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    """(B,) the summed log-probability of each sequence's targets under softmax(hidden @ weight.T),
-    positions with target IGNORE (prompt, padding) left out: what preference losses compare (DPO's
-    log pi(y|x)). hidden (B, T, D), weight (V, D), targets (B, T). No (B, T, V) logits are kept."""
+def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """(B, T) the log-probability of each position's target under softmax(hidden @ weight.T), 0 where
+    the target is IGNORE (prompt, padding): what on-policy losses weigh token by token (GRPO's
+    log pi(o_t | q, o_<t)). hidden (B, T, D), weight (V, D), targets (B, T). Only the positions with a
+    target reach the head, and no (B, T, V) logits are kept."""
     b, t = targets.shape
-    rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target: only
-    token = _LinearTokenLogProbs.apply(
-        hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows]
-    )  # they reach the head
-    return token.new_zeros(b).index_add(0, rows // t, token)  # (B,)
+    rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target
+    token = _LinearTokenLogProbs.apply(hidden.reshape(b * t, -1)[rows], weight, targets.reshape(-1)[rows])  # (N,)
+    return token.new_zeros(b * t).index_add(0, rows, token).view(b, t)
+
+
+def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """(B,) the summed log-probability of each sequence's targets (token_logprobs over its positions):
+    what preference losses compare (DPO's log pi(y|x))."""
+    return token_logprobs(hidden, weight, targets).sum(1)
 
 
 # --- the losses of the text objectives, which text-to-text tasks (SFT, classification as text) train too

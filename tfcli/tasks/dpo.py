@@ -18,7 +18,6 @@ directory (reference_logps.json), so training holds one model and a resumed run 
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from ..models import kinds
 from ..objectives.losses import sequence_logprobs
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
+from .reference import reference_mode, reference_of, starting_model
 from .reply_batches import PairBatches, pair_count
 from .sft import count_tokens, read_splits, summary_line, template_for
 
@@ -70,19 +70,6 @@ class DPOConfig:
     def __post_init__(self):
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)
         require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)", self.label_smoothing)
-
-
-def reference_mode(recipe) -> str:
-    """dpo.reference, with auto resolved: the adapter-free base where there are adapters."""
-    mode, train = recipe.settings.reference, recipe.finetune.train
-    if mode == "auto":
-        return "base" if train in adapters.SWITCHABLE else "copy"
-    if mode == "base" and train not in adapters.SWITCHABLE:
-        raise UserError(
-            f"dpo.reference base is the model with its adapters switched off; --train {train} changes the "
-            f"base weights themselves (use copy or precompute, or --train lora)"
-        )
-    return mode
 
 
 def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -124,11 +111,7 @@ class Preference:
     def reference(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         if "ref_logps" in batch:
             return batch["ref_logps"]
-        with torch.no_grad():
-            if self.mode == "base":
-                with adapters.disabled(model):
-                    return logps(model, batch)
-            return logps(self.frozen["reference"], batch)  # the trainer has put it on the device, wrapped
+        return reference_of(model, self.mode, self.frozen, lambda m: logps(m, batch))
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
         lengths = (batch["targets"] != IGNORE).sum(1)
@@ -197,7 +180,7 @@ class DPO(Plugin):
                 "pairs, a larger data.val_fraction, or a dev split with usable pairs)"
             )
         pad = type(backbone.model).pad_id(backbone.tokenizer)
-        frozen = {"reference": self.starting_model(recipe, backbone).requires_grad_(False)} if mode == "copy" else {}
+        frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
         refs, files = (
             self.reference_file(recipe, backbone, train.pairs, held, pad) if mode == "precompute" else ({}, {})
         )
@@ -219,11 +202,6 @@ class DPO(Plugin):
             frozen=frozen,
             files=files,
         )
-
-    def starting_model(self, recipe, backbone) -> nn.Module:
-        """A copy of the model training starts from (dpo.reference copy). A resumed run's model holds
-        fresh weights until its checkpoint is loaded, so its --from model is read again."""
-        return base_model(self.run_dir, recipe) if backbone.resumed else copy.deepcopy(backbone.model)
 
     def reference_file(self, recipe, backbone, train: list, held: list, pad: int) -> tuple[dict, dict]:
         """dpo.reference precompute: the log-probabilities the run directory holds (a resumed run), or

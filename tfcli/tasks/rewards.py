@@ -1,0 +1,201 @@
+"""Rewards a program can check, for on-policy training (`tfcli finetune grpo --reward ...`).
+
+    --reward final-number                       1 when the completion's final number is the answer's
+    --reward final-number,regex:####:0.2        several, each with a weight (default 1), summed
+    --reward path/to/file.py:my_reward          the user's own Python function
+
+Built-ins score one completion against its row (its `answer` column, grpo.answer_field):
+
+    final-number    1 if the completion's final number equals the answer's (GSM8K's scorer, answers.py)
+    exact           1 if the completion is the answer (case and runs of whitespace aside)
+    contains        1 if the answer appears in the completion (the same normalisation)
+    regex:PATTERN   1 if PATTERN matches somewhere in the completion (re.search; `.` spans lines)
+    length:N        DAPO's soft overlong punishment: 0 up to max_completion_length - N tokens, then
+                    linearly down to -1 at max_completion_length (TRL's get_soft_overlong_punishment)
+
+A trailing `:NUMBER` is a weight (`regex:PATTERN:0.2`); a pattern that itself ends in `:NUMBER` needs
+an explicit weight after it. A user's function is called as TRL calls reward functions:
+fn(prompts=[...], completions=[...], completion_ids=[...], **columns), one entry per completion in every
+list (a column: that completion's row's value), and returns one float per completion (None: this
+reward does not apply to it). Naming a file is the one way tfcli runs user code: it is imported only
+when --reward names it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+from . import answers
+
+BUILT_IN = ("final-number", "exact", "contains", "regex:PATTERN", "length:N")
+_ANSWER_METRICS = {"final-number", "exact", "contains"}
+_WEIGHT = re.compile(r"(.+):([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
+_USER = re.compile(r"(.+\.py):([A-Za-z_]\w*)")
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What every reward is asked about: one entry per completion, in the rollout's order."""
+
+    prompts: list  # the row's prompt (text, or its messages)
+    texts: list[str]  # the completion, decoded (its end-of-turn token left out)
+    ids: list[list[int]]  # the completion's token ids
+    rows: list[dict]  # the row each completion answers (its columns)
+    max_length: int  # grpo.max_completion_length
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # as the metrics name it: rewards/<name>/mean
+    weight: float
+    score: Callable[[Completions], list]  # -> one float (or None) per completion
+    reads: Optional[str] = None  # the row column it needs (built-ins that compare with the answer)
+
+
+def parse(spec: str, answer_field: str) -> list[Reward]:
+    """`--reward` -> its rewards, in order; a one-line UserError for anything that is not a reward."""
+    items: list[str] = []
+    for piece in spec.split(","):
+        if items and not _starts_reward(piece.strip()):
+            items[-1] += "," + piece  # a comma inside a regex
+        else:
+            items.append(piece.strip())
+    rewards = [_one(item, answer_field) for item in items if item]
+    if not rewards:
+        raise UserError(
+            f"name a reward: --reward with one or more of {', '.join(BUILT_IN)}, or a file.py:function of yours"
+        )
+    names = [r.name for r in rewards]
+    if len(set(names)) != len(names):
+        raise UserError(f"--reward {spec!r} names the same reward twice; give each once (with a weight)")
+    return rewards
+
+
+def _starts_reward(piece: str) -> bool:
+    return piece.split(":")[0] in {"final-number", "exact", "contains", "regex", "length"} or bool(
+        _USER.fullmatch(piece.rsplit(":", 1)[0] if piece.count(":") > 1 else piece)
+    )
+
+
+def _one(item: str, answer_field: str) -> Reward:
+    body, weight = item, 1.0
+    m = _WEIGHT.fullmatch(item)
+    if m and _complete(m.group(1)):
+        body, weight = m.group(1), float(m.group(2))
+    name, _, argument = body.partition(":")
+    if name in _ANSWER_METRICS and not argument:
+        return Reward(name, weight, _matching(name, answer_field), reads=answer_field)
+    if name == "regex" and argument:
+        try:
+            pattern = re.compile(argument, re.DOTALL)
+        except re.error as e:
+            raise UserError(f"--reward {item!r}: {argument!r} is not a regular expression ({e})") from None
+        return Reward(body, weight, lambda c: [float(pattern.search(t) is not None) for t in c.texts])
+    if name == "length" and argument:
+        if not argument.isdigit() or int(argument) < 1:
+            raise UserError(f"--reward {item!r}: length:N takes N, a number of tokens >= 1")
+        return Reward(body, weight, _overlong(int(argument)))
+    if _USER.fullmatch(body):
+        return Reward(body, weight, _user_function(body))
+    raise UserError(f"--reward {item!r}: not a built-in reward ({', '.join(BUILT_IN)}) nor a file.py:function of yours")
+
+
+def _complete(body: str) -> bool:
+    """Whether `body` is a whole reward once a trailing :NUMBER is taken as its weight (length:64 is not
+    length weighted 64: length needs its N)."""
+    name, _, argument = body.partition(":")
+    return (
+        (name in _ANSWER_METRICS and not argument)
+        or (name in ("regex", "length") and bool(argument))
+        or bool(_USER.fullmatch(body))
+    )
+
+
+def _matching(metric: str, field: str) -> Callable[[Completions], list]:
+    def score(c: Completions) -> list:
+        return [float(answers.correct(t, str(row.get(field, "")), metric)) for t, row in zip(c.texts, c.rows)]
+
+    return score
+
+
+def _overlong(cache: int) -> Callable[[Completions], list]:
+    def score(c: Completions) -> list:
+        expected = c.max_length - cache
+        out = []
+        for ids in c.ids:
+            n = len(ids)
+            out.append(0.0 if n <= expected else (expected - n) / cache if n <= c.max_length else -1.0)
+        return out
+
+    return score
+
+
+def _user_function(body: str) -> Callable[[Completions], list]:
+    """The user's function, imported from the file they named (the one place tfcli runs user code)."""
+    file, name = _USER.fullmatch(body).groups()
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise UserError(f"--reward {body}: no such file {file}")
+    spec = importlib.util.spec_from_file_location(f"tfcli_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's module: any error it raises is theirs to see in one line
+        raise UserError(f"--reward {body}: importing {file} failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"--reward {body}: {file} has no function {name}")
+
+    def score(c: Completions) -> list:
+        columns = {k: [row.get(k) for row in c.rows] for k in dict.fromkeys(k for row in c.rows for k in row)}
+        columns = {k: v for k, v in columns.items() if k not in ("prompts", "completions", "completion_ids")}
+        return fn(prompts=c.prompts, completions=c.texts, completion_ids=c.ids, **columns)
+
+    return score
+
+
+def scored(rewards: list[Reward], c: Completions, where: Callable[[int], str]) -> Tensor:
+    """(N, F): every reward of every completion (NaN where a reward returned None). A reward that
+    raises, returns the wrong count or something that is not a number stops the run in one line
+    naming it and the row (`where(i)` says which row completion i answers)."""
+    columns = []
+    for r in rewards:
+        try:
+            values = r.score(c)
+        except Exception as e:  # a user's function: find the row it fails on, name it
+            raise UserError(
+                f"reward {r.name} failed on {where(_failing_row(r, c))} ({type(e).__name__}: {e})"
+            ) from None
+        if not isinstance(values, (list, tuple)) or len(values) != len(c.texts):
+            count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise UserError(f"reward {r.name} returned {count} values for {len(c.texts)} completions (one each)")
+        columns.append([_number(r, v, where, i) for i, v in enumerate(values)])
+    return torch.tensor(columns, dtype=torch.float32).t().reshape(len(c.texts), len(rewards))
+
+
+def _number(r: Reward, value: Any, where, i: int) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, (bool, int, float)) or (isinstance(value, Tensor) and value.numel() == 1):
+        return float(value)
+    raise UserError(f"reward {r.name} returned {value!r} for {where(i)} (a number, or None where it does not apply)")
+
+
+def _failing_row(r: Reward, c: Completions) -> int:
+    """The first completion the reward fails on alone (0 when it fails on none alone)."""
+    for i in range(len(c.texts)):
+        one = Completions(c.prompts[i : i + 1], c.texts[i : i + 1], c.ids[i : i + 1], c.rows[i : i + 1], c.max_length)
+        try:
+            r.score(one)
+        except Exception:
+            return i
+    return 0
