@@ -21,8 +21,8 @@ from tfcli.tasks import rewards as rewarding
 from tfcli.tasks.grpo import GRPOConfig, GRPOLoss, Prompt, Rollouts, advantages, nanstd
 
 from .conftest import invoke, read_metrics, write_jsonl
-from .test_resume_matrix import EVERY_STEP, cut_and_resume
 from .test_gguf import chat_gguf_file, tiny_backbone
+from .test_resume_matrix import EVERY_STEP, cut_and_resume
 
 G, LIMIT = 4, 6  # completions per prompt; grpo.max_completion_length
 # two rewards per completion (the second does not apply to one of them); the first group's second
@@ -96,8 +96,9 @@ def theirs(tmp_path, backbone, cfg: GRPOConfig, prompts, completions, perturb):
     generation replaced): (loss, metrics, grads)."""
     transformers = pytest.importorskip("transformers")
     trl = pytest.importorskip("trl")
-    import datasets
     from dataclasses import replace
+
+    import datasets
 
     from tfcli.plugin import Backbone
 
