@@ -83,7 +83,7 @@ def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
         return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
-    if raw.get("task") in ("sft", "dpo"):
+    if raw.get("task") in ("sft", "dpo", "grpo"):
         return raw["task"]
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
@@ -131,6 +131,10 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
             for r in sums
         )
     )
+    (root / "my_reward.py").write_text(  # the GRPO guide's own reward function
+        "def brevity(prompts, completions, **columns):\n"
+        "    return [1.0 if len(c.split()) <= 12 else 0.0 for c in completions]\n"
+    )
     pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": "I do not know."} for r in sums]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     (root / "hh.jsonl").write_text(
@@ -169,7 +173,7 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
 
     from .test_gguf import tiny_backbone  # stands in for the README's SmolLM2 GGUF (the same command)
 
-    export_gguf(tiny_backbone(max_seq_len=256), None, root / "SmolLM2-135M-Instruct.Q4_1.gguf", "f32")
+    export_gguf(tiny_backbone(max_seq_len=512), None, root / "SmolLM2-135M-Instruct.Q4_1.gguf", "f32")
     from tfcli.bench.spec import load as load_benchmark
 
     for split in ("dev", "test"):

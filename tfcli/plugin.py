@@ -88,6 +88,8 @@ class Job:
     reuse: int = 1
     # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
     plan_batch: Optional[Callable[[Batch], Batch]] = None
+    curve: str = "loss"  # the metric the run's curves.png draws (GRPO: its reward, sampled and held-out)
+    shown: tuple[str, ...] = ()  # the task's metrics its log line shows (empty: all); metrics.jsonl keeps every one
 
 
 class Plugin:

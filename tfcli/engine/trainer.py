@@ -352,7 +352,8 @@ class Trainer:
             "elapsed_s": round(self.elapsed(), 2),
         }
         self._write(record)
-        display.update(self.step, record, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
+        shown = {k: v for k, v in record.items() if not self.job.shown or k in self.job.shown or k not in metrics}
+        display.update(self.step, shown, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
         self.last.update(metrics)
 
     def _evaluate(self, display: TrainDisplay) -> bool:
@@ -364,7 +365,7 @@ class Trainer:
             return False
         self._write({"step": self.step, "split": "val", **{k: round(v, 6) for k, v in val.items()}})
         if self.rt.is_main:
-            plots.run_curves(self.run_dir, self.run_dir / "curves.png")
+            plots.run_curves(self.run_dir, self.run_dir / "curves.png", self.job.curve)
         display.note(self.step, "val", val)
         self.last.update({f"val_{k}": v for k, v in val.items()})
         score = val.get(self.job.best_key) if self.job.best_key else None

@@ -547,6 +547,18 @@ class GRPO(Plugin):
             rollout=rollouts,
             reuse=cfg.num_iterations,
             plan_batch=lambda b: planned_rollout(b, cfg, recipe.data.seq_len, backbone.cfg.max_seq_len, pad),
+            curve="reward",
+            shown=(
+                "reward",
+                "reward_std",
+                "frac_reward_zero_std",
+                "completions/mean_length",
+                "completions/clipped_ratio",
+                "kl",
+                "clip_ratio/region_mean",
+                "loss",
+                "grad_norm",
+            ),
         )
 
     def evaluation(self, recipe):
@@ -648,6 +660,8 @@ class GRPO(Plugin):
                 json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1)
             )
             self.say(results)
+            if not self.quiet:
+                console.print(f"completions: {Path(run_dir) / 'samples.jsonl'}")
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
@@ -678,7 +692,8 @@ class GRPO(Plugin):
             + (f"-limit{options.limit}" if options.limit else "")
         )
         out = Path(options.out) if options.out else run / f"{name}.json"
-        samples = out.with_name(out.stem.replace("eval-", "samples-", 1) + ".jsonl")
+        stem = out.stem.replace("eval-", "samples-", 1) if out.stem.startswith("eval-") else f"{out.stem}-samples"
+        samples = out.with_name(f"{stem}.jsonl")
         out.write_text(
             json.dumps(
                 {
@@ -709,7 +724,6 @@ class GRPO(Plugin):
 
     def hints(self, run_dir) -> list[str]:
         return [
-            f"read its completions: {Path(run_dir) / 'samples.jsonl'}",
             f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 100",
             f"chat with it: tfcli chat --checkpoint {run_dir}",
             f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
