@@ -61,7 +61,12 @@ def describe(run: Path) -> Optional[RunInfo]:
     )
 
 
-SCORES = ("acc", "exact_match", "contains_match", "reward")  # what a split of eval.json is judged by, by kind of task (GRPO: its mean reward)
+SCORES = (
+    "acc",
+    "exact_match",
+    "contains_match",
+    "reward",
+)  # what a split of eval.json is judged by, by kind of task (GRPO: its mean reward)
 
 
 def split_scores(report: dict) -> dict[str, tuple[str, float]]:
