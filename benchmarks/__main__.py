@@ -11,7 +11,22 @@ import sys
 
 import torch
 
-ALL = ["gpt", "bert", "t5", "mae", "loop", "busy", "generation", "smollm2", "sft", "dpo", "evals", "lowbit", "gpu"]
+ALL = [
+    "gpt",
+    "bert",
+    "t5",
+    "mae",
+    "loop",
+    "busy",
+    "generation",
+    "smollm2",
+    "sft",
+    "dpo",
+    "grpo",
+    "evals",
+    "lowbit",
+    "gpu",
+]
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

@@ -60,6 +60,14 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
             "--set",
             "data.val_fraction=0.2",
         ] + (["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=2"] if plugin == "sft" else [])
+    if plugin == "grpo":  # prompts with answers, a small vocabulary learned from them, short completions
+        rows = [{"prompt": f"add {i} and 1", "answer": f"{i + 1}"} for i in range(24)]
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return ["finetune", plugin], [
+            "--data", tmp_path / "rows.jsonl", "--reward", "contains", "--set", "tokenizer.vocab_size=300",
+            "--set", "data.val_fraction=0.2", "--set", "grpo.max_completion_length=4", "--set", "grpo.num_generations=2",
+            "--set", "grpo.eval_prompts=2",
+        ]  # fmt: skip
     preset = (raw.get(plugin) or {}).get("preset")
     if preset == "mnli":
         return ["finetune", "mnli"], ["--data", mnli_dir, "--limit", 16]

@@ -286,3 +286,28 @@ def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_pat
     assert out.returncode == 0, out.stderr[-2000:]
     shares = [__import__("json").loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(shares) == 2 and all(s["local"] * 2 == s["whole"] for s in shares), shares
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_samples_each_process_share_and_trains_under_two_processes(tmp_path, tmp_path_factory, strategy):
+    """GRPO under torchrun: each process samples completions of its own prompts (FSDP's processes agree
+    on when every row has stopped, since they run each forward pass together), rank 0 logs the pooled
+    metrics, the held-out evaluation answers both shares, and the run resumes on one process."""
+    from .conftest import write_jsonl
+    from .test_gguf import chat_gguf_file
+    from .test_grpo import PROMPTS
+
+    model = chat_gguf_file(tmp_path_factory, max_seq_len=128)
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    (tmp_path / "r.py").write_text("def n(completions, **kw):\n    return [float(len(c) % 3) for c in completions]\n")
+    args = ["finetune", "grpo", "--from", model, "--data", data, "--reward", f"{tmp_path}/r.py:n", "--quiet"]
+    args += ["--steps", 4, "--batch-size", 2, "--set", f"train.strategy={strategy}", "--set", "train.log_interval=1"]
+    args += ["--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=4", "--set", "grpo.eval_prompts=4"]
+    args += ["--set", "train.eval_interval=2", "--set", "train.ckpt_interval=2", "--set", "data.val_fraction=0.125"]
+    run_tfcli([*args, "--out", tmp_path / "two"], nproc=2)
+    rows = [m for m in read_metrics(tmp_path / "two") if m["split"] == "train"]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4] and all(m["completions/mean_length"] > 0 for m in rows)
+    held = [m for m in read_metrics(tmp_path / "two") if m["split"] == "val"]
+    assert len(held) == 2 and all("reward" in m for m in held)
+    run_tfcli(["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet"], nproc=1)
+    assert max(m["step"] for m in read_metrics(tmp_path / "two")) == 6

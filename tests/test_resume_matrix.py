@@ -340,6 +340,25 @@ def test_dpo_on_a_decoder(strategy, reference, chat_model, tmp_path):
     )
 
 
+@pytest.mark.parametrize("strategy", ["all", "lora", "qlora", "ia3", "bitfit"])
+def test_grpo_on_a_decoder(strategy, chat_model, tmp_path):
+    """Sampling included: the resumed run draws the same prompts and samples the same completions. With a
+    KL term against the reference (copy for all and bitfit, the base with adapters off otherwise)."""
+    from .test_grpo import PROMPTS
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    (tmp_path / "r.py").write_text("def n(completions, **kw):\n    return [float(len(c) % 3) for c in completions]\n")
+    assert_resumes_exactly(
+        "finetune",
+        [
+            "grpo", "--from", chat_model, "--data", data, "--reward", f"{tmp_path}/r.py:n", "--train", strategy,
+            "--batch-size", 2, "--lr", 1e-3, "--set", "grpo.num_generations=4", "--set", "grpo.max_completion_length=8",
+            "--set", "grpo.beta=0.05", "--set", "grpo.eval_prompts=2", "--set", "data.val_fraction=0.125",
+        ],
+        tmp_path,
+    )  # fmt: skip
+
+
 # --- pretraining objectives -----------------------------------------------------------------------
 
 TEXT_MODELS = {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from ..data import IGNORE
 from ..data.chat import ChatTemplate, check_messages, stop_ids
-from ..data.labelled import TextSpec
+from ..data.labelled import TextSpec, raw_splits
 from ..data.sampler import Draw, Source
 from ..display import console, phase
 from ..engine.backbone import from_run
@@ -335,7 +336,7 @@ class Rollouts:
 
     def __call__(self, module: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
         cfg, model, rt = self.cfg, module.model, self.plugin.rt
-        device = batches[0]["index"].device
+        device, started = batches[0]["index"].device, time.perf_counter()
         asked = [[self.prompts[i] for i in b["index"].tolist() for _ in range(cfg.num_generations)] for b in batches]
         sampled = [self.sample(model, [p.ids for p in group], int(b["seed"])) for b, group in zip(batches, asked)]
         flat_prompts = [p for group in asked for p in group]
@@ -361,6 +362,9 @@ class Rollouts:
                 )
             out.append(rows)
             start += n
+        metrics["rollout_s"] = torch.tensor(
+            time.perf_counter() - started
+        )  # sampling, rewards, old and reference passes
         return out, {k: v.to(device) for k, v in metrics.items()}
 
     @torch.no_grad()
@@ -452,6 +456,21 @@ class GRPO(Plugin):
         return (
             f"grpo ({cfg.preset or 'own prompts'}, reward {reward_spec(cfg)}, G {cfg.num_generations}, {cfg.loss_type})"
         )
+
+    def tokenizer_texts(self, recipe):
+        """A fresh model's tokenizer learns from the training rows' prompts and answers."""
+        cfg, d = recipe.settings, recipe.data
+        rows = next(
+            iter(raw_splits(data_spec(cfg), d.source, d.val_source, d.val_fraction, recipe.train.seed).values())
+        )[0]
+        prompt, answer = fields_of(cfg)
+        for row in rows:
+            yield from (row[k] for k in (prompt, answer) if isinstance(row.get(k), str))
+            yield from (
+                m["content"]
+                for m in row.get(cfg.messages_field) or []
+                if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
 
     def agreed(self, mine: bool) -> bool:
         """Whether every process's rows have stopped: FSDP's processes run every forward pass together."""
