@@ -309,5 +309,6 @@ def test_grpo_samples_each_process_share_and_trains_under_two_processes(tmp_path
     assert [m["step"] for m in rows] == [1, 2, 3, 4] and all(m["completions/mean_length"] > 0 for m in rows)
     held = [m for m in read_metrics(tmp_path / "two") if m["split"] == "val"]
     assert len(held) == 2 and all("reward" in m for m in held)
-    run_tfcli(["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet"], nproc=1)
+    resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
+    run_tfcli(resumed, nproc=1)
     assert max(m["step"] for m in read_metrics(tmp_path / "two")) == 6

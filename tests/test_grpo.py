@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tfcli.engine.runtime import Runtime
+from tfcli.engine.trainer import ObjectiveModule
 from tfcli.errors import UserError
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
@@ -73,7 +74,7 @@ def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb):
     batch = {"index": torch.tensor([0, 1]), "seed": torch.tensor([0])}
     rollouts.prompts = [asked[0], asked[G]]
     rollouts.score = _scoring_each_row(rollouts, asked)
-    (rollout,), metrics = rollouts(SimpleNamespace(model=model), [batch])
+    (rollout,), metrics = rollouts(ObjectiveModule(model, torch.nn.ModuleDict(), None), [batch])
     perturb(model)
     loss, loss_metrics = GRPOLoss(cfg)(model, None, rollout)
     loss.backward()

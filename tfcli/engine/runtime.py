@@ -322,12 +322,12 @@ def setup_runtime(
     name = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
     if name == "none" and world > 1:
         raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp, fsdp or auto")
-    if name == "fsdp" and "MASTER_ADDR" not in os.environ:
+    if name in ("ddp", "fsdp") and "MASTER_ADDR" not in os.environ:
         raise UserError(
-            "train.strategy fsdp runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
+            f"train.strategy {name} runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
             "to continue in one process, add --set train.strategy=auto"
         )
-    if (world > 1 or name == "fsdp") and not dist.is_initialized():
+    if (world > 1 or name in ("ddp", "fsdp")) and not dist.is_initialized():
         dist.init_process_group(
             "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=collective_timeout_min)
         )

@@ -335,7 +335,11 @@ class Rollouts:
         self.names = reward_names(rewards)
 
     def __call__(self, module: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
-        cfg, model, rt = self.cfg, module.model, self.plugin.rt
+        # through the module's own forward: under FSDP its root's parameters are gathered for all of it
+        return module(batches, lambda model, heads, drawn: self.rollout(model, drawn))
+
+    def rollout(self, model: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
+        cfg, rt = self.cfg, self.plugin.rt
         device, started = batches[0]["index"].device, time.perf_counter()
         asked = [[self.prompts[i] for i in b["index"].tolist() for _ in range(cfg.num_generations)] for b in batches]
         sampled = [self.sample(model, [p.ids for p in group], int(b["seed"])) for b, group in zip(batches, asked)]
@@ -586,7 +590,8 @@ class GRPO(Plugin):
 
         def evaluate(module: nn.Module, run_dir: Path) -> dict[str, float]:
             held, rollouts = self.held
-            metrics, lines = self.answered(module.model, rollouts, held[: recipe.settings.eval_prompts])
+            prompts = held[: recipe.settings.eval_prompts]  # through the module's forward, as sampling (FSDP)
+            metrics, lines = module(None, lambda model, heads, _: self.answered(model, rollouts, prompts))
             if self.rt.is_main:
                 folder = Path(run_dir) / "samples"
                 folder.mkdir(exist_ok=True)
@@ -599,13 +604,15 @@ class GRPO(Plugin):
 
     @torch.no_grad()
     def answered(
-        self, model: nn.Module, rollouts: Rollouts, prompts: list[Prompt]
+        self, model: nn.Module, rollouts: Rollouts, prompts: list[Prompt], alone: bool = False
     ) -> tuple[dict[str, float], list[dict]]:
         """Greedy completions of this process's share of `prompts` (equal shares), scored: (metrics pooled
-        over the processes, this process's lines)."""
+        over the processes, this process's lines). `alone`: all of them here (the final report runs on
+        rank 0 after the processes have parted)."""
         cfg, rt = rollouts.cfg, self.rt
-        share = len(prompts) // rt.world_size * rt.world_size if rt.distributed else len(prompts)
-        mine = prompts[:share][rt.rank :: rt.world_size] if rt.distributed else prompts
+        shared = rt.distributed and not alone
+        share = len(prompts) // rt.world_size * rt.world_size if shared else len(prompts)
+        mine = prompts[:share][rt.rank :: rt.world_size] if shared else prompts
         was = model.training
         model.eval()
         completions: list[list[int]] = []
@@ -621,7 +628,7 @@ class GRPO(Plugin):
                         temperature=0.0,
                         pad_id=rollouts.pad,
                         keep_stop=True,
-                        finished=self.agreed,
+                        finished=self.agreed if shared else bool,
                     )
                     advance(len(group))
         finally:
@@ -633,9 +640,7 @@ class GRPO(Plugin):
             sums[f"rewards/{name}/mean"] = float(torch.nan_to_num(per_reward[:, i]).sum())
         sums["completions/mean_length"] = float(sum(len(c) for c in completions))
         sums["completions/clipped_ratio"] = float(sum(not (c and c[-1] in rollouts.stops) for c in completions))
-        metrics = (
-            rt.pooled_mean(sums, len(mine)) if rt.distributed else {k: v / max(1, len(mine)) for k, v in sums.items()}
-        )
+        metrics = rt.pooled_mean(sums, len(mine)) if shared else {k: v / max(1, len(mine)) for k, v in sums.items()}
         tok = self.tokenizer
         lines = [
             {
@@ -671,7 +676,7 @@ class GRPO(Plugin):
             return {}
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
         n = report_rows(recipe)
-        metrics, lines = self.answered(backbone.model, rollouts, held[:n])
+        metrics, lines = self.answered(backbone.model, rollouts, held[:n], alone=True)
         results = {"held_out": {**metrics, "n": min(n, len(held))}}
         if self.rt.is_main:
             (Path(run_dir) / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -701,7 +706,7 @@ class GRPO(Plugin):
         )
         results, lines = {}, []
         for split, prompts in held.items():
-            metrics, answered = self.answered(backbone.model, rollouts, prompts)
+            metrics, answered = self.answered(backbone.model, rollouts, prompts, alone=True)
             results[split] = {**metrics, "n": len(prompts)}
             lines += [{"split": split, **line} for line in answered]
         run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
