@@ -99,7 +99,7 @@ def _best(run: Path, meta: dict) -> str:
         scores = split_scores(json.loads(report.read_text()))
         if scores:
             split, (key, value) = next(iter(scores.items()))
-            return f"{split} {key} {100 * value:.2f}%"
+            return f"{split} {key} {value:.4f}" if key == "reward" else f"{split} {key} {100 * value:.2f}%"
     for key in ("val_loss", "loss"):
         if key in meta:
             return f"{key} {meta[key]:.4f}"
