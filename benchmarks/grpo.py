@@ -53,7 +53,7 @@ def tfcli_side(data: Path, out: Path, checkpointing: bool) -> dict:
         "--lr", str(LR), "--seed", str(SEED), "--out", str(out), "--quiet",
         "--set", f"grpo.num_generations={G}", "--set", f"grpo.max_completion_length={LIMIT}",
         "--set", f"grpo.temperature={TEMPERATURE}", "--set", "grpo.eval_prompts=0", "--set", "data.seq_len=128",
-        "--set", "data.val_fraction=0", "--set", "train.log_interval=1", "--set", "train.threads=2",
+        "--set", "train.log_interval=1", "--set", "train.threads=2", "--set", "finetune.report_limit=1",
         "--set", "train.eval_interval=1000", "--set", "train.ckpt_interval=1000", "--set", "adapter.rank=16",
         "--set", "adapter.alpha=32", "--set", f"train.activation_checkpointing={'blocks' if checkpointing else 'none'}",
         "--set", "train.memory_limit=0",

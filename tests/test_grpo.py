@@ -420,3 +420,8 @@ def test_a_reward_that_fails_on_the_first_rows_stops_before_training(tmp_path, c
     result = invoke(*grpo_args(tmp_path, chat_model, 2, "--out", tmp_path / "run", "--reward", f"{tmp_path}/bad.py:f"))
     assert result.exit_code == 2 and "reward" in result.output and "ZeroDivisionError" in result.output, result.output
     assert "training row 1" in result.output and not (tmp_path / "run").exists()
+
+
+def test_eval_names_the_settings_it_takes(chat_model):
+    result = invoke("eval", "grpo", "--checkpoint", chat_model, "--set", "data.seq_len=128")
+    assert result.exit_code == 2 and "grpo.<field> with a field of reward, preset" in result.output, result.output

@@ -109,9 +109,7 @@ def eval_(
         path, value = recipes.parse_override(item)
         section, _, name = path.partition(".")
         if not name or (key is not None and section != key):
-            raise UserError(
-                f"--set {item}: eval takes settings of the task it runs, e.g. --set {key or 'sft'}.max_new_tokens=64"
-            )
+            raise UserError(f"--set {item}: eval takes settings of the task it runs, {_settings_of(key)}")
         settings[name] = value
     evaluate(
         newest(checkpoint),
@@ -196,3 +194,18 @@ def _task_data(data: Optional[str], name: str) -> Optional[str]:
     if data and (Path(data) / name).is_dir():
         return str(Path(data) / name)
     return data
+
+
+def _settings_of(key: Optional[str]) -> str:
+    """What `--set` takes for the evaluated task: its recipe section's fields."""
+    import dataclasses
+
+    from ..tasks.presets import PRESETS
+
+    task = PRESETS[key].task if key in PRESETS else key
+    kind = "objective" if task in registry.OBJECTIVES else "task"
+    config = registry.plugin_class(kind, task).Config if task is not None else None
+    if config is None:
+        return "e.g. --set sft.max_new_tokens=64"
+    names = [f.name for f in dataclasses.fields(config)]
+    return f"{task}.<field> with a field of {', '.join(names)}"
