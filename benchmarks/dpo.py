@@ -39,6 +39,7 @@ from benchmarks.trl_peer import (
     run_tfcli,
     setting_name,
     shipped_wanted,
+    trainer_args,
     trl_callbacks,
 )
 
@@ -138,27 +139,13 @@ def trl_main(rows_file: str, out: str, order: str, checkpointing: str) -> None:
         ]
     )
     args = trl.DPOConfig(
-        output_dir=out,
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         learning_rate=LR,
         beta=BETA,
         loss_type=["sigmoid"],
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
         max_length=None,
-        use_cpu=True,
-        seed=SEED,
-        dataloader_num_workers=0,
-        bf16=False,
-        fp16=False,
-        disable_tqdm=True,
-        gradient_checkpointing=checkpointing == "on",
+        **trainer_args(out, SEED, checkpointing),
     )
     losses, times = [], []
     cls = in_order(trl.DPOTrainer) if order == "same" else trl.DPOTrainer

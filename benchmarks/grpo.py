@@ -27,7 +27,15 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS
 from benchmarks.smollm2 import gguf_file
-from benchmarks.trl_peer import checkpointing_settings, missing, peak_rss_mb, plain_copy, run_peer, setting_name
+from benchmarks.trl_peer import (
+    checkpointing_settings,
+    missing,
+    peak_rss_mb,
+    plain_copy,
+    run_peer,
+    setting_name,
+    trainer_args,
+)
 
 STEPS, PROMPTS, G, LIMIT, TEMPERATURE, LR, SEED = int(os.environ.get("BENCH_STEPS", 8)), 4, 8, 64, 0.7, 1e-5, 1337
 SKIP = 2
@@ -96,26 +104,13 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
         return [float(correct(c[0]["content"], a, "final-number")) for c, a in zip(completions, answer)]
 
     args = trl.GRPOConfig(
-        output_dir=out,
         max_steps=STEPS,
         per_device_train_batch_size=PROMPTS * G,
         num_generations=G,
         max_completion_length=LIMIT,
         temperature=TEMPERATURE,
         learning_rate=LR,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=SEED,
-        bf16=False,
-        fp16=False,
-        disable_tqdm=True,
-        gradient_checkpointing=checkpointing == "on",
+        **trainer_args(out, SEED, checkpointing),
     )
     config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS)
     steps, sampling, lengths = [], [], []

@@ -37,6 +37,7 @@ from benchmarks.trl_peer import (
     run_tfcli,
     setting_name,
     shipped_wanted,
+    trainer_args,
     trl_callbacks,
 )
 
@@ -145,29 +146,12 @@ def trl_main(mode: str, data: str, order_file: str, out: str, order: str, checkp
 
         peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS)
     args = trl.SFTConfig(
-        output_dir=out,
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         learning_rate=LR[mode],
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
         max_length=512,
         completion_only_loss=True,
-        use_cpu=True,
-        seed=SEED,
-        dataloader_num_workers=0,
-        bf16=False,
-        fp16=False,
-        disable_tqdm=True,
-        gradient_checkpointing=checkpointing == "on",
+        **trainer_args(out, SEED, checkpointing),
     )
     losses, times = [], []
     cls = in_order(trl.SFTTrainer) if order == "same" else trl.SFTTrainer

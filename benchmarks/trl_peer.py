@@ -121,6 +121,32 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def trainer_args(out: str, seed: int, checkpointing: str) -> dict:
+    """What every TRL run here is given alike: tfcli's schedule (linear decay, no warmup), clipping and
+    AdamW settings, fp32 on the CPU, a log line per step, nothing saved, and the checkpointing setting
+    tfcli's side has ("on" | "off")."""
+    return dict(
+        output_dir=out,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=seed,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        gradient_checkpointing=checkpointing == "on",
+    )
+
+
 def checkpointing_settings() -> list[bool]:
     """Both sides run the same gradient checkpointing (TRL turns it on by default, tfcli off): every
     row runs with it off and on, unless BENCH_CHECKPOINTING=off or on picks one."""
