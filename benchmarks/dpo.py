@@ -29,6 +29,7 @@ from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
     checkpointing_args,
+    checkpointing_ran,
     checkpointing_settings,
     in_order,
     missing,
@@ -37,7 +38,7 @@ from benchmarks.trl_peer import (
     report,
     run_peer,
     run_tfcli,
-    setting_name,
+    same_checkpointing,
     shipped_wanted,
     trainer_args,
     trl_callbacks,
@@ -145,19 +146,25 @@ def trl_main(rows_file: str, out: str, order: str, checkpointing: str) -> None:
         beta=BETA,
         loss_type=["sigmoid"],
         max_length=None,
-        **trainer_args(out, SEED, checkpointing),
+        **trainer_args(out, SEED),
+        gradient_checkpointing=checkpointing == "on",  # TRL's default is on: set, as tfcli's side is
     )
     losses, times = [], []
     cls = in_order(trl.DPOTrainer) if order == "same" else trl.DPOTrainer
-    cls(
+    trainer = cls(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS),
         callbacks=trl_callbacks(losses, times),
-    ).train()
-    print(json.dumps({"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb()}))
+    )
+    trainer.train()
+    print(
+        json.dumps(
+            {"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb(), "checkpointing": checkpointing_ran(trainer)}
+        )
+    )
 
 
 def main() -> None:
@@ -178,7 +185,7 @@ def main() -> None:
                 else None
             )
             report(
-                f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs, {setting_name(on)})",
+                f"dpo lora vs TRL DPOTrainer ({STEPS} steps, b{BATCH} pairs, {same_checkpointing(ours, theirs, on, shipped)})",
                 ours,
                 theirs,
                 shipped,

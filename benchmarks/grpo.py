@@ -28,12 +28,14 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
+    checkpointing_ran,
     checkpointing_settings,
     missing,
     peak_rss_mb,
     plain_copy,
     run_peer,
-    setting_name,
+    same_checkpointing,
+    tfcli_checkpointing,
     trainer_args,
 )
 
@@ -78,6 +80,7 @@ def tfcli_side(data: Path, out: Path, checkpointing: bool) -> dict:
         "length": [m["completions/mean_length"] for m in train],
         "reward": [m["reward"] for m in train],
         "peak_rss_mb": max(m["peak_mem_mb"] for m in train),
+        "checkpointing": tfcli_checkpointing(out),
     }
 
 
@@ -110,7 +113,8 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
         max_completion_length=LIMIT,
         temperature=TEMPERATURE,
         learning_rate=LR,
-        **trainer_args(out, SEED, checkpointing),
+        **trainer_args(out, SEED),
+        gradient_checkpointing=checkpointing == "on",  # TRL's default is on: set, as tfcli's side is
     )
     config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS)
     steps, sampling, lengths = [], [], []
@@ -130,7 +134,7 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
         def on_step_end(self, *a, **k):
             steps.append(time.perf_counter() - self.t0)
 
-    Timed(
+    trainer = Timed(
         model=model,
         reward_funcs=[final_number],
         args=args,
@@ -138,8 +142,19 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
         processing_class=tokenizer,
         peft_config=config,
         callbacks=[Clock()],
-    ).train()
-    print(json.dumps({"step_s": steps, "sampling_s": sampling, "length": lengths, "peak_rss_mb": peak_rss_mb()}))
+    )
+    trainer.train()
+    print(
+        json.dumps(
+            {
+                "step_s": steps,
+                "sampling_s": sampling,
+                "length": lengths,
+                "peak_rss_mb": peak_rss_mb(),
+                "checkpointing": checkpointing_ran(trainer),
+            }
+        )
+    )
 
 
 def median(xs: list[float]) -> float:
@@ -158,7 +173,7 @@ def main() -> None:
             ours = tfcli_side(data, tmp / f"tfcli-{setting}", on)
             theirs = run_peer("benchmarks.grpo", str(data), str(tmp / f"trl-{setting}"), setting)
             report(
-                f"grpo LoRA vs TRL GRPOTrainer ({STEPS} steps, {PROMPTS} prompts x {G}, {setting_name(on)})",
+                f"grpo LoRA vs TRL GRPOTrainer ({STEPS} steps, {PROMPTS} prompts x {G}, {same_checkpointing(ours, theirs, on)})",
                 ours,
                 theirs,
             )

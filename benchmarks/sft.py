@@ -27,6 +27,7 @@ from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
     checkpointing_args,
+    checkpointing_ran,
     checkpointing_settings,
     in_order,
     missing,
@@ -35,7 +36,7 @@ from benchmarks.trl_peer import (
     report,
     run_peer,
     run_tfcli,
-    setting_name,
+    same_checkpointing,
     shipped_wanted,
     trainer_args,
     trl_callbacks,
@@ -151,19 +152,25 @@ def trl_main(mode: str, data: str, order_file: str, out: str, order: str, checkp
         learning_rate=LR[mode],
         max_length=512,
         completion_only_loss=True,
-        **trainer_args(out, SEED, checkpointing),
+        **trainer_args(out, SEED),
+        gradient_checkpointing=checkpointing == "on",  # TRL's default is on: set, as tfcli's side is
     )
     losses, times = [], []
     cls = in_order(trl.SFTTrainer) if order == "same" else trl.SFTTrainer
-    cls(
+    trainer = cls(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=trl_callbacks(losses, times),
-    ).train()
-    print(json.dumps({"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb()}))
+    )
+    trainer.train()
+    print(
+        json.dumps(
+            {"loss": losses, "step_s": times, "peak_rss_mb": peak_rss_mb(), "checkpointing": checkpointing_ran(trainer)}
+        )
+    )
 
 
 def main() -> None:
@@ -186,7 +193,7 @@ def main() -> None:
                     else None
                 )
                 report(
-                    f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH}, {setting_name(on)})",
+                    f"sft {mode} vs TRL SFTTrainer ({STEPS} steps, b{BATCH}, {same_checkpointing(ours, theirs, on, shipped)})",
                     ours,
                     theirs,
                     shipped,
