@@ -66,8 +66,6 @@ def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb):
     plugin = SimpleNamespace(rt=Runtime(torch.device("cpu")), tokenizer=backbone.tokenizer, agreed=bool)
     mode = "copy" if cfg.beta > 0 else "none"
     rollouts = Rollouts(plugin, cfg, asked, rewards, {eos}, 0, mode, {"reference": reference})
-    # one prompt per completion: the draws list each completion's own row, G rows a group
-    rollouts.cfg = cfg
     model = backbone.model.train()
     sampled = iter([completions])
     rollouts.sample = lambda m, p, seed: next(sampled)

@@ -427,7 +427,7 @@ def reward_names(rewards: list) -> list[str]:
     seen: Counter = Counter()
     out = []
     for r in rewards:
-        base = r.name.split(":")[0] if not r.name.endswith(".py") and ".py:" not in r.name else r.name.rsplit(":", 1)[1]
+        base = r.name.rsplit(":", 1)[1] if ".py:" in r.name else r.name.split(":")[0]  # fn of file.py:fn, else regex...
         seen[base] += 1
         out.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     return out
