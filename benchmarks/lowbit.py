@@ -40,12 +40,13 @@ def _state(name: str) -> dict:
     from tfcli.engine import optimizers
     from tfcli.models import FAMILIES
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the runs train
     rec = recipes.load("llama-mini")
-    model = FAMILIES["llama"][1](dataclasses.replace(rec.model, vocab_size=8192))
+    model = FAMILIES["llama"][1](dataclasses.replace(rec.model, vocab_size=8192)).to(device)
     opt = optimizers.build([{"params": list(model.parameters())}], recipes.OptimConfig(name=name))
-    ids = torch.randint(0, 8192, (4, 64))
+    ids = torch.randint(0, 8192, (4, 64), device=device)
     model.logits(model(ids)).float().logsumexp(-1).mean().backward()
-    optimizers.step(opt, torch.tensor(0.0))
+    optimizers.step(opt, torch.tensor(0.0, device=device))
     return {"mb": optimizers.state_bytes(opt) / 2**20}
 
 

@@ -8,6 +8,7 @@ the same losses after (1e-4)).
 
   smollm2-full   SmolLM2-135M-Instruct (its GGUF) full SFT, batch 8 x 512 (rows of ~500 tokens)
   smollm2-lora   the same, --train lora
+  smollm2-qlora  the same, --train qlora (the base's block matrices in NF4)
   dpo-copy       SmolLM2 LoRA DPO, batch 8 pairs x 512, dpo.reference copy
   dpo-base       the same, dpo.reference base (the adapters switched off)
   llama-mini     llama-mini pretraining (the built-in text, its recipe's batch 16 x 128)
@@ -32,7 +33,7 @@ from pathlib import Path
 from benchmarks.common import ROOT
 
 RESULTS = ROOT / "bench-results"
-TEXT = ROOT.parent / "shared" / "data" / "text" / "war_and_peace.txt"
+TEXT = Path(os.environ.get("BENCH_MEMORY_TEXT", ROOT.parent / "shared" / "data" / "text" / "war_and_peace.txt"))
 MNLI = ROOT.parent / "shared" / "data" / "mnli"
 STEPS = int(os.environ.get("BENCH_MEMORY_STEPS", 2))  # the optimizer's states exist from step 1 on
 # how each configuration is trained: glibc's allocator as it is (no limit), and as a run with a limit
@@ -41,9 +42,10 @@ ALLOCATORS = {"glibc": "train.memory_limit=0", "limit": "train.memory_limit=64GB
 
 
 def smol() -> str:
+    """SmolLM2's GGUF, or $BENCH_MEMORY_MODEL (a transformers directory of the same model or shapes)."""
     from benchmarks.smollm2 import gguf_file
 
-    return str(gguf_file())
+    return os.environ.get("BENCH_MEMORY_MODEL") or str(gguf_file())
 
 
 def minilm() -> str:
@@ -79,6 +81,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
     return {
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
+        "smollm2-qlora": [*sft, "--train", "qlora"],
         "dpo-copy": [*dpo, "--set", "dpo.reference=copy"],
         "dpo-base": [*dpo, "--set", "dpo.reference=base"],
         "llama-mini": ["pretrain", "--recipe", "llama-mini"],

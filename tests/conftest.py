@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,9 @@ from typer.testing import CliRunner
 torch.set_num_threads(2)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = Path(os.environ.get("TFCLI_SHARED_DATA", REPO.parent / "shared" / "data"))
+# where the tests' runs train: cpu, or TFCLI_TEST_DEVICE=cuda on a GPU machine (the same tests, the CUDA path)
+DEVICE = os.environ.get("TFCLI_TEST_DEVICE", "cpu")
 
 
 from tfcli.engine.runtime import busy_cores as measured_busy_cores  # noqa: E402, F401  (the real one, for its own test)
@@ -73,7 +76,7 @@ def tiny_gpt_recipe(data: Path, **sections) -> dict:
             "ckpt_interval": 10,
             "keep_checkpoints": 5,
             "seed": 7,
-            "device": "cpu",
+            "device": DEVICE,
         },
     }
     for section, values in sections.items():
@@ -108,7 +111,7 @@ def tiny_bert_recipe(data, objective: str = "mlm", **sections) -> dict:
             "eval_batches": 2,
             "ckpt_interval": 30,
             "seed": 3,
-            "device": "cpu",
+            "device": DEVICE,
         },
     }
     for section, values in sections.items():
@@ -175,7 +178,7 @@ def pretrained_run(
             "eval_interval": steps,
             "eval_batches": 1,
             "ckpt_interval": steps,
-            "device": "cpu",
+            "device": DEVICE,
         },
         **sections,
     }

@@ -17,7 +17,7 @@ import torch
 
 from tfcli import recipe as recipes
 
-from .conftest import invoke, tiny_npz
+from .conftest import DEVICE, invoke, tiny_npz
 
 SHIPPED = recipes.available()
 
@@ -118,7 +118,7 @@ def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_d
         "--set",
         "train.ckpt_interval=2",
         "--set",
-        "train.device=cpu",
+        f"train.device={DEVICE}",
         *[a for k, v in shrink.items() for a in ("--set", f"{k}={v}")],
     ]
     result = invoke(*args)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torch
 from tfcli.engine import memory
 from tfcli.errors import UserError
 
-from .conftest import invoke, read_metrics, tiny_gpt_recipe, train_losses
+from .conftest import REPO, invoke, read_metrics, tiny_gpt_recipe, train_losses
 from .test_optimizers import tiny_llama_recipe
 from .test_resume_matrix import assert_resumes_exactly
 
@@ -297,3 +300,51 @@ def test_a_dry_run_plans_every_kind(kind, chat_model, t5_model, vit_model, tmp_p
     }[kind]
     plan = dry_run_plan(*args)
     assert plan.peak > plan.runtime > 0 and plan.figures.weights > 0 and plan.figures.step > 0
+
+
+RESIDENT_PEAK = """
+import sys
+
+import torch
+from tfcli.engine import memory
+from tfcli.objectives.losses import token_logprobs
+
+memory.follow_the_plan()  # blocks of 1 MB and more are mapped and unmapped: resident memory follows them
+g = torch.Generator().manual_seed(0)
+h = torch.randn(4, 1024, 64, generator=g, requires_grad=True)
+w = torch.randn(8192, 64, generator=g)  # one chunk of logits: 4,096 x 8,192 fp32 = 128 MB
+t = torch.randint(0, 8192, (4, 1024), generator=g)
+if sys.argv[1] == "forward":  # a reference's pass
+    run = lambda: torch.no_grad()(token_logprobs)(h, w, t)
+else:
+    run = lambda: token_logprobs(h, w, t).sum().backward()
+run()
+
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+
+open("/proc/self/clear_refs", "w").write("5")  # resets the resident high-water mark
+before = status("VmRSS:")
+run()
+resident = status("VmHWM:") - before
+counter = memory.LiveBytes([h, w, t])
+with counter:
+    run()
+print(resident, counter.peak)
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux's resident high-water mark")
+def test_the_log_probs_allocate_what_the_plan_counts_one_chunk_at_a_time():
+    """token_logprobs (DPO's and GRPO's log pi) computed logsumexp over each (c, V) chunk of logits, which
+    allocates a copy of the chunk inside the op that no tensor count sees: the plan under-counted a
+    reference's pass by a chunk, 128 MB here. Forward and backward now hold one chunk at a time."""
+    chunk = 128 * 2**20
+    for what in ("forward", "backward"):
+        out = subprocess.run([sys.executable, "-c", RESIDENT_PEAK, what], capture_output=True, text=True, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        resident, counted = map(int, out.stdout.split())
+        assert chunk < counted < chunk + 24 * 2**20, (what, counted / 2**20)
+        assert resident < counted + 24 * 2**20, (what, resident / 2**20, counted / 2**20)

@@ -123,8 +123,11 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         step = _chunk_rows(weight.size(0))
         for s in range(0, hidden.size(0), step):
             logits = (hidden[s : s + step] @ weight.t()).float()  # (c, V)
-            picked = logits.gather(1, safe[s : s + step, None]).squeeze(1)
-            out[s : s + step] = picked - torch.logsumexp(logits, dim=-1)
+            # log p = x_t - max - log sum exp(x - max), as torch.logsumexp computes it, but in place:
+            # logsumexp allocates a hidden (c, V) temporary that no tensor count (the memory plan) sees
+            logits.sub_(logits.amax(-1, keepdim=True))
+            picked = logits.gather(1, safe[s : s + step, None]).squeeze(1)  # (c,) x_t - max
+            out[s : s + step] = picked - logits.exp_().sum(-1).log()
         out.masked_fill_(targets == IGNORE, 0.0)
         ctx.save_for_backward(hidden, weight, targets)
         return out
@@ -138,7 +141,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         step = _chunk_rows(weight.size(0))
         for s in range(0, hidden.size(0), step):
             h = hidden[s : s + step]
-            g = -torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V): d logp / d logits = onehot - p
+            g = _chunk_probs(h, weight, step).neg_()  # (c, V): d logp / d logits = onehot - p
             g[torch.arange(len(h), device=h.device), safe[s : s + step]] += 1.0
             g *= (grad_out[s : s + step] * valid[s : s + step])[:, None]
             if grad_hidden is not None:
