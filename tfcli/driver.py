@@ -166,11 +166,12 @@ def fit_memory(
     resolved, and micro-batches when train.memory_limit needs them (a one-line error when nothing fits,
     before the run directory exists). A resumed run keeps what it chose when it started."""
     t = recipe.train
+    if memory.parse_limit(t.memory_limit) and rt.device.type == "cpu" and not dry_run:
+        memory.follow_the_plan()  # before the probes: their activations must not stay resident in the heap
     plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run)
     limit = 0.0 if resumed else memory.limit_of(t.memory_limit, capacity)
     plan, note = memory.choose(plans, t.batch_size, t.activation_checkpointing, t.micro_batch_size, limit)
-    if memory.parse_limit(t.memory_limit) and rt.device.type == "cpu" and not dry_run:
-        memory.follow_the_plan()
+    memory.returned_to_os()  # what the probes freed, back to the system before training takes its own
     micro = plan.micro_batch if plan.micro_batch != t.batch_size else t.micro_batch_size
     recipe = recipe_with(
         recipe,
