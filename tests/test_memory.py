@@ -358,6 +358,7 @@ print(resident, counter.peak)
 """
 
 
+@pytest.mark.slow  # two fresh processes
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux's resident high-water mark")
 def test_the_log_probs_allocate_what_the_plan_counts_one_chunk_at_a_time():
     """token_logprobs (DPO's and GRPO's log pi) computed logsumexp over each (c, V) chunk of logits, which
