@@ -1,6 +1,7 @@
 """`make bench`: every family's training step against its Hugging Face peer, same run, same config;
 the loop's overhead over the bare step; training beside another job on every core (busy); greedy generation against transformers' generate; on a
-machine with a CUDA device, whole `tfcli pretrain` steps against transformers and nanoGPT (gpu).
+machine with a CUDA device, whole `tfcli pretrain` steps against transformers and nanoGPT (gpu) and
+the memory plan against CUDA's own count (gpu_fit).
 
     python -m benchmarks            # all
     python -m benchmarks gpt bert   # some
@@ -26,6 +27,7 @@ ALL = [
     "evals",
     "lowbit",
     "gpu",
+    "gpu_fit",
 ]
 
 if __name__ == "__main__":

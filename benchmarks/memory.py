@@ -95,7 +95,16 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "dpo-copy": [*dpo, "--set", "dpo.reference=copy"],
         "dpo-base": [*dpo, "--set", "dpo.reference=base"],
         "llama-mini": ["pretrain", "--recipe", "llama-mini"],
-        "minilm-mnli": ["finetune", "mnli", "--recipe", "mnli-minilm", "--from", minilm(), "--data", str(data / "mnli")],
+        "minilm-mnli": [
+            "finetune",
+            "mnli",
+            "--recipe",
+            "mnli-minilm",
+            "--from",
+            minilm(),
+            "--data",
+            str(data / "mnli"),
+        ],
         "minilm-mnli-real": ["finetune", "mnli", "--recipe", "mnli-minilm", "--from", minilm(), "--data", str(MNLI)],
     }
 
