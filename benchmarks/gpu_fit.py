@@ -91,7 +91,7 @@ def accuracy(tmp: Path) -> list[dict]:
         try:
             run = memory.trained(args, tmp / f"{name}-{ckpt}")
         except RuntimeError as e:
-            return {"config": name, "recomputation": ckpt == "blocks", "error": str(e)}
+            return {"config": name, "recomputation": ckpt == "blocks", "failed": str(e)}
         plan = run["plan"]["peak"]
         return {
             "config": name,
@@ -113,8 +113,8 @@ def accuracy(tmp: Path) -> list[dict]:
 def report(r: dict) -> dict:
     """Print one configuration's row as soon as it is measured."""
     what = f"memory {r['config']} recomputation {'on ' if r['recomputation'] else 'off'}"
-    if isinstance(r["error"], str):
-        print(f"{what}: FAILED {r['error']}", flush=True)
+    if "failed" in r:
+        print(f"{what}: FAILED {r['failed']}", flush=True)
     else:
         planned, measured = r["planned_gb"], r["measured_gb"]
         print(f"{what}: planned {planned:.2f} GB, measured {measured:.2f} GB ({100 * r['error']:+.1f}%)", flush=True)

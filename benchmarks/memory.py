@@ -88,6 +88,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
     sft += ["--set", "data.seq_len=512", "--set", "sft.prompt_field=prompt", "--set", "sft.response_field=response"]
     dpo = ["finetune", "dpo", "--from", smol(), "--data", str(data / "dpo"), "--train", "lora"]
     dpo += ["--batch-size", "8", "--set", "data.seq_len=512"]
+    mnli = ["finetune", "mnli", "--recipe", "mnli-minilm", "--from", minilm(), "--data"]
     return {
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
@@ -95,17 +96,8 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "dpo-copy": [*dpo, "--set", "dpo.reference=copy"],
         "dpo-base": [*dpo, "--set", "dpo.reference=base"],
         "llama-mini": ["pretrain", "--recipe", "llama-mini"],
-        "minilm-mnli": [
-            "finetune",
-            "mnli",
-            "--recipe",
-            "mnli-minilm",
-            "--from",
-            minilm(),
-            "--data",
-            str(data / "mnli"),
-        ],
-        "minilm-mnli-real": ["finetune", "mnli", "--recipe", "mnli-minilm", "--from", minilm(), "--data", str(MNLI)],
+        "minilm-mnli": [*mnli, str(data / "mnli")],
+        "minilm-mnli-real": [*mnli, str(MNLI)],
     }
 
 
