@@ -23,6 +23,7 @@ from .blocks import (
     init_normal_,
     make_norm,
     padding_mask,
+    through_blocks,
 )
 from .kinds import TEXT_ENCODER
 from .pooling import text_encoder_features, text_encoder_layer_features
@@ -74,11 +75,7 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor
     and every block's output (n_layer + 1)."""
     # no mask at all when nothing is padded: SDPA's fastest path
     mask = padding_mask(attention_mask) if attention_mask is not None and not bool(attention_mask.all()) else None
-    layers = [x]
-    for block in blocks:
-        x = block(x, mask=mask)
-        layers.append(x)
-    return layers if all_layers else x
+    return through_blocks(x, blocks, lambda i, block, h: block(h, mask=mask), all_layers)
 
 
 class Bert(nn.Module):

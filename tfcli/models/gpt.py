@@ -19,6 +19,7 @@ from .blocks import (  # noqa: F401
     init_normal_,
     make_norm,
     scale_residual_projections_,
+    through_blocks,
 )
 from .kinds import DECODER, DECODER_POOLINGS
 from .pooling import decoder_features, decoder_layer_features
@@ -106,11 +107,9 @@ class GPT(nn.Module):
         attended to and positions count real tokens only."""
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
-        layers = [x]
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None)
-            layers.append(x)
-        return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
+        call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None)
+        out = through_blocks(x, self.blocks, call, all_layers)
+        return [self.ln_f(h) for h in out] if all_layers else self.ln_f(out)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
         """Training FLOPs per token: every weight but the learned positions (the tied LM head included)."""

@@ -20,6 +20,7 @@ from .blocks import (
     dense_flops_per_token,
     init_normal_,
     make_norm,
+    through_blocks,
 )
 from .kinds import DECODER, DECODER_POOLINGS
 from .pooling import decoder_features, decoder_layer_features
@@ -140,11 +141,9 @@ class Llama(nn.Module):
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         rope = self.rotary(pos if pos.dim() == 2 else pos[None])  # each (B or 1, T, hs)
         x = self.drop(self.wte(input_ids))  # (B, T, D)
-        layers = [x]  # with all_layers: the embeddings, then every block's output
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
-            layers.append(x)
-        return [self.ln_f(h) for h in layers] if all_layers else self.ln_f(x)
+        call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
+        out = through_blocks(x, self.blocks, call, all_layers)
+        return [self.ln_f(h) for h in out] if all_layers else self.ln_f(out)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
         """Training FLOPs per token: every weight (rotary positions are computed, not learned); attention

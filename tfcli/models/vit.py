@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import MLP, Attention, Block, check_config, dense_flops_per_token, make_norm
+from .blocks import MLP, Attention, Block, check_config, dense_flops_per_token, make_norm, through_blocks
 from .kinds import VISION_ENCODER
 from .pooling import vision_features, vision_layer_features
 
@@ -288,11 +288,8 @@ class ViT(nn.Module):
         """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks. all_layers: the
         embeddings and every block's output (n_layer + 1), each normalised (a probe of every depth)."""
         x = self.embed(pixels, ids_keep)
-        layers = [x]
-        for block in self.blocks:
-            x = block(x)
-            layers.append(x)
-        return [self.norm(h) for h in layers] if all_layers else self.norm(x)
+        out = through_blocks(x, self.blocks, lambda i, block, h: block(h), all_layers)
+        return [self.norm(h) for h in out] if all_layers else self.norm(out)
 
     def forward(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
         return self.forward_features(pixels, ids_keep)
