@@ -430,18 +430,22 @@ class Block(nn.Module):
 
 
 def through_blocks(
-    x: Tensor, blocks: nn.ModuleList, call: Callable[[int, nn.Module, Tensor], Tensor], all_layers: bool
+    x: Tensor,
+    blocks: nn.ModuleList,
+    call: Callable[[int, nn.Module, Tensor], Tensor],
+    all_layers: bool,
+    final: Callable[[Tensor], Tensor] = lambda h: h,
 ):
-    """x (B, T, D) through every block, call(i, block, x) -> the last block's output (B, T, D), or with
-    all_layers x and every block's output (n_layer + 1 of them). Only all_layers keeps them: without
-    gradients (a frozen reference's pass, evaluation, generation) each output is freed as soon as the
-    next block has read it, so the pass peaks at one block's activations."""
+    """x (B, T, D) through every block, call(i, block, x) -> final(the last block's output) (B, T, D),
+    or with all_layers final() of x and of every block's output (n_layer + 1 of them). Only all_layers
+    keeps them: without gradients (a frozen reference's pass, evaluation, generation) each output is
+    freed as soon as the next block has read it, so the pass peaks at one block's activations."""
     layers = [x] if all_layers else None
     for i, block in enumerate(blocks):
         x = call(i, block, x)
         if layers is not None:
             layers.append(x)
-    return layers if all_layers else x
+    return [final(h) for h in layers] if layers is not None else final(x)
 
 
 def init_normal_(module: nn.Module, std: float = 0.02) -> None:

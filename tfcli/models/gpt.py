@@ -108,8 +108,7 @@ class GPT(nn.Module):
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None)
-        out = through_blocks(x, self.blocks, call, all_layers)
-        return [self.ln_f(h) for h in out] if all_layers else self.ln_f(out)
+        return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
         """Training FLOPs per token: every weight but the learned positions (the tied LM head included)."""

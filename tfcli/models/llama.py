@@ -142,8 +142,7 @@ class Llama(nn.Module):
         rope = self.rotary(pos if pos.dim() == 2 else pos[None])  # each (B or 1, T, hs)
         x = self.drop(self.wte(input_ids))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
-        out = through_blocks(x, self.blocks, call, all_layers)
-        return [self.ln_f(h) for h in out] if all_layers else self.ln_f(out)
+        return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
         """Training FLOPs per token: every weight (rotary positions are computed, not learned); attention

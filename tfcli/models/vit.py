@@ -288,8 +288,7 @@ class ViT(nn.Module):
         """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks. all_layers: the
         embeddings and every block's output (n_layer + 1), each normalised (a probe of every depth)."""
         x = self.embed(pixels, ids_keep)
-        out = through_blocks(x, self.blocks, lambda i, block, h: block(h), all_layers)
-        return [self.norm(h) for h in out] if all_layers else self.norm(out)
+        return through_blocks(x, self.blocks, lambda i, block, h: block(h), all_layers, self.norm)
 
     def forward(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
         return self.forward_features(pixels, ids_keep)
