@@ -10,7 +10,7 @@ import pytest
 
 from tfcli.data import documents, packing, store, tokenize_worker
 from tfcli.data.documents import open_source
-from tfcli.data.sources import builtin_documents
+from tfcli.data.sources import builtin_documents, write_into_place
 from tfcli.data.tokenizers import TextTokenizer, build_tokenizer, load_tokenizer_files
 from tfcli.errors import UserError
 
@@ -222,3 +222,35 @@ def test_prepare_then_pretrain_on_the_store(tmp_path, small_text):
         "pretrain", "--objective", "mlm", "--data", out, "--steps", 1, "--out", tmp_path / "bert", "--quiet"
     )
     assert result.exit_code == 2 and "which BERT needs" in result.output  # a GPT-2 store cannot feed a BERT
+
+
+def _write_slowly(path, text, started=None, go_on=None):
+    """A cache writer that stops half-way, until told to go on, with its temporary file open."""
+
+    def write(tmp):
+        with tmp.open("w") as f:
+            f.write(text[: len(text) // 2])
+            f.flush()
+            if started is not None:
+                started.set()
+                go_on.wait(20)
+            f.write(text[len(text) // 2 :])
+
+    write_into_place(path, write)
+
+
+def test_two_processes_filling_one_cache_entry_at_once_both_succeed_and_leave_it_whole(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    path = tmp_path / "entry.json"
+    started, go_on = ctx.Event(), ctx.Event()
+    first = ctx.Process(target=_write_slowly, args=(path, "A" * 10_000, started, go_on))
+    first.start()
+    assert started.wait(20)
+    _write_slowly(path, "B" * 10_000)  # the second writer finishes while the first is half-way
+    go_on.set()
+    first.join(20)
+    assert first.exitcode == 0
+    assert path.read_text() in ("A" * 10_000, "B" * 10_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.json"]

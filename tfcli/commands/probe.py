@@ -97,7 +97,7 @@ def chosen_layers(text: str, n: int) -> list[int]:
 def features(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{split: ((n_layer + 1, N, D) features, (N,) labels)}, training split first, from the cache when
     this model, data, sample and pooling were read before."""
-    from ..data.sources import cache_dir
+    from ..data.sources import cache_dir, write_into_place
 
     path = cache_dir() / "probe" / f"{cache_key(req, source)}.npz"
     if path.is_file():
@@ -106,8 +106,12 @@ def features(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.n
     out = extract(req, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {f"{s}.{k}": v for s, (x, y) in out.items() for k, v in (("x", x), ("y", y))}
-    np.savez(path.with_suffix(".tmp.npz"), splits=json.dumps(list(out)), **arrays)
-    path.with_suffix(".tmp.npz").replace(path)
+
+    def save(tmp: Path) -> None:
+        with tmp.open("wb") as f:  # a file object: np.savez would add .npz to a path
+            np.savez(f, splits=json.dumps(list(out)), **arrays)
+
+    write_into_place(path, save)
     return out
 
 

@@ -40,6 +40,18 @@ def cache_dir() -> Path:
     return d
 
 
+def write_into_place(path: Path, write) -> None:
+    """Write a cache file whole or not at all: `write(tmp)` fills a temporary file of this process's
+    own, which then replaces `path` in one rename. Two processes filling the same entry at once (two
+    runs, two test workers) each rename their own file; the last one wins, and both are whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def quiet_datasets():
     """The `datasets` module with its progress bars and log messages off: tfcli reports its own
     progress, and turns datasets' errors into one line of its own."""
@@ -131,9 +143,8 @@ def builtin_corpus_file() -> Path:
     path = cache_dir() / f"builtin-corpus-py{sys.version_info.major}.{sys.version_info.minor}.jsonl"
     if not path.exists():
         docs = list(_pydoc_topics()) + list(_stdlib_docstrings())
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-        os.replace(tmp, path)  # atomic: a crash never leaves half a corpus behind
+        text = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+        write_into_place(path, lambda tmp: tmp.write_text(text))  # a crash never leaves half a corpus
     return path
 
 

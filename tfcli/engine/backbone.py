@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from .. import adapters
 from .. import recipe as recipes
-from ..data.sources import cache_dir
+from ..data.sources import cache_dir, write_into_place
 from ..data.store import is_store
 from ..data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
 from ..display import console, phase
@@ -272,8 +272,7 @@ def shared_tokenizer(recipe, plugin, rt: Runtime) -> TextTokenizer:
                 )
             if key:
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                tok.tok.save(str(cached.with_suffix(".tmp")))
-                cached.with_suffix(".tmp").replace(cached)
+                write_into_place(cached, lambda tmp: tok.tok.save(str(tmp)))
     if rt.distributed:
         tok = TextTokenizer(Tokenizer.from_str(rt.broadcast(tok.tok.to_str() if tok else None)))
     return tok

@@ -16,13 +16,12 @@ this peak x processes.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Optional
 
 import torch
 
-from ..data.sources import cache_dir
+from ..data.sources import cache_dir, write_into_place
 
 # dense TFLOP/s by (GPU name fragment, dtype); the first fragment that the device's name contains wins
 GPU_PEAKS = [
@@ -67,9 +66,7 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key not in table:
         table[key] = _measure(device, dtype)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several ranks may write at once
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
+        write_into_place(path, lambda tmp: tmp.write_text(json.dumps(table, indent=1)))  # ranks may write at once
     return table[key]
 
 
