@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/tfcli pretrain --objective clm --recipe gpt-mini
 
+# a worker per core, a test file at a time, in the order tests/conftest.py gives (the longest first;
+# xdist would otherwise start the files with the most tests first); each worker pinned to its own core
+PARALLEL = -n auto --dist loadfile --no-loadscope-reorder
+
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PARALLEL) -m "not slow"
 
 docs: install
 	$(BIN)/mkdocs build --strict

@@ -12,7 +12,34 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-torch.set_num_threads(2)
+
+def one_core_per_worker() -> None:
+    """Under pytest-xdist (`make test` runs a worker per core), each worker keeps to cores of its own,
+    so that two workers never wait on each other's threads: a run inside a test sees its share of the
+    usable cores and takes that many threads, and the processes a test starts inherit the share."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if count > 1 and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        if count <= len(cores):
+            os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, count // len(cores))))
+    else:
+        torch.set_num_threads(2)
+
+
+one_core_per_worker()
+
+# The files that take longest (seconds on 2 cores, 2026-11-27), run first: with a worker per core
+# and a file at a time (--dist loadfile), the longest start at once and the short ones fill in
+# after, so that the workers finish together instead of one waiting on a long file started last.
+LONGEST_FIRST = ["test_readme", "test_ddp", "test_resume_matrix", "test_sft", "test_compile", "test_gguf"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file keeps its order
+
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TFCLI_SHARED_DATA", REPO.parent / "shared" / "data"))

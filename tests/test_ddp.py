@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -273,7 +274,8 @@ def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_pat
         "rt = setup_runtime('cpu', 1, 'fsdp')\n"
         "rt.strategy.wrap_frozen(model.requires_grad_(False))\n"
         "local = sum(p.to_local().numel() for b in transformer_blocks(model) for p in b.parameters())\n"
-        "print(json.dumps({'rank': rt.rank, 'whole': whole, 'local': local}))\n"
+        f"out = {str(tmp_path)!r} + f'/share-{{rt.rank}}.json'\n"  # a file each: two prints on one pipe interleave
+        "open(out, 'w').write(json.dumps({'rank': rt.rank, 'whole': whole, 'local': local}))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
@@ -284,7 +286,7 @@ def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_pat
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    shares = [__import__("json").loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    shares = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("share-*.json"))]
     assert len(shares) == 2 and all(s["local"] * 2 == s["whole"] for s in shares), shares
 
 

@@ -236,10 +236,12 @@ def prepare(command: str, runs: dict[str, Path], n: int) -> list[str] | None:
             *TINY_PRETRAIN,
         ]
     verb, extra = argv[1], []
+    if argv[2:3] == ["grpo"]:  # sampling is most of a GRPO run: short completions, two per prompt
+        extra = ["--set", "grpo.max_completion_length=16"] + ["--set", "grpo.num_generations=2"] * (verb == "finetune")
     if verb == "pretrain":
         extra = ["--steps", "4", "--quiet"] if "--resume" in argv else TINY_PRETRAIN
     elif verb == "finetune":
-        extra = ["--quiet"] if "--resume" in argv else TINY_FINETUNE
+        extra += ["--quiet"] if "--resume" in argv else TINY_FINETUNE
     elif verb == "generate":
         extra = ["--max-new-tokens", "5"]
     elif verb == "compare":  # every cell a couple of steps (the last --budget wins)
