@@ -414,3 +414,19 @@ def test_two_runs_of_a_recipe_started_in_the_same_second_get_their_own_directori
     (first / "checkpoints").mkdir(parents=True)
     second = new_run_dir(rec, None)
     assert second != first and not second.exists() and second.name.startswith(first.name)
+
+
+def test_tfcli_starts_without_importing_torchs_compiler_or_its_distributed_checkpoint():
+    """Every tfcli process imported torch's compiler (dynamo, ~1.3 s) and torch.distributed.checkpoint at
+    start, and most never use them (train.compile auto is off on CPU; one process saves whole
+    checkpoints): they are imported where a run compiles, or saves, instead."""
+    import subprocess
+    import sys
+
+    modules = ["tfcli.cli", "tfcli.driver", "tfcli.engine.trainer", "tfcli.generate", "tfcli.commands.training"]
+    modules += ["tfcli.commands.trained", "tfcli.commands.compare", "tfcli.commands.probe", "tfcli.tasks"]
+    heavy = ["torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor"]
+    code = f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\nprint([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

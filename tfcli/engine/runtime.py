@@ -23,15 +23,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ..errors import UserError
+
+
+def state_dicts():
+    """torch.distributed.checkpoint's state-dict functions, imported when a checkpoint is first saved
+    or loaded (the import costs ~0.6 s, which a command that saves nothing should not pay)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 class Strategy:
@@ -63,7 +64,8 @@ class Strategy:
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state keyed by parameter name (the same for every strategy)."""
-        return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+        sd = state_dicts()
+        return sd.get_optimizer_state_dict(module, optimizer, options=sd.StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if any(isinstance(k, int) for k in state.get("state", {})) or any(
@@ -71,7 +73,9 @@ class Strategy:
         ):
             optimizer.load_state_dict(state)  # a checkpoint from before 0.3: keyed by position
             return
-        load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
+        load_optimizer_state(
+            module, optimizer, state, state_dicts().StateDictOptions(full_state_dict=True, strict=False)
+        )
 
 
 class DDPStrategy(Strategy):
@@ -94,7 +98,10 @@ class FSDPStrategy(Strategy):
     (engine/shards.py); a whole checkpoint (from one process or DDP) is read by every rank."""
 
     name = "fsdp"
-    FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    @staticmethod
+    def full():
+        return state_dicts().StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -130,27 +137,28 @@ class FSDPStrategy(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        return get_model_state_dict(module, options=self.FULL)  # full on rank 0, empty elsewhere
+        return state_dicts().get_model_state_dict(module, options=self.full())  # full on rank 0, empty elsewhere
 
     def load_state_dict(self, module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        sd = state_dicts()
+        sd.set_model_state_dict(module, state, options=sd.StateDictOptions(full_state_dict=True, strict=strict))
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return get_optimizer_state_dict(module, optimizer, options=self.FULL)
+        return state_dicts().get_optimizer_state_dict(module, optimizer, options=self.full())
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=True, strict=False))
+        load_optimizer_state(
+            module, optimizer, state, state_dicts().StateDictOptions(full_state_dict=True, strict=False)
+        )
 
 
-def load_optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, options: StateDictOptions
-) -> None:
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, options) -> None:
     """Optimizer state by parameter name into `optimizer`. AdamW makes a parameter's state at its first
     gradient, so a checkpoint has none for one that never had a gradient; after loading it has none
     either (torch.distributed.checkpoint initialises every parameter's state first), so the resumed run
     takes the same steps as the run that saved it, whichever parameters happened to get gradients."""
     saved = set(state.get("state", {}))
-    set_optimizer_state_dict(module, optimizer, state, options=options)
+    state_dicts().set_optimizer_state_dict(module, optimizer, state, options=options)
     for name, p in module.named_parameters():
         if p.requires_grad and name not in saved:
             optimizer.state.pop(p, None)

@@ -16,21 +16,25 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-)
 
 from ..errors import UserError
+from .runtime import state_dicts
 
 SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
 OPTIM = "optim."  # the prefix of the optimizer's tensors
-SHARDED = StateDictOptions(full_state_dict=False)
 ONE_PROCESS = ".*assuming the intent is to (load|save) in a single process.*"  # DCP's note: what it is asked
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported when shards are first written or read (~0.6 s)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _sharded(strict: bool = True):
+    return state_dicts().StateDictOptions(full_state_dict=False, strict=strict)
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -49,10 +53,11 @@ def _optimizer_tensors(optim: dict) -> dict[str, Tensor]:
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
     """Every process writes its shards of the weights (`names` only, for a run that saves what it trains)
     and of the optimizer's states into directory/shards; returns the optimizer's param_groups (JSON)."""
-    weights = get_model_state_dict(module, options=SHARDED)
+    weights = state_dicts().get_model_state_dict(module, options=_sharded())
     if names is not None:
         weights = {k: v for k, v in weights.items() if k in names}
-    optim = get_optimizer_state_dict(module, optimizer, options=SHARDED)
+    optim = state_dicts().get_optimizer_state_dict(module, optimizer, options=_sharded())
+    dcp = _dcp()
     writer = dcp.HuggingFaceStorageWriter(str(Path(directory) / SHARDS), save_distributed=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
@@ -63,7 +68,7 @@ def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) ->
 def _metadata(ckpt: Path) -> dict:
     """Every tensor's metadata (whole shape, dtype), from the files' headers."""
     try:
-        return dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)).read_metadata().state_dict_metadata
+        return _dcp().HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)).read_metadata().state_dict_metadata
     except Exception as e:  # a truncated or foreign file: safetensors' own error
         raise UserError(f"{Path(ckpt) / SHARDS}: unreadable ({str(e).splitlines()[0][:160]})") from None
 
@@ -80,19 +85,22 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     from .runtime import load_optimizer_state
 
     present = sizes(ckpt)
-    weights = get_model_state_dict(module, options=SHARDED)
+    weights = state_dicts().get_model_state_dict(module, options=_sharded())
     if names is not None:
         weights = {k: v for k, v in weights.items() if k in names}
-    optim = get_optimizer_state_dict(module, optimizer, options=SHARDED)  # every state made, to be filled
+    optim = state_dicts().get_optimizer_state_dict(
+        module, optimizer, options=_sharded()
+    )  # every state made, to be filled
     moments = {k: v for k, v in _optimizer_tensors(optim).items() if k in present}
+    dcp = _dcp()
     reader = dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load({**weights, **moments}, storage_reader=reader, no_dist=not dist.is_initialized())
-    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=False, strict=names is None))
+    state_dicts().set_model_state_dict(module, weights, options=_sharded(names is None))
     kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in moments)}
     state = {"state": {n: s for n, s in optim["state"].items() if n in kept}, "param_groups": param_groups}
-    load_optimizer_state(module, optimizer, state, StateDictOptions(full_state_dict=False, strict=False))
+    load_optimizer_state(module, optimizer, state, _sharded(False))
 
 
 def consolidated(ckpt: Path) -> dict[str, Tensor]:
@@ -100,6 +108,7 @@ def consolidated(ckpt: Path) -> dict[str, Tensor]:
     weights = {
         k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(ckpt).items() if not k.startswith(OPTIM)
     }
+    dcp = _dcp()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load(weights, storage_reader=dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)), no_dist=True)

@@ -8,12 +8,35 @@ tensor, its log-softmax and their backward passes never exist. Same FLOPs, far l
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor, nn
 
 from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
+
+_KEPT_EAGER = []  # each eager() function's switch to its torch.compiler.disable'd self
+
+
+def eager(fn):
+    """torch.compiler.disable, applied when a run first compiles (keep_out_of_compiled_graphs): the
+    decorator imports torch's compiler, ~1.3 s at the start of every tfcli process, and most never
+    compile (train.compile auto is off on the CPU)."""
+    chosen = [fn]  # what a call runs: fn, or fn kept out of the graph once compiling starts
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return chosen[0](*args, **kwargs)
+
+    _KEPT_EAGER.append(lambda: chosen.__setitem__(0, torch.compiler.disable(fn)))
+    return call
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Before torch.compile: the eager() functions run outside compiled graphs from now on."""
+    for switch in _KEPT_EAGER:
+        switch()
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -91,7 +114,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return scaled(grad_hidden), scaled(grad_weight), None, None, None, None
 
 
-@torch.compiler.disable
+@eager
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, with_accuracy: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -151,7 +174,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None
 
 
-@torch.compiler.disable
+@eager
 def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     """(B, T) the log-probability of each position's target under softmax(hidden @ weight.T), 0 where
     the target is IGNORE (prompt, padding): what on-policy losses weigh token by token (GRPO's

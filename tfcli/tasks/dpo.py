@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from .. import adapters
 from ..data import IGNORE
@@ -229,6 +228,8 @@ class DPO(Plugin):
         if val is None:
             return {}
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        from torch.distributed.tensor import DTensor  # here: the import costs every process ~0.5 s
+
         if loss.mode == "copy" and any(isinstance(p, DTensor) for p in loss.frozen["reference"].parameters()):
             # an FSDP run's reference is sharded over processes that have finished: read it whole again
             reference = base_model(run_dir, recipe).to(self.rt.device).eval().requires_grad_(False)
