@@ -314,3 +314,24 @@ def test_grpo_samples_each_process_share_and_trains_under_two_processes(tmp_path
     resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
     run_tfcli(resumed, nproc=1)
     assert max(m["step"] for m in read_metrics(tmp_path / "two")) == 6
+
+
+def test_qlora_under_ddp_matches_one_process_and_resumes_on_one(tmp_path, tmp_path_factory):
+    """--train qlora on 2 processes (DDP): each process reads and quantizes the same base (frozen: nothing
+    of it is broadcast or synchronised), the adapters' gradients are all-reduced; the losses are one
+    process's at the same global batch, and the run resumes on one process."""
+    from .conftest import hf_llama_dir, write_jsonl
+    from .test_from_runs import ROWS
+
+    base = hf_llama_dir(tmp_path_factory.mktemp("qlora-ddp") / "base", hidden=128, inner=256)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    common = ["finetune", "sft", "--from", base, "--data", data, "--train", "qlora", "--lr", 1e-2, "--quiet"]
+    common += ["--steps", 4, "--set", "train.log_interval=1", "--set", "train.eval_interval=4"]
+    common += ["--set", "train.ckpt_interval=2"]
+    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
+    run_tfcli([*common, "--out", tmp_path / "two", "--batch-size", 2, "--set", "train.strategy=ddp"], nproc=2)
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
+    resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
+    run_tfcli(resumed, nproc=1)
+    assert max(train_rows(tmp_path / "two")) == 6

@@ -84,6 +84,13 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
+        # a QLoRA base's NF4 weights stay out of DDP's broadcast from rank 0, which changed them on the
+        # other ranks (a tensor subclass; the first loss moved by 5e-3); every process read and quantized the
+        # same file, and they are frozen, so there is nothing to synchronise
+        from ..models.nf4 import NF4Linear
+
+        frozen_nf4 = [f"{name}.weight" for name, m in module.named_modules() if isinstance(m, NF4Linear)]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen_nf4)
         return nn.parallel.DistributedDataParallel(module)
 
     def sync_gradients(self, wrapped: nn.Module, sync: bool):

@@ -123,8 +123,8 @@ class Trainer:
         prepare_frozen(job.frozen, rt)
         if recipe.optim.name != "adamw" and rt.strategy.name == "fsdp":
             raise UserError(f"optim.name {recipe.optim.name} under FSDP is not supported yet; use adamw, or ddp")
-        if rt.strategy.name != "none" and any(isinstance(m, NF4Linear) for m in module.modules()):
-            raise UserError("--train qlora runs in one process for now (its NF4 base is not yet sharded or broadcast)")
+        if rt.strategy.name == "fsdp" and any(isinstance(m, NF4Linear) for m in module.modules()):
+            raise UserError("--train qlora under FSDP is not supported yet (its NF4 base is not sharded); use ddp")
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
