@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tfcli.engine.compiling import keep_out_of_compiled_graphs
 from tfcli.objectives import losses
 from tfcli.objectives.losses import IGNORE, linear_cross_entropy
 
@@ -76,3 +77,18 @@ def test_a_frozen_head_gets_no_weight_gradient_and_the_hidden_gradient_is_unchan
     assert frozen_products == 0 and len(counted) > 0  # the weight-gradient product ran only for a trainable head
     assert torch.equal(frozen_grad, hidden.grad)
     assert weight.grad is None and trainable.grad is not None
+
+
+def test_once_a_run_compiles_the_chunked_losses_run_outside_the_compiled_graph():
+    """engine/compiling.py's eager: the chunked losses are kept out of torch.compile's graphs (dynamo cannot trace their
+    in-place gradient accumulation) by torch.compiler.disable, applied only when a run compiles."""
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    t = torch.randint(0, 11, (2, 3))
+
+    def step(h, w, t):
+        return linear_cross_entropy(h * 2, w, t)[0] + 1
+
+    keep_out_of_compiled_graphs()  # what trainer.compiled() calls before torch.compile
+    explained = torch._dynamo.explain(step)(h, w, t)
+    assert explained.graph_break_count >= 1  # the loss is a break between two graphs, not traced into
+    assert torch.allclose(torch.compile(step, backend="eager")(h, w, t), step(h, w, t))

@@ -23,6 +23,7 @@ from ..errors import Interrupted, UserError
 from ..models.nf4 import NF4Linear
 from ..plugin import Batch, Job, LossFn
 from . import checkpoint, optimizers, plots, shards
+from .compiling import keep_out_of_compiled_graphs
 from .evaluate import held_out_sums
 from .loggers import MetricsLog, check_available
 from .perf import matmul_peak_flops, mfu, peak_memory_mb
@@ -74,8 +75,6 @@ def compiled(module: nn.Module, setting: str, device: torch.device):
     not paid for itself in tfcli's benchmarks)."""
     if setting == "off" or (setting == "auto" and device.type != "cuda"):
         return module
-    from ..objectives.losses import keep_out_of_compiled_graphs
-
     keep_out_of_compiled_graphs()
     return torch.compile(module)
 

@@ -8,35 +8,13 @@ tensor, its log-softmax and their backward passes never exist. Same FLOPs, far l
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor, nn
 
 from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
-
-_KEPT_EAGER = []  # each eager() function's switch to its torch.compiler.disable'd self
-
-
-def eager(fn):
-    """torch.compiler.disable, applied when a run first compiles (keep_out_of_compiled_graphs): the
-    decorator imports torch's compiler, ~1.3 s at the start of every tfcli process, and most never
-    compile (train.compile auto is off on the CPU)."""
-    chosen = [fn]  # what a call runs: fn, or fn kept out of the graph once compiling starts
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return chosen[0](*args, **kwargs)
-
-    _KEPT_EAGER.append(lambda: chosen.__setitem__(0, torch.compiler.disable(fn)))
-    return call
-
-
-def keep_out_of_compiled_graphs() -> None:
-    """Before torch.compile: the eager() functions run outside compiled graphs from now on."""
-    for switch in _KEPT_EAGER:
-        switch()
+from ..engine.compiling import eager
 
 
 def _chunk_rows(vocab: int) -> int:
