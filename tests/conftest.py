@@ -30,7 +30,7 @@ def one_core_per_worker() -> None:
 
 one_core_per_worker()
 
-# The files that take longest (seconds on 2 cores, 2026-11-27), run first: with a worker per core
+# The files that take longest (measured on 2 cores, 2026-11-27) run first: with a worker per core
 # and a file at a time (--dist loadfile), the longest start at once and the short ones fill in
 # after, so that the workers finish together instead of one waiting on a long file started last.
 LONGEST_FIRST = ["test_readme", "test_ddp", "test_resume_matrix", "test_sft", "test_compile", "test_gguf"]
