@@ -19,13 +19,14 @@ def one_core_per_worker() -> None:
     usable cores and takes that many threads, and the processes a test starts inherit the share."""
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    if count > 1 and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        if count <= len(cores):
-            os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, count // len(cores))))
-    else:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if count == 1 or not cores:
         torch.set_num_threads(2)
+    elif count <= len(cores):
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    else:  # more workers than cores
+        torch.set_num_threads(1)
 
 
 one_core_per_worker()

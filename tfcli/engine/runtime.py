@@ -35,6 +35,11 @@ def state_dicts():
     return state_dict
 
 
+def options(full: bool, **settings):
+    """torch.distributed.checkpoint's StateDictOptions: full (whole tensors) or each process's shards."""
+    return state_dicts().StateDictOptions(full_state_dict=full, **settings)
+
+
 class Strategy:
     """One process: the module as it is."""
 
@@ -64,8 +69,7 @@ class Strategy:
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state keyed by parameter name (the same for every strategy)."""
-        sd = state_dicts()
-        return sd.get_optimizer_state_dict(module, optimizer, options=sd.StateDictOptions(full_state_dict=True))
+        return state_dicts().get_optimizer_state_dict(module, optimizer, options=options(True))
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if any(isinstance(k, int) for k in state.get("state", {})) or any(
@@ -73,9 +77,7 @@ class Strategy:
         ):
             optimizer.load_state_dict(state)  # a checkpoint from before 0.3: keyed by position
             return
-        load_optimizer_state(
-            module, optimizer, state, state_dicts().StateDictOptions(full_state_dict=True, strict=False)
-        )
+        load_optimizer_state(module, optimizer, state, options(True, strict=False))
 
 
 class DDPStrategy(Strategy):
@@ -105,10 +107,6 @@ class FSDPStrategy(Strategy):
     (engine/shards.py); a whole checkpoint (from one process or DDP) is read by every rank."""
 
     name = "fsdp"
-
-    @staticmethod
-    def full():
-        return state_dicts().StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -144,28 +142,27 @@ class FSDPStrategy(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        return state_dicts().get_model_state_dict(module, options=self.full())  # full on rank 0, empty elsewhere
+        return state_dicts().get_model_state_dict(
+            module, options=options(True, cpu_offload=True)
+        )  # full on rank 0, empty elsewhere
 
     def load_state_dict(self, module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
-        sd = state_dicts()
-        sd.set_model_state_dict(module, state, options=sd.StateDictOptions(full_state_dict=True, strict=strict))
+        state_dicts().set_model_state_dict(module, state, options=options(True, strict=strict))
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return state_dicts().get_optimizer_state_dict(module, optimizer, options=self.full())
+        return state_dicts().get_optimizer_state_dict(module, optimizer, options=options(True, cpu_offload=True))
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_optimizer_state(
-            module, optimizer, state, state_dicts().StateDictOptions(full_state_dict=True, strict=False)
-        )
+        load_optimizer_state(module, optimizer, state, options(True, strict=False))
 
 
-def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, options) -> None:
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, how) -> None:
     """Optimizer state by parameter name into `optimizer`. AdamW makes a parameter's state at its first
     gradient, so a checkpoint has none for one that never had a gradient; after loading it has none
     either (torch.distributed.checkpoint initialises every parameter's state first), so the resumed run
     takes the same steps as the run that saved it, whichever parameters happened to get gradients."""
     saved = set(state.get("state", {}))
-    state_dicts().set_optimizer_state_dict(module, optimizer, state, options=options)
+    state_dicts().set_optimizer_state_dict(module, optimizer, state, options=how)
     for name, p in module.named_parameters():
         if p.requires_grad and name not in saved:
             optimizer.state.pop(p, None)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .runtime import state_dicts
+from .runtime import options, state_dicts
 
 SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
 OPTIM = "optim."  # the prefix of the optimizer's tensors
@@ -31,10 +31,6 @@ def _dcp():
     import torch.distributed.checkpoint as dcp
 
     return dcp
-
-
-def _sharded(strict: bool = True):
-    return state_dicts().StateDictOptions(full_state_dict=False, strict=strict)
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -53,10 +49,10 @@ def _optimizer_tensors(optim: dict) -> dict[str, Tensor]:
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
     """Every process writes its shards of the weights (`names` only, for a run that saves what it trains)
     and of the optimizer's states into directory/shards; returns the optimizer's param_groups (JSON)."""
-    weights = state_dicts().get_model_state_dict(module, options=_sharded())
+    weights = state_dicts().get_model_state_dict(module, options=options(False))
     if names is not None:
         weights = {k: v for k, v in weights.items() if k in names}
-    optim = state_dicts().get_optimizer_state_dict(module, optimizer, options=_sharded())
+    optim = state_dicts().get_optimizer_state_dict(module, optimizer, options=options(False))
     dcp = _dcp()
     writer = dcp.HuggingFaceStorageWriter(str(Path(directory) / SHARDS), save_distributed=True)
     with warnings.catch_warnings():
@@ -85,11 +81,11 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     from .runtime import load_optimizer_state
 
     present = sizes(ckpt)
-    weights = state_dicts().get_model_state_dict(module, options=_sharded())
+    weights = state_dicts().get_model_state_dict(module, options=options(False))
     if names is not None:
         weights = {k: v for k, v in weights.items() if k in names}
     optim = state_dicts().get_optimizer_state_dict(
-        module, optimizer, options=_sharded()
+        module, optimizer, options=options(False)
     )  # every state made, to be filled
     moments = {k: v for k, v in _optimizer_tensors(optim).items() if k in present}
     dcp = _dcp()
@@ -97,10 +93,10 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load({**weights, **moments}, storage_reader=reader, no_dist=not dist.is_initialized())
-    state_dicts().set_model_state_dict(module, weights, options=_sharded(names is None))
+    state_dicts().set_model_state_dict(module, weights, options=options(False, strict=names is None))
     kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in moments)}
     state = {"state": {n: s for n, s in optim["state"].items() if n in kept}, "param_groups": param_groups}
-    load_optimizer_state(module, optimizer, state, _sharded(False))
+    load_optimizer_state(module, optimizer, state, options(False, strict=False))
 
 
 def consolidated(ckpt: Path) -> dict[str, Tensor]:
