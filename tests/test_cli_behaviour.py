@@ -368,6 +368,13 @@ def test_threads_are_this_process_share_of_the_cores_nobody_else_uses(monkeypatc
     assert runtime.choose_threads(0) == (1, "4 usable cores, 2.6 busy with other work")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: the node's processes split the cores
     assert runtime.choose_threads(0) == (2, "4 usable cores shared by 2 processes")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 1)  # one core: nothing to choose, nothing sampled
+    monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: pytest.fail("sampled /proc/stat for one core"))
+    assert runtime.choose_threads(0) == (1, "1 usable core")
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 4)
+    monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 2.6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     from .conftest import measured_busy_cores
 
     assert 0.0 <= measured_busy_cores(0.05) <= (__import__("os").cpu_count() or 1)

@@ -142,6 +142,45 @@ def test_the_probes_extrapolate_to_the_full_models_own_count(small_text):
     assert on.step < off.step  # recomputation keeps less
 
 
+def test_a_probe_costs_one_forward_and_backward_and_starts_from_the_first_steps_states(small_text):
+    """Every run plans, so the probes' cost is paid by every run: one counted pass per probe depth; the
+    optimizer's states (as a first step leaves them) come from a step on zero gradients, not a pass."""
+    from tfcli import recipe as recipes
+    from tfcli.engine.trainer import ObjectiveModule, build_optimizer
+    from tfcli.objectives.losses import next_token_loss
+
+    rec = recipes.from_dict(tiny_llama_recipe(small_text))
+    cfg = dataclasses.replace(rec.model, n_layer=6, vocab_size=300)
+    ids = torch.randint(0, 300, (8, 32), generator=torch.Generator().manual_seed(0))
+    passes, states = [], []
+
+    def counted(model):
+        module = ObjectiveModule(model, torch.nn.ModuleDict(), next_token_loss)
+        module.register_forward_hook(lambda *_: passes.append(1))
+        return module
+
+    def optimizer(model):
+        opt = build_optimizer(model, rec)
+        opt.register_step_post_hook(lambda o, *_: states.append(optimizers.state_bytes(o)))
+        return opt
+
+    from tfcli.engine import optimizers
+
+    step = memory.Step(
+        cfg=cfg,
+        blocks=6,
+        make_trained=counted,
+        frozen={},
+        batch={"input_ids": ids, "targets": ids},
+        optimizer=optimizer,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+    )
+    figures, _ = memory.probe_figures(step, 2, False)
+    assert len(passes) == 1
+    assert states[0] == states[-1] == figures.optimizer > 0  # the counted pass found the states there
+
+
 def test_a_dry_run_prints_the_plan_and_writes_nothing(small_text, write_recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tiny_llama_recipe(small_text))

@@ -274,8 +274,8 @@ class Step:
 
 
 def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures, float]:
-    """Run two training steps of a `blocks`-deep probe, counting the second's forward and backward (the
-    optimizer's states exist by then, as they do for every step but the first) -> (its figures, the
+    """Run a training step of a `blocks`-deep probe, counting its forward and backward, with the
+    optimizer's states already there (as they are for every step but the first) -> (its figures, the
     gradients' bytes)."""
     from .trainer import set_checkpointing
 
@@ -290,8 +290,7 @@ def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures
         step.frozen.update(swapped)
         try:
             opt = step.optimizer(trained)
-            backward(trained, step)
-            update(opt)
+            first_update(trained, opt)
             counter = LiveBytes(held_tensors(trained, opt, *swapped.values()))
             with counter:  # the gradients are alive at the end of the backward pass: counted
                 backward(trained, step)
@@ -336,6 +335,15 @@ def backward(trained: nn.Module, step: Step) -> None:
     with step.autocast():
         loss, _ = trained(step.batch)
     loss.backward()
+
+
+def first_update(trained: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The optimizer's states as the run's first step leaves them, without a pass to get there: a step
+    on zero gradients (every run plans, so a probe's second pass would be paid by every run)."""
+    for p in trained.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    update(opt)
 
 
 def update(opt: torch.optim.Optimizer) -> None:

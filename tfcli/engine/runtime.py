@@ -315,6 +315,8 @@ def choose_threads(threads: int) -> tuple[int, str]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if local_world > 1:
         return max(1, usable // local_world), f"{usable} usable cores shared by {local_world} processes"
+    if usable == 1:  # nothing to choose: no sampling (a short sleep every run would pay)
+        return 1, "1 usable core"
     busy = min(busy_cores(), usable)
     chosen = max(1, usable - round(busy))
     return chosen, f"{usable} usable cores" + (f", {busy:.1f} busy with other work" if chosen < usable else "")
