@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from .conftest import invoke, read_metrics, tiny_gpt_recipe
