@@ -49,6 +49,10 @@ def test_pretrain_reports_progress_and_how_to_generate(trained_run):
     assert f"tfcli generate --checkpoint {run}" in output
     config = (run / "config.yaml").read_text()
     assert "steps: 12" in config and "lr: 0.002" in config and "eval_interval: 6" in config
+    from PIL import Image
+
+    with Image.open(run / "curves.png") as curves:  # redrawn at each evaluation, whole
+        assert curves.size == (770, 440)
 
 
 def test_resume_extends_a_finished_run(trained_run, tmp_path):

@@ -93,11 +93,14 @@ def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str =
     return save_figure(fig, plt, out)
 
 
+MARGINS = {"left": 0.11, "right": 0.87, "top": 0.92, "bottom": 0.13}  # room for the tick labels and the lr axis
+
+
 def save_figure(fig, plt, out: Path) -> Path:
     """Write `fig` to `out` whole (a temporary file renamed into place) and close it."""
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.tight_layout()
+    fig.subplots_adjust(**MARGINS)  # fixed: tight_layout was half of the drawing's time, at every evaluation
     fig.savefig(tmp)
     plt.close(fig)
     tmp.replace(out)
