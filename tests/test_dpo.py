@@ -166,6 +166,40 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_a_pair_reads_its_prompt_once_and_its_replies_score_as_two_rows_would(family):
+    """One row per pair (the prompt, the chosen reply, then the rejected one continuing the prompt's
+    positions without seeing the chosen): the same log-probabilities and gradients as a row for each."""
+    from tfcli.models.gpt import GPT, GPTConfig
+    from tfcli.tasks.dpo import logps
+
+    backbone = tiny_backbone()
+    torch.manual_seed(0)
+    model = (
+        backbone.model
+        if family == "llama"
+        else GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, vocab_size=backbone.tokenizer.vocab_size, max_seq_len=64))
+    )
+    pairs = tiny_pairs(backbone)
+    pad, draw = type(model).pad_id(backbone.tokenizer), every_pair(len(pairs))
+    shared, apart = PairBatches(pairs, pad).batch(draw), PairBatches(pairs, pad, share_prompt=False).batch(draw)
+    assert shared["input_ids"].size(0) == len(pairs) and apart["input_ids"].size(0) == 2 * len(pairs)
+    assert (shared["input_ids"] != pad).sum() < 0.8 * (apart["input_ids"] != pad).sum()  # each prompt read once
+    reference = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    grads = []
+    for batch in (shared, apart):
+        torch.testing.assert_close(logps(model, batch), logps(model, apart), atol=2e-5, rtol=0)
+        model.zero_grad()
+        loss, _ = Preference(DPOConfig(beta=0.1, loss="ipo"), "copy", {"reference": reference})(model, None, batch)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], atol=1e-5, rtol=1e-4)
+
+
 def test_the_three_references_give_the_same_loss_on_lora():
     backbone = tiny_backbone()
     pairs = tiny_pairs(backbone)
@@ -244,6 +278,22 @@ def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, c
     assert report["dev"]["rewards/accuracies"] > 0.5 and report["dev"]["n"] == 8
     evaluated = invoke("eval", "dpo", "--checkpoint", tmp_path / "run", "--reference", chat_model, "--limit", 4)
     assert evaluated.exit_code == 0 and "reward accuracy" in evaluated.output, evaluated.output
+
+
+def test_a_run_reading_each_prompt_once_trains_as_one_reading_it_twice(tmp_path, chat_model):
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
+    losses = []
+    for share in ("true", "false"):
+        out = tmp_path / f"share-{share}"
+        result = invoke(
+            "finetune", "dpo", "--from", chat_model, "--data", data, "--steps", 3, "--batch-size", 4, "--lr", 1e-2,
+            "--out", out, "--set", "data.val_fraction=0.25", "--set", "train.log_interval=1",
+            "--set", f"dpo.share_prompt={share}", "--quiet",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        losses.append(train_losses(out))
+    assert "share_prompt: false" in (tmp_path / "share-false" / "config.yaml").read_text()
+    assert list(losses[0].values()) == pytest.approx(list(losses[1].values()), abs=1e-5) and losses[0][3] < losses[0][1]
 
 
 @pytest.mark.slow  # whole suite only: other fast tests exercise its modules

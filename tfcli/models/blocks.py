@@ -268,12 +268,16 @@ def decoder_positions(
     context: int,
     doc_ids: Optional[Tensor] = None,
     key_mask: Optional[Tensor] = None,
+    shared_prompt: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """A causal decoder's positions and attention mask for input_ids (B, T) after the cached tokens:
     plain (positions start.., no mask: SDPA's causal fast path), packed documents (doc_ids (B, T):
-    positions restart per document, (B, 1, T, T) within-document mask), or left-padded batched
-    generation (key_mask (B, cached + T) of 1 = token: positions count real tokens, pads unseen)."""
+    positions restart per document, (B, 1, T, T) within-document mask), left-padded batched
+    generation (key_mask (B, cached + T) of 1 = token: positions count real tokens, pads unseen), or
+    two replies to one prompt in a row (shared_prompt, see two_replies)."""
     T = input_ids.size(1)
+    if shared_prompt is not None:
+        return two_replies(shared_prompt, T, context)
     start = caches[0].length if caches else 0
     if start + T > context:
         raise ValueError(f"sequence of {start + T} tokens is longer than the context ({context})")
@@ -283,6 +287,22 @@ def decoder_positions(
     if doc_ids is None:
         return torch.arange(start, start + T, device=input_ids.device), None
     return document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
+
+
+def two_replies(shared_prompt: Tensor, T: int, context: int) -> tuple[Tensor, Tensor]:
+    """Positions (B, T) and mask (B, 1, T, T) of rows holding a prompt, then a reply, then a second
+    reply to the same prompt (then padding): shared_prompt (B, 2) is (P, S), the prompt [0, P), the
+    first reply [P, S), the second from S. The second reply's positions continue the prompt's and it
+    does not see the first, so each reply meets what it would alone after the prompt, and the prompt
+    is read once for both (DPO's chosen and rejected)."""
+    idx = torch.arange(T, device=shared_prompt.device)  # (T,)
+    prompt, split = shared_prompt[:, :1], shared_prompt[:, 1:]  # (B, 1) each
+    second = idx >= split  # (B, T)
+    if int(split.max()) > context:
+        raise ValueError(f"a prompt and reply of {int(split.max())} tokens are longer than the context ({context})")
+    pos = torch.where(second, idx - (split - prompt), idx).clamp(max=context - 1)  # (pads past the end: any)
+    first = (idx >= prompt) & ~second  # (B, T): the first reply's tokens
+    return pos, ~(second[:, :, None] & first[:, None, :])[:, None]  # (B, 1, T, T)
 
 
 def own_key(t_query: int, t_key: int, device) -> Tensor:

@@ -97,6 +97,7 @@ class GPT(nn.Module):
         all_layers: bool = False,
         doc_ids: Optional[Tensor] = None,
         key_mask: Optional[Tensor] = None,
+        shared_prompt: Optional[Tensor] = None,
     ):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
         all_layers: the embeddings and every block's output (n_layer + 1), each through the final norm
@@ -104,8 +105,9 @@ class GPT(nn.Module):
         doc_ids (B, T): packed documents; a token attends within its own document only and its
         position counts from its document's first token in the block.
         key_mask (B, cached + T) of 1 = token, 0 = left padding (batched generation): pads are never
-        attended to and positions count real tokens only."""
-        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
+        attended to and positions count real tokens only.
+        shared_prompt (B, 2): each row a prompt and two replies to it (blocks.two_replies)."""
+        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None)
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)

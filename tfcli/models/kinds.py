@@ -33,7 +33,7 @@ def is_seq2seq(model) -> bool:
 
 @runtime_checkable
 class DecoderLM(Protocol):
-    """forward(input_ids (B, T), caches, all_layers, doc_ids, key_mask) -> hidden (B, T, D)."""
+    """forward(input_ids (B, T), caches, all_layers, doc_ids, key_mask, shared_prompt) -> hidden (B, T, D)."""
 
     kind: ClassVar[str]
     cfg: Any
@@ -45,6 +45,7 @@ class DecoderLM(Protocol):
         all_layers: bool = False,
         doc_ids: Optional[Tensor] = None,
         key_mask: Optional[Tensor] = None,
+        shared_prompt: Optional[Tensor] = None,
     ) -> Any: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...

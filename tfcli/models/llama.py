@@ -135,10 +135,11 @@ class Llama(nn.Module):
         all_layers: bool = False,
         doc_ids: Optional[Tensor] = None,
         key_mask: Optional[Tensor] = None,
+        shared_prompt: Optional[Tensor] = None,
     ):
         """input_ids (B, T) -> hidden states (B, T, D); the arguments mean what they mean for GPT
         (blocks.decoder_positions): caches, every layer's output, packed documents, left padding."""
-        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask)
+        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
         rope = self.rotary(pos if pos.dim() == 2 else pos[None])  # each (B or 1, T, hs)
         x = self.drop(self.wte(input_ids))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)

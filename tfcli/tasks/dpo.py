@@ -60,6 +60,7 @@ class DPOConfig:
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     label_smoothing: float = 0.0  # conservative DPO: the share of preference labels taken as flipped
     reference: Literal["auto", "copy", "base", "precompute"] = "auto"  # auto: base for lora/qlora/ia3, else copy
+    share_prompt: bool = True  # a row per pair, its prompt read once for both replies (False: a row per reply)
     prompt_field: str = "prompt"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
@@ -72,8 +73,25 @@ class DPOConfig:
 
 
 def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """(2B,) each row's summed log-probability of its trained tokens (the reply and its end token)."""
-    return sequence_logprobs(model(batch["input_ids"]), model.lm_head_weight, batch["targets"])
+    """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
+    the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply."""
+    hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
+    targets = [batch["targets"]] + ([batch["rejected_targets"]] if "rejected_targets" in batch else [])
+    return torch.cat([sequence_logprobs(hidden, model.lm_head_weight, t) for t in targets])
+
+
+def longest_rows(length: int):
+    """The memory plan's batch of pair rows: as long as a pair can make them (a one-token prompt and two
+    replies that each fill the length), where a row per reply is planned at the length itself."""
+    from ..engine.memory import widened
+
+    return lambda batch: widened(batch, 2 * length - 2)
+
+
+def reply_lengths(batch: dict[str, Tensor]) -> Tensor:
+    """(2B,) each reply's trained tokens, the chosen first."""
+    targets = [batch["targets"]] + ([batch["rejected_targets"]] if "rejected_targets" in batch else [])
+    return torch.cat([(t != IGNORE).sum(1) for t in targets])
 
 
 def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
@@ -113,12 +131,11 @@ class Preference:
         return reference_of(model, self.mode, self.frozen, lambda m: logps(m, batch))
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
-        lengths = (batch["targets"] != IGNORE).sum(1)
-        return dpo_loss(logps(model, batch), self.reference(model, batch), lengths, self.cfg)
+        return dpo_loss(logps(model, batch), self.reference(model, batch), reply_lengths(batch), self.cfg)
 
 
 @torch.no_grad()
-def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device) -> Tensor:
+def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device, share_prompt: bool = True) -> Tensor:
     """(N, 2) the reference's log-probabilities of every pair's chosen and rejected reply (zeros for a
     model on the meta device: a memory plan, which needs their count only)."""
     if any(p.is_meta for p in model.parameters()):
@@ -126,7 +143,7 @@ def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device)
     was, out = model.training, []
     model.to(device).eval()
     with phase("reference log-probabilities", -(-len(pairs) // batch_size), "batches") as advance:
-        for batch in sequential_batches(PairBatches(pairs, pad), batch_size, 0):
+        for batch in sequential_batches(PairBatches(pairs, pad, share_prompt=share_prompt), batch_size, 0):
             advance(1)
             out.append(torch.stack(logps(model, {k: v.to(device) for k, v in batch.items()}).chunk(2), dim=1).cpu())
     model.train(was)
@@ -186,12 +203,12 @@ class DPO(Plugin):
         loss = Preference(cfg, mode, frozen)
         full = backbone.model.flops_per_token(int(np.mean([p.length for p in train.pairs[:500]])))
         extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
-        val = PairBatches(held, pad, refs.get("held_out")) if held else None
+        val = PairBatches(held, pad, refs.get("held_out"), cfg.share_prompt) if held else None
         self.trained = (held_split, loss, val)  # what the final report measures against, as training did
         return Job(
             heads=nn.ModuleDict(),
             loss=loss,
-            train=PairBatches(train.pairs, pad, refs.get("train")),
+            train=PairBatches(train.pairs, pad, refs.get("train"), cfg.share_prompt),
             val=val,
             flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0,
             count_items=count_tokens,
@@ -200,6 +217,7 @@ class DPO(Plugin):
             loss_weight=pair_count,
             frozen=frozen,
             files=files,
+            plan_batch=longest_rows(min(recipe.data.seq_len, backbone.cfg.max_seq_len)) if cfg.share_prompt else None,
         )
 
     def reference_file(self, recipe, backbone, train: list, held: list, pad: int) -> tuple[dict, dict]:
@@ -214,10 +232,10 @@ class DPO(Plugin):
                     return {k: torch.tensor(v, dtype=torch.float32).reshape(-1, 2) for k, v in saved.items()}, {
                         REFERENCE_FILE: text
                     }
-        b = recipe.train.batch_size
+        b, share = recipe.train.batch_size, recipe.settings.share_prompt
         refs = {
-            "train": precompute(backbone.model, train, pad, b, self.rt.device),
-            "held_out": precompute(backbone.model, held, pad, b, self.rt.device),
+            "train": precompute(backbone.model, train, pad, b, self.rt.device, share),
+            "held_out": precompute(backbone.model, held, pad, b, self.rt.device, share),
         }
         return refs, {REFERENCE_FILE: json.dumps({k: v.tolist() for k, v in refs.items()})}
 
@@ -282,7 +300,8 @@ class DPO(Plugin):
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         results = {}
         for split, pairs in held.items():
-            results[split] = measure(recipe, backbone.model, loss, PairBatches(pairs, pad), split, device)
+            pairs = PairBatches(pairs, pad, share_prompt=recipe.settings.share_prompt)
+            results[split] = measure(recipe, backbone.model, loss, pairs, split, device)
         self.say(results)
         return results
 

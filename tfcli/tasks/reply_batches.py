@@ -142,29 +142,71 @@ class Seq2SeqReplies(Source):
 
 
 class PairBatches(Source):
-    """Preference pairs (data/preferences.py): a batch of B pairs is 2B decoder rows, the chosen replies
-    first, then the rejected ones; `reference` (N, 2), when the reference model's log-probabilities were
-    computed ahead, rides along as ref_logps (2B,) in the same order."""
+    """Preference pairs (data/preferences.py). With share_prompt, a batch of B pairs is B decoder rows:
+    each the prompt once, the chosen reply, then the rejected one (shared_prompt (B, 2): where the
+    chosen reply starts and ends; the model's blocks.two_replies), with `targets` the chosen reply's
+    and `rejected_targets` the rejected one's, so a prompt costs one pass instead of two. Without it,
+    2B rows: the chosen replies first, then the rejected ones. `reference` (N, 2), when the reference
+    model's log-probabilities were computed ahead, rides along as ref_logps (2B,), chosen first."""
 
-    def __init__(self, pairs: list, pad_id: int, reference: Optional[Tensor] = None):
-        self.pairs, self.pad, self.reference = pairs, pad_id, reference
-        self.lengths = np.array([p.length for p in pairs])
+    def __init__(self, pairs: list, pad_id: int, reference: Optional[Tensor] = None, share_prompt: bool = True):
+        self.pairs, self.pad, self.reference, self.share = pairs, pad_id, reference, share_prompt
+        self.lengths = np.array([shared_length(p) if share_prompt else p.length for p in pairs])
 
     def epoch_size(self, epoch: int) -> int:
         return len(self.pairs)
 
     def batch(self, draw: Draw) -> dict[str, Tensor]:
         pairs = [self.pairs[i] for i in draw.indices]
-        out = decoder_rows([[p.chosen] for p in pairs] + [[p.rejected] for p in pairs], self.pad)
+        if self.share:
+            out = shared_prompt_rows(pairs, self.pad)
+        else:
+            out = decoder_rows([[p.chosen] for p in pairs] + [[p.rejected] for p in pairs], self.pad)
         if self.reference is not None:
             picked = self.reference[torch.as_tensor(draw.indices)]  # (B, 2)
             out["ref_logps"] = torch.cat([picked[:, 0], picked[:, 1]])
         return out
 
 
+def common_prefix(pair) -> int:
+    """How many leading tokens the chosen and rejected examples share (the prompt, at least), less one
+    so that each reply keeps a token of its own to be predicted from."""
+    a, b = pair.chosen.ids, pair.rejected.ids
+    n = min(len(a), len(b)) - 1
+    differ = np.nonzero(a[:n] != b[:n])[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def shared_length(pair) -> int:
+    return len(pair.chosen.ids) + len(pair.rejected.ids) - common_prefix(pair)
+
+
+def shared_prompt_rows(pairs: list, pad_id: int) -> dict[str, Tensor]:
+    """Pairs -> one row each: input_ids (B, T) the shared prompt, the chosen reply's tokens, then the
+    rejected reply's; targets / rejected_targets (B, T) each reply's next tokens at the positions that
+    predict them (IGNORE elsewhere; the prompt's last position predicts both replies' first tokens);
+    shared_prompt (B, 2) = (prompt length, where the rejected reply starts)."""
+    width = max(shared_length(p) for p in pairs) - 1  # a row's last token predicts nothing
+    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    chosen_t = torch.full((len(pairs), width), IGNORE, dtype=torch.long)
+    rejected_t = torch.full((len(pairs), width), IGNORE, dtype=torch.long)
+    shared = torch.zeros(len(pairs), 2, dtype=torch.long)
+    for r, pair in enumerate(pairs):
+        c, j, k = pair.chosen, pair.rejected, common_prefix(pair)
+        n = len(c.ids)
+        tokens = np.concatenate([c.ids, j.ids[k:]])[:-1]
+        ids[r, : len(tokens)] = torch.from_numpy(tokens)
+        chosen_t[r, : n - 1] = torch.from_numpy(np.where(c.trained[1:] > 0, c.ids[1:], IGNORE))
+        # the rejected sequence's position t sits at t in the row up to the shared prefix, then after the chosen
+        at = np.concatenate([np.arange(k), n + np.arange(len(j.ids) - 1 - k)])  # (len(j) - 1,)
+        rejected_t[r, torch.from_numpy(at)] = torch.from_numpy(np.where(j.trained[1:] > 0, j.ids[1:], IGNORE))
+        shared[r] = torch.tensor([k, n])
+    return {"input_ids": ids, "targets": chosen_t, "rejected_targets": rejected_t, "shared_prompt": shared}
+
+
 def pair_count(batch: dict[str, Tensor]) -> Tensor:
     """A preference batch's pairs: what its loss averages over."""
-    return torch.tensor(batch["input_ids"].size(0) // 2)
+    return torch.tensor(batch["input_ids"].size(0) // (1 if "shared_prompt" in batch else 2))
 
 
 @dataclass(frozen=True)
