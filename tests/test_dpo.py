@@ -280,6 +280,20 @@ def test_finetune_dpo_learns_the_preference_and_eval_dpo_measures_it(tmp_path, c
     assert evaluated.exit_code == 0 and "reward accuracy" in evaluated.output, evaluated.output
 
 
+def test_reading_each_prompt_once_or_twice_draws_the_same_batches():
+    """The sampler groups pairs by their longer reply either way: dpo.share_prompt changes how a batch
+    is laid out, never which pairs it holds (nor the batches another tool is handed to compare with)."""
+    from tfcli.data.sampler import make_sampler
+
+    backbone = tiny_backbone()
+    rows = [{**p, "chosen": p["chosen"] + " ok" * i} for i, p in enumerate(PAIRS * 4)]  # 32 reply lengths
+    replies = []  # each batch's chosen replies, by their trained tokens (the same in either layout)
+    for share in (True, False):
+        sampler = make_sampler(PairBatches(tiny_pairs(backbone, rows), 0, share_prompt=share), 4, 7)
+        replies.append([(sampler.next_batch()["targets"][:4] != -100).sum(1).tolist() for _ in range(8)])
+    assert replies[0] == replies[1] and len({tuple(r) for r in replies[0]}) == 8
+
+
 def test_a_run_reading_each_prompt_once_trains_as_one_reading_it_twice(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
     losses = []

@@ -151,7 +151,7 @@ class PairBatches(Source):
 
     def __init__(self, pairs: list, pad_id: int, reference: Optional[Tensor] = None, share_prompt: bool = True):
         self.pairs, self.pad, self.reference, self.share = pairs, pad_id, reference, share_prompt
-        self.lengths = np.array([shared_length(p) if share_prompt else p.length for p in pairs])
+        self.lengths = np.array([p.length for p in pairs])  # either layout: the same batches
 
     def epoch_size(self, epoch: int) -> int:
         return len(self.pairs)
