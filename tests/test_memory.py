@@ -337,6 +337,23 @@ def test_a_dpo_dry_run_counts_its_reference(reference, chat_model, tmp_path):  #
     assert plan.figures.weights > 0 and plan.figures.step > 0
 
 
+def test_a_dpo_plan_follows_its_rows_a_prompt_read_once_costs_less(chat_model, tmp_path):  # noqa: F811
+    """Rows of a pair each are planned as wide as the data's longest pair makes one, a row per reply at
+    data.seq_len: long prompts read once plan a smaller step."""
+    from .conftest import write_jsonl
+    from .test_dpo import PAIRS
+
+    rows = [{**p, "prompt": "Tell me, please, " * 4 + p["prompt"]} for p in PAIRS * 4]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    steps = {}
+    for share in ("true", "false"):
+        args = ["--data", data, "--train", "lora", "--batch-size", 4, "--set", f"dpo.share_prompt={share}"]
+        steps[share] = dry_run_plan(
+            "finetune", "dpo", "--from", chat_model, *args, "--set", "data.seq_len=64"
+        ).figures.step
+    assert steps["true"] < 0.8 * steps["false"], steps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sft-t5", "qlora", "mae", "image-classify"])
 def test_a_dry_run_plans_every_kind(kind, chat_model, t5_model, vit_model, tmp_path):  # noqa: F811

@@ -21,7 +21,7 @@ def _chunk_rows(vocab: int) -> int:
     return max(64, (1 << 25) // max(vocab, 1))  # about 128 MB of fp32 logits per chunk
 
 
-_cpu_chunk = {"logits": torch.empty(0)}  # grown to rows x V on first use, then kept (at most ~128 MB)
+_cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk used, then kept (at most ~128 MB)
 
 
 def _chunk_probs(h: Tensor, weight: Tensor, rows: int) -> Tensor:
@@ -34,8 +34,8 @@ def _chunk_probs(h: Tensor, weight: Tensor, rows: int) -> Tensor:
     if h.device.type != "cpu" or h.dtype != torch.float32 or weight.dtype != torch.float32:
         return torch.softmax((h @ weight.t()).float(), dim=-1)
     buf = _cpu_chunk["logits"]
-    if buf.numel() < rows * v:
-        buf = _cpu_chunk["logits"] = torch.empty(rows * v)
+    if buf.numel() < c * v:  # as large as the chunks have needed (a few targets need no 128 MB)
+        buf = _cpu_chunk["logits"] = torch.empty(c * v)
     logits = torch.mm(h, weight.t(), out=buf[: c * v].view(c, v))  # (c, V)
     logits.sub_(logits.amax(-1, keepdim=True)).exp_()
     return logits.div_(logits.sum(-1, keepdim=True))

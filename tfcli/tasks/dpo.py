@@ -46,7 +46,7 @@ from ..objectives.losses import sequence_logprobs
 from ..plugin import EvalOptions, Job, Plugin
 from ..recipe import require
 from .reference import reference_mode, reference_of, starting_model
-from .reply_batches import PairBatches, pair_count
+from .reply_batches import PairBatches, pair_count, shared_length
 from .sft import count_tokens, read_splits, summary_line, template_for
 
 REFERENCE_FILE = "reference_logps.json"
@@ -80,12 +80,13 @@ def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return torch.cat([sequence_logprobs(hidden, model.lm_head_weight, t) for t in targets])
 
 
-def longest_rows(length: int):
-    """The memory plan's batch of pair rows: as long as a pair can make them (a one-token prompt and two
-    replies that each fill the length), where a row per reply is planned at the length itself."""
+def longest_rows(width: int):
+    """The memory plan's batch of pair rows: as wide as the data's longest pair makes one (its prompt
+    once, both replies), where a row per reply is planned at data.seq_len; the pairs are all in memory,
+    so no batch can be wider."""
     from ..engine.memory import widened
 
-    return lambda batch: widened(batch, 2 * length - 2)
+    return lambda batch: widened(batch, width)
 
 
 def reply_lengths(batch: dict[str, Tensor]) -> Tensor:
@@ -217,7 +218,7 @@ class DPO(Plugin):
             loss_weight=pair_count,
             frozen=frozen,
             files=files,
-            plan_batch=longest_rows(min(recipe.data.seq_len, backbone.cfg.max_seq_len)) if cfg.share_prompt else None,
+            plan_batch=longest_rows(max(shared_length(p) for p in train.pairs) - 1) if cfg.share_prompt else None,
         )
 
     def reference_file(self, recipe, backbone, train: list, held: list, pad: int) -> tuple[dict, dict]:
