@@ -340,6 +340,8 @@ def test_a_dpo_dry_run_counts_its_reference(reference, chat_model, tmp_path):  #
 def test_a_dpo_plan_follows_its_rows_a_prompt_read_once_costs_less(chat_model, tmp_path):  # noqa: F811
     """Rows of a pair each are planned as wide as the data's longest pair makes one, a row per reply at
     data.seq_len: long prompts read once plan a smaller step."""
+    from tfcli.objectives import losses
+
     from .conftest import write_jsonl
     from .test_dpo import PAIRS
 
@@ -347,6 +349,7 @@ def test_a_dpo_plan_follows_its_rows_a_prompt_read_once_costs_less(chat_model, t
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     steps = {}
     for share in ("true", "false"):
+        losses._cpu_chunk["logits"] = torch.empty(0)  # as in a fresh process: an earlier test's buffer counts whole
         args = ["--data", data, "--train", "lora", "--batch-size", 4, "--set", f"dpo.share_prompt={share}"]
         steps[share] = dry_run_plan(
             "finetune", "dpo", "--from", chat_model, *args, "--set", "data.seq_len=64"

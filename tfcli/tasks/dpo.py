@@ -76,8 +76,13 @@ def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
     the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply."""
     hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
-    targets = [batch["targets"]] + ([batch["rejected_targets"]] if "rejected_targets" in batch else [])
-    return torch.cat([sequence_logprobs(hidden, model.lm_head_weight, t) for t in targets])
+    return torch.cat([sequence_logprobs(hidden, model.lm_head_weight, t) for t in reply_targets(batch)])
+
+
+def reply_targets(batch: dict[str, Tensor]) -> list[Tensor]:
+    """The batch's targets (rows, T): the chosen replies' then the rejected ones' when a row holds a
+    pair, else one tensor whose rows are the chosen replies then the rejected ones."""
+    return [batch["targets"]] + ([batch["rejected_targets"]] if "rejected_targets" in batch else [])
 
 
 def longest_rows(width: int):
@@ -91,8 +96,7 @@ def longest_rows(width: int):
 
 def reply_lengths(batch: dict[str, Tensor]) -> Tensor:
     """(2B,) each reply's trained tokens, the chosen first."""
-    targets = [batch["targets"]] + ([batch["rejected_targets"]] if "rejected_targets" in batch else [])
-    return torch.cat([(t != IGNORE).sum(1) for t in targets])
+    return torch.cat([(t != IGNORE).sum(1) for t in reply_targets(batch)])
 
 
 def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
