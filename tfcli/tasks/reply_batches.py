@@ -186,13 +186,14 @@ def shared_prompt_rows(pairs: list, pad_id: int) -> dict[str, Tensor]:
     rejected reply's; targets / rejected_targets (B, T) each reply's next tokens at the positions that
     predict them (IGNORE elsewhere; the prompt's last position predicts both replies' first tokens);
     shared_prompt (B, 2) = (prompt length, where the rejected reply starts)."""
-    width = max(shared_length(p) for p in pairs) - 1  # a row's last token predicts nothing
+    shared_tokens = [common_prefix(p) for p in pairs]  # once per pair: it compares the two examples
+    width = max(len(p.chosen.ids) + len(p.rejected.ids) - k for p, k in zip(pairs, shared_tokens)) - 1
     ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
     chosen_t = torch.full((len(pairs), width), IGNORE, dtype=torch.long)
     rejected_t = torch.full((len(pairs), width), IGNORE, dtype=torch.long)
     shared = torch.zeros(len(pairs), 2, dtype=torch.long)
-    for r, pair in enumerate(pairs):
-        c, j, k = pair.chosen, pair.rejected, common_prefix(pair)
+    for r, (pair, k) in enumerate(zip(pairs, shared_tokens)):  # (a row's last token predicts nothing)
+        c, j = pair.chosen, pair.rejected
         n = len(c.ids)
         tokens = np.concatenate([c.ids, j.ids[k:]])[:-1]
         ids[r, : len(tokens)] = torch.from_numpy(tokens)
