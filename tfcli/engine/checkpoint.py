@@ -73,12 +73,17 @@ def set_rng_state(state: dict) -> None:
 # --- state as safetensors + JSON -----------------------------------------------------------------
 
 
-def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], stored: set[int]) -> Any:
     """A nested state (dicts with int or str keys, tuples, tensors, arrays, scalars) -> JSON data,
-    its tensors and arrays moved into `tensors`."""
+    its tensors and arrays moved into `tensors`. A tensor on the CPU is written from where it is (a
+    copy of the optimizer's moments, twice the weights, would raise the run's peak at every save);
+    one sharing storage with a tensor stored before it is copied (safetensors refuses shared storage)."""
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().cpu().contiguous().clone()
+        t = obj.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        tensors[key] = t.clone() if storage in stored and t.numel() else t
+        stored.add(storage)
         return {"__tensor__": key}
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
@@ -87,11 +92,11 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         )
         return {"__ndarray__": key, "dtype": str(obj.dtype)}
     if isinstance(obj, dict):
-        return {"__dict__": [[k, _encode(v, tensors)] for k, v in obj.items()]}
+        return {"__dict__": [[k, _encode(v, tensors, stored)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+        return {"__tuple__": [_encode(v, tensors, stored) for v in obj]}
     if isinstance(obj, list):
-        return [_encode(v, tensors) for v in obj]
+        return [_encode(v, tensors, stored) for v in obj]
     if isinstance(obj, np.generic):
         return obj.item()
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -115,7 +120,7 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def write_state(directory: Path, state: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(state, tensors)
+    tree = _encode(state, tensors, set())
     save_file(tensors, str(Path(directory) / STATE_TENSORS))
     (Path(directory) / STATE).write_text(json.dumps(tree))
 
