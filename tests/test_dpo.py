@@ -19,13 +19,14 @@ from tfcli.data.conversations import DecoderExamples
 from tfcli.data.preferences import PairBuilder, dialogue
 from tfcli.data.sampler import Draw
 from tfcli.driver import RunRequest, train
+from tfcli.engine.runtime import to_device
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
 from tfcli.recipe import AdapterConfig
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
 
-from .conftest import invoke, read_metrics, train_losses, write_jsonl
+from .conftest import DEVICE, invoke, read_metrics, train_losses, write_jsonl
 from .test_gguf import chat_gguf_file, tiny_backbone
 
 PAIRS = [
@@ -39,6 +40,15 @@ def every_pair(n: int) -> Draw:
     return Draw(
         torch.zeros(n, dtype=torch.long).numpy(), torch.arange(n).numpy(), torch.zeros(n, 3, dtype=torch.long).numpy()
     )
+
+
+@pytest.fixture
+def exact_fp32():
+    """fp32 matmuls in fp32 (a CUDA run turns TF32 on for the whole process)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
 
 
 def tiny_pairs(backbone, rows=PAIRS):
@@ -167,9 +177,10 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
-def test_a_pair_reads_its_prompt_once_and_its_replies_score_as_two_rows_would(family):
+def test_a_pair_reads_its_prompt_once_and_its_replies_score_as_two_rows_would(family, exact_fp32):
     """One row per pair (the prompt, the chosen reply, then the rejected one continuing the prompt's
-    positions without seeing the chosen): the same log-probabilities and gradients as a row for each."""
+    positions without seeing the chosen): the same log-probabilities and gradients as a row for each.
+    On TFCLI_TEST_DEVICE (CUDA's attention takes the mask in its own kernels), in exact fp32 (no TF32)."""
     from tfcli.models.gpt import GPT, GPTConfig
     from tfcli.tasks.dpo import logps
 
@@ -185,6 +196,8 @@ def test_a_pair_reads_its_prompt_once_and_its_replies_score_as_two_rows_would(fa
     shared, apart = PairBatches(pairs, pad).batch(draw), PairBatches(pairs, pad, share_prompt=False).batch(draw)
     assert shared["input_ids"].size(0) == len(pairs) and apart["input_ids"].size(0) == 2 * len(pairs)
     assert (shared["input_ids"] != pad).sum() < 0.8 * (apart["input_ids"] != pad).sum()  # each prompt read once
+    model, device = model.to(DEVICE), torch.device(DEVICE)
+    shared, apart = to_device(shared, device), to_device(apart, device)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -295,6 +308,8 @@ def test_reading_each_prompt_once_or_twice_draws_the_same_batches():
 
 
 def test_a_run_reading_each_prompt_once_trains_as_one_reading_it_twice(tmp_path, chat_model):
+    """On the CPU, where fp32 is exact enough to compare after updates (the function itself is compared
+    on TFCLI_TEST_DEVICE above: in bf16 the two layouts round differently, and updates amplify it)."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
     losses = []
     for share in ("true", "false"):
@@ -302,7 +317,7 @@ def test_a_run_reading_each_prompt_once_trains_as_one_reading_it_twice(tmp_path,
         result = invoke(
             "finetune", "dpo", "--from", chat_model, "--data", data, "--steps", 3, "--batch-size", 4, "--lr", 1e-2,
             "--out", out, "--set", "data.val_fraction=0.25", "--set", "train.log_interval=1",
-            "--set", f"dpo.share_prompt={share}", "--quiet",
+            "--set", f"dpo.share_prompt={share}", "--set", "train.device=cpu", "--quiet",
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         losses.append(train_losses(out))
