@@ -496,3 +496,41 @@ def test_writing_a_checkpoint_copies_no_tensor_already_on_the_cpu(tmp_path):
     assert torch.equal(back["views"][1], base[4:]) and torch.equal(back["views"][0], base[:4])
     for saved, read in zip(moments, [s[k] for s in back["optimizer"]["state"].values() for k in ("exp_avg", "exp_avg_sq")]):
         assert torch.equal(saved, read)
+
+
+def saved_bytes(fn) -> int:
+    """The bytes of the distinct storages autograd keeps for the backward of fn() (parameters excluded)."""
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_a_gated_mlp_keeps_its_two_inputs_not_the_activation_and_its_gradients_are_eagers_to_the_bit(activation):
+    """act(gate) * up keeps gate, up and act(gate) for backward under autograd; the gated MLP keeps
+    gate and up and recomputes the activation (as liger-kernel's SwiGLU does): a quarter less of the
+    MLP's activations with the down projection's input (SmolLM2, 8 x 512: 24 MB a block, 0.7 GB over
+    30 blocks without recomputation), with the same gradients as eager autograd, bit for bit."""
+    from tfcli.models.blocks import ACTIVATIONS, MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(16, 64, activation=activation, bias=False, gated=True)
+    x, upstream = torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16)
+    act = ACTIVATIONS[activation]
+    results = []
+    for fn in (lambda: mlp(x), lambda: mlp.down(act(mlp.gate(x)) * mlp.up(x))):  # ours, then autograd's
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+        out, kept = saved_bytes(fn)
+        (out * upstream).sum().backward()
+        results.append((out, kept, [x.grad, *(p.grad for p in mlp.parameters())]))
+    (out, kept, grads), (eager, eager_kept, eager_grads) = results
+    assert torch.equal(out, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+    assert eager_kept - kept == 4 * 8 * 64 * 4  # one (B, T, d_ff) fp32 tensor less

@@ -335,6 +335,31 @@ ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
 }
+# the backward, as autograd runs it, of each activation whose backward reads its input: (upstream
+# gradient, input) -> the input's gradient (ReLU's reads its output, which autograd keeps anyway)
+ACTIVATION_GRADS = {
+    "gelu": lambda g, x: torch.ops.aten.gelu_backward(g, x),
+    "gelu_tanh": lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+    "silu": lambda g, x: torch.ops.aten.silu_backward(g, x),
+}
+
+
+class GatedActivation(torch.autograd.Function):
+    """act(gate) * up, keeping gate and up for the backward pass and recomputing act(gate) there (as
+    liger-kernel's SwiGLU does): autograd would also keep act(gate), a third (B, T, d_ff) tensor. The
+    gradients are autograd's own, bit for bit (the same backward kernels, on the same values)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return ACTIVATIONS[activation](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gate, up = ctx.saved_tensors
+        d_gate = ACTIVATION_GRADS[ctx.activation](grad * up, gate)
+        return d_gate, grad * ACTIVATIONS[ctx.activation](gate), None
 
 
 class MLP(nn.Module):
@@ -353,15 +378,18 @@ class MLP(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[activation]
+        self.activation, self.act = activation, ACTIVATIONS[activation]
         self.up = Linear(d_model, d_ff, bias=bias)
         self.gate = Linear(d_model, d_ff, bias=bias) if gated else None
         self.down = Linear(d_ff, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.act(self.gate(x)) * self.up(x) if self.gate is not None else self.act(self.up(x))
-        return self.down(self.drop(h))
+        if self.gate is None:
+            return self.down(self.drop(self.act(self.up(x))))
+        if self.activation not in ACTIVATION_GRADS:
+            return self.down(self.drop(self.act(self.gate(x)) * self.up(x)))
+        return self.down(self.drop(GatedActivation.apply(self.gate(x), self.up(x), self.activation)))  # (..., d_ff)
 
 
 def make_norm(kind: str, d: int, eps: float, bias: bool = True) -> nn.Module:
