@@ -494,7 +494,9 @@ def test_writing_a_checkpoint_copies_no_tensor_already_on_the_cpu(tmp_path):
     assert counter.peak <= 6 * 4  # the second view's copy (its 6 floats); no moment copied
     back = checkpoint.load_state(tmp_path)
     assert torch.equal(back["views"][1], base[4:]) and torch.equal(back["views"][0], base[:4])
-    for saved, read in zip(moments, [s[k] for s in back["optimizer"]["state"].values() for k in ("exp_avg", "exp_avg_sq")]):
+    for saved, read in zip(
+        moments, [s[k] for s in back["optimizer"]["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+    ):
         assert torch.equal(saved, read)
 
 
