@@ -123,13 +123,16 @@ def test_a_matrix_whose_blocks_256_does_not_divide_takes_a_smaller_scaler_block(
 
 @pytest.mark.slow
 def test_dpo_with_qlora_reads_its_reference_as_the_nf4_base_with_the_adapters_off(hf_base, tmp_path):
-    """At the first step the policy is the reference (B = 0, the same NF4 base): the DPO loss is ln 2."""
+    """At the first step the policy is the reference (B = 0, the same NF4 base): the DPO loss is ln 2.
+    Eager: under torch.compile (CUDA's default) the two passes are different graphs that round apart in
+    bf16 (0.685 on an H200; docs/guides/dpo.md)."""
     import math
 
     from .test_dpo import PAIRS
 
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
     args = ["dpo", "--from", hf_base, "--data", data, "--train", "qlora", "--batch-size", 4, "--steps", 2]
+    args += ["--set", "train.compile=off"]
     result = invoke("finetune", *args, "--set", "train.log_interval=1", "--out", tmp_path / "run", "--quiet")
     assert result.exit_code == 0, result.output
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])

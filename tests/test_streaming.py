@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,9 +47,12 @@ def test_without_shuffling_the_blocks_are_the_token_stream_in_order(corpus):
 
 
 def roundtrip(state: dict) -> dict:
-    """A state through the checkpoint encoding (JSON + tensors), as a resumed run reads it."""
-    tensors: dict = {}
-    return checkpoint._decode(checkpoint._encode(state, tensors), tensors)
+    """A state written as a checkpoint's training state (JSON + tensors) and read back, as a resumed run reads it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.write_state(Path(tmp), state)
+        return checkpoint.load_state(Path(tmp))
 
 
 def test_a_resumed_stream_continues_exactly_across_epochs(corpus):
