@@ -217,10 +217,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        if rope is not None and self.q_norm is None and torch.is_grad_enabled():
+        if rope is not None and self.q_norm is None:
             # q and k are new tensors now; the values, a view, would keep the whole fused projection
             # (q's and k's columns too) alive for backward: their own copy keeps a fifth of it (SmolLM2).
-            # (Qwen3's q/k norms keep their inputs, views of the projection, for backward anyway.)
+            # Copied with or without gradients, so that a policy and its reference pass (DPO, GRPO)
+            # hand attention the same layouts. (Qwen3's q/k norms keep views of the projection anyway.)
             v = v.contiguous()
         if cache is not None:
             k, v = cache.append(k, v)
