@@ -500,18 +500,20 @@ def test_writing_a_checkpoint_copies_no_tensor_already_on_the_cpu(tmp_path):
         assert torch.equal(saved, read)
 
 
-def saved_bytes(fn) -> int:
-    """The bytes of the distinct storages autograd keeps for the backward of fn() (parameters excluded)."""
+def kept_for_backward(fn, module: torch.nn.Module) -> tuple:
+    """fn()'s output and {storage: bytes} of what autograd keeps for its backward pass, the module's
+    weights left out (a weight's transpose, which a linear keeps, is a view of the weight)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
 
     def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
+        if t.untyped_storage().data_ptr() not in weights:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, sum(kept.values())
+    return out, kept
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
@@ -530,9 +532,9 @@ def test_a_gated_mlp_keeps_its_two_inputs_not_the_activation_and_its_gradients_a
     for fn in (lambda: mlp(x), lambda: mlp.down(act(mlp.gate(x)) * mlp.up(x))):  # ours, then autograd's
         x.grad = None
         mlp.zero_grad(set_to_none=True)
-        out, kept = saved_bytes(fn)
+        out, kept = kept_for_backward(fn, mlp)
         (out * upstream).sum().backward()
-        results.append((out, kept, [x.grad, *(p.grad for p in mlp.parameters())]))
+        results.append((out, sum(kept.values()), [x.grad, *(p.grad for p in mlp.parameters())]))
     (out, kept, grads), (eager, eager_kept, eager_grads) = results
     assert torch.equal(out, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
     assert eager_kept - kept == 4 * 8 * 64 * 4  # one (B, T, d_ff) fp32 tensor less
@@ -546,17 +548,8 @@ def test_attention_with_rotary_positions_keeps_its_values_not_the_whole_fused_pr
 
     cfg = LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=192, vocab_size=50, max_seq_len=32)
     model = Llama(cfg)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: list[int] = []
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:  # a weight's transpose is a view of it
-            kept.append(t.untyped_storage().nbytes())
-        return t
-
-    ids = torch.randint(0, 50, (2, 32))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids)
+    _, kept = kept_for_backward(lambda: model(torch.randint(0, 50, (2, 32))), model)
+    sizes = sorted(set(kept.values()))
     queries = 2 * 32 * 64 * 4  # (B, T, n_head * head_dim) in fp32
     mlp = 2 * 32 * 192 * 4  # the MLP's (B, T, d_ff) tensors are the largest kept
-    assert max(kept) == mlp and sorted(set(kept))[-2] <= queries
+    assert sizes[-1] == mlp and sizes[-2] <= queries
