@@ -112,10 +112,13 @@ def test_pretrain_electra_learns_and_its_discriminator_finetunes_as_a_bert(tmp_p
 @pytest.mark.slow
 def test_the_discriminator_learns_to_rank_replacements_it_can_tell_apart(tmp_path, small_text):
     """Near-uniform samples (temperature 50: rare tokens where frequent ones belong) are detectable from
-    the token itself, so within 40 steps the discriminator must rank them above the originals and beat
+    the token itself, so within 80 steps the discriminator must rank them above the originals and beat
     the base rate. Labels that missed the replaced positions, or a head the loss does not train, stay at
-    AUC 0.5. (The generator's own samples, frequency-matched, take context, which needs far longer.)"""
-    raw = tiny_bert_recipe(small_text, "electra", train={"steps": 40, "eval_interval": 40, "ckpt_interval": 40})
+    AUC 0.5. (The generator's own samples, frequency-matched, take context, which needs far longer.)
+    80 steps: the trained WordPiece vocabulary differs from process to process (huggingface/tokenizers#1794),
+    and at 40 steps one vocabulary in six left the loss above the bound (0.374-0.391 against 0.388;
+    at 80, 0.340-0.346 in six processes)."""
+    raw = tiny_bert_recipe(small_text, "electra", train={"steps": 80, "eval_interval": 80, "ckpt_interval": 80})
     raw["electra"]["temperature"] = 50.0
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     result = invoke("pretrain", "--objective", "electra", "--recipe", tmp_path / "r.yaml", "--out", tmp_path / "run")
