@@ -533,7 +533,9 @@ class _Window:
         if not self.metrics:
             return []
         keys = list(self.metrics[0][1])
-        values = torch.stack([m[k].reshape(()) for _, m in self.metrics for k in keys]).tolist()
+        # a resumed window's first steps come back from the checkpoint on the CPU, the rest on the device
+        device = self.metrics[-1][1][keys[0]].device
+        values = torch.stack([m[k].reshape(()).to(device) for _, m in self.metrics for k in keys]).tolist()
         return [
             (step, dict(zip(keys, values[i * len(keys) : (i + 1) * len(keys)])))
             for i, (step, _) in enumerate(self.metrics)
