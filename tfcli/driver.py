@@ -261,7 +261,7 @@ def runtime_for(req: RunRequest) -> Runtime:
     """The run's runtime; a resumed run keeps the CPU threads it trained with (unless train.threads)."""
     t = req.recipe.train
     resumed = 0 if t.threads else resumed_threads(req.resume)
-    rt = setup_runtime(t.device, t.threads or resumed, t.strategy, t.collective_timeout)
+    rt = setup_runtime(t.device, t.threads or resumed, t.strategy, t.collective_timeout, t.deterministic)
     if resumed:
         rt.threads_why = "as the run trained with"
     return rt

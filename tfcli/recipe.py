@@ -150,6 +150,9 @@ class TrainConfig:
     memory_limit: str = "auto"  # what one process may hold: auto (90% of the device's), 0 (no limit), or a size (4GB)
     prefetch: int = 2  # batches built ahead in a background thread (0: on the main thread, between steps)
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of model + loss; auto: on CUDA only
+    # repeatable kernels (torch.use_deterministic_algorithms): a GPU run the same to the bit every time,
+    # and resumed bit for bit (CUDA's repeatable kernels can be slower; the CPU's repeat anyway)
+    deterministic: bool = False
     skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
     loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
     max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
@@ -443,6 +446,7 @@ RESUMABLE_CHANGES = {
         "strategy",
         "prefetch",
         "compile",
+        "deterministic",
         "skip_nonfinite",
         "loggers",
         "max_time",

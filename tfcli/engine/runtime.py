@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,7 @@ class Runtime:
     threads: int = 1  # torch's CPU threads in this process
     collective_timeout_min: float = 10.0  # how long a collective waits for the other ranks
     threads_why: str = ""  # how `threads` was chosen, for the run's header
+    deterministic_before: Optional[bool] = None  # torch's setting before train.deterministic changed it
 
     @property
     def is_main(self) -> bool:
@@ -322,12 +324,30 @@ def choose_threads(threads: int) -> tuple[int, str]:
     return chosen, f"{usable} usable cores" + (f", {busy:.1f} busy with other work" if chosen < usable else "")
 
 
+def repeatable_kernels() -> bool:
+    """train.deterministic: kernels that give the same bits on every run, as Hugging Face's
+    full_determinism and torchtitan's debug.deterministic set them. CUDA's fastest kernels sum in an
+    order that varies from run to run (attention's backward, atomics), so two identical GPU runs part
+    in the last digits within a few steps, and a resumed one cannot follow its uninterrupted run bit
+    for bit; the CPU's kernels repeat already. Returns torch's setting before, for teardown."""
+    before = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's repeatable workspace
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    return before
+
+
 def setup_runtime(
-    device: str = "auto", threads: int = 0, strategy: str = "auto", collective_timeout_min: float = 10.0
+    device: str = "auto",
+    threads: int = 0,
+    strategy: str = "auto",
+    collective_timeout_min: float = 10.0,
+    deterministic: bool = False,
 ) -> Runtime:
     """Pick the device and this process's CPU threads; under torchrun (WORLD_SIZE > 1) join the process
     group (nccl on GPU, gloo on CPU) with a timeout on every collective, so that ranks that disagree
     on what to run stop with an error instead of waiting forever."""
+    before = repeatable_kernels() if deterministic else None
     count, why = choose_threads(threads)
     torch.set_num_threads(count)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -345,7 +365,7 @@ def setup_runtime(
         dist.init_process_group(
             "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=collective_timeout_min)
         )
-    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min, why)
+    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min, why, before)
 
 
 def collective_failure(error: BaseException) -> bool:
@@ -376,3 +396,6 @@ def abort_on_collective_failure(rt: Runtime, doing: str, error: BaseException) -
 def teardown(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
         dist.destroy_process_group()
+    if rt.deterministic_before is not None:  # a run inside a longer process (tests, compare) leaves it as it was
+        torch.use_deterministic_algorithms(rt.deterministic_before)
+        torch.backends.cudnn.deterministic = rt.deterministic_before
