@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -290,15 +291,44 @@ def test_a_memory_limit_splits_the_batch_and_keeps_the_losses(small_text, write_
 
 
 def test_a_limit_nothing_meets_is_one_line_before_anything_is_written(small_text, write_recipe, tmp_path):
-    """The plan runs on one batch of the data, so the text is tokenized first (its progress line, when
-    no earlier run cached it: it depended on the tests' order); then the one-line error, before the run
-    directory exists."""
+    """Weights and states that fit, a step that does not at any micro-batch: the plan runs on one batch
+    of the data, so the text is tokenized first (its progress line, when no earlier run cached it: it
+    depended on the tests' order); then the one-line error, before the run directory exists."""
     recipe = write_recipe(tiny_llama_recipe(small_text))
-    result = invoke("pretrain", "--recipe", recipe, "--set", "train.memory_limit=1MB", "--out", tmp_path / "r")
+    result = invoke("pretrain", "--recipe", recipe, "--set", "train.memory_limit=50MB", "--out", tmp_path / "r")
     assert result.exit_code == 2
     *before, error = result.output.strip().splitlines()
-    assert error.startswith("error: this run does not fit train.memory_limit 1 MB: with recomputation on and micro")
+    assert error.startswith("error: this run does not fit train.memory_limit 50 MB: with recomputation on and micro")
     assert all(line.startswith("tokenized ") for line in before) and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("train", ["all", "lora"])
+def test_weights_and_states_beyond_the_limit_are_refused_before_the_weights_or_data_are_read(
+    tmp_path, monkeypatch, train
+):
+    """A model whose weights (and, training them all, gradients and AdamW's states) pass the limit is
+    refused from its config alone: one line with those figures, no weight, tokenizer or data read, no
+    run directory (a model too large for the machine must not be killed while it is read)."""
+    from tfcli.engine import backbone
+    from tfcli.tasks.sft import SFT
+
+    from .conftest import hf_llama_dir
+
+    source = hf_llama_dir(tmp_path / "base")  # GPT-2's vocabulary x 32: 1.6M parameters, 6.5 MB in fp32
+    for name in ("load_hf_weights", "shared_tokenizer", "load_tokenizer_files"):
+        monkeypatch.setattr(backbone, name, lambda *a, **k: pytest.fail("read before the limit was checked"))
+    monkeypatch.setattr(SFT, "setup", lambda *a, **k: pytest.fail("data read before the limit was checked"))
+    args = ["finetune", "sft", "--from", source, "--data", tmp_path / "absent.jsonl", "--train", train]
+    result = invoke(*args, "--set", "train.memory_limit=1MB", "--out", tmp_path / "r")
+    assert result.exit_code == 2, result.output
+    *notes, line = result.output.strip().splitlines()  # --train lora notes its defaults first
+    held = {
+        "all": r"its weights \(6 MB\), their gradients \(6 MB\) and optimizer states \(12 MB\) take 25 MB",
+        "lora": r"its weights take 6 MB",
+    }[train]
+    assert re.match(r"error: this run does not fit train.memory_limit 1 MB: before any activation, " + held, line)
+    assert "checked before its weights or data were read" in line and all(n.startswith("note:") for n in notes)
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

@@ -229,7 +229,22 @@ def starting_model(
         source = backbones.recorded(req.resume).get("from") if req.resume else None
     if ckpt:
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
+    if not shapes_only:
+        refuse_what_cannot_fit(source, req.recipe, plugin, rt)
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
+
+
+def refuse_what_cannot_fit(source: Optional[str], recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
+    """Before the weights or the data are read: a run whose weights, gradients and optimizer states
+    alone pass train.memory_limit stops in one line (a model too large for the machine is refused,
+    not killed while it is read; the full plan, which needs a batch of the data, comes later)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+    limit = memory.limit_of(recipe.train.memory_limit, memory.device_capacity(rt.device, local))
+    if limit <= 0:
+        return
+    floor = memory.floor_figures(backbones.meta_model(source, recipe, plugin), recipe)
+    train = "all" if recipe.finetune is None else recipe.finetune.train
+    memory.refuse_beyond(memory.per_process(floor, rt.strategy.name, rt.world_size), limit, train)
 
 
 def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:

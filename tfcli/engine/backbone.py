@@ -190,10 +190,9 @@ def for_resume(run_dir: Path, recipe, ckpt: Path, shapes_only: bool = False) -> 
     return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 
-def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
-    """The backbone a training run starts from: `source` (--from) or a fresh model. The family is
-    checked against the plug-in before anything is built or trained. shapes_only: the model on the
-    meta device, no weight read or initialised (a memory plan)."""
+def check_family(source: Optional[str], recipe, plugin) -> str:
+    """The source's family, checked: it exists and holds a model the plug-in trains (nothing read but
+    its config)."""
     if source is not None and not Path(source).exists():
         raise UserError(f"--from {source}: not found")
     family = recipe.model.family if source is None else family_of(source)
@@ -205,6 +204,28 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool =
             f"{where} describes a {family!r} model; {plugin.kind} {plugin.key!r} trains "
             f"{' or '.join(repr(f) for f in plugin.families)}"
         )
+    return family
+
+
+def meta_model(source: Optional[str], recipe, plugin):
+    """The model a run starts from, on the meta device, from configs alone: no weight, tokenizer or
+    data read (a fresh model whose vocabulary its tokenizer decides is counted without one). A GGUF's
+    parsed header is cached, so the run's own read does not parse it again."""
+    check_family(source, recipe, plugin)
+    if source is None:
+        cfg = plugin.model_shape(recipe)
+        return on_meta(cfg if getattr(cfg, "vocab_size", 1) > 0 else recipes.replace(cfg, vocab_size=1))
+    if is_run(Path(source)):
+        run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
+        return on_meta(recipes.load_resolved(run / "config.yaml").model)
+    return on_meta(interop.read_pretrained(Path(source), shapes_only=True)[0])
+
+
+def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
+    """The backbone a training run starts from: `source` (--from) or a fresh model. The family is
+    checked against the plug-in before anything is built or trained. shapes_only: the model on the
+    meta device, no weight read or initialised (a memory plan)."""
+    family = check_family(source, recipe, plugin)
     if source is None:
         return fresh(recipe, plugin, rt, shapes_only)
     if is_run(Path(source)) and shapes_only:

@@ -429,6 +429,40 @@ def choose(plans: Callable[[bool, int], Plan], batch_size: int, setting: str, mi
     )
 
 
+# bytes per trained parameter of AdamW's two moments, their scales left out (a floor)
+MOMENT_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
+
+
+def floor_figures(model: nn.Module, recipe) -> Figures:
+    """What a run holds whatever its batch, from its model's shapes alone (the meta device: nothing
+    read): the weights (QLoRA's block matrices at NF4's 4 bits) and, when every weight trains, their
+    gradients (counted as the step's) and optimizer states. Adapters, heads, frozen models and
+    activations are left out: a floor, for refusing a run before its weights and data are read."""
+    train = "all" if recipe.finetune is None else recipe.finetune.train
+    quantized = {id(p) for b in transformer_blocks(model) for p in b.parameters() if p.dim() == 2}
+    weights = sum(p.numel() * (0.5 if train == "qlora" and id(p) in quantized else 4.0) for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters()) if train == "all" else 0
+    return Figures(weights=weights, frozen=0.0, optimizer=trained * MOMENT_BYTES[recipe.optim.name], step=trained * 4.0)
+
+
+def refuse_beyond(floor: Figures, limit: float, train: str) -> None:
+    """A one-line error when the floor alone passes the limit (0: no limit)."""
+    total = floor.weights + floor.optimizer + floor.step
+    if limit <= 0 or total <= limit:
+        return
+    held = (
+        f"its weights ({gb(floor.weights)}), their gradients ({gb(floor.step)}) and optimizer states "
+        f"({gb(floor.optimizer)})"
+        if floor.step
+        else "its weights"
+    )
+    hint = {"all": "--train lora or qlora, or optim.name adamw8bit", "qlora": "a larger train.memory_limit"}
+    raise UserError(
+        f"this run does not fit train.memory_limit {gb(limit)}: before any activation, {held} take "
+        f"{gb(total)} (checked before its weights or data were read); try {hint.get(train, '--train qlora')}"
+    )
+
+
 def clone_heads(heads: nn.ModuleDict) -> nn.ModuleDict:
     """The probe trains a copy of the Job's heads: the run's own are never touched."""
     return copy.deepcopy(heads)

@@ -67,11 +67,14 @@ def config_from_hf(raw: dict, state: dict) -> ViTConfig:
 
 
 def _positions_are_sincos(state: dict, cfg: ViTConfig) -> bool:
+    """Whether the position tables hold MAE's fixed sin-cos values (read as learned when only shapes
+    were read: the same shapes, for a memory plan)."""
     pairs = [(_ENCODER, cfg.d_model)] + ([(_DECODER, cfg.decoder_d_model)] if _DECODER in state else [])
     return all(
         k in state
         and dim % 4 == 0
         and state[k].shape == (1, cfg.n_patches + 1, dim)
+        and not state[k].is_meta
         and torch.allclose(state[k].float(), sincos_2d(cfg.grid, dim), atol=1e-5)
         for k, dim in pairs
     )
