@@ -64,9 +64,26 @@ def run_tfcli(args: list[str], out: Path) -> dict:
     }
 
 
+def peer_huge_pages() -> str:
+    """THP_MEM_ALLOC_ENABLE of the peer's process: PyTorch's allocator as it ships ("0") unless
+    BENCH_PEER_THP=1 gives the peer the huge pages tfcli turns on for itself (tfcli/__init__.py)."""
+    return os.environ.get("BENCH_PEER_THP", "0")
+
+
+def allocators() -> str:
+    """The report's words for each side's allocator."""
+    on = {"1": "on", "0": "off"}
+    return f"huge pages tfcli {on.get(os.environ.get('THP_MEM_ALLOC_ENABLE', '1'), 'on')}, TRL {on.get(peer_huge_pages(), 'off')}"
+
+
 def run_peer(module: str, *args: str) -> dict:
     """`python -m module trl args` in a fresh process; its last line of output as JSON."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TOKENIZERS_PARALLELISM": "false",
+        "THP_MEM_ALLOC_ENABLE": peer_huge_pages(),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env
     )
@@ -222,7 +239,7 @@ def report(
         f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
         f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
         f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
-        f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB"
+        f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB ({allocators()})"
     )
     print(
         f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}"
@@ -238,6 +255,7 @@ def report(
         "ratio_shipped": ratio_shipped,
         "tfcli_peak_rss_mb": ours["peak_rss_mb"],
         "trl_peak_rss_mb": theirs["peak_rss_mb"],
+        "allocators": allocators(),
         "tfcli_loss": ours["loss"],
         "trl_loss": theirs["loss"],
     }

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -591,3 +592,27 @@ def test_attention_with_rotary_positions_keeps_its_values_not_the_whole_fused_pr
     model.blocks[0].attn.qkv.register_forward_hook(lambda module, inputs, out: fused.append(out))
     _, kept = kept_for_backward(lambda: model(torch.randint(0, 50, (2, 32), device=DEVICE)), model)
     assert len(fused) == 1 and fused[0].untyped_storage().data_ptr() not in kept
+
+
+def test_a_tfcli_process_puts_large_cpu_tensors_on_huge_pages_unless_told_not_to():
+    """Importing tfcli (every entry point does, before torch) turns on PyTorch's huge-page switch for
+    CPU tensors of 2 MB and more; THP_MEM_ALLOC_ENABLE=0 from the user keeps glibc's own pages."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[never]" in mode.read_text():
+        pytest.skip("this kernel has no transparent huge pages")
+    code = (
+        "import os, re, tfcli, torch; t = torch.ones(64 * 2**20 // 4); "
+        "rollup = open('/proc/self/smaps_rollup').read(); "
+        "print(os.environ['THP_MEM_ALLOC_ENABLE'], re.search(r'AnonHugePages:\\s+(\\d+)', rollup).group(1))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    seen = {}
+    for setting in ("default", "0"):
+        extra = {} if setting == "default" else {"THP_MEM_ALLOC_ENABLE": setting}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        flag, huge_kb = out.stdout.split()
+        seen[setting] = (flag, int(huge_kb))
+    assert seen["default"][0] == "1" and seen["default"][1] >= 32 * 1024  # most of the 64 MB tensor
+    if "[madvise]" in mode.read_text():  # only what asks for huge pages gets them
+        assert seen["0"] == ("0", 0) or seen["0"][1] < seen["default"][1] // 4
