@@ -238,13 +238,11 @@ def refuse_what_cannot_fit(source: Optional[str], recipe: Recipe, plugin: Plugin
     """Before the weights or the data are read: a run whose weights, gradients and optimizer states
     alone pass train.memory_limit stops in one line (a model too large for the machine is refused,
     not killed while it is read; the full plan, which needs a batch of the data, comes later)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-    limit = memory.limit_of(recipe.train.memory_limit, memory.device_capacity(rt.device, local))
+    limit = memory.limit_of(recipe.train.memory_limit, memory.process_capacity(rt))
     if limit <= 0:
         return
     floor = memory.floor_figures(backbones.meta_model(source, recipe, plugin), recipe)
-    train = "all" if recipe.finetune is None else recipe.finetune.train
-    memory.refuse_beyond(memory.per_process(floor, rt.strategy.name, rt.world_size), limit, train)
+    memory.refuse_beyond(memory.per_process(floor, rt.strategy.name, rt.world_size), limit, recipe)
 
 
 def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import nn
 from tokenizers import Tokenizer
 
 from .. import adapters
@@ -216,9 +217,14 @@ def meta_model(source: Optional[str], recipe, plugin):
         cfg = plugin.model_shape(recipe)
         return on_meta(cfg if getattr(cfg, "vocab_size", 1) > 0 else recipes.replace(cfg, vocab_size=1))
     if is_run(Path(source)):
-        run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
-        return on_meta(recipes.load_resolved(run / "config.yaml").model)
+        return run_on_meta(source)[1]
     return on_meta(interop.read_pretrained(Path(source), shapes_only=True)[0])
+
+
+def run_on_meta(source: str) -> tuple[Path, nn.Module]:
+    """(the run directory of --from RUN's best checkpoint, its model on the meta device)."""
+    run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
+    return run, on_meta(recipes.load_resolved(run / "config.yaml").model)
 
 
 def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
@@ -229,9 +235,9 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool =
     if source is None:
         return fresh(recipe, plugin, rt, shapes_only)
     if is_run(Path(source)) and shapes_only:
-        run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
+        run, model = run_on_meta(source)
         tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
-        return Backbone(on_meta(recipes.load_resolved(run / "config.yaml").model), tok, str(source))
+        return Backbone(model, tok, str(source))
     if is_run(Path(source)):
         backbone = from_run(Path(source), which="best")
         merged = merge_adapters(backbone.model)

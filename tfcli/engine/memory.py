@@ -433,20 +433,33 @@ def choose(plans: Callable[[bool, int], Plan], batch_size: int, setting: str, mi
 MOMENT_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "adamw4bit": 1.0}
 
 
+def trained_part(recipe) -> str:
+    """finetune.train, or "all" for pretraining."""
+    return "all" if recipe.finetune is None else recipe.finetune.train
+
+
+def process_capacity(rt) -> float:
+    """What the device has for this process, the processes on this machine sharing it."""
+    import os
+
+    return device_capacity(rt.device, int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
+
+
 def floor_figures(model: nn.Module, recipe) -> Figures:
     """What a run holds whatever its batch, from its model's shapes alone (the meta device: nothing
     read): the weights (QLoRA's block matrices at NF4's 4 bits) and, when every weight trains, their
     gradients (counted as the step's) and optimizer states. Adapters, heads, frozen models and
     activations are left out: a floor, for refusing a run before its weights and data are read."""
-    train = "all" if recipe.finetune is None else recipe.finetune.train
+    train = trained_part(recipe)
     quantized = {id(p) for b in transformer_blocks(model) for p in b.parameters() if p.dim() == 2}
     weights = sum(p.numel() * (0.5 if train == "qlora" and id(p) in quantized else 4.0) for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters()) if train == "all" else 0
     return Figures(weights=weights, frozen=0.0, optimizer=trained * MOMENT_BYTES[recipe.optim.name], step=trained * 4.0)
 
 
-def refuse_beyond(floor: Figures, limit: float, train: str) -> None:
+def refuse_beyond(floor: Figures, limit: float, recipe) -> None:
     """A one-line error when the floor alone passes the limit (0: no limit)."""
+    train = trained_part(recipe)
     total = floor.weights + floor.optimizer + floor.step
     if limit <= 0 or total <= limit:
         return
@@ -547,8 +560,7 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False):
         copies = reading
         reading = runtime + copies * sum(p.numel() * 4 for p in model.parameters()) if copies and not on_gpu else 0.0
     length = min(recipe.data.seq_len, getattr(model.cfg, "max_seq_len", recipe.data.seq_len))
-    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-    capacity = device_capacity(rt.device, local)
+    capacity = process_capacity(rt)
 
     def make_trained(probe: nn.Module) -> nn.Module:
         if ft is not None:
