@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 from tokenizers import Tokenizer
+from torch import nn
 
 from .. import adapters
 from .. import recipe as recipes
