@@ -335,3 +335,121 @@ def test_qlora_under_ddp_matches_one_process_and_resumes_on_one(tmp_path, tmp_pa
     resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
     run_tfcli(resumed, nproc=1)
     assert max(train_rows(tmp_path / "two")) == 6
+
+
+def test_qlora_under_fsdp_shards_its_nf4_base_trains_as_one_process_and_resumes_on_one(tmp_path, tmp_path_factory):
+    """--train qlora under FSDP: every process holds half of each NF4 block matrix (torchao's NF4 tensor
+    splits for FSDP2), the losses are one process's at the same global batch, and the sharded
+    checkpoint (the adapters) resumes on one process with the uninterrupted run's losses."""
+    import shutil
+
+    from .conftest import hf_llama_dir, write_jsonl
+    from .test_from_runs import ROWS
+
+    base = hf_llama_dir(tmp_path_factory.mktemp("qlora") / "base", hidden=128, inner=256)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS * 4)
+    common = ["finetune", "sft", "--from", base, "--data", data, "--train", "qlora", "--lr", 1e-2, "--steps", 4]
+    common += ["--quiet", "--set", "train.log_interval=1", "--set", "train.ckpt_interval=2"]
+    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
+    fsdp = ["--batch-size", 2, "--set", "train.strategy=fsdp"]
+    run_tfcli([*common, "--out", tmp_path / "fsdp", *fsdp], nproc=2)
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
+    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
+    assert len(list((tmp_path / "fsdp" / "checkpoints" / "step-0000002" / "shards").glob("*.safetensors"))) == 2
+    run = tmp_path / "on-one"  # DCP reshards the adapters' shares; the base is read and quantized again
+    shutil.copytree(tmp_path / "fsdp", run)
+    shutil.rmtree(run / "checkpoints" / "step-0000004")
+    (run / "checkpoints" / "latest").write_text("step-0000002")
+    run_tfcli(["finetune", "--resume", run, "--quiet", "--batch-size", 4, "--set", "train.strategy=auto"], nproc=1)
+    resumed = train_rows(run)
+    assert all(abs(resumed[s] - two[s]) < 1e-5 for s in (3, 4)), (resumed, two)
+    script = tmp_path / "shares.py"
+    script.write_text(
+        "import json, torch\n"
+        "from tfcli import adapters\n"
+        "from tfcli.engine.backbone import for_inference\n"
+        "from tfcli.engine.runtime import setup_runtime\n"
+        "from tfcli.models import nf4\n"
+        "from tfcli.recipe import AdapterConfig\n"
+        f"model = for_inference({str(base)!r}).model\n"
+        "adapters.apply(model, 'qlora', AdapterConfig())\n"
+        "held = [m for m in model.modules() if isinstance(m, nf4.NF4Linear)]\n"
+        "whole = sum(m.weight_bytes() for m in held)\n"
+        "rt = setup_runtime('cpu', 1, 'fsdp')\n"
+        "rt.strategy.wrap(model)\n"
+        "local = sum(m.weight_bytes() for m in held)\n"
+        f"out = {str(tmp_path)!r} + f'/share-{{rt.rank}}.json'\n"
+        "open(out, 'w').write(json.dumps({'whole': whole, 'local': local, 'count': len(held)}))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    shares = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("share-*.json"))]
+    # half of each matrix's codes and scales; the 16-value NF4 table and a mean stay whole in both
+    assert len(shares) == 2 and all(s["count"] == 10 for s in shares), shares
+    assert all(abs(s["local"] - s["whole"] / 2) < 0.01 * s["whole"] for s in shares), shares
+
+
+def test_a_low_bit_optimizer_under_fsdp_saves_each_share_and_resumes_bit_for_bit_on_as_many(tmp_path, small_text):
+    """optim.name adamw8bit under FSDP: torchao's 8-bit moments are each process's share (a DTensor), the
+    checkpoint keeps every share's 8-bit codes and scales as they are (DCP cannot reshard blocks
+    quantized per share), the run resumes on 2 processes with the uninterrupted run's losses exactly,
+    and on 1 it is refused in one line, its run directory left as it was. The text's 61 characters
+    split 31 and 30: shares of two shapes, which torchao's compiled step has to be compiled for in each
+    process (the on-disk graph cache handed one process the other's)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    recipe = tmp_path / "tiny.yaml"
+    raw = tiny_gpt_recipe(
+        small_text,
+        model={"d_model": 64, "d_ff": 256},  # the MLP's and qkv's shares hold 4,096 values and more: quantized
+        optim={"name": "adamw8bit"},
+        train={"steps": 6, "eval_interval": 6, "ckpt_interval": 3, "keep_checkpoints": 5},
+    )
+    recipe.write_text(yaml.safe_dump(raw))
+    fsdp = ["--batch-size", 4, "--quiet", "--set", "train.strategy=fsdp"]
+    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", *fsdp], nproc=2)
+    losses = train_rows(tmp_path / "fsdp")
+    assert losses[6] < losses[1] - 0.5, losses
+    shards = sorted((tmp_path / "fsdp" / "checkpoints" / "step-0000003" / "shards").glob("*.safetensors"))
+    assert len(shards) == 2
+    for rank, path in enumerate(shards):
+        with safe_open(path, "pt") as f:
+            codes = [k for k in f.keys() if k.endswith(f"@{rank}of2.codes")]
+            assert codes and all(f.get_slice(k).get_dtype() == "U8" for k in codes), list(f.keys())[:20]
+    run = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", run)
+    shutil.rmtree(run / "checkpoints" / "step-0000006")
+    (run / "checkpoints" / "latest").write_text("step-0000003")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfcli",
+            "pretrain",
+            "--resume",
+            str(run),
+            "--set",
+            "train.strategy=auto",
+            "--batch-size",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert one.returncode == 2 and "are the shares of 2 FSDP processes" in one.stderr + one.stdout, one.stderr
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    run_tfcli(["pretrain", "--resume", run, "--quiet"], nproc=2)
+    resumed = train_rows(run)
+    assert all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)

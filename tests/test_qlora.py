@@ -109,16 +109,20 @@ def test_a_qlora_run_resumes_bit_for_bit(hf_base, tmp_path):
     assert_resumes_exactly("finetune", qlora_args(hf_base, data), tmp_path)
 
 
-def test_a_matrix_whose_blocks_256_does_not_divide_takes_a_smaller_scaler_block():
-    """SmolLM2's 576 x 576 attention output: 5,184 blocks of 64, which 64 divides and 256 does not."""
+def test_a_matrix_whose_blocks_256_does_not_divide_takes_a_smaller_scaler_block_fsdp_can_split():
+    """SmolLM2's 576 x 576 attention output: 5,184 blocks of 64, which 256 does not divide; scaler blocks
+    of 8 give 648 groups of scales, which 2, 4 and 8 processes split evenly (64 would give 81)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(576, 576, bias=False)
-    assert nf4.scaler_block(linear) == 64 and nf4.scaler_block(torch.nn.Linear(512, 512)) == 256
+    assert nf4.scaler_block(linear) == 8 and nf4.scaler_block(torch.nn.Linear(512, 512)) == 256
     assert nf4.scaler_block(torch.nn.Linear(10, 10)) == 0  # not whole blocks: stays in full precision
     x = torch.randn(3, 576)
     with torch.no_grad():
         exact, quantized = linear(x), nf4.NF4Linear(linear)(x)
     assert (quantized - exact).norm() < 0.15 * exact.norm()
+    model = torch.nn.Sequential(nf4.NF4Linear(linear), nf4.NF4Linear(torch.nn.Linear(64, 72, bias=False)))
+    assert nf4.unshardable(model, 2) == "1 (72 x 64)"  # 72 blocks: 9 groups of 8 at best
+    assert nf4.unshardable(model, 3) == "" and nf4.unshardable(model[:1], 8) == ""
 
 
 @pytest.mark.slow

@@ -103,7 +103,9 @@ def test_compiled_and_eager_losses_agree(tmp_path, small_text):
 
 
 @pytest.mark.parametrize("make", [tiny_gpt_recipe, tiny_bert_recipe], ids=["clm", "mlm"])
-def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_torch_as_it_was(tmp_path, small_text, make):
+def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_torch_as_it_was(
+    tmp_path, small_text, make
+):
     """train.deterministic turns on torch's repeatable kernels for the run (what a GPU needs to repeat a
     run or resume it bit for bit; the CPU's kernels repeat anyway, so the losses are the default's),
     and the process's setting is restored after it (runs inside a longer process: compare, tests)."""

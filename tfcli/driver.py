@@ -504,13 +504,16 @@ def banner(
 
 
 def quantized_note(module: nn.Module) -> str:
-    """QLoRA's base: how many block matrices are held in NF4 and what they take against fp32."""
+    """QLoRA's base: how many block matrices are held in NF4 and what they take against fp32 (under FSDP,
+    this process's share of each)."""
     held = [m for m in module.modules() if isinstance(m, NF4Linear)]
     if not held:
         return ""
+    shares = [m.weight.to_local() if hasattr(m.weight, "to_local") else m.weight for m in held]
     nf4_mb = sum(m.weight_bytes() for m in held) / 2**20
-    fp32_mb = sum(m.in_features * m.out_features * 4 for m in held) / 2**20
-    return f"\n{len(held)} block matrices of the base in NF4: {nf4_mb:,.1f} MB (fp32: {fp32_mb:,.1f} MB)"
+    fp32_mb = sum(w.numel() * 4 for w in shares) / 2**20
+    sharded = " (this process's shares)" if any(hasattr(m.weight, "to_local") for m in held) else ""
+    return f"\n{len(held)} block matrices of the base in NF4{sharded}: {nf4_mb:,.1f} MB (fp32: {fp32_mb:,.1f} MB)"
 
 
 # --- evaluation ---------------------------------------------------------------------------------

@@ -38,6 +38,20 @@ def build(groups: list[dict], o) -> torch.optim.Optimizer:
     return getattr(torchao_optim(), LOW_BIT[o.name])(groups, lr=o.lr, betas=o.betas, eps=o.eps)
 
 
+def for_unequal_shares(module: torch.nn.Module, world: int) -> bool:
+    """Under FSDP, when a trained parameter's rows do not split evenly over the processes (GPT-2's
+    50,257 tokens over 2), its shares differ in shape from process to process, and torchao's compiled
+    step, read back from inductor's on-disk graph cache, can be another process's (a size assertion
+    fails at the first step; seen with torch 2.13): this process compiles its own instead. Returns
+    whether it had to."""
+    if not any(p.requires_grad and p.shape[0] % world for p in module.parameters()):
+        return False
+    import torch._inductor.config as inductor
+
+    inductor.fx_graph_cache = False
+    return True
+
+
 def step(opt: torch.optim.Optimizer, found_inf: Tensor) -> None:
     """One optimizer step, skipped when found_inf is 1: the fused AdamW skips on the device (nothing read
     back); torchao's optimizers do not read found_inf, so the flag is read back first."""
@@ -93,6 +107,22 @@ def rebuilt(state):
     if isinstance(state, list):
         return [rebuilt(v) for v in state]
     return state
+
+
+def shares_of(state: Tensor) -> bool:
+    """Whether a sharded checkpoint keeps this state as each process's own share: a low-bit moment (or
+    any moment of a low-bit optimizer, sharded by FSDP). torch.distributed.checkpoint cannot reshard a
+    moment quantized in blocks of each process's share, so these are read back by as many processes."""
+    local = state.to_local() if hasattr(state, "to_local") else state
+    return hasattr(state, "to_local") or type(local).__name__ in STATE_CLASSES
+
+
+def own_share(name: str, state: Tensor, rank: int, world: int) -> dict[str, Tensor]:
+    """This process's share of a state under names that say which of how many it is
+    (name@0of2.codes, name@0of2.scale, ... for a low-bit moment; name@0of2 for a plain one): the live
+    tensors, which a checkpoint fills in place on load."""
+    local = state.to_local() if hasattr(state, "to_local") else state
+    return {f"{name}@{rank}of{world}" + (f".{part}" if part else ""): t for part, t in _parts(local).items()}
 
 
 def _parts(t: Tensor) -> dict[str, Tensor]:

@@ -113,7 +113,14 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from ..models import transformer_blocks
+        from ..models.nf4 import unshardable
 
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if matrix := unshardable(module, world):
+            raise UserError(
+                f"--train qlora under FSDP: the NF4 weight of {matrix} does not split into {world} equal shares; "
+                "run on a number of processes its rows and scales divide (2, 4 or 8 for most models), or with ddp"
+            )
         cuda = next(module.parameters()).device.type == "cuda"
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -154,6 +161,13 @@ class FSDPStrategy(Strategy):
         return state_dicts().get_optimizer_state_dict(module, optimizer, options=options(True, cpu_offload=True))
 
     def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from .optimizers import STATE_CLASSES
+
+        if any(type(v).__name__ in STATE_CLASSES for s in state["state"].values() for v in s.values()):
+            raise UserError(
+                "this checkpoint's 8/4-bit optimizer states were saved whole (by one process or DDP), and FSDP "
+                "does not split them over its processes; resume it as it ran (train.strategy=auto or ddp)"
+            )
         load_optimizer_state(module, optimizer, state, options(True, strict=False))
 
 

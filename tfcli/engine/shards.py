@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..errors import UserError
+from . import optimizers
 from .runtime import options, state_dicts
 
 SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
@@ -37,13 +38,34 @@ def is_sharded(ckpt: Path) -> bool:
     return (Path(ckpt) / SHARDS).is_dir()
 
 
-def _optimizer_tensors(optim: dict) -> dict[str, Tensor]:
-    return {
-        f"{OPTIM}{name}.{key}": value
-        for name, state in optim["state"].items()
-        for key, value in state.items()
-        if isinstance(value, Tensor)
-    }
+def _optimizer_tensors(optim: dict, optimizer) -> dict[str, Tensor]:
+    """The optimizer's tensors by checkpoint name: AdamW's moments as DTensors (DCP reshards them), a
+    low-bit optimizer's as each process's own share (optimizers.own_share)."""
+    low_bit = not isinstance(optimizer, torch.optim.AdamW)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    out = {}
+    for name, state in optim["state"].items():
+        for key, value in state.items():
+            if not isinstance(value, Tensor):
+                continue
+            if low_bit and optimizers.shares_of(value):
+                out.update(optimizers.own_share(f"{OPTIM}{name}.{key}", value, rank, world))
+            else:
+                out[f"{OPTIM}{name}.{key}"] = value
+    return out
+
+
+def _saved_by(present: dict, wanted: dict) -> None:
+    """Refuse a low-bit optimizer's states that another number of processes saved (each process's
+    share is quantized in its own blocks: they are not resharded), before anything is loaded."""
+    if any(k not in present for k in wanted if "@" in k):
+        counts = sorted({k.split("@")[1].split(".")[0].partition("of")[2] for k in present if "@" in k})
+        if not counts:
+            raise UserError("this checkpoint holds AdamW's states, not a low-bit optimizer's (optim.name differs)")
+        raise UserError(
+            f"this checkpoint's 8/4-bit optimizer states are the shares of {' or '.join(counts)} FSDP processes "
+            f"and are read back by as many: resume it on {counts[0]} (torchrun --nproc-per-node {counts[0]})"
+        )
 
 
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
@@ -57,7 +79,11 @@ def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) ->
     writer = dcp.HuggingFaceStorageWriter(str(Path(directory) / SHARDS), save_distributed=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
-        dcp.save({**weights, **_optimizer_tensors(optim)}, storage_writer=writer, no_dist=not dist.is_initialized())
+        dcp.save(
+            {**weights, **_optimizer_tensors(optim, optimizer)},
+            storage_writer=writer,
+            no_dist=not dist.is_initialized(),
+        )
     return optim["param_groups"]
 
 
@@ -87,7 +113,9 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     optim = state_dicts().get_optimizer_state_dict(
         module, optimizer, options=options(False)
     )  # every state made, to be filled
-    moments = {k: v for k, v in _optimizer_tensors(optim).items() if k in present}
+    stored = _optimizer_tensors(optim, optimizer)
+    _saved_by(present, stored)
+    moments = {k: v for k, v in stored.items() if k in present}
     dcp = _dcp()
     reader = dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS))
     with warnings.catch_warnings():

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from ..data.sampler import StreamSampler, make_sampler, micro_slices, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
-from ..models.nf4 import NF4Linear
 from ..plugin import Batch, Job, LossFn
 from . import checkpoint, optimizers, plots, shards
 from .compiling import keep_out_of_compiled_graphs
@@ -121,9 +120,7 @@ class Trainer:
         self.wrapped = rt.strategy.wrap(module, self.tc.precision)
         prepare_frozen(job.frozen, rt)
         if recipe.optim.name != "adamw" and rt.strategy.name == "fsdp":
-            raise UserError(f"optim.name {recipe.optim.name} under FSDP is not supported yet; use adamw, or ddp")
-        if rt.strategy.name == "fsdp" and any(isinstance(m, NF4Linear) for m in module.modules()):
-            raise UserError("--train qlora under FSDP is not supported yet (its NF4 base is not sharded); use ddp")
+            optimizers.for_unequal_shares(module, rt.world_size)
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(

@@ -14,8 +14,9 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-BLOCK, SCALER_BLOCKS = 64, (256, 128, 64)  # torchao's (and the QLoRA paper's) 64 and 256; smaller scaler
-# blocks where 256 does not divide a matrix's blocks (SmolLM2's 576-wide attention: 5,184 blocks)
+BLOCK, SCALER_BLOCKS = 64, (256, 128, 64, 32, 16, 8)  # torchao's (and the QLoRA paper's) 64 and 256;
+# smaller scaler blocks where 256 does not divide a matrix's blocks (SmolLM2's 576-wide attention)
+SHARDABLE = 8  # the scales come in a number of groups 8 divides, so FSDP can split them over 2, 4 or 8 processes
 
 
 def quiet_torchao(module: str):
@@ -38,12 +39,26 @@ def _nf4():
 
 
 def scaler_block(linear: nn.Linear) -> int:
-    """The largest scaler block (of 256, 128, 64) that divides the weight's blocks of 64; 0: the weight
-    cannot be held in NF4 (torchao needs whole blocks of both)."""
+    """The largest scaler block (of 256 down to 8) that divides the weight's blocks of 64 into a number
+    of groups SHARDABLE divides (FSDP splits every part of an NF4 weight in equal shares), else the
+    largest that divides them; 0: the weight cannot be held in NF4 (torchao needs whole blocks of both)."""
     n = linear.weight.numel()
     if n % BLOCK:
         return 0
-    return next((s for s in SCALER_BLOCKS if (n // BLOCK) % s == 0), 0)
+    blocks = n // BLOCK
+    dividing = [s for s in SCALER_BLOCKS if blocks % s == 0]
+    return next((s for s in dividing if (blocks // s) % SHARDABLE == 0), dividing[0] if dividing else 0)
+
+
+def unshardable(module: nn.Module, shares: int) -> str:
+    """The first NF4 weight FSDP cannot split into `shares` equal parts (its rows and every part of
+    its codes and scales), as 'name (rows x columns)'; '' when each can be."""
+    for name, m in module.named_modules():
+        if isinstance(m, NF4Linear):
+            w = m.weight
+            if m.out_features % shares or (w.n_blocks // w.scaler_block_size) % shares:
+                return f"{name} ({m.out_features} x {m.in_features})"
+    return ""
 
 
 def quantizable(linear: nn.Linear) -> bool:
@@ -76,7 +91,8 @@ class NF4Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         """The memory the weight (its 4-bit codes, quantized scales and their factors) and bias take."""
-        parts = [getattr(self.weight, name) for name in self.weight.__tensor_flatten__()[0]]
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight  # FSDP: a share
+        parts = [getattr(weight, name) for name in weight.__tensor_flatten__()[0]]
         if self.bias is not None:
             parts.append(self.bias)
         return sum(t.numel() * t.element_size() for t in parts)
