@@ -316,31 +316,12 @@ def test_grpo_samples_each_process_share_and_trains_under_two_processes(tmp_path
     assert max(m["step"] for m in read_metrics(tmp_path / "two")) == 6
 
 
-def test_qlora_under_ddp_matches_one_process_and_resumes_on_one(tmp_path, tmp_path_factory):
-    """--train qlora on 2 processes (DDP): each process reads and quantizes the same base (frozen: nothing
-    of it is broadcast or synchronised), the adapters' gradients are all-reduced; the losses are one
-    process's at the same global batch, and the run resumes on one process."""
-    from .conftest import hf_llama_dir, write_jsonl
-    from .test_from_runs import ROWS
-
-    base = hf_llama_dir(tmp_path_factory.mktemp("qlora-ddp") / "base", hidden=128, inner=256)
-    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    common = ["finetune", "sft", "--from", base, "--data", data, "--train", "qlora", "--lr", 1e-2, "--quiet"]
-    common += ["--steps", 4, "--set", "train.log_interval=1", "--set", "train.eval_interval=4"]
-    common += ["--set", "train.ckpt_interval=2"]
-    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
-    run_tfcli([*common, "--out", tmp_path / "two", "--batch-size", 2, "--set", "train.strategy=ddp"], nproc=2)
-    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
-    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
-    resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
-    run_tfcli(resumed, nproc=1)
-    assert max(train_rows(tmp_path / "two")) == 6
-
-
-def test_qlora_under_fsdp_shards_its_nf4_base_trains_as_one_process_and_resumes_on_one(tmp_path, tmp_path_factory):
-    """--train qlora under FSDP: every process holds half of each NF4 block matrix (torchao's NF4 tensor
-    splits for FSDP2), the losses are one process's at the same global batch, and the sharded
-    checkpoint (the adapters) resumes on one process with the uninterrupted run's losses."""
+def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resumes_on_one(tmp_path, tmp_path_factory):
+    """--train qlora on 2 processes. DDP: each process reads and quantizes the same base (frozen: nothing
+    of it is broadcast or synchronised), the adapters' gradients are all-reduced. FSDP: every process
+    holds half of each NF4 block matrix (torchao's NF4 tensor splits for FSDP2). Both give one process's
+    losses at the same global batch, and the sharded checkpoint (the adapters) resumes on one process
+    with the uninterrupted run's losses."""
     import shutil
 
     from .conftest import hf_llama_dir, write_jsonl
@@ -351,10 +332,11 @@ def test_qlora_under_fsdp_shards_its_nf4_base_trains_as_one_process_and_resumes_
     common = ["finetune", "sft", "--from", base, "--data", data, "--train", "qlora", "--lr", 1e-2, "--steps", 4]
     common += ["--quiet", "--set", "train.log_interval=1", "--set", "train.ckpt_interval=2"]
     run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
-    fsdp = ["--batch-size", 2, "--set", "train.strategy=fsdp"]
-    run_tfcli([*common, "--out", tmp_path / "fsdp", *fsdp], nproc=2)
-    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
-    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
+    for strategy in ("ddp", "fsdp"):
+        run_tfcli([*common, "--out", tmp_path / strategy, "--batch-size", 2, "--set", f"train.strategy={strategy}"], 2)
+    one, ddp, two = (train_rows(tmp_path / name) for name in ("one", "ddp", "fsdp"))
+    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - ddp[s]) < 1e-5 for s in one), (one, ddp)
+    assert all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
     assert len(list((tmp_path / "fsdp" / "checkpoints" / "step-0000002" / "shards").glob("*.safetensors"))) == 2
     run = tmp_path / "on-one"  # DCP reshards the adapters' shares; the base is read and quantized again
     shutil.copytree(tmp_path / "fsdp", run)
