@@ -58,6 +58,21 @@ def small_recipe(tmp_path, small_text, steps: int = 8, **train) -> "Path":
     return recipe
 
 
+def shares_of_two_processes(script: Path, out: Path) -> list[dict]:
+    """Run `script` on 2 processes under torchrun; each writes out/share-RANK.json (a file each: two
+    prints on one pipe interleave). Returns them in rank order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [json.loads(path.read_text()) for path in sorted(out.glob("share-*.json"))]
+
+
 def train_rows(run) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "train"}
 
@@ -277,16 +292,7 @@ def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_pat
         f"out = {str(tmp_path)!r} + f'/share-{{rt.rank}}.json'\n"  # a file each: two prints on one pipe interleave
         "open(out, 'w').write(json.dumps({'rank': rt.rank, 'whole': whole, 'local': local}))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    shares = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("share-*.json"))]
+    shares = shares_of_two_processes(script, tmp_path)
     assert len(shares) == 2 and all(s["local"] * 2 == s["whole"] for s in shares), shares
 
 
@@ -363,16 +369,7 @@ def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resume
         f"out = {str(tmp_path)!r} + f'/share-{{rt.rank}}.json'\n"
         "open(out, 'w').write(json.dumps({'whole': whole, 'local': local, 'count': len(held)}))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    shares = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("share-*.json"))]
+    shares = shares_of_two_processes(script, tmp_path)
     # half of each matrix's codes and scales; the 16-value NF4 table and a mean stay whole in both
     assert len(shares) == 2 and all(s["count"] == 10 for s in shares), shares
     assert all(abs(s["local"] - s["whole"] / 2) < 0.01 * s["whole"] for s in shares), shares
