@@ -375,11 +375,14 @@ def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resume
     assert all(abs(s["local"] - s["whole"] / 2) < 0.01 * s["whole"] for s in shares), shares
 
 
-def test_a_low_bit_optimizer_under_fsdp_saves_each_share_and_resumes_bit_for_bit_on_as_many(tmp_path, small_text):
+def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_as_many_and_on_one(
+    tmp_path, small_text
+):
     """optim.name adamw8bit under FSDP: torchao's 8-bit moments are each process's share (a DTensor), the
     checkpoint keeps every share's 8-bit codes and scales as they are (DCP cannot reshard blocks
     quantized per share), the run resumes on 2 processes with the uninterrupted run's losses exactly,
-    and on 1 it is refused in one line, its run directory left as it was. The text's 61 characters
+    and on 1 (the shares rebuilt whole and quantized in that process's blocks) within 1e-4 of them
+    (read without its moments, step 5 was 7e-2 off: measured). The text's 61 characters
     split 31 and 30: shares of two shapes, which torchao's compiled step has to be compiled for in each
     process (the on-disk graph cache handed one process the other's)."""
     import shutil
@@ -404,31 +407,14 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_and_resumes_bit_for_bit
         with safe_open(path, "pt") as f:
             codes = [k for k in f.keys() if k.endswith(f"@{rank}of2.codes")]
             assert codes and all(f.get_slice(k).get_dtype() == "U8" for k in codes), list(f.keys())[:20]
-    run = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "fsdp", run)
-    shutil.rmtree(run / "checkpoints" / "step-0000006")
-    (run / "checkpoints" / "latest").write_text("step-0000003")
-    before = sorted(p.relative_to(run) for p in run.rglob("*"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfcli",
-            "pretrain",
-            "--resume",
-            str(run),
-            "--set",
-            "train.strategy=auto",
-            "--batch-size",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert one.returncode == 2 and "are the shares of 2 FSDP processes" in one.stderr + one.stdout, one.stderr
-    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
-    run_tfcli(["pretrain", "--resume", run, "--quiet"], nproc=2)
-    resumed = train_rows(run)
-    assert all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)
+    for name, nproc, extra in (("on-two", 2, []), ("on-one", 1, ["--set", "train.strategy=auto", "--batch-size", 8])):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "fsdp", run)
+        shutil.rmtree(run / "checkpoints" / "step-0000006")
+        (run / "checkpoints" / "latest").write_text("step-0000003")
+        run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
+        resumed = train_rows(run)
+        if nproc == 2:
+            assert all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)
+        else:
+            assert all(abs(resumed[s] - losses[s]) < 1e-4 for s in (4, 5, 6)), (resumed, losses)

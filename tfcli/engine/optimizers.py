@@ -109,20 +109,33 @@ def rebuilt(state):
     return state
 
 
-def shares_of(state: Tensor) -> bool:
-    """Whether a sharded checkpoint keeps this state as each process's own share: a low-bit moment (or
-    any moment of a low-bit optimizer, sharded by FSDP). torch.distributed.checkpoint cannot reshard a
-    moment quantized in blocks of each process's share, so these are read back by as many processes."""
-    local = state.to_local() if hasattr(state, "to_local") else state
-    return hasattr(state, "to_local") or type(local).__name__ in STATE_CLASSES
-
-
 def own_share(name: str, state: Tensor, rank: int, world: int) -> dict[str, Tensor]:
-    """This process's share of a state under names that say which of how many it is
-    (name@0of2.codes, name@0of2.scale, ... for a low-bit moment; name@0of2 for a plain one): the live
-    tensors, which a checkpoint fills in place on load."""
+    """This process's share of a low-bit optimizer's moment under names that say which of how many it
+    is (name@0of2.codes, name@0of2.scale, ... when quantized; name@0of2 for an fp32 one): the live
+    tensors, which a checkpoint fills in place on load. torch.distributed.checkpoint cannot reshard a
+    moment quantized in blocks of each process's share: the same number of processes reads the
+    shares back as they are, another re-divides them (shards._reshare)."""
     local = state.to_local() if hasattr(state, "to_local") else state
     return {f"{name}@{rank}of{world}" + (f".{part}" if part else ""): t for part, t in _parts(local).items()}
+
+
+def dequantized_share(parts: dict[str, Tensor]) -> Tensor:
+    """One saved share of a state (own_share's parts), flat, in fp32: a plain share as it is, a low-bit
+    one dequantized by torchao's own class (8-bit: a 256-entry map; 4-bit: 16 entries, codes packed in
+    pairs; a map with negative entries is the signed first moment's)."""
+    if "" in parts:
+        return parts[""].reshape(-1).float()
+    codes, scale, qmap = parts["codes"], parts["scale"], parts["qmap"]
+    signed = bool(qmap.min() < 0)
+    if qmap.numel() == 256:
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        state = OptimState8bit(codes, scale, qmap, signed)
+    else:
+        from torchao.optim.subclass_4bit import OptimState4bit
+
+        state = OptimState4bit(codes, scale, qmap, signed, torch.Size([codes.numel() * 2]))
+    return state.dequantize().reshape(-1)
 
 
 def _parts(t: Tensor) -> dict[str, Tensor]:

@@ -48,24 +48,45 @@ def _optimizer_tensors(optim: dict, optimizer) -> dict[str, Tensor]:
         for key, value in state.items():
             if not isinstance(value, Tensor):
                 continue
-            if low_bit and optimizers.shares_of(value):
+            if low_bit and value.dim() > 0:  # a moment (the step counters are 0-d, the same everywhere)
                 out.update(optimizers.own_share(f"{OPTIM}{name}.{key}", value, rank, world))
             else:
                 out[f"{OPTIM}{name}.{key}"] = value
     return out
 
 
-def _saved_by(present: dict, wanted: dict) -> None:
-    """Refuse a low-bit optimizer's states that another number of processes saved (each process's
-    share is quantized in its own blocks: they are not resharded), before anything is loaded."""
-    if any(k not in present for k in wanted if "@" in k):
-        counts = sorted({k.split("@")[1].split(".")[0].partition("of")[2] for k in present if "@" in k})
-        if not counts:
-            raise UserError("this checkpoint holds AdamW's states, not a low-bit optimizer's (optim.name differs)")
-        raise UserError(
-            f"this checkpoint's 8/4-bit optimizer states are the shares of {' or '.join(counts)} FSDP processes "
-            f"and are read back by as many: resume it on {counts[0]} (torchrun --nproc-per-node {counts[0]})"
-        )
+def _other_counts_shares(meta: dict, stored: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The shares another number of processes saved of the low-bit states this process wants (its own
+    share's names are absent): an empty tensor for each, to be read and re-divided (_reshare)."""
+    wanted = {k.split("@")[0] for k in stored if "@" in k and k not in meta}
+    return {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.split("@")[0] in wanted and "@" in k
+    }
+
+
+def _reshare(shares: dict[str, Tensor], optim: dict) -> None:
+    """Each state another number of processes saved, rebuilt whole from its shares (dequantized, in rank
+    order: FSDP shards by rows) and this process's rows written into its own state, quantized in its
+    own blocks. Not bit for bit (the blocks differ), which no resharding of block-quantized moments is."""
+    from torch.distributed.tensor import DTensor
+
+    by_state: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for k, t in shares.items():
+        name, _, rest = k.partition("@")
+        share, _, part = rest.partition(".")
+        by_state.setdefault(name, {}).setdefault(int(share.partition("of")[0]), {})[part] = t
+    for name, ranked in by_state.items():
+        param, _, key = name.removeprefix(OPTIM).rpartition(".")
+        target = optim["state"][param][key]
+        whole = torch.cat([optimizers.dequantized_share(ranked[r]) for r in sorted(ranked)]).view(target.shape)
+        if isinstance(target, DTensor):
+            chunks = torch.chunk(whole, dist.get_world_size(), dim=0)  # FSDP2's rows; the last ranks may get none
+            rank = dist.get_rank()
+            target.to_local().copy_(chunks[rank] if rank < len(chunks) else whole[:0])
+        else:
+            target.copy_(whole)
 
 
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
@@ -102,11 +123,12 @@ def sizes(ckpt: Path) -> dict[str, tuple]:
 
 def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Optional[set]) -> None:
     """The checkpoint's weights and optimizer states into this process's module and optimizer (sharded
-    or whole, on any number of processes). A parameter with no state in the checkpoint (it never had a
+    or whole, on any number of processes; a low-bit optimizer's states saved by another number are
+    re-divided: _reshare). A parameter with no state in the checkpoint (it never had a
     gradient) gets none, as in the run that saved it."""
     from .runtime import load_optimizer_state
 
-    present = sizes(ckpt)
+    meta = _metadata(ckpt)
     weights = state_dicts().get_model_state_dict(module, options=options(False))
     if names is not None:
         weights = {k: v for k, v in weights.items() if k in names}
@@ -114,15 +136,16 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
         module, optimizer, options=options(False)
     )  # every state made, to be filled
     stored = _optimizer_tensors(optim, optimizer)
-    _saved_by(present, stored)
-    moments = {k: v for k, v in stored.items() if k in present}
+    moments = {k: v for k, v in stored.items() if k in meta}
+    others = _other_counts_shares(meta, stored)
     dcp = _dcp()
     reader = dcp.HuggingFaceStorageReader(str(Path(ckpt) / SHARDS))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
-        dcp.load({**weights, **moments}, storage_reader=reader, no_dist=not dist.is_initialized())
+        dcp.load({**weights, **moments, **others}, storage_reader=reader, no_dist=not dist.is_initialized())
+    _reshare(others, optim)
     state_dicts().set_model_state_dict(module, weights, options=options(False, strict=names is None))
-    kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in moments)}
+    kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in {**moments, **others})}
     state = {"state": {n: s for n, s in optim["state"].items() if n in kept}, "param_groups": param_groups}
     load_optimizer_state(module, optimizer, state, options(False, strict=False))
 
