@@ -382,7 +382,8 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_
     checkpoint keeps every share's 8-bit codes and scales as they are (DCP cannot reshard blocks
     quantized per share), the run resumes on 2 processes with the uninterrupted run's losses exactly,
     and on 1 (the shares rebuilt whole and quantized in that process's blocks) within 1e-4 of them
-    (read without its moments, step 5 was 7e-2 off: measured). The text's 61 characters
+    (read without its moments, step 5 was 7e-2 off: measured); that one process's whole checkpoint
+    resumes on 2 FSDP processes, re-divided the same way, within 1e-4 of the one-process run. The text's 61 characters
     split 31 and 30: shares of two shapes, which torchao's compiled step has to be compiled for in each
     process (the on-disk graph cache handed one process the other's)."""
     import shutil
@@ -401,13 +402,18 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_
     run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "fsdp", *fsdp], nproc=2)
     losses = train_rows(tmp_path / "fsdp")
     assert losses[6] < losses[1] - 0.5, losses
-    shards = sorted((tmp_path / "fsdp" / "checkpoints" / "step-0000003" / "shards").glob("*.safetensors"))
-    assert len(shards) == 2
-    for rank, path in enumerate(shards):
-        with safe_open(path, "pt") as f:
-            codes = [k for k in f.keys() if k.endswith(f"@{rank}of2.codes")]
-            assert codes and all(f.get_slice(k).get_dtype() == "U8" for k in codes), list(f.keys())[:20]
-    for name, nproc, extra in (("on-two", 2, []), ("on-one", 1, ["--set", "train.strategy=auto", "--batch-size", 8])):
+
+    def assert_eight_bit_shares(ckpt):
+        shards = sorted((ckpt / "shards").glob("*.safetensors"))
+        assert len(shards) == 2
+        for rank, path in enumerate(shards):
+            with safe_open(path, "pt") as f:
+                codes = [k for k in f.keys() if k.endswith(f"@{rank}of2.codes")]
+                assert codes and all(f.get_slice(k).get_dtype() == "U8" for k in codes), list(f.keys())[:20]
+
+    assert_eight_bit_shares(tmp_path / "fsdp" / "checkpoints" / "step-0000003")
+    one = ["--set", "train.strategy=auto", "--batch-size", 8, "--set", "train.ckpt_interval=1"]  # whole checkpoints
+    for name, nproc, extra in (("on-two", 2, []), ("on-one", 1, one)):
         run = tmp_path / name
         shutil.copytree(tmp_path / "fsdp", run)
         shutil.rmtree(run / "checkpoints" / "step-0000006")
@@ -418,3 +424,12 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_
             assert all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)
         else:
             assert all(abs(resumed[s] - losses[s]) < 1e-4 for s in (4, 5, 6)), (resumed, losses)
+    run = tmp_path / "back-to-two"  # a whole checkpoint's 8-bit states re-divided over FSDP's processes
+    shutil.copytree(tmp_path / "on-one", run)
+    for step in (5, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-000000{step}")
+    (run / "checkpoints" / "latest").write_text("step-0000004")
+    run_tfcli(["pretrain", "--resume", run, *fsdp], nproc=2)
+    again, one_run = train_rows(run), train_rows(tmp_path / "on-one")
+    assert all(abs(again[s] - one_run[s]) < 1e-4 for s in (5, 6)), (again, one_run)
+    assert_eight_bit_shares(run / "checkpoints" / "step-0000006")  # still 8-bit states, not fp32 ones

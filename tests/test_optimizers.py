@@ -93,16 +93,3 @@ def test_eight_bit_training_follows_fp32_adamw(small_text, write_recipe, tmp_pat
         assert train[-1] < train[0]
         final[name] = val[-1]["loss"]
     assert abs(final["adamw8bit"] - final["adamw"]) <= 0.02 * final["adamw"]
-
-
-def test_fsdp_refuses_a_whole_checkpoints_low_bit_states_before_loading_anything():
-    """A whole checkpoint's 8-bit states (one process, DDP) cannot be split over FSDP's processes
-    (torchao's states have no split): refused in one line, nothing loaded."""
-    from tfcli.engine.runtime import FSDPStrategy
-
-    model, opt = model_and_step("adamw8bit")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    state = opt.state_dict()
-    with pytest.raises(UserError, match="saved whole .* FSDP does not split them"):
-        FSDPStrategy().load_optimizer_state_dict(model, opt, state)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -164,10 +164,9 @@ class FSDPStrategy(Strategy):
         from .optimizers import STATE_CLASSES
 
         if any(type(v).__name__ in STATE_CLASSES for s in state["state"].values() for v in s.values()):
-            raise UserError(
-                "this checkpoint's 8/4-bit optimizer states were saved whole (by one process or DDP), and FSDP "
-                "does not split them over its processes; resume it as it ran (train.strategy=auto or ddp)"
-            )
+            from .shards import whole_into_shares
+
+            return whole_into_shares(module, optimizer, state)  # torchao's states have no split
         load_optimizer_state(module, optimizer, state, options(True, strict=False))
 
 

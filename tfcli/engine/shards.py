@@ -89,6 +89,26 @@ def _reshare(shares: dict[str, Tensor], optim: dict) -> None:
             target.copy_(whole)
 
 
+def whole_into_shares(module: nn.Module, optimizer, state: dict) -> None:
+    """A whole checkpoint's low-bit optimizer states (one process, DDP) into this FSDP process's shares:
+    each moment re-divided as the one share of one process (_reshare), the step counters as saved.
+    FSDP's own loader would replace the states with fp32 ones (torchao's states have no split)."""
+    from .runtime import load_optimizer_state
+
+    optim = state_dicts().get_optimizer_state_dict(module, optimizer, options=options(False))  # every state made
+    shares = {}
+    for name, saved in state["state"].items():
+        for key, value in saved.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                shares.update(optimizers.own_share(f"{OPTIM}{name}.{key}", value, 0, 1))
+            else:
+                optim["state"][name][key] = value  # the step counter
+    _reshare(shares, optim)
+    kept = {n: s for n, s in optim["state"].items() if n in state["state"]}
+    state = {"state": kept, "param_groups": state["param_groups"]}
+    load_optimizer_state(module, optimizer, state, options(False, strict=False))
+
+
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
     """Every process writes its shards of the weights (`names` only, for a run that saves what it trains)
     and of the optimizer's states into directory/shards; returns the optimizer's param_groups (JSON)."""
