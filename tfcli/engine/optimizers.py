@@ -119,6 +119,31 @@ def own_share(name: str, state: Tensor, rank: int, world: int) -> dict[str, Tens
     return {f"{name}@{rank}of{world}" + (f".{part}" if part else ""): t for part, t in _parts(local).items()}
 
 
+def reshare(shares: dict[str, Tensor], states: dict) -> None:
+    """Each state another number of processes saved ({"<param>.<state>@<rank>of<n>[.<part>]": tensor}),
+    rebuilt whole from its shares (dequantized, in rank order: FSDP shards by rows) and this process's
+    rows written into its own state in `states` ({param: {state: tensor}}), quantized in its own
+    blocks. Not bit for bit (the blocks differ), which no resharding of block-quantized moments is."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    by_state: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for k, t in shares.items():
+        name, _, rest = k.partition("@")
+        share, _, part = rest.partition(".")
+        by_state.setdefault(name, {}).setdefault(int(share.partition("of")[0]), {})[part] = t
+    for name, ranked in by_state.items():
+        param, _, key = name.rpartition(".")
+        target = states[param][key]
+        whole = torch.cat([dequantized_share(ranked[r]) for r in sorted(ranked)]).view(target.shape)
+        if isinstance(target, DTensor):
+            chunks = torch.chunk(whole, dist.get_world_size(), dim=0)  # FSDP2's rows; the last ranks may get none
+            rank = dist.get_rank()
+            target.to_local().copy_(chunks[rank] if rank < len(chunks) else whole[:0])
+        else:
+            target.copy_(whole)
+
+
 def dequantized_share(parts: dict[str, Tensor]) -> Tensor:
     """One saved share of a state (own_share's parts), flat, in fp32: a plain share as it is, a low-bit
     one dequantized by torchao's own class (8-bit: a 256-entry map; 4-bit: 16 entries, codes packed in

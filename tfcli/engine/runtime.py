@@ -164,10 +164,29 @@ class FSDPStrategy(Strategy):
         from .optimizers import STATE_CLASSES
 
         if any(type(v).__name__ in STATE_CLASSES for s in state["state"].values() for v in s.values()):
-            from .shards import whole_into_shares
-
-            return whole_into_shares(module, optimizer, state)  # torchao's states have no split
+            return self._low_bit_into_shares(module, optimizer, state)
         load_optimizer_state(module, optimizer, state, options(True, strict=False))
+
+    @staticmethod
+    def _low_bit_into_shares(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """A whole checkpoint's low-bit optimizer states (one process, DDP) into this process's shares:
+        each moment re-divided as the one share of one process (optimizers.reshare), the step counters
+        as saved. FSDP's own loader cannot split torchao's states, and would replace them with fp32."""
+        from . import optimizers
+
+        live = state_dicts().get_optimizer_state_dict(module, optimizer, options=options(False))  # every state made
+        shares = {}
+        for name, saved in state["state"].items():
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    shares.update(optimizers.own_share(f"{name}.{key}", value, 0, 1))
+                else:
+                    live["state"][name][key] = value  # the step counter
+        optimizers.reshare(shares, live["state"])
+        kept = {n: s for n, s in live["state"].items() if n in state["state"]}
+        load_optimizer_state(
+            module, optimizer, {"state": kept, "param_groups": state["param_groups"]}, options(False, strict=False)
+        )
 
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict, how) -> None:

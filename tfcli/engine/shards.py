@@ -67,46 +67,8 @@ def _other_counts_shares(meta: dict, stored: dict[str, Tensor]) -> dict[str, Ten
 
 
 def _reshare(shares: dict[str, Tensor], optim: dict) -> None:
-    """Each state another number of processes saved, rebuilt whole from its shares (dequantized, in rank
-    order: FSDP shards by rows) and this process's rows written into its own state, quantized in its
-    own blocks. Not bit for bit (the blocks differ), which no resharding of block-quantized moments is."""
-    from torch.distributed.tensor import DTensor
-
-    by_state: dict[str, dict[int, dict[str, Tensor]]] = {}
-    for k, t in shares.items():
-        name, _, rest = k.partition("@")
-        share, _, part = rest.partition(".")
-        by_state.setdefault(name, {}).setdefault(int(share.partition("of")[0]), {})[part] = t
-    for name, ranked in by_state.items():
-        param, _, key = name.removeprefix(OPTIM).rpartition(".")
-        target = optim["state"][param][key]
-        whole = torch.cat([optimizers.dequantized_share(ranked[r]) for r in sorted(ranked)]).view(target.shape)
-        if isinstance(target, DTensor):
-            chunks = torch.chunk(whole, dist.get_world_size(), dim=0)  # FSDP2's rows; the last ranks may get none
-            rank = dist.get_rank()
-            target.to_local().copy_(chunks[rank] if rank < len(chunks) else whole[:0])
-        else:
-            target.copy_(whole)
-
-
-def whole_into_shares(module: nn.Module, optimizer, state: dict) -> None:
-    """A whole checkpoint's low-bit optimizer states (one process, DDP) into this FSDP process's shares:
-    each moment re-divided as the one share of one process (_reshare), the step counters as saved.
-    FSDP's own loader would replace the states with fp32 ones (torchao's states have no split)."""
-    from .runtime import load_optimizer_state
-
-    optim = state_dicts().get_optimizer_state_dict(module, optimizer, options=options(False))  # every state made
-    shares = {}
-    for name, saved in state["state"].items():
-        for key, value in saved.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                shares.update(optimizers.own_share(f"{OPTIM}{name}.{key}", value, 0, 1))
-            else:
-                optim["state"][name][key] = value  # the step counter
-    _reshare(shares, optim)
-    kept = {n: s for n, s in optim["state"].items() if n in state["state"]}
-    state = {"state": kept, "param_groups": state["param_groups"]}
-    load_optimizer_state(module, optimizer, state, options(False, strict=False))
+    """The shares another number of processes saved, re-divided into this process's states."""
+    optimizers.reshare({k.removeprefix(OPTIM): t for k, t in shares.items()}, optim["state"])
 
 
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
