@@ -93,3 +93,22 @@ def test_eight_bit_training_follows_fp32_adamw(small_text, write_recipe, tmp_pat
         assert train[-1] < train[0]
         final[name] = val[-1]["loss"]
     assert abs(final["adamw8bit"] - final["adamw"]) <= 0.02 * final["adamw"]
+
+
+def test_unequal_shares_under_fsdp_compile_their_own_step_instead_of_reading_inductors_cache():
+    """Rows that do not split evenly over the processes (61 over 2: 31 and 30) give shares of two
+    shapes, and inductor's on-disk graph cache handed one process the step compiled for the other's
+    (a size assertion at the first step, torch 2.13): such a run turns the cache off in its process;
+    one whose trained rows all split keeps it, and what does not train does not count."""
+    import torch._inductor.config as inductor
+
+    even = torch.nn.Sequential(torch.nn.Embedding(62, 64), torch.nn.Linear(64, 62))
+    odd = torch.nn.Sequential(torch.nn.Embedding(62, 64), torch.nn.Linear(64, 61))
+    before = inductor.fx_graph_cache
+    try:
+        inductor.fx_graph_cache = True
+        assert not optimizers.for_unequal_shares(even, 2) and inductor.fx_graph_cache
+        assert not optimizers.for_unequal_shares(odd.requires_grad_(False), 2) and inductor.fx_graph_cache
+        assert optimizers.for_unequal_shares(odd.requires_grad_(True), 2) and not inductor.fx_graph_cache
+    finally:
+        inductor.fx_graph_cache = before
