@@ -509,10 +509,9 @@ def quantized_note(module: nn.Module) -> str:
     held = [m for m in module.modules() if isinstance(m, NF4Linear)]
     if not held:
         return ""
-    shares = [m.weight.to_local() if hasattr(m.weight, "to_local") else m.weight for m in held]
     nf4_mb = sum(m.weight_bytes() for m in held) / 2**20
-    fp32_mb = sum(w.numel() * 4 for w in shares) / 2**20
-    sharded = " (this process's shares)" if any(hasattr(m.weight, "to_local") for m in held) else ""
+    fp32_mb = sum(m.held_weight().numel() * 4 for m in held) / 2**20
+    sharded = " (this process's shares)" if any(m.sharded() for m in held) else ""
     return f"\n{len(held)} block matrices of the base in NF4{sharded}: {nf4_mb:,.1f} MB (fp32: {fp32_mb:,.1f} MB)"
 
 

@@ -114,7 +114,7 @@ def own_share(name: str, state: Tensor, rank: int, world: int) -> dict[str, Tens
     is (name@0of2.codes, name@0of2.scale, ... when quantized; name@0of2 for an fp32 one): the live
     tensors, which a checkpoint fills in place on load. torch.distributed.checkpoint cannot reshard a
     moment quantized in blocks of each process's share: the same number of processes reads the
-    shares back as they are, another re-divides them (shards._reshare)."""
+    shares back as they are, another re-divides them (reshare)."""
     local = state.to_local() if hasattr(state, "to_local") else state
     return {f"{name}@{rank}of{world}" + (f".{part}" if part else ""): t for part, t in _parts(local).items()}
 

@@ -57,18 +57,13 @@ def _optimizer_tensors(optim: dict, optimizer) -> dict[str, Tensor]:
 
 def _other_counts_shares(meta: dict, stored: dict[str, Tensor]) -> dict[str, Tensor]:
     """The shares another number of processes saved of the low-bit states this process wants (its own
-    share's names are absent): an empty tensor for each, to be read and re-divided (_reshare)."""
+    share's names are absent): an empty tensor for each, to be read and re-divided (optimizers.reshare)."""
     wanted = {k.split("@")[0] for k in stored if "@" in k and k not in meta}
     return {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.items()
         if k.split("@")[0] in wanted and "@" in k
     }
-
-
-def _reshare(shares: dict[str, Tensor], optim: dict) -> None:
-    """The shares another number of processes saved, re-divided into this process's states."""
-    optimizers.reshare({k.removeprefix(OPTIM): t for k, t in shares.items()}, optim["state"])
 
 
 def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
@@ -106,7 +101,7 @@ def sizes(ckpt: Path) -> dict[str, tuple]:
 def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Optional[set]) -> None:
     """The checkpoint's weights and optimizer states into this process's module and optimizer (sharded
     or whole, on any number of processes; a low-bit optimizer's states saved by another number are
-    re-divided: _reshare). A parameter with no state in the checkpoint (it never had a
+    re-divided: optimizers.reshare). A parameter with no state in the checkpoint (it never had a
     gradient) gets none, as in the run that saved it."""
     from .runtime import load_optimizer_state
 
@@ -125,9 +120,10 @@ def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Op
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS)
         dcp.load({**weights, **moments, **others}, storage_reader=reader, no_dist=not dist.is_initialized())
-    _reshare(others, optim)
+    optimizers.reshare({k.removeprefix(OPTIM): t for k, t in others.items()}, optim["state"])
     state_dicts().set_model_state_dict(module, weights, options=options(False, strict=names is None))
-    kept = {name for name in optim["state"] if any(k.startswith(f"{OPTIM}{name}.") for k in {**moments, **others})}
+    # optim.<parameter>.<state>[@<share>...]: the parameters the checkpoint holds states of
+    kept = {k.removeprefix(OPTIM).partition("@")[0].rpartition(".")[0] for k in (*moments, *others)}
     state = {"state": {n: s for n, s in optim["state"].items() if n in kept}, "param_groups": param_groups}
     load_optimizer_state(module, optimizer, state, options(False, strict=False))
 

@@ -89,9 +89,16 @@ class NF4Linear(nn.Module):
                 plain.bias.copy_(self.bias)
         return plain.to(weight.dtype)
 
+    def sharded(self) -> bool:
+        return hasattr(self.weight, "to_local")  # FSDP made it a DTensor of this process's rows
+
+    def held_weight(self) -> Tensor:
+        """The NF4 weight this process holds: the whole one, or under FSDP its share."""
+        return self.weight.to_local() if self.sharded() else self.weight
+
     def weight_bytes(self) -> int:
         """The memory the weight (its 4-bit codes, quantized scales and their factors) and bias take."""
-        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight  # FSDP: a share
+        weight = self.held_weight()
         parts = [getattr(weight, name) for name in weight.__tensor_flatten__()[0]]
         if self.bias is not None:
             parts.append(self.bias)
