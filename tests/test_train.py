@@ -130,6 +130,34 @@ def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_to
     assert len(losses[True]) == 6 and losses[True] == losses[False]
 
 
+def test_a_run_inside_a_longer_process_gives_torchs_thread_count_back(tmp_path, small_text):
+    """train.threads sets torch's CPU threads for the run; the process that goes on after it (tests, a
+    notebook) gets its own count back, whether the run trained or was refused. Left behind, a count
+    above the process's cores made every later small op wait on threads with no core: the suite's
+    greedy-generation tests, pinned to one core after an image-classify run at train.threads=2, took
+    16 s instead of 0.15 s (measured)."""
+    from tfcli.engine import runtime
+
+    before = torch.get_num_threads()
+    seen = []
+    original = runtime.setup_runtime
+
+    def recording(*args, **kwargs):
+        rt = original(*args, **kwargs)
+        seen.append(torch.get_num_threads())
+        return rt
+
+    raw = tiny_gpt_recipe(small_text)
+    raw["train"].update(steps=2, threads=before + 1, device="cpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tfcli.driver.setup_runtime", recording)
+        pretrain(recipes.from_dict(raw), out=tmp_path / "run")
+        raw["train"]["strategy"] = "ddp"  # refused: it needs torchrun
+        with pytest.raises(UserError, match="runs under torchrun"):
+            pretrain(recipes.from_dict(raw), out=tmp_path / "refused")
+    assert seen == [before + 1] and torch.get_num_threads() == before
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, small_text):
     """On the CPU in fp32, where only the summation order differs (a GPU's bf16 rounds each micro-batch)."""
     big = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 6, "batch_size": 8, "device": "cpu"}))

@@ -216,6 +216,7 @@ class Runtime:
     collective_timeout_min: float = 10.0  # how long a collective waits for the other ranks
     threads_why: str = ""  # how `threads` was chosen, for the run's header
     deterministic_before: Optional[bool] = None  # torch's setting before train.deterministic changed it
+    threads_before: Optional[int] = None  # torch's CPU threads before the run set its own
 
     @property
     def is_main(self) -> bool:
@@ -379,9 +380,7 @@ def setup_runtime(
     """Pick the device and this process's CPU threads; under torchrun (WORLD_SIZE > 1) join the process
     group (nccl on GPU, gloo on CPU) with a timeout on every collective, so that ranks that disagree
     on what to run stop with an error instead of waiting forever."""
-    before = repeatable_kernels() if deterministic else None
     count, why = choose_threads(threads)
-    torch.set_num_threads(count)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local, world)
@@ -397,7 +396,10 @@ def setup_runtime(
         dist.init_process_group(
             "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=collective_timeout_min)
         )
-    return Runtime(dev, rank, world, STRATEGIES[name](), torch.get_num_threads(), collective_timeout_min, why, before)
+    threads_before = torch.get_num_threads()  # what teardown gives back to a longer process (tests, a notebook)
+    torch.set_num_threads(count)
+    before = repeatable_kernels() if deterministic else None
+    return Runtime(dev, rank, world, STRATEGIES[name](), count, collective_timeout_min, why, before, threads_before)
 
 
 def collective_failure(error: BaseException) -> bool:
@@ -428,6 +430,10 @@ def abort_on_collective_failure(rt: Runtime, doing: str, error: BaseException) -
 def teardown(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
         dist.destroy_process_group()
-    if rt.deterministic_before is not None:  # a run inside a longer process (tests, compare) leaves it as it was
+    # a run inside a longer process (tests, a notebook) leaves torch as it was: a thread count left
+    # above the process's cores made every later small op wait on threads with no core (100x slower)
+    if rt.deterministic_before is not None:
         torch.use_deterministic_algorithms(rt.deterministic_before)
         torch.backends.cudnn.deterministic = rt.deterministic_before
+    if rt.threads_before is not None:
+        torch.set_num_threads(rt.threads_before)
