@@ -60,8 +60,16 @@ def test_missing_text_field_names_the_columns(tmp_path):
 
 @pytest.mark.slow
 def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
+    """datasets and huggingface_hub read HF_HUB_OFFLINE when first imported: in a process where another
+    test imported them, setting it later changed nothing and the load waited ~23 s on the unreachable
+    hub's retries (measured) before the same error. Their constants are set too."""
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for constants in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError, match="could not load Hugging Face dataset 'surely-not/here'"):
         list(open_source("hf:surely-not/here").documents())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,34 +31,6 @@ def run_tfcli(args, nproc: int):
     return result
 
 
-def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path, small_text):
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(
-        yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 8, "eval_interval": 8, "ckpt_interval": 8}))
-    )
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
-    two = run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "two", "--batch-size", 4], nproc=2)
-    one_log, two_log = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert [m["step"] for m in one_log] == [m["step"] for m in two_log]  # rank 0 alone logs
-    for a, b in zip(one_log, two_log):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
-    assert two.stdout.count("step      8/8") == 1  # and rank 0 alone prints
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["latest", "step-0000008"]
-
-
-def small_recipe(tmp_path, small_text, steps: int = 8, **train) -> "Path":
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(
-        yaml.safe_dump(
-            tiny_gpt_recipe(
-                small_text,
-                train={"steps": steps, "eval_interval": 4, "ckpt_interval": 4, "keep_checkpoints": 5, **train},
-            )
-        )
-    )
-    return recipe
-
-
 def shares_of_two_processes(script: Path, out: Path) -> list[dict]:
     """Run `script` on 2 processes under torchrun; each writes out/share-RANK.json (a file each: two
     prints on one pipe interleave). Returns them in rank order."""
@@ -77,118 +50,137 @@ def train_rows(run) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "train"}
 
 
-def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tmp_path, small_text):
-    """FSDP2 on 2 processes (gloo) at the global batch of one process: the same losses; its step-4
-    checkpoint resumed by one process, and a one-process checkpoint resumed under FSDP, continue them."""
-    import shutil
-
-    recipe = small_recipe(tmp_path, small_text, eval_batches=1000)  # every held-out block: an uneven split
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
-    run_tfcli(
-        [
-            "pretrain",
-            "--recipe",
-            recipe,
-            "--out",
-            tmp_path / "fsdp",
-            "--batch-size",
-            4,
-            "--quiet",
-            "--set",
-            "train.strategy=fsdp",
-            "--set",
-            "train.activation_checkpointing=true",
-            "--set",
-            "train.collective_timeout=0.5",
-        ],
-        nproc=2,
-    )
-    one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
-    assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
-    # the held-out blocks do not split evenly over 2 ranks x 4, yet every evaluation ran and agrees
-    val_one, val_fsdp = (
-        {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "val"}
-        for run in (tmp_path / "one", tmp_path / "fsdp")
-    )
-    assert sorted(val_fsdp) == [4, 8] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (
-        val_one,
-        val_fsdp,
-    )
-    # each process wrote its own shard (safetensors, offsets in the header); nothing was gathered
-    step4 = tmp_path / "fsdp" / "checkpoints" / "step-0000004"
-    assert not (step4 / "model.safetensors").exists()
-    assert len(list((step4 / "shards").glob("*.safetensors"))) == 2
-    for name, source, nproc, extra in (
-        ("fsdp-then-one", "fsdp", 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
-        ("fsdp-then-fsdp", "fsdp", 2, ["--batch-size", 4]),
-        ("one-then-fsdp", "one", 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"]),
-    ):
-        run = tmp_path / name
-        shutil.copytree(tmp_path / source, run)
-        shutil.rmtree(run / "checkpoints" / "step-0000008")
-        (run / "checkpoints" / "latest").write_text("step-0000004")
-        run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
-        resumed = train_rows(run)
-        assert all(abs(resumed[s] - one[s]) < 1e-5 for s in range(5, 9)), (name, resumed, one)
-        if name == "fsdp-then-fsdp":  # the same processes: the uninterrupted run's losses exactly
-            assert all(abs(resumed[s] - fsdp[s]) < 1e-6 for s in range(5, 9)), (resumed, fsdp)
+def val_rows(run) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run) if m.get("split") == "val"}
 
 
-def test_a_sharded_checkpoint_exports_a_directory_transformers_loads(tmp_path, small_text):
-    """export consolidates the shards: transformers' GPT-2 gives the run's own logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
+# One recipe's runs, made once and compared by several tests below (each launch costs seconds of
+# starting torch; the tests copy a run before resuming it). 12 steps at a global batch of 8, a
+# checkpoint every 4, and every held-out block evaluated: they do not split evenly over 2 ranks x 4.
+@pytest.fixture(scope="module")
+def gpt_recipe(tmp_path_factory, small_text) -> Path:
+    recipe = tmp_path_factory.mktemp("gpt") / "tiny.yaml"
+    train = {"steps": 12, "eval_interval": 4, "ckpt_interval": 4, "keep_checkpoints": 5, "eval_batches": 1000}
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train=train)))
+    return recipe
 
-    from tfcli.engine.backbone import from_run
 
-    recipe = small_recipe(tmp_path, small_text, steps=4)
-    run = tmp_path / "fsdp"
-    run_tfcli(
-        ["pretrain", "--recipe", recipe, "--out", run, "--batch-size", 4, "--quiet", "--set", "train.strategy=fsdp"],
-        nproc=2,
-    )
-    assert (run / "checkpoints" / "step-0000004" / "shards").is_dir()
-    run_tfcli(["export", "--checkpoint", run, "--hf", tmp_path / "hf"], nproc=1)
-    model = from_run(run).model
-    ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
-    torch.testing.assert_close(theirs, model.logits(model(ids)), atol=1e-4, rtol=1e-4)
+@pytest.fixture(scope="module")
+def one_process_run(gpt_recipe) -> Path:
+    run = gpt_recipe.parent / "one"
+    run_tfcli(["pretrain", "--recipe", gpt_recipe, "--out", run, "--batch-size", 8, "--quiet"], nproc=1)
+    return run
+
+
+@pytest.fixture(scope="module")
+def ddp_run(gpt_recipe) -> tuple[Path, str]:
+    """Two processes under DDP, not quiet: (the run, what it printed)."""
+    run = gpt_recipe.parent / "ddp"
+    result = run_tfcli(["pretrain", "--recipe", gpt_recipe, "--out", run, "--batch-size", 4], nproc=2)
+    return run, result.stdout
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(gpt_recipe) -> Path:
+    """Two processes under FSDP2, with recomputation and a collective timeout set."""
+    run = gpt_recipe.parent / "fsdp"
+    sets = ["train.strategy=fsdp", "train.activation_checkpointing=true", "train.collective_timeout=0.5"]
+    args = ["pretrain", "--recipe", gpt_recipe, "--out", run, "--batch-size", 4, "--quiet"]
+    run_tfcli([*args, *(a for s in sets for a in ("--set", s))], nproc=2)
+    return run
+
+
+def copied_back_to(source: Path, run: Path, step: int) -> Path:
+    """A copy of `source` as if it had stopped right after its checkpoint at `step`."""
+    shutil.copytree(source, run)
+    cut_back(run, step)
+    return run
 
 
 def cut_back(run, step: int) -> None:
     """The run as if it had stopped right after its checkpoint at `step`."""
-    import shutil
-
     for ckpt in (run / "checkpoints").glob("step-*"):
         if int(ckpt.name.split("-")[1]) > step:
             shutil.rmtree(ckpt)
     (run / "checkpoints" / "latest").write_text(f"step-{step:07d}")
 
 
-def test_resume_on_another_number_of_processes_continues_the_same_global_batches(tmp_path, small_text):
+def test_two_process_ddp_matches_one_process_at_the_same_global_batch(one_process_run, ddp_run):
+    ddp, printed = ddp_run
+    one_log, two_log = read_metrics(one_process_run), read_metrics(ddp)
+    assert [m["step"] for m in one_log] == [m["step"] for m in two_log]  # rank 0 alone logs
+    for a, b in zip(one_log, two_log):  # held-out blocks split unevenly over 2 x 4: their mean differs a little
+        assert abs(a["loss"] - b["loss"]) < (0.02 if a["split"] == "val" else 1e-5), (a, b)
+    assert printed.count("step     12/12") == 1  # and rank 0 alone prints
+    assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == [
+        "latest",
+        "step-0000004",
+        "step-0000008",
+        "step-0000012",
+    ]
+
+
+def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tmp_path, one_process_run, fsdp_run):
+    """FSDP2 on 2 processes (gloo) at the global batch of one process: the same losses; its step-4
+    checkpoint resumed by one process, and a one-process checkpoint resumed under FSDP, continue them."""
+    one, fsdp = train_rows(one_process_run), train_rows(fsdp_run)
+    assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    # the held-out blocks do not split evenly over 2 ranks x 4, yet every evaluation ran and agrees
+    val_one, val_fsdp = val_rows(one_process_run), val_rows(fsdp_run)
+    assert sorted(val_fsdp) == [4, 8, 12] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (
+        val_one,
+        val_fsdp,
+    )
+    # each process wrote its own shard (safetensors, offsets in the header); nothing was gathered
+    step4 = fsdp_run / "checkpoints" / "step-0000004"
+    assert not (step4 / "model.safetensors").exists()
+    assert len(list((step4 / "shards").glob("*.safetensors"))) == 2
+    for name, source, nproc, extra in (
+        ("fsdp-then-one", fsdp_run, 1, ["--batch-size", 8, "--set", "train.strategy=auto"]),
+        ("fsdp-then-fsdp", fsdp_run, 2, ["--batch-size", 4]),
+        ("one-then-fsdp", one_process_run, 2, ["--batch-size", 4, "--set", "train.strategy=fsdp"]),
+    ):
+        run = copied_back_to(source, tmp_path / name, 4)
+        run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
+        resumed = train_rows(run)
+        assert all(abs(resumed[s] - one[s]) < 1e-5 for s in range(5, 13)), (name, resumed, one)
+        if name == "fsdp-then-fsdp":  # the same processes: the uninterrupted run's losses exactly
+            assert all(abs(resumed[s] - fsdp[s]) < 1e-6 for s in range(5, 13)), (resumed, fsdp)
+
+
+def test_a_sharded_checkpoint_exports_a_directory_transformers_loads(tmp_path, fsdp_run):
+    """export consolidates the shards: transformers' GPT-2 gives the run's own logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tfcli.engine.backbone import from_run
+
+    assert (fsdp_run / "checkpoints" / "step-0000012" / "shards").is_dir()
+    run_tfcli(["export", "--checkpoint", fsdp_run, "--hf", tmp_path / "hf"], nproc=1)
+    model = from_run(fsdp_run).model
+    ids = torch.randint(0, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    torch.testing.assert_close(theirs, model.logits(model(ids)), atol=1e-4, rtol=1e-4)
+
+
+def test_resume_on_another_number_of_processes_continues_the_same_global_batches(tmp_path, one_process_run, ddp_run):
     """2 processes to step 4, then 1 process (grad_accum 2 keeps the global batch of 8) to step 8,
     then 2 processes again to step 12: the losses of one uninterrupted process."""
-    recipe = small_recipe(tmp_path, small_text, steps=12)
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
-    run = tmp_path / "moving"
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", run, "--batch-size", 4, "--quiet"], nproc=2)
-    cut_back(run, 4)
+    run = copied_back_to(ddp_run[0], tmp_path / "moving", 4)
     result = run_tfcli(["pretrain", "--resume", run], nproc=1)
     assert "train.grad_accum 1 -> 2 keeps the global batch of 8" in " ".join(result.stdout.split())
     cut_back(run, 8)
     run_tfcli(["pretrain", "--resume", run, "--quiet"], nproc=2)
-    one, moved = train_rows(tmp_path / "one"), train_rows(run)
+    one, moved = train_rows(one_process_run), train_rows(run)
     assert sorted(moved) == list(range(1, 13))
     assert all(abs(one[s] - moved[s]) < 1e-5 for s in one), (one, moved)
 
 
-def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
+def test_two_nodes_rendezvous_on_localhost(tmp_path, gpt_recipe, one_process_run):
     """Multi-node as torchrun does it: two 'nodes' of one process each meet at a c10d rendezvous on
     127.0.0.1 and train like one process at the same global batch."""
     import socket
 
-    recipe = small_recipe(tmp_path, small_text, steps=4)
-    run_tfcli(["pretrain", "--recipe", recipe, "--out", tmp_path / "one", "--batch-size", 8, "--quiet"], nproc=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -208,7 +200,7 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
                 "tfcli",
                 "pretrain",
                 "--recipe",
-                str(recipe),
+                str(gpt_recipe),
                 "--out",
                 str(tmp_path / "two-nodes"),
                 "--batch-size",
@@ -224,7 +216,7 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path, small_text):
     ]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
-    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two-nodes")
+    one, two = train_rows(one_process_run), train_rows(tmp_path / "two-nodes")
     assert sorted(one) == sorted(two) and all(abs(one[s] - two[s]) < 1e-5 for s in one)
 
 
@@ -328,8 +320,6 @@ def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resume
     holds half of each NF4 block matrix (torchao's NF4 tensor splits for FSDP2). Both give one process's
     losses at the same global batch, and the sharded checkpoint (the adapters) resumes on one process
     with the uninterrupted run's losses."""
-    import shutil
-
     from .conftest import hf_llama_dir, write_jsonl
     from .test_from_runs import ROWS
 
@@ -344,10 +334,8 @@ def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resume
     assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - ddp[s]) < 1e-5 for s in one), (one, ddp)
     assert all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
     assert len(list((tmp_path / "fsdp" / "checkpoints" / "step-0000002" / "shards").glob("*.safetensors"))) == 2
-    run = tmp_path / "on-one"  # DCP reshards the adapters' shares; the base is read and quantized again
-    shutil.copytree(tmp_path / "fsdp", run)
-    shutil.rmtree(run / "checkpoints" / "step-0000004")
-    (run / "checkpoints" / "latest").write_text("step-0000002")
+    run = copied_back_to(tmp_path / "fsdp", tmp_path / "on-one", 2)  # DCP reshards the adapters' shares; the
+    # base is read and quantized again
     run_tfcli(["finetune", "--resume", run, "--quiet", "--batch-size", 4, "--set", "train.strategy=auto"], nproc=1)
     resumed = train_rows(run)
     assert all(abs(resumed[s] - two[s]) < 1e-5 for s in (3, 4)), (resumed, two)
@@ -385,8 +373,6 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_
     (read without its moments, step 5 was 7e-2 off: measured); that one process's whole checkpoint
     resumes on 2 FSDP processes, re-divided the same way, within 1e-4 of the one-process run. Equal
     shares: the four launches share inductor's cached step (test_optimizers covers unequal ones)."""
-    import shutil
-
     from safetensors import safe_open
 
     text = tmp_path / "text.txt"  # 62 characters: every share of 31 rows, one compiled step for both
@@ -415,21 +401,15 @@ def test_a_low_bit_optimizer_under_fsdp_saves_each_share_resumes_bit_for_bit_on_
     assert_eight_bit_shares(tmp_path / "fsdp" / "checkpoints" / "step-0000003")
     one = ["--set", "train.strategy=auto", "--batch-size", 8, "--set", "train.ckpt_interval=1"]  # whole checkpoints
     for name, nproc, extra in (("on-two", 2, []), ("on-one", 1, one)):
-        run = tmp_path / name
-        shutil.copytree(tmp_path / "fsdp", run)
-        shutil.rmtree(run / "checkpoints" / "step-0000006")
-        (run / "checkpoints" / "latest").write_text("step-0000003")
+        run = copied_back_to(tmp_path / "fsdp", tmp_path / name, 3)
         run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
         resumed = train_rows(run)
         if nproc == 2:
             assert all(resumed[s] == losses[s] for s in (4, 5, 6)), (resumed, losses)
         else:
             assert all(abs(resumed[s] - losses[s]) < 1e-4 for s in (4, 5, 6)), (resumed, losses)
-    run = tmp_path / "back-to-two"  # a whole checkpoint's 8-bit states re-divided over FSDP's processes
-    shutil.copytree(tmp_path / "on-one", run)
-    for step in (5, 6):
-        shutil.rmtree(run / "checkpoints" / f"step-000000{step}")
-    (run / "checkpoints" / "latest").write_text("step-0000004")
+    run = copied_back_to(tmp_path / "on-one", tmp_path / "back-to-two", 4)  # a whole checkpoint's 8-bit states
+    # re-divided over FSDP's processes
     run_tfcli(["pretrain", "--resume", run, *fsdp], nproc=2)
     again, one_run = train_rows(run), train_rows(tmp_path / "on-one")
     assert all(abs(again[s] - one_run[s]) < 1e-4 for s in (5, 6)), (again, one_run)

@@ -35,7 +35,7 @@ FT = [
     "--set",
     "schedule.warmup_steps=1",
     "--set",
-    "train.threads=2",
+    "train.threads=1",  # one core a worker (conftest.mae_overrides)
     "--quiet",
 ]
 
