@@ -102,6 +102,18 @@ def test_compiled_and_eager_losses_agree(tmp_path, small_text):
     assert all(abs(losses["on"][s] - losses["off"][s]) < close for s in losses["off"]), losses
 
 
+def recording(read, seen: list):
+    """setup_runtime that appends read() (a torch setting) to `seen` once the run's runtime is set up."""
+    from tfcli.engine import runtime
+
+    def setup(*args, **kwargs):
+        rt = runtime.setup_runtime(*args, **kwargs)
+        seen.append(read())
+        return rt
+
+    return setup
+
+
 @pytest.mark.parametrize("make", [tiny_gpt_recipe, tiny_bert_recipe], ids=["clm", "mlm"])
 def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_torch_as_it_was(
     tmp_path, small_text, make
@@ -109,22 +121,13 @@ def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_to
     """train.deterministic turns on torch's repeatable kernels for the run (what a GPU needs to repeat a
     run or resume it bit for bit; the CPU's kernels repeat anyway, so the losses are the default's),
     and the process's setting is restored after it (runs inside a longer process: compare, tests)."""
-    from tfcli.engine import runtime
-
     seen = []
-    original = runtime.setup_runtime
-
-    def recording(*args, **kwargs):
-        rt = original(*args, **kwargs)
-        seen.append(torch.are_deterministic_algorithms_enabled())
-        return rt
-
     losses = {}
     for on in (False, True):
         raw = make(small_text)
         raw["train"].update(steps=6, log_interval=1, deterministic=on, device="cpu")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("tfcli.driver.setup_runtime", recording)
+            patch.setattr("tfcli.driver.setup_runtime", recording(torch.are_deterministic_algorithms_enabled, seen))
             losses[on] = train_losses(pretrain(recipes.from_dict(raw), out=tmp_path / f"d{on}"))
     assert seen == [False, True] and not torch.are_deterministic_algorithms_enabled()
     assert len(losses[True]) == 6 and losses[True] == losses[False]
@@ -136,21 +139,12 @@ def test_a_run_inside_a_longer_process_gives_torchs_thread_count_back(tmp_path, 
     above the process's cores made every later small op wait on threads with no core: the suite's
     greedy-generation tests, pinned to one core after an image-classify run at train.threads=2, took
     16 s instead of 0.15 s (measured)."""
-    from tfcli.engine import runtime
-
     before = torch.get_num_threads()
     seen = []
-    original = runtime.setup_runtime
-
-    def recording(*args, **kwargs):
-        rt = original(*args, **kwargs)
-        seen.append(torch.get_num_threads())
-        return rt
-
     raw = tiny_gpt_recipe(small_text)
     raw["train"].update(steps=2, threads=before + 1, device="cpu")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tfcli.driver.setup_runtime", recording)
+        patch.setattr("tfcli.driver.setup_runtime", recording(torch.get_num_threads, seen))
         pretrain(recipes.from_dict(raw), out=tmp_path / "run")
         raw["train"]["strategy"] = "ddp"  # refused: it needs torchrun
         with pytest.raises(UserError, match="runs under torchrun"):
