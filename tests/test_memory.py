@@ -303,14 +303,36 @@ def test_a_limit_nothing_meets_is_one_line_before_anything_is_written(small_text
     assert all(line.startswith("tokenized ") for line in before) and not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("train", ["all", "lora"])
+@pytest.mark.parametrize(
+    "task,train,sets,limit,held",
+    [
+        (
+            "sft",
+            "all",
+            [],
+            "1MB",
+            r"its weights \(6 MB\), their gradients \(6 MB\) and optimizer states \(12 MB\) take 25 MB",
+        ),
+        ("sft", "lora", [], "1MB", r"its weights take 6 MB"),
+        (
+            "dpo",
+            "lora",
+            ["dpo.reference=copy"],
+            "8MB",
+            r"its weights \(6 MB\) and the frozen reference copy \(6 MB\) take 12 MB",
+        ),
+    ],
+    ids=["all", "lora", "dpo-reference-copy"],
+)
 def test_weights_and_states_beyond_the_limit_are_refused_before_the_weights_or_data_are_read(
-    tmp_path, monkeypatch, train
+    tmp_path, monkeypatch, task, train, sets, limit, held
 ):
-    """A model whose weights (and, training them all, gradients and AdamW's states) pass the limit is
-    refused from its config alone: one line with those figures, no weight, tokenizer or data read, no
-    run directory (a model too large for the machine must not be killed while it is read)."""
+    """A model whose weights (and, training them all, gradients and AdamW's states; a reference model's
+    copy of them) pass the limit is refused from its config alone: one line with those figures, no
+    weight, tokenizer or data read, no run directory (a model too large for the machine must not be
+    killed while it is read)."""
     from tfcli.engine import backbone
+    from tfcli.tasks.dpo import DPO
     from tfcli.tasks.sft import SFT
 
     from .conftest import hf_llama_dir
@@ -318,18 +340,37 @@ def test_weights_and_states_beyond_the_limit_are_refused_before_the_weights_or_d
     source = hf_llama_dir(tmp_path / "base")  # GPT-2's vocabulary x 32: 1.6M parameters, 6.5 MB in fp32
     for name in ("load_hf_weights", "shared_tokenizer", "load_tokenizer_files"):
         monkeypatch.setattr(backbone, name, lambda *a, **k: pytest.fail("read before the limit was checked"))
-    monkeypatch.setattr(SFT, "setup", lambda *a, **k: pytest.fail("data read before the limit was checked"))
-    args = ["finetune", "sft", "--from", source, "--data", tmp_path / "absent.jsonl", "--train", train]
-    result = invoke(*args, "--set", "train.memory_limit=1MB", "--out", tmp_path / "r")
+    for plugin in (SFT, DPO):
+        monkeypatch.setattr(plugin, "setup", lambda *a, **k: pytest.fail("data read before the limit was checked"))
+    args = ["finetune", task, "--from", source, "--data", tmp_path / "absent.jsonl", "--train", train]
+    args += [a for s in [*sets, f"train.memory_limit={limit}"] for a in ("--set", s)]
+    result = invoke(*args, "--out", tmp_path / "r")
     assert result.exit_code == 2, result.output
     *notes, line = result.output.strip().splitlines()  # --train lora notes its defaults first
-    held = {
-        "all": r"its weights \(6 MB\), their gradients \(6 MB\) and optimizer states \(12 MB\) take 25 MB",
-        "lora": r"its weights take 6 MB",
-    }[train]
-    assert re.match(r"error: this run does not fit train.memory_limit 1 MB: before any activation, " + held, line)
+    assert re.match(
+        rf"error: this run does not fit train.memory_limit {limit[:-2]} MB: before any activation, {held}", line
+    )
     assert "checked before its weights or data were read" in line and all(n.startswith("note:") for n in notes)
+    if task == "dpo":  # the way out it names: the model with its adapters off needs no copy
+        assert line.endswith("try dpo.reference base (the model with its adapters off: no copy), or --train qlora")
     assert not (tmp_path / "r").exists()
+
+
+def test_the_floor_counts_a_reference_copy_only_where_the_run_holds_one():
+    """dpo.reference auto is the adapter-free base under LoRA (no copy) and a copy under full
+    finetuning; GRPO holds a reference only with its KL term (beta > 0)."""
+    from tfcli import recipe as recipes
+    from tfcli.driver import make_plugin
+    from tfcli.engine.runtime import Runtime
+
+    def copies(task, train, **settings):
+        overrides = {"finetune.train": train, **{f"{task}.{k}": v for k, v in settings.items()}}
+        plugin = make_plugin("task", task, Runtime(torch.device("cpu")), quiet=True)
+        return plugin.frozen_copies(recipes.load(plugin.default_recipe(), overrides))
+
+    assert [copies("dpo", "lora"), copies("dpo", "all"), copies("dpo", "lora", reference="copy")] == [0, 1, 1]
+    assert [copies("grpo", "all"), copies("grpo", "all", beta=0.04), copies("grpo", "lora", beta=0.04)] == [0, 1, 0]
+    assert copies("sft", "all") == 0
 
 
 @pytest.mark.slow

@@ -148,6 +148,11 @@ class Plugin:
         run describes itself (plug-ins may take more from it)."""
         return replace(recipe, model=backbone.cfg)
 
+    def frozen_copies(self, recipe) -> int:
+        """How many frozen copies of the starting model the run will hold (a reference model): the
+        memory floor counts them before anything is read."""
+        return 0
+
     def setup(self, recipe, backbone) -> Job:
         raise NotImplementedError
 

@@ -445,34 +445,43 @@ def process_capacity(rt) -> float:
     return device_capacity(rt.device, int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
 
 
-def floor_figures(model: nn.Module, recipe) -> Figures:
+def floor_figures(model: nn.Module, recipe, frozen_copies: int = 0) -> Figures:
     """What a run holds whatever its batch, from its model's shapes alone (the meta device: nothing
-    read): the weights (QLoRA's block matrices at NF4's 4 bits) and, when every weight trains, their
-    gradients (counted as the step's) and optimizer states. Adapters, heads, frozen models and
-    activations are left out: a floor, for refusing a run before its weights and data are read."""
+    read): the weights (QLoRA's block matrices at NF4's 4 bits), `frozen_copies` copies of them (a
+    reference model) and, when every weight trains, their gradients (counted as the step's) and
+    optimizer states. Adapters, heads and activations are left out: a floor, for refusing a run
+    before its weights and data are read."""
     train = trained_part(recipe)
     quantized = {id(p) for b in transformer_blocks(model) for p in b.parameters() if p.dim() == 2}
     weights = sum(p.numel() * (0.5 if train == "qlora" and id(p) in quantized else 4.0) for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters()) if train == "all" else 0
-    return Figures(weights=weights, frozen=0.0, optimizer=trained * MOMENT_BYTES[recipe.optim.name], step=trained * 4.0)
+    return Figures(
+        weights=weights,
+        frozen=weights * frozen_copies,
+        optimizer=trained * MOMENT_BYTES[recipe.optim.name],
+        step=trained * 4.0,
+    )
 
 
 def refuse_beyond(floor: Figures, limit: float, recipe) -> None:
     """A one-line error when the floor alone passes the limit (0: no limit)."""
     train = trained_part(recipe)
-    total = floor.weights + floor.optimizer + floor.step
+    total = floor.weights + floor.frozen + floor.optimizer + floor.step
     if limit <= 0 or total <= limit:
         return
-    held = (
-        f"its weights ({gb(floor.weights)}), their gradients ({gb(floor.step)}) and optimizer states "
-        f"({gb(floor.optimizer)})"
-        if floor.step
-        else "its weights"
-    )
-    hint = {"all": "--train lora or qlora, or optim.name adamw8bit", "qlora": "a larger train.memory_limit"}
+    held = [f"its weights ({gb(floor.weights)})"]
+    if floor.frozen:
+        held.append(f"the frozen reference copy ({gb(floor.frozen)})")
+    if floor.step:
+        held += [f"their gradients ({gb(floor.step)})", f"optimizer states ({gb(floor.optimizer)})"]
+    held = "its weights" if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
+    hints = {"all": "--train lora or qlora, or optim.name adamw8bit", "qlora": "a larger train.memory_limit"}
+    hint = hints.get(train, "--train qlora")
+    if floor.frozen and train != "all":
+        hint = f"{recipe.plugin}.reference base (the model with its adapters off: no copy), or {hint}"
     raise UserError(
         f"this run does not fit train.memory_limit {gb(limit)}: before any activation, {held} take "
-        f"{gb(total)} (checked before its weights or data were read); try {hint.get(train, '--train qlora')}"
+        f"{gb(total)} (checked before its weights or data were read); try {hint}"
     )
 
 

@@ -182,6 +182,9 @@ class DPO(Plugin):
             describe if say and self.rt.is_main and not self.quiet else None,
         )
 
+    def frozen_copies(self, recipe) -> int:
+        return int(reference_mode(recipe) == "copy")
+
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
         if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":

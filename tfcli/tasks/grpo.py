@@ -530,6 +530,13 @@ class GRPO(Plugin):
         )
         return rewards
 
+    def reference(self, recipe) -> str:
+        """grpo.reference resolved; "none" without the KL term (beta 0), which reads no reference."""
+        return reference_mode(recipe) if recipe.settings.beta > 0 else "none"
+
+    def frozen_copies(self, recipe) -> int:
+        return int(self.reference(recipe) == "copy")
+
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
         if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
@@ -543,7 +550,7 @@ class GRPO(Plugin):
             raise UserError(f"grpo {train_split}: no usable prompt ({reasons})")
         rewards = self.rewards(recipe, train.examples)
         held = next((p.examples for _, p in held_out if p.examples), [])
-        mode = reference_mode(recipe) if cfg.beta > 0 else "none"
+        mode = self.reference(recipe)
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
         self.tokenizer = backbone.tokenizer
         template = template_for(cfg.chat_template, backbone)
