@@ -236,8 +236,9 @@ def starting_model(
 
 def refuse_what_cannot_fit(source: Optional[str], recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
     """Before the weights or the data are read: a run whose weights, frozen reference copy, gradients
-    and optimizer states alone pass train.memory_limit stops in one line (a model too large for the machine is refused,
-    not killed while it is read; the full plan, which needs a batch of the data, comes later)."""
+    and optimizer states alone pass train.memory_limit stops in one line (a model too large for the
+    machine is refused, not killed while it is read; the full plan, which needs a batch of the data,
+    comes later)."""
     limit = memory.limit_of(recipe.train.memory_limit, memory.process_capacity(rt))
     if limit <= 0:
         return
