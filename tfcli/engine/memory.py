@@ -469,12 +469,12 @@ def refuse_beyond(floor: Figures, limit: float, recipe) -> None:
     total = floor.weights + floor.frozen + floor.optimizer + floor.step
     if limit <= 0 or total <= limit:
         return
-    held = [f"its weights ({gb(floor.weights)})"]
+    parts = [f"its weights ({gb(floor.weights)})"]
     if floor.frozen:
-        held.append(f"the frozen reference copy ({gb(floor.frozen)})")
+        parts.append(f"the frozen reference copy ({gb(floor.frozen)})")
     if floor.step:
-        held += [f"their gradients ({gb(floor.step)})", f"optimizer states ({gb(floor.optimizer)})"]
-    held = "its weights" if len(held) == 1 else ", ".join(held[:-1]) + " and " + held[-1]
+        parts += [f"their gradients ({gb(floor.step)})", f"optimizer states ({gb(floor.optimizer)})"]
+    held = "its weights" if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     hints = {"all": "--train lora or qlora, or optim.name adamw8bit", "qlora": "a larger train.memory_limit"}
     hint = hints.get(train, "--train qlora")
     if floor.frozen and train != "all":

@@ -398,8 +398,17 @@ def setup_runtime(
         )
     threads_before = torch.get_num_threads()  # what teardown gives back to a longer process (tests, a notebook)
     torch.set_num_threads(count)
-    before = repeatable_kernels() if deterministic else None
-    return Runtime(dev, rank, world, STRATEGIES[name](), count, collective_timeout_min, why, before, threads_before)
+    return Runtime(
+        dev,
+        rank,
+        world,
+        STRATEGIES[name](),
+        threads=count,
+        collective_timeout_min=collective_timeout_min,
+        threads_why=why,
+        deterministic_before=repeatable_kernels() if deterministic else None,
+        threads_before=threads_before,
+    )
 
 
 def collective_failure(error: BaseException) -> bool:
