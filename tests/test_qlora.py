@@ -81,26 +81,93 @@ def qlora_args(base, data):
     ]
 
 
-@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
-def test_a_qlora_run_trains_and_exports_merged_weights_transformers_loads(hf_base, tmp_path):
-    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def qlora_run(hf_base, tmp_path_factory):
+    """A QLoRA SFT run of 6 steps, exported merged (--hf) and as adapters (--peft)."""
+    tmp = tmp_path_factory.mktemp("qlora-run")
+    data = write_jsonl(tmp / "rows.jsonl", ROWS)
+    run = tmp / "run"
     result = invoke("finetune", *qlora_args(hf_base, data), "--steps", 6, "--out", run, "--quiet")
     assert result.exit_code == 0, result.output
+    for kind in ("hf", "peft"):
+        exported = invoke("export", "--checkpoint", run, f"--{kind}", tmp / kind)
+        assert exported.exit_code == 0, exported.output
+    return run
+
+
+@pytest.mark.slow  # the fast tier keeps this module's cheaper tests
+def test_a_qlora_run_trains_and_exports_merged_weights_transformers_loads(qlora_run):
+    run = qlora_run
     losses = [
         json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line
     ]
     assert losses[-1] < losses[0]
-    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
     ours = for_inference(run).model  # the run as it trained: NF4 base + adapters
     assert any(isinstance(m, nf4.NF4Linear) for m in ours.modules())
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(run.parent / "hf").eval()
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(theirs(ids).logits, ours.logits(ours(ids)), atol=1e-3)
-    peft = invoke("export", "--checkpoint", run, "--peft", tmp_path / "peft")
-    assert peft.exit_code == 0, peft.output
-    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+    assert (run.parent / "peft" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_its_adapters_on_peft_qlora_base_in_bitsandbytes_nf4_give_its_logits(hf_base, qlora_run):
+    """peft's QLoRA: the same base loaded by transformers in bitsandbytes' NF4 (blocks of 64, scales
+    quantized again), the run's --peft adapters on it. Both NF4s pick the same 4-bit codes (see below);
+    they store the blocks' scales differently, so the logits agree far more closely than either agrees
+    with the adapters on the unquantized base."""
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    run, adapters_dir = qlora_run, qlora_run.parent / "peft"
+    nf4_config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_base, quantization_config=nf4_config, device_map="cpu"
+    )
+    assert isinstance(quantized.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+    theirs = peft.PeftModel.from_pretrained(quantized, adapters_dir).eval()
+    unquantized = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_base), adapters_dir
+    ).eval()
+    ours = for_inference(run).model
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours.logits(ours(ids))
+        gap_to_peft_qlora = (theirs(ids).logits - want).abs().max()
+        gap_to_unquantized = (unquantized(ids).logits - want).abs().max()
+    assert gap_to_peft_qlora < 0.1 * gap_to_unquantized  # measured: 0.60 against 12.2
+
+
+def test_the_nf4_base_rounds_each_weight_to_the_4bit_code_bitsandbytes_picks():
+    """NF4 as peft's QLoRA quantizes it (bitsandbytes): the same 16-value table, blocks of 64 weights
+    scaled by their largest magnitude, the nearest value's code. A code differs only for a weight on the
+    boundary between two values (the two tables are written to other digits), and then by one step."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(0)
+
+    def codes(packed: torch.Tensor) -> torch.Tensor:  # two 4-bit codes a byte, the first in the high half
+        packed = packed.flatten().long()
+        return torch.stack([packed >> 4, packed & 15], 1).flatten()
+
+    for out_features, in_features in ((128, 256), (576, 576)):  # scaler blocks of 64 and of 8
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
+        weight = linear.weight.detach()
+        ours = nf4.NF4Linear(linear).weight
+        packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, quant_type="nf4")  # as peft loads it
+        assert torch.allclose(ours.nf4, state.code, rtol=0, atol=1e-4)  # the same table (torchao: 5e-5 off)
+        mine, theirs = codes(ours.quantized_data), codes(packed)
+        blocks = weight.reshape(-1, 64)  # (blocks, 64)
+        scaled = (blocks / blocks.abs().amax(1, keepdim=True)).flatten()  # in [-1, 1]
+        boundaries = (state.code[1:] + state.code[:-1]) / 2
+        to_boundary = (scaled[:, None] - boundaries[None]).abs().min(1).values
+        differ = mine != theirs
+        assert 0 < differ.sum() < 1e-3 * differ.numel()  # measured: 3 of 32,768 and 29 of 331,776
+        assert ((mine - theirs)[differ].abs() == 1).all() and to_boundary[differ].max() < 1e-4
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ moments kept in 8 or 4 bits (block-wise quantized, dynamic-tree / linear maps), 
 moments in about a quarter (8-bit) or an eighth (4-bit) of fp32's memory.
 
 torchao is the field's kept implementation (torchtune's and torchtitan's choice); it runs on CPU and
-CUDA, unlike bitsandbytes' CPU build, which has no 8-bit AdamW. Its states are tensor subclasses:
+CUDA and under FSDP2, and offers 4-bit moments too (bitsandbytes 0.50's 8-bit AdamW also runs on the
+CPU; it has no 4-bit one). Its states are tensor subclasses:
 a checkpoint stores their plain parts (codes, scales, the quantization map) and rebuilds them on
 resume, so nothing is pickled and the resumed run continues bit for bit.
 """
