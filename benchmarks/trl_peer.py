@@ -161,6 +161,7 @@ def trainer_args(out: str, seed: int) -> dict:
         bf16=False,
         fp16=False,
         disable_tqdm=True,
+        torch_compile=compiled(),
     )
 
 
@@ -201,9 +202,25 @@ def checkpointing_settings() -> list[bool]:
     return {"off": [False], "on": [True]}.get(wanted, [False, True])
 
 
-def checkpointing_args(on: bool) -> list[str]:
-    """tfcli's side of the setting (TRL's is gradient_checkpointing in its config)."""
-    return ["--set", f"train.activation_checkpointing={'blocks' if on else 'none'}", "--set", "train.memory_limit=0"]
+def compiled() -> bool:
+    """BENCH_COMPILE=on compiles both sides (tfcli's train.compile, TRL's torch_compile); by default
+    neither is, as each ships on the CPU. The compiling lands in the first steps, which the speed
+    medians leave out: the report gives those steps' seconds apart."""
+    return os.environ.get("BENCH_COMPILE", "off") == "on"
+
+
+def settings_args(on: bool) -> list[str]:
+    """tfcli's side of the settings both sides share: checkpointing (TRL's gradient_checkpointing in
+    each benchmark's config), torch.compile (TRL's torch_compile in trainer_args), no memory limit."""
+    checkpointing = f"train.activation_checkpointing={'blocks' if on else 'none'}"
+    return [
+        "--set",
+        checkpointing,
+        "--set",
+        "train.memory_limit=0",
+        "--set",
+        f"train.compile={'on' if compiled() else 'off'}",
+    ]
 
 
 def shipped_wanted() -> bool:
@@ -239,7 +256,9 @@ def report(
         f"{name}: losses within {100 * max(gaps):.2f}% of TRL's at every one of {len(gaps)} steps (mean "
         f"{100 * statistics.mean(gaps):.2f}%; target {100 * gap_target:.0f}%); s/step tfcli {mine:.2f}, TRL {peer:.2f} "
         f"on the same batches: {peer / mine:.2f}x (target {speed_target}x){as_shipped}; peak RSS tfcli "
-        f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB ({allocators()})"
+        f"{ours['peak_rss_mb']:,.0f} MB, TRL {theirs['peak_rss_mb']:,.0f} MB ({allocators()}); the first {SKIP} "
+        f"steps (left out: warming, compiling) took tfcli {sum(ours['step_s'][:SKIP]):.1f} s, TRL "
+        f"{sum(theirs['step_s'][:SKIP]):.1f} s{'; compiled on both sides' if compiled() else ''}"
     )
     print(
         f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}"
@@ -256,6 +275,8 @@ def report(
         "tfcli_peak_rss_mb": ours["peak_rss_mb"],
         "trl_peak_rss_mb": theirs["peak_rss_mb"],
         "allocators": allocators(),
+        "compiled": compiled(),
+        "first_steps_s": {"tfcli": sum(ours["step_s"][:SKIP]), "trl": sum(theirs["step_s"][:SKIP])},
         "tfcli_loss": ours["loss"],
         "trl_loss": theirs["loss"],
     }
