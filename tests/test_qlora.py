@@ -1,7 +1,8 @@
 """QLoRA (--train qlora): LoRA beside a base whose block linears are frozen in NF4 (torchao). The base's
 matrices take at most 30% of fp32's memory, the quantized model computes nearly what the base does,
 a run trains, resumes bit for bit, and exports: --hf merges into full-precision weights (dequantized
-base + update) that transformers loads with the same logits (1e-3), --peft writes the adapters."""
+base + update) that transformers loads with the same logits (1e-3), --peft writes the adapters. The
+NF4 is peft's QLoRA's: bitsandbytes' codes, and the adapters on its base give the run's logits."""
 
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ def test_the_nf4_base_rounds_each_weight_to_the_4bit_code_bitsandbytes_picks():
         boundaries = (state.code[1:] + state.code[:-1]) / 2
         to_boundary = (scaled[:, None] - boundaries[None]).abs().min(1).values
         differ = mine != theirs
-        assert 0 < differ.sum() < 1e-3 * differ.numel()  # measured: 3 of 32,768 and 29 of 331,776
+        assert differ.sum() < 1e-3 * differ.numel()  # measured: 3 of 32,768 and 29 of 331,776
         assert ((mine - theirs)[differ].abs() == 1).all() and to_boundary[differ].max() < 1e-4
 
 
