@@ -95,6 +95,19 @@ def qlora() -> dict:
     }
 
 
+def block_linears(model) -> list:
+    """The linears QLoRA holds in NF4: those of the transformer blocks (q, k, v, o, up, gate, down)."""
+    import torch
+
+    from tfcli import adapters
+
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and adapters.linear_parts(model, name, m) is not None
+    ]
+
+
 def _base() -> dict:
     """SmolLM2's block matrices in fp32 and in NF4 (MB)."""
     from benchmarks.smollm2 import gguf_file
@@ -103,11 +116,7 @@ def _base() -> dict:
     from tfcli.models import nf4
 
     model = for_inference(gguf_file()).model
-    fp32 = sum(
-        m.weight.numel() * 4
-        for name, m in model.named_modules()
-        if isinstance(m, __import__("torch").nn.Linear) and adapters.linear_parts(model, name, m) is not None
-    )
+    fp32 = sum(m.weight.numel() * 4 for m in block_linears(model))
     adapters.apply(model, "qlora", None)
     quantized = sum(m.weight_bytes() for m in model.modules() if isinstance(m, nf4.NF4Linear))
     return {"fp32_mb": fp32 / 2**20, "nf4_mb": quantized / 2**20, "ratio": quantized / fp32}
@@ -146,12 +155,11 @@ def _nf4_losses() -> dict:
 
     def bitsandbytes_rounded(model):
         model = copy.deepcopy(model)
-        for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Linear) and adapters.linear_parts(model, name, m) is not None:
-                codes, state = bnb.quantize_4bit(
-                    m.weight.detach(), blocksize=64, quant_type="nf4", compress_statistics=True
-                )
-                m.weight.data = bnb.dequantize_4bit(codes, state)
+        for m in block_linears(model):
+            codes, state = bnb.quantize_4bit(
+                m.weight.detach(), blocksize=64, quant_type="nf4", compress_statistics=True
+            )
+            m.weight.data = bnb.dequantize_4bit(codes, state)
         return model
 
     fp32 = backbone.model
