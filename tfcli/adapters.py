@@ -99,11 +99,14 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:  # adapters.disabled: the base model alone
             return self.base(x)
-        h = F.linear(self.drop(x), self.lora_a.flatten(0, 1))  # (..., parts * r)
-        out = self.base(x)  # (..., out); a frozen linear keeps nothing of it for backward
-        # the update added in place: no output-sized temporaries (they fragment CPU memory)
-        out.view(-1, out.size(-1)).addmm_(h.reshape(-1, h.size(-1)).to(out.dtype), self.scaled_b().t().to(out.dtype))
-        return out
+        flat = x.reshape(-1, x.size(-1))  # (N, in)
+        h = F.linear(self.drop(flat), self.lora_a.flatten(0, 1))  # (N, parts * r)
+        out = self.base(flat)  # (N, out); a frozen linear keeps nothing of it for backward
+        # the update added in place into the product itself, not into a view of it (the base's output
+        # for (..., in) inputs): in place into a view, autograd's backward copies the output-sized
+        # gradient twice (CopySlices); out of place, the forward copies the output into fresh memory
+        out.addmm_(h.to(out.dtype), self.scaled_b().t().to(out.dtype))
+        return out.view(*x.shape[:-1], out.size(-1))
 
     def merged(self) -> nn.Linear:
         """A plain linear: the base (dequantized if NF4) plus the update, in full precision."""

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from .fused import RMSNorm, rotate
+
 POSITIVE = (
     "n_layer",
     "n_head",
@@ -260,14 +262,6 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, self.inner))
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary positions on (B, n, T, hs) with cos, sin of (B or 1, T, hs): each pair of halves
-    (x1, x2) turned by its position's angle (the Hugging Face / GPT-NeoX layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    turned = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None].to(x.dtype) + turned * sin[:, None].to(x.dtype)
-
-
 def decoder_positions(
     input_ids: Tensor,
     caches: Optional[list],
@@ -359,13 +353,13 @@ class GatedActivation(torch.autograd.Function):
     def forward(ctx, gate: Tensor, up: Tensor, activation: str) -> Tensor:
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        return ACTIVATIONS[activation](gate) * up
+        return ACTIVATIONS[activation](gate).mul_(up)  # in place: one (B, T, d_ff) tensor fewer to fault in
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         gate, up = ctx.saved_tensors
         d_gate = ACTIVATION_GRADS[ctx.activation](grad * up, gate)
-        return d_gate, grad * ACTIVATIONS[ctx.activation](gate), None
+        return d_gate, ACTIVATIONS[ctx.activation](gate).mul_(grad), None
 
 
 class MLP(nn.Module):
@@ -403,7 +397,7 @@ def make_norm(kind: str, d: int, eps: float, bias: bool = True) -> nn.Module:
     if kind == "layernorm":
         return nn.LayerNorm(d, eps=eps, bias=bias)
     if kind == "rmsnorm":
-        return nn.RMSNorm(d, eps=eps)
+        return RMSNorm(d, eps=eps)
     raise ValueError(f"unknown norm {kind!r}; choose 'layernorm' or 'rmsnorm'")
 
 
