@@ -75,3 +75,21 @@ def test_a_lora_linears_graph_copies_no_output_sized_gradient():
             stack += [f for f, _ in fn.next_functions]
     assert "CopySlices" not in {type(f).__name__ for f in seen}
     torch.testing.assert_close(out, base(x) + 2.0 * (x @ lora.lora_a[0].t()) @ lora.lora_b.t())
+
+
+def test_without_gradients_the_plain_ops_run_with_the_same_forward_bit_for_bit():
+    """Decoding and frozen passes take the plain ops (an autograd function costs per call); the fused
+    forward is theirs to the bit, so a model computes the same with gradients or without."""
+    torch.manual_seed(0)
+    norm = blocks.make_norm("rmsnorm", 64, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 9, 64)
+    cos, sin = torch.randn(1, 9, 64).chunk(2, -1)[0].repeat(1, 1, 2), torch.randn(1, 9, 32).repeat(1, 1, 2)
+    q = torch.randn(4, 3, 9, 64)
+    with torch.no_grad():
+        plain_norm, plain_rot = norm(x), fused.rotate(q, cos, sin)
+    fused_norm, fused_rot = norm(x.requires_grad_(True)), fused.rotate(q.requires_grad_(True), cos, sin)
+    assert type(fused_norm.grad_fn).__name__ == "RMSNormFunctionBackward"
+    assert torch.equal(fused_norm, plain_norm) and torch.equal(fused_rot, plain_rot)
+    assert torch.equal(plain_rot, plain_rotate(q, cos, sin))
