@@ -93,3 +93,5 @@ def test_without_gradients_the_plain_ops_run_with_the_same_forward_bit_for_bit()
     assert type(fused_norm.grad_fn).__name__ == "RMSNormFunctionBackward"
     assert torch.equal(fused_norm, plain_norm) and torch.equal(fused_rot, plain_rot)
     assert torch.equal(plain_rot, plain_rotate(q, cos, sin))
+    g = torch.randn_like(q)  # and the rotation's backward is autograd's of the plain ops, bit for bit
+    assert torch.equal(torch.autograd.grad(fused_rot, q, g)[0], torch.autograd.grad(plain_rotate(q, cos, sin), q, g)[0])
