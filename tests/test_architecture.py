@@ -310,3 +310,31 @@ def test_tasks_ask_what_a_model_can_do_more_than_its_kind():
         if re.search(r"model\.kind\s*(==|!=|in\b|not in\b)", line)
     ]
     assert len(tests) < 27 / 2, tests
+
+
+def test_every_import_inside_a_function_resolves():
+    """A function-level import runs only when its function does: `--resume auto` imported `tfcli.runs`
+    after the module moved, and nothing noticed until a user typed it. Every `from X import a, b`
+    anywhere in the package names a module that exists and names it has."""
+    import importlib
+
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("tfcli")):
+                continue
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            try:
+                module = importlib.import_module(base)
+            except ImportError as e:
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno} {base} ({e})")
+                continue
+            for alias in node.names:
+                if not hasattr(module, alias.name) and importlib.util.find_spec(f"{base}.{alias.name}") is None:
+                    missing.append(f"{path.relative_to(REPO)}:{node.lineno} {base}.{alias.name}")
+    assert not missing, missing

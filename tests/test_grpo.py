@@ -276,7 +276,7 @@ def test_advantages_are_group_relative_and_scaled_as_trl_scales_them():
 
 
 def scored(spec, texts, rows, ids=None, limit=8):
-    rewards = rewarding.parse(spec, "answer")
+    rewards = rewarding.parse(spec, "answer", rewarding.user_functions(spec))
     c = rewarding.Completions(["p"] * len(texts), texts, ids or [[1] * 3 for _ in texts], rows, limit)
     return rewards, rewarding.scored(rewards, c, lambda i: f"row {i + 1}")
 
@@ -378,7 +378,9 @@ def test_finetune_grpo_raises_the_reward_and_reports_it(tmp_path, char_model):
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt", "completion", "reward", "rewards/vowels"} <= set(samples[0])
     assert (tmp_path / "run" / "samples" / "eval-002.jsonl").is_file()
-    evaluated = invoke("eval", "grpo", "--checkpoint", tmp_path / "run", "--limit", 2)
+    evaluated = invoke(
+        "eval", "grpo", "--checkpoint", tmp_path / "run", "--limit", 2, "--reward", f"{tmp_path}/reward.py:vowels"
+    )
     assert evaluated.exit_code == 0 and "mean reward" in evaluated.output, evaluated.output
 
 
@@ -388,7 +390,7 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path, cha
     more = ["--set", "grpo.num_iterations=3", "--set", "train.eval_interval=100", *EVERY_STEP]
     whole = invoke(*grpo_args(tmp_path, char_model, 3, "--out", tmp_path / "whole", "--quiet", *more))
     assert whole.exit_code == 0, whole.output
-    cut_and_resume("finetune", tmp_path / "whole", tmp_path)
+    cut_and_resume("finetune", tmp_path / "whole", tmp_path, "--reward", f"{tmp_path}/reward.py:vowels")
     timing = ("_s", "_per_s", "mfu", "mem_mb")
     logged = lambda run: [
         {k: v for k, v in m.items() if not k.endswith(timing)} for m in read_metrics(run) if m["split"] == "train"

@@ -50,10 +50,11 @@ class RunRequest:
     resume: Optional[Path] = None  # a run directory to continue
     quiet: bool = False
     dry_run: bool = False  # print the memory plan and stop: nothing trained or written
+    named_code: frozenset[str] = frozenset()  # file.py:function the command line names (plugin.EvalOptions)
 
 
-def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False) -> Plugin:
-    return registry.plugin_class(kind, key)(rt, quiet)
+def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False, named_code: frozenset = frozenset()) -> Plugin:
+    return registry.plugin_class(kind, key)(rt, quiet, named_code)
 
 
 def train(req: RunRequest) -> tuple[Path, Plugin]:
@@ -112,7 +113,7 @@ def started(req: RunRequest) -> Runtime:
 
 
 def checked_plugin(req: RunRequest, rt: Runtime) -> Plugin:
-    plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet)
+    plugin = make_plugin(req.recipe.kind, req.recipe.plugin, rt, req.quiet, req.named_code)
     check_streaming(req.recipe, plugin)
     return plugin
 
@@ -542,7 +543,7 @@ def evaluate(
     recipe = as_plugin(recipe, kind, key, settings)
     if options.precision:
         recipe = recipe_with(recipe, "train", precision=options.precision)
-    plugin = make_plugin(kind, key, rt, options.quiet)
+    plugin = make_plugin(kind, key, rt, options.quiet, options.named_code)
     if backbone.family not in plugin.families:
         raise UserError(
             f"{backbone.checkpoint} holds a {backbone.family!r} model; `eval {key}` needs "
@@ -570,7 +571,7 @@ def evaluate_pretrained(
         )
     if family not in default_recipes:
         raise UserError(f"{key} has no recipe for a {family!r} model")
-    plugin = make_plugin("task", key, rt, options.quiet)
+    plugin = make_plugin("task", key, rt, options.quiet, options.named_code)
     raw = recipes.load_raw(default_recipes[family])
     recipe = recipes.from_dict({**raw, key: {**(raw.get(key) or {}), **settings}})
     if options.precision:

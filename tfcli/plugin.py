@@ -45,6 +45,9 @@ class EvalOptions:
     device: str = "cpu"
     precision: Optional[str] = None  # None: the run's own train.precision
     quiet: bool = False
+    # the user's own code this command's command line names (file.py:function, absolute): the only code
+    # an evaluation may import (a GRPO run's reward function); a run records such names as data
+    named_code: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -106,8 +109,9 @@ class Plugin:
     streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
     reads_text: ClassVar[bool] = True  # False: a text family's model without a tokenizer (ImageGPT reads colours)
 
-    def __init__(self, rt: Runtime, quiet: bool = False):
+    def __init__(self, rt: Runtime, quiet: bool = False, named_code: frozenset[str] = frozenset()):
         self.rt, self.quiet = rt, quiet
+        self.named_code = named_code  # as EvalOptions.named_code: what this command's own command line names
         self.run_dir: Optional[Path] = (
             None  # the run a training job writes (set before setup; its files exist on resume)
         )

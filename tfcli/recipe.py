@@ -30,7 +30,10 @@ from .errors import UserError
 from .models import FAMILIES
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
-PATH_FIELDS = (("data", "source"), ("data", "val_source"), ("tokenizer", "path"))
+# field metadata: a path (or comma-separated paths) that a run records absolute, so that it names the
+# same file from any directory; CODE: a list whose file.py:function parts are (a GRPO reward)
+PATH = {"path": "path"}
+CODE = {"path": "code"}
 
 
 def require(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -62,7 +65,7 @@ class TokenizerConfig:
 
     kind: Literal["bpe", "char", "wordpiece", "unigram", "file"] = "bpe"
     vocab_size: int = 8192
-    path: str = ""
+    path: str = field(default="", metadata=PATH)
     lowercase: bool = False
     train_chars: int = 5_000_000  # characters of training text used to learn the vocabulary
 
@@ -76,12 +79,11 @@ class TokenizerConfig:
 class DataConfig:
     """source: 'builtin', a file/glob/directory (comma-separated for several), or 'hf:name[:config]'."""
 
-    source: str = (
-        "builtin"  # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
-    )
+    # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
+    source: str = field(default="builtin", metadata=PATH)
     text_field: str = "text"
     val_fraction: float = 0.1  # the last fraction of the token stream (or a seeded share of rows) is held out
-    val_source: str = ""  # optional separate held-out data instead of val_fraction
+    val_source: str = field(default="", metadata=PATH)  # optional separate held-out data instead of val_fraction
     seq_len: int = 256  # tokens per example (finetuning: the longest input)
     sampling: Literal["blocks", "windows"] = "blocks"  # shuffled non-overlapping blocks | random windows
     document_mask: bool = False  # packed blocks: attend within a document only, positions restart per document
@@ -160,7 +162,8 @@ class TrainConfig:
     # benchmarks scored at every evaluation of a decoder or encoder-decoder, name[:N] (N questions; a
     # benchmark with subjects spreads them over its subjects), logged as val_<name>_acc and _acc_norm
     eval_tasks: tuple[str, ...] = ()
-    eval_tasks_data: str = ""  # the directory of their files, or one holding each benchmark's directory
+    # the directory of their files, or one holding each benchmark's directory
+    eval_tasks_data: str = field(default="", metadata=PATH)
     eval_tasks_few_shot: int = 0  # solved examples before each question (from the benchmark's few-shot split)
     # the logged metric that picks the best checkpoint, e.g. val_piqa_acc_norm (a loss or perplexity: the
     # lowest; any other: the highest); "": the task's own (a classifier's accuracy, DPO's reward accuracy)
@@ -346,33 +349,67 @@ def load_raw(name_or_path: str, _depth: int = 0) -> dict:
     return _anchor_paths(raw, path.parent)
 
 
+def path_fields(raw: dict) -> list[tuple[str, str, str]]:
+    """(section, field, path or code) of every path field a recipe's sections have (PATH and CODE
+    metadata): the common sections' and its plug-in section's."""
+    sections = {"data": DataConfig, "tokenizer": TokenizerConfig, "train": TrainConfig}
+    kind = "objective" if raw.get("objective") else "task"
+    key = raw.get(kind)
+    if isinstance(key, str) and key in registry.known(kind):
+        config = registry.plugin_class(kind, key).Config
+        if config is not None:
+            sections[key] = config
+    return [
+        (name, f.name, f.metadata["path"])
+        for name, cls in sections.items()
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("path")
+    ]
+
+
 def _anchor_paths(raw: dict, base: Path) -> dict:
-    """Relative paths in a recipe file mean the recipe's own folder when they exist there, else the
-    working directory (so a run's config.yaml finds its tokenizer.json, and a recipe kept beside
-    its data finds it from anywhere)."""
-    for section, key in PATH_FIELDS:
+    """Relative paths in a recipe mean `base` when they exist there (a recipe file's own folder, so a
+    run's config.yaml finds its tokenizer.json and a recipe kept beside its data finds it from anywhere;
+    then the working directory, for what the command line set), else they stay as they are."""
+    for section, key, what in path_fields(raw):
         value = (raw.get(section) or {}).get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str) and value:
-            raw[section][key] = ",".join(_anchor(part.strip(), base) for part in value.split(","))
+            anchor = _anchor if what == "path" else _anchor_code
+            raw[section][key] = ",".join(anchor(part, base) for part in value.split(","))
     return raw
 
 
+_CODE = re.compile(r"\s*(.+?\.py)(:.+)")  # file.py:function[:weight] (a GRPO reward)
+
+
+def _anchor_code(part: str, base: Path) -> str:
+    """file.py:function[:weight] with the file anchored; any other part (a built-in reward, a piece of
+    a regex) as it was."""
+    code = _CODE.fullmatch(part)
+    return _anchor(code.group(1), base) + code.group(2) if code else part
+
+
 def _anchor(part: str, base: Path) -> str:
-    if part in ("builtin", "") or ":" in part.split("/")[0] or Path(part).is_absolute():
+    """One comma-separated part made absolute when it names something that exists under `base`; any
+    other part (builtin, hf:NAME, a chat template's name) comes back as it was."""
+    name = part.strip()
+    if name in ("builtin", "") or ":" in name.split("/")[0] or Path(name).is_absolute():
         return part  # builtin, builtin:NAME, hf:NAME, absolute paths
-    beside = base / part
-    if any(c in part for c in "*?["):
+    beside = base / Path(name).expanduser()
+    if any(c in name for c in "*?["):
         return str(beside) if glob.glob(str(beside)) else part
     return str(beside.resolve()) if beside.exists() else part
 
 
 def from_dict(raw: dict, overrides: Optional[dict[str, Any]] = None) -> Recipe:
+    """A recipe from plain data with dotted-path overrides; relative paths that exist from the working
+    directory are made absolute (a run records where its files are, and is read from anywhere)."""
     raw = _deepcopy(raw)
     for key, value in (overrides or {}).items():
         _set_path(raw, key, value)
     for key, value in strategy_defaults(raw, set(overrides or {})).items():
         _set_path(raw, key, value)
-    return _build_recipe(raw)
+    return _build_recipe(_anchor_paths(raw, Path.cwd()))
 
 
 STRATEGIES = typing.get_args(typing.get_type_hints(FinetuneConfig)["train"])

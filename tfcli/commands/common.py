@@ -134,7 +134,7 @@ def training_recipe(
     if resume is None:
         return resolve_recipe(recipe or default, sets, shortcuts), None
     if resume == "auto":
-        from ..runs import newest_unfinished
+        from .runs import newest_unfinished
 
         resume = str(newest_unfinished(Path("runs"), recipes.load_raw(recipe or default)["name"]))
         note(f"resuming the newest unfinished run of this recipe: {resume}")
@@ -167,6 +167,18 @@ def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run
         )
 
 
+def named_code(shortcuts: dict, sets: list[str]) -> frozenset[str]:
+    """The user's own functions (file.py:function, absolute) that this command line names, in its flags
+    or its --set values: the only code tfcli may import (a GRPO reward). A run, a recipe or a grid file
+    that names one is data: its reward is refused until the command line names it too."""
+    from ..tasks.rewards import user_functions
+
+    values = [v for v in shortcuts.values() if isinstance(v, str)] + [
+        v for _, v in map(recipes.parse_override, sets) if isinstance(v, str)
+    ]
+    return user_functions(*values)
+
+
 def note(text: str) -> None:
     typer.echo(f"note: {text}", err=True)
 
@@ -197,14 +209,17 @@ def run_training(
     resume: Optional[Path],
     quiet: bool,
     dry_run: bool = False,
+    code: frozenset[str] = frozenset(),
 ):
-    """Train the run (returns nothing), or with dry_run print its memory plan and return it."""
+    """Train the run (returns nothing), or with dry_run print its memory plan and return it. `code`: the
+    user functions the command line names (named_code)."""
     from ..display import console
     from ..driver import RunRequest, train
     from ..driver import dry_run as plan_only
 
+    request = RunRequest(rec, source, out, resume, quiet, dry_run, code)
     if dry_run:
-        return plan_only(RunRequest(rec, source, out, resume, quiet))
-    run_dir, plugin = train(RunRequest(rec, source, out, resume, quiet))
+        return plan_only(request)
+    run_dir, plugin = train(request)
     if int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))

@@ -261,7 +261,44 @@ def load_grid(
         },
     )
     check(grid)
+    refuse_code_from_the_file(path, spec, sets, vary or [])
     return grid
+
+
+def refuse_code_from_the_file(path: Optional[Path], spec: dict, sets: list[str], vary: list[str]) -> None:
+    """A grid file is data: a reward function (file.py:function) it names runs only when the command
+    line names it too (--set grpo.reward=...), as every command's own reward does."""
+    from ..tasks.rewards import user_functions
+
+    named = user_functions(*_values(sets), *(v for values in parse_vary(vary).values() for v in values))
+    in_file = user_functions(
+        *(str(v) for v in (spec.get("set") or {}).values()),
+        *(
+            str(v)
+            for values in (spec.get("vary") or {}).values()
+            for v in (values if isinstance(values, list) else [values])
+        ),
+    )
+    if in_file - named:
+        code = sorted(in_file - named)[0]
+        raise UserError(
+            f"--grid {path} names the reward {code}, Python code that tfcli imports only when the command line "
+            f"names it: add --set grpo.reward={code}"
+        )
+
+
+def _values(sets: list[str]) -> list[str]:
+    from .. import recipe as recipes
+
+    return [str(recipes.parse_override(s)[1]) for s in sets]
+
+
+def code_sets(cell: Cell, grid: Grid) -> list[str]:
+    """The cell's settings that name the user's code (a reward function): a resumed cell names it again,
+    since a run's record of it is not enough to run it."""
+    from ..tasks.rewards import user_functions
+
+    return [x for s in [*grid.sets, *cell.sets] if user_functions(*_values([s])) for x in ("--set", s)]
 
 
 def check(grid: Grid) -> None:
@@ -377,7 +414,7 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
         return cmd + [x for s in task_sets(cell, grid) for x in ("--set", s)]
     base = [sys.executable, "-m", "tfcli", "finetune", cell.task, "--quiet"]
     if (run_dir / "config.yaml").is_file():
-        return base + ["--resume", str(run_dir)]
+        return base + ["--resume", str(run_dir), *code_sets(cell, grid)]
     cmd = base + ["--from", cell.backbone, *strategy.flags(), "--out", str(run_dir), *grid.budget.flags()]
     if grid.data:
         cmd += ["--data", grid.data]

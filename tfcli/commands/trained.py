@@ -10,7 +10,18 @@ import typer
 
 from .. import registry
 from ..errors import UserError
-from .common import CHECKPOINT, DEVICE, PRECISION, QUIET, check_device, newest, recipes, task_target, user_errors
+from .common import (
+    CHECKPOINT,
+    DEVICE,
+    PRECISION,
+    QUIET,
+    check_device,
+    named_code,
+    newest,
+    recipes,
+    task_target,
+    user_errors,
+)
 
 
 @user_errors
@@ -48,6 +59,10 @@ def eval_(
     batch_size: str = typer.Option(
         "16", help="Benchmarks: rows scored at once, or auto (the most the free memory holds, halved on out-of-memory)."
     ),
+    reward: Optional[str] = typer.Option(
+        None,
+        help="grpo: the reward(s) to score with [default: the run's; a file.py:function of yours runs only when named here].",
+    ),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, a task's
     report, or standard benchmarks scored as lm-evaluation-harness scores them (tfcli eval piqa,mmlu)."""
@@ -56,6 +71,7 @@ def eval_(
     from ..driver import evaluate
     from ..plugin import EvalOptions
 
+    code = named_code({"reward": reward}, set_)
     if task is not None and not is_benchmark(task) and task not in registry.OBJECTIVES:
         from ..tasks.presets import PRESETS
 
@@ -90,7 +106,9 @@ def eval_(
         scored = {}
         for name in tasks:  # tasks of their own (gsm8k, mnli) beside the benchmarks: their own scorers
             key, settings, defaults = task_target(name)
-            options = EvalOptions(data=_task_data(data, name), limit=limit, device=device or "auto", quiet=quiet)
+            options = EvalOptions(
+                data=_task_data(data, name), limit=limit, device=device or "auto", quiet=quiet, named_code=code
+            )
             report = evaluate(newest(checkpoint), key, settings, options, defaults)
             scored.update(bench_report.task_results(name, report))
         bench_run.run(replace(req, tasks=scored), jobs)
@@ -111,6 +129,10 @@ def eval_(
         if not name or (key is not None and section != key):
             raise UserError(f"--set {item}: eval takes settings of the task it runs, {_settings_of(key)}")
         settings[name] = value
+    if reward is not None:
+        if key not in (None, "grpo"):
+            raise UserError(f"--reward is an option of eval grpo (this is eval {task})")
+        settings["reward"] = reward
     evaluate(
         newest(checkpoint),
         key,
@@ -128,6 +150,7 @@ def eval_(
             precision=precision,
             quiet=quiet,
             reference=reference,
+            named_code=code,
         ),
         defaults,
     )

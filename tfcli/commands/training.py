@@ -16,6 +16,7 @@ from .common import (
     QUIET,
     SEED,
     SET_HELP,
+    named_code,
     note,
     overrides,
     recipes,
@@ -265,4 +266,4 @@ def finetune(
                 + ", ".join(f"{k}={v}" for k, v in applied.items())
                 + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)"
             )
-    return run_training(rec, from_, out, resume_dir, quiet, dry_run)
+    return run_training(rec, from_, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets))

@@ -19,7 +19,7 @@ directory (reference_logps.json), so training holds one model and a resumed run 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -44,7 +44,7 @@ from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import sequence_logprobs
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import require
+from ..recipe import PATH, require
 from .reference import reference_mode, reference_of, starting_model
 from .reply_batches import PairBatches, pair_count, shared_length
 from .sft import count_tokens, read_splits, summary_line, template_for
@@ -65,7 +65,8 @@ class DPOConfig:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     system: str = ""  # a system message before every prompt
-    chat_template: str = ""  # as sft.chat_template: "" the model's own, none, a shipped name or a .jinja file
+    # as sft.chat_template: "" the model's own, none, a shipped name or a .jinja file
+    chat_template: str = field(default="", metadata=PATH)
 
     def __post_init__(self):
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)

@@ -49,7 +49,7 @@ from ..generate import generate_batch
 from ..models import kinds
 from ..objectives.losses import token_logprobs
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import require
+from ..recipe import CODE, PATH, require
 from . import rewards as rewarding
 from .presets import PRESETS
 from .reference import reference_mode, reference_of, starting_model
@@ -62,13 +62,15 @@ EPS = 1e-4  # TRL's: advantages are divided by std + EPS
 class GRPOConfig:
     """The `grpo:` recipe section (TRL's GRPOConfig names, and its defaults where a CPU allows them)."""
 
-    reward: str = ""  # --reward: final-number, exact, contains, regex:P, length:N, file.py:fn; weights as :W
+    # --reward: final-number, exact, contains, regex:P, length:N, file.py:fn; weights as :W
+    reward: str = field(default="", metadata=CODE)
     preset: str = ""  # gsm8k: GSM8K's fields and splits, and final-number as the default reward
     prompt_field: str = ""  # the column holding the prompt text ("": the preset's, else prompt)
     answer_field: str = ""  # what final-number, exact and contains compare with ("": the preset's, else answer)
     messages_field: str = "messages"  # a row's conversation so far (ending with the user's turn)
     system: str = ""  # a system message before every prompt
-    chat_template: str = ""  # "": the model's own (none: the prompt text as it is) | none | chatml | FILE.jinja
+    # "": the model's own (none: the prompt text as it is) | none | chatml | FILE.jinja
+    chat_template: str = field(default="", metadata=PATH)
     num_generations: int = 8  # G: completions sampled per prompt
     max_completion_length: int = 256  # tokens (TRL: 512)
     temperature: float = 1.0
@@ -509,7 +511,7 @@ class GRPO(Plugin):
         """The run's rewards, tried on its first rows with an empty completion before anything is
         created: a missing column, a function that raises or miscounts stops here, in one line."""
         cfg = recipe.settings
-        rewards = rewarding.parse(reward_spec(cfg), fields_of(cfg)[1])
+        rewards = rewarding.parse(reward_spec(cfg), fields_of(cfg)[1], self.named_code)
         for r in rewards:
             if r.reads and prompts and r.reads not in prompts[0].row:
                 raise UserError(
@@ -704,7 +706,7 @@ class GRPO(Plugin):
         }
         if not held:
             raise UserError("grpo: no held-out prompts to evaluate on (give --data with prompts to hold out)")
-        rewards = rewarding.parse(reward_spec(recipe.settings), fields_of(recipe.settings)[1])
+        rewards = rewarding.parse(reward_spec(recipe.settings), fields_of(recipe.settings)[1], options.named_code)
         template = template_for(recipe.settings.chat_template, backbone)
         stops = stop_ids(backbone.tokenizer) if template is not None else {backbone.tokenizer.eos_id}
         self.tokenizer = backbone.tokenizer

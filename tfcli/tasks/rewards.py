@@ -18,7 +18,8 @@ an explicit weight after it. A user's function is called as TRL calls reward fun
 fn(prompts=[...], completions=[...], completion_ids=[...], **columns), one entry per completion in every
 list (a column: that completion's row's value), and returns one float per completion (None: this
 reward does not apply to it). Naming a file is the one way tfcli runs user code: it is imported only
-when --reward names it.
+when the command line of that very command names it (`named`, from commands.common.named_code); a
+run, a recipe or a grid file that records one is data, and gets a one-line refusal saying how to name it.
 """
 
 from __future__ import annotations
@@ -61,15 +62,19 @@ class Reward:
     reads: Optional[str] = None  # the row column it needs (built-ins that compare with the answer)
 
 
-def parse(spec: str, answer_field: str) -> list[Reward]:
-    """`--reward` -> its rewards, in order; a one-line UserError for anything that is not a reward."""
-    items: list[str] = []
-    for piece in spec.split(","):
-        if items and not _starts_reward(piece.strip()):
-            items[-1] += "," + piece  # a comma inside a regex
-        else:
-            items.append(piece.strip())
-    rewards = [_one(item, answer_field) for item in items if item]
+def parse(spec: str, answer_field: str, named: frozenset[str] = frozenset()) -> list[Reward]:
+    """`--reward` -> its rewards, in order; a one-line UserError for anything that is not a reward, and
+    for a file.py:function that `named` (the user functions this command's own command line names, as
+    `user_functions` gives them) does not hold."""
+    items = _items(spec)
+    for item in items:
+        function = _user_body(item)
+        if function and absolute(function) not in named:
+            raise UserError(
+                f"the reward {absolute(function)} is Python code, which tfcli imports only when this command's "
+                f"own command line names it: add --reward {absolute_spec(spec)}"
+            )
+    rewards = [_one(item, answer_field) for item in items]
     if not rewards:
         raise UserError(
             f"name a reward: --reward with one or more of {', '.join(BUILT_IN)}, or a file.py:function of yours"
@@ -78,6 +83,45 @@ def parse(spec: str, answer_field: str) -> list[Reward]:
     if len(set(names)) != len(names):
         raise UserError(f"--reward {spec!r} names the same reward twice; give each once (with a weight)")
     return rewards
+
+
+def _items(spec: str) -> list[str]:
+    """The spec's rewards, each with its weight (a comma inside a regex stays in it)."""
+    items: list[str] = []
+    for piece in spec.split(","):
+        if items and not _starts_reward(piece.strip()):
+            items[-1] += "," + piece
+        else:
+            items.append(piece.strip())
+    return [item for item in items if item]
+
+
+def _user_body(item: str) -> Optional[str]:
+    """file.py:function of an item that names a user's function (its weight left off), else None."""
+    m = _WEIGHT.fullmatch(item)
+    body = m.group(1) if m and _USER.fullmatch(m.group(1)) else item
+    return body if _USER.fullmatch(body) else None
+
+
+def absolute(function: str) -> str:
+    """file.py:function with the file's absolute path (what a run records and `named` holds)."""
+    file, name = _USER.fullmatch(function).groups()
+    return f"{Path(file).expanduser().resolve()}:{name}"
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with every user function's file made absolute (weights kept): a run records it so, and
+    it names the same file from any directory."""
+    out = []
+    for item in _items(spec):
+        function = _user_body(item)
+        out.append(absolute(function) + item[len(function) :] if function else item)
+    return ",".join(out)
+
+
+def user_functions(*values: str) -> frozenset[str]:
+    """The user functions that command-line values name (absolute): the only ones tfcli may import."""
+    return frozenset(absolute(f) for v in values for f in map(_user_body, _items(str(v))) if f)
 
 
 def _starts_reward(piece: str) -> bool:

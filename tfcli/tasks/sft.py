@@ -15,7 +15,7 @@ sft` also generate replies and score them (tasks/answers.py), writing prediction
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import with_perplexity
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import require
+from ..recipe import PATH, require
 from . import answers
 from .presets import presets_of
 from .reply_batches import reply_format
@@ -55,7 +55,7 @@ class SFTConfig:
     system: str = ""  # a system message before every prompt/reply row
     # a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none ("": the model's
     # own, none when it has none)
-    chat_template: str = ""
+    chat_template: str = field(default="", metadata=PATH)
     # which tokens are learned: assistant (every reply), all (every token), last (the last reply)
     train_on: Literal["assistant", "all", "last"] = "assistant"
     pack: bool = False  # several examples per row, each attending only to itself

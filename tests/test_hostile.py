@@ -1,0 +1,139 @@
+"""Hostile and broken inputs (tests/hostile/, issue 57): a run directory that names a reward file, damaged
+shards, broken benchmark files, runs that cannot evaluate, bad settings. Each is one line and exit code
+2 before any compute is spent, leaves nothing behind, and runs no code the command line did not name."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import invoke, write_jsonl
+
+HOSTILE = Path(__file__).parent / "hostile"
+EVIL = HOSTILE / "evil_reward.py"
+PROMPTS = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 9) for b in range(1, 5)]
+
+
+def refused(result, *words: str) -> str:
+    """The one-line refusal: exit 2, no traceback, every word in it."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "internal error" not in result.output, result.output
+    for word in words:
+        assert word in result.output, result.output
+    return result.output
+
+
+def tree(path: Path) -> dict[str, int]:
+    """Every file under `path` with its size: what a refused command must leave as it was."""
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# --- a run directory is data: the reward file it names is not imported --------------------------
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    """A tiny GRPO run (a built-in reward), whose config.yaml is then made to name tests/hostile's
+    evil_reward.py, as a run handed over by someone else may."""
+    root = tmp_path_factory.mktemp("grpo")
+    model = root / "model"
+    pretrain = ["pretrain", "--objective", "clm", "--recipe", "gpt-shakespeare-char", "--steps", 1, "--out", model]
+    assert invoke(*pretrain, "--quiet", "--set", "model.n_layer=1", "--set", "model.d_model=32").exit_code == 0
+    data = write_jsonl(root / "prompts.jsonl", PROMPTS)
+    args = ["finetune", "grpo", "--from", model, "--data", data, "--reward", "contains", "--steps", 1]
+    args += ["--batch-size", 2, "--out", root / "run", "--quiet", "--set", "grpo.max_completion_length=4"]
+    args += ["--set", "grpo.num_generations=2", "--set", "grpo.eval_prompts=2", "--set", "data.val_fraction=0.125"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    config = root / "run" / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["grpo"]["reward"] = f"{EVIL}:fn"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return root / "run"
+
+
+@pytest.fixture
+def mark(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("TFCLI_HOSTILE_MARK", str(tmp_path / "mark"))
+    return tmp_path / "mark"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "--limit", 1],
+        ["eval", "grpo", "--limit", 1],
+        ["finetune", "--steps", 2],
+    ],
+    ids=["eval", "eval-grpo", "resume"],
+)
+def test_a_reward_file_a_run_names_is_not_imported(grpo_run, mark, tmp_path, command):
+    run = tmp_path / "run"
+    shutil.copytree(grpo_run, run)
+    before = tree(run)
+    where = ["--resume", run] if command[0] == "finetune" else ["--checkpoint", run]
+    refused(invoke(*command, *where), f"--reward {EVIL}:fn")
+    assert not mark.exists(), "the run's reward file was imported"
+    assert tree(run) == before
+
+
+def test_the_reward_file_runs_when_the_command_line_names_it(grpo_run, mark, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # named relative to the working directory: the same file as the run's record
+    shutil.copy(EVIL, tmp_path / "evil_reward.py")
+    result = invoke(
+        "eval", "grpo", "--checkpoint", grpo_run, "--limit", 1, "--reward", "evil_reward.py:fn", "--out", "e.json"
+    )
+    assert result.exit_code == 0, result.output
+    assert mark.read_text() == "imported"
+
+
+def test_a_grid_file_that_names_a_reward_file_is_refused(grpo_run, mark, tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"tasks": "grpo", "from": str(grpo_run), "set": {"grpo.reward": f"{EVIL}:fn"}}))
+    result = invoke("compare", "--grid", grid, "--out", tmp_path / "study")
+    refused(result, f"--set grpo.reward={EVIL}:fn")
+    assert not mark.exists() and not (tmp_path / "study").exists()
+
+
+# --- --resume auto -----------------------------------------------------------------------------
+
+
+def test_resume_auto_continues_the_newest_unfinished_run(tmp_path, monkeypatch, small_text):
+    from .conftest import tiny_gpt_recipe
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text, train={"steps": 4, "ckpt_interval": 2})))
+    assert invoke("pretrain", "--recipe", recipe, "--quiet").exit_code == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    shutil.rmtree(run / "checkpoints" / "step-0000004")
+    (run / "checkpoints" / "latest").write_text("step-0000002")
+    result = invoke("pretrain", "--recipe", recipe, "--resume", "auto", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert f"resuming the newest unfinished run of this recipe: runs/{run.name}" in result.output
+    assert (run / "checkpoints" / "step-0000004").is_dir()
+
+
+# --- what a user sees -------------------------------------------------------------------------------
+
+
+def test_a_run_records_absolute_paths_and_is_evaluated_from_anywhere(tmp_path, monkeypatch, small_text):
+    from .conftest import tiny_gpt_recipe
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(small_text, work / "data" / "text.txt")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(Path("unused"), train={"steps": 2, "ckpt_interval": 2})))
+    monkeypatch.chdir(work)
+    result = invoke("pretrain", "--recipe", recipe, "--data", "data/text.txt", "--out", "run", "--quiet")
+    assert result.exit_code == 0, result.output
+    saved = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    assert saved["data"]["source"] == str(work / "data" / "text.txt")
+    monkeypatch.chdir(elsewhere)
+    result = invoke("eval", "--checkpoint", work / "run", "--out", "e.json")
+    assert result.exit_code == 0, result.output
