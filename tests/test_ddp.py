@@ -163,6 +163,48 @@ def test_a_sharded_checkpoint_exports_a_directory_transformers_loads(tmp_path, f
     torch.testing.assert_close(theirs, model.logits(model(ids)), atol=1e-4, rtol=1e-4)
 
 
+def damaged(fsdp_run: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of the FSDP run whose latest checkpoint's shards are damaged `how` (tests/hostile/README.md)."""
+    run = tmp_path / "damaged"
+    shutil.copytree(fsdp_run, run)
+    folder = run / "checkpoints" / "step-0000012" / "shards"
+    first, second = sorted(folder.glob("*.safetensors"))
+    if how in ("missing", "missing-first-unlisted"):
+        (second if how == "missing" else first).unlink()
+    if how == "missing-first-unlisted":  # a checkpoint written before index.json
+        (folder / "index.json").unlink()
+    if how == "truncated":
+        second.write_bytes(second.read_bytes()[:-100])
+    if how == "pickled":  # what torch.distributed.checkpoint's own FileSystemWriter leaves
+        for f in folder.iterdir():
+            f.unlink()
+        (folder / ".metadata").write_bytes(b"\x80\x04K\x01.")
+        (folder / "__0_0.distcp").write_bytes(b"")
+    return run
+
+
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("missing", "is missing (2 shard files listed)"),
+        ("missing-first-unlisted", "values in the shard files (a process's file is missing)"),
+        ("truncated", "the file is damaged"),
+        ("pickled", "a pickled .metadata"),
+    ],
+)
+def test_a_damaged_sharded_checkpoint_is_refused_before_anything_reads_or_writes(tmp_path, fsdp_run, how, message):
+    from .conftest import invoke
+    from .test_hostile import refused, tree
+
+    run = damaged(fsdp_run, tmp_path, how)
+    before = tree(run)
+    refused(invoke("generate", "--checkpoint", run, "--prompt", "a", "--max-new-tokens", 2), message)
+    refused(invoke("pretrain", "--resume", run, "--steps", 14, "--set", "train.strategy=auto", "--quiet"), message)
+    refused(invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf"), message)
+    refused(invoke("eval", "--checkpoint", run), message)
+    assert tree(run) == before and not (tmp_path / "hf").exists()
+
+
 def test_resume_on_another_number_of_processes_continues_the_same_global_batches(tmp_path, one_process_run, ddp_run):
     """2 processes to step 4, then 1 process (grad_accum 2 keeps the global batch of 8) to step 8,
     then 2 processes again to step 12: the losses of one uninterrupted process."""

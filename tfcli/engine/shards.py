@@ -6,10 +6,17 @@ process, each tensor's offsets in its header as JSON. DCP's default FileSystemRe
 `.metadata` file; this one reads only safetensors headers, so a checkpoint still cannot run code.
 The model's weights keep their checkpoint names (model.*, heads.*); the optimizer's tensors are
 `optim.<parameter>.<state>`; what is not a tensor (the optimizer's param_groups) goes to state.json.
+
+DCP's Hugging Face reader takes whatever safetensors files it finds: with one process's file gone it
+reads the others and leaves the missing rows as uninitialised memory. So rank 0 lists every file and
+its size in shards/index.json once all are written, and `check` holds a checkpoint to it, and every
+tensor's saved pieces to its whole shape, before anything is read.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -23,6 +30,7 @@ from . import optimizers
 from .runtime import options, state_dicts
 
 SHARDS = "shards"  # the checkpoint's directory of per-process safetensors files
+INDEX = "index.json"  # in SHARDS: every process's file and its size in bytes, written when all are whole
 OPTIM = "optim."  # the prefix of the optimizer's tensors
 ONE_PROCESS = ".*assuming the intent is to (load|save) in a single process.*"  # DCP's note: what it is asked
 
@@ -85,12 +93,60 @@ def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) ->
     return optim["param_groups"]
 
 
-def _metadata(ckpt: Path) -> dict:
-    """Every tensor's metadata (whole shape, dtype), from the files' headers."""
+def write_index(directory: Path) -> None:
+    """Rank 0, once every process has written its file: each file's name and size (shards/index.json)."""
+    folder = Path(directory) / SHARDS
+    files = {p.name: p.stat().st_size for p in sorted(folder.glob("*.safetensors"))}
+    (folder / INDEX).write_text(json.dumps({"files": files}, indent=1))
+
+
+def check_files(ckpt: Path) -> None:
+    """The files a sharded checkpoint must hold, before any is read: a DCP checkpoint in torch's own
+    format (its .metadata is a pickle, which tfcli never reads) is refused; every file index.json lists
+    must be there at its size, and no other."""
+    folder = Path(ckpt) / SHARDS
+    if (folder / ".metadata").exists() or any(folder.glob("*.distcp")):
+        raise UserError(
+            f"{folder}: a torch.distributed.checkpoint in its own format (a pickled .metadata), which tfcli "
+            f"never reads (unpickling can run code); tfcli's shards are safetensors files"
+        )
+    present = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    if not (folder / INDEX).is_file():
+        if not present:
+            raise UserError(f"{folder}: no shard files (safetensors) in it; the checkpoint is incomplete")
+        return  # written before index.json: only the pieces' coverage is checked (_metadata)
     try:
-        return _dcp().HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)).read_metadata().state_dict_metadata
+        listed = json.loads((folder / INDEX).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{folder / INDEX}: unreadable ({type(e).__name__})") from None
+    for name, size in listed.items():
+        if name not in present:
+            raise UserError(
+                f"{folder}: {name} is missing ({len(listed)} shard files listed); the checkpoint is incomplete"
+            )
+        if present[name] != size:
+            raise UserError(f"{folder / name}: {present[name]:,} bytes, {size:,} when written; the file is damaged")
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        raise UserError(f"{folder}: {extra[0]} is not one of the checkpoint's shard files (index.json); remove it")
+
+
+def _metadata(ckpt: Path) -> dict:
+    """Every tensor's metadata (whole shape, dtype), from the files' headers, once the files are all
+    there (check_files) and every tensor's pieces cover its whole shape."""
+    check_files(ckpt)
+    try:
+        meta = _dcp().HuggingFaceStorageReader(str(Path(ckpt) / SHARDS)).read_metadata().state_dict_metadata
     except Exception as e:  # a truncated or foreign file: safetensors' own error
         raise UserError(f"{Path(ckpt) / SHARDS}: unreadable ({str(e).splitlines()[0][:160]})") from None
+    for key, m in meta.items():
+        held = sum(math.prod(c.sizes) for c in m.chunks)
+        if held != math.prod(m.size):
+            raise UserError(
+                f"{Path(ckpt) / SHARDS}: {key} has {held:,} of its {math.prod(m.size):,} values in the shard "
+                f"files (a process's file is missing); the checkpoint is incomplete"
+            )
+    return meta
 
 
 def sizes(ckpt: Path) -> dict[str, tuple]:

@@ -397,6 +397,7 @@ class Trainer:
             groups = shards.save(tmp, self.module, self.opt, self.saved)
             self.rt.barrier()
             if self.rt.is_main:
+                shards.write_index(tmp)
                 self._checkpoint(None, {"param_groups": groups}, is_best)
             self.rt.barrier()
             return
