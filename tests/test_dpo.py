@@ -405,6 +405,6 @@ def test_no_held_out_pairs_trains_without_evaluation_and_says_so(tmp_path, chat_
         f"data.val_source={dev}",
     )
     assert result.exit_code == 0, result.output
-    assert "no held-out pairs" in result.output and "without held-out evaluation" in result.output, result.output
+    assert "no held-out examples" in result.output and "without held-out evaluation" in result.output, result.output
     assert not [m for m in read_metrics(tmp_path / "run") if m["split"] == "val"]
     assert not (tmp_path / "run" / "eval.json").exists()

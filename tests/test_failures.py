@@ -214,7 +214,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (GPT + ["--data", "/no/such.txt"], "data not found: /no/such.txt"),
     (GPT + ["--data", "empty.txt"], "no text (every document is empty)"),
     (GPT + ["--data", "nomatch/*.txt"], "no files match 'nomatch/*.txt'"),
-    (GPT + ["--data", "data.xyz"], "unsupported data file data.xyz"),
+    (GPT + ["--data", "data.xyz"], "unsupported data file {root}/data.xyz"),  # a run records absolute paths
     (GPT + ["--data", "notes.jsonl"], "no 'text' field (columns: body)"),
     (GPT + ["--data", "broken.jsonl"], "could not read"),
     (GPT + ["--data", "corrupt.parquet"], "could not read"),
@@ -222,8 +222,8 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["pretrain", "--objective", "mae", "--data", "strings.npz"], "images must be numbers"),
     (["pretrain", "--objective", "mae", "--data", "nox.npz"], "no x_train array"),
     (["pretrain", "--objective", "mae", "--data", "tiny-images.npz"], "smaller than one 4x4 patch"),
-    (["pretrain", "--objective", "mae", "--data", "noimg"], "no readable images in noimg"),
-    (["finetune", "image-classify", "--data", "text.txt"], "unsupported image data text.txt"),
+    (["pretrain", "--objective", "mae", "--data", "noimg"], "no readable images in {root}/noimg"),
+    (["finetune", "image-classify", "--data", "text.txt"], "unsupported image data {root}/text.txt"),
     # task files
     (
         [
@@ -303,6 +303,7 @@ def places(work, shared_data):
     with open(picklebin / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": Payload(str(work / MARKER))}, f)
     return {
+        "root": work,
         "hfbert": hfbert,
         "mamba": hf_dir(work, "mamba", {"model_type": "mamba"}),
         "noweights": hf_dir(work, "noweights", bert),
@@ -340,7 +341,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(args, message, work, p
     code, out, err = run_cli(*args, capfd=capfd)
     lines = err.strip().splitlines()
     assert code == 2, (code, out, err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.format(**places) in lines[0], err
     assert "Traceback" not in out + err
     assert snapshot(work) == before, "a bad input created or changed a file"
     assert not (work / MARKER).exists()

@@ -137,3 +137,43 @@ def test_a_run_records_absolute_paths_and_is_evaluated_from_anywhere(tmp_path, m
     monkeypatch.chdir(elsewhere)
     result = invoke("eval", "--checkpoint", work / "run", "--out", "e.json")
     assert result.exit_code == 0, result.output
+
+
+# --- a run that cannot evaluate decides so before step 1 ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("char") / "model"
+    args = ["pretrain", "--objective", "clm", "--recipe", "gpt-shakespeare-char", "--steps", 1, "--out", out]
+    assert invoke(*args, "--quiet", "--set", "model.n_layer=1", "--set", "model.d_model=32").exit_code == 0
+    return out
+
+
+QA = [
+    {"prompt": f"What is {a} plus {b}?", "completion": f"It is {a + b}.", "answer": str(a + b)}
+    for a in range(6)
+    for b in range(4)
+]
+TOO_LONG = [{"prompt": "x" * 400, "completion": "y" * 300, "chosen": "y" * 300, "rejected": "z", "answer": "1"}] * 4
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        ["sft"],
+        ["dpo"],
+        ["grpo", "--reward", "contains", "--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2"],
+    ],
+    ids=["sft", "dpo", "grpo"],
+)
+def test_a_run_whose_held_out_rows_are_all_skipped_says_so_before_training(tmp_path, char_model, task):
+    rows = [{**r, "chosen": r["completion"], "rejected": "No."} for r in QA]
+    data, dev = write_jsonl(tmp_path / "qa.jsonl", rows), write_jsonl(tmp_path / "dev.jsonl", TOO_LONG)
+    args = ["finetune", *task, "--from", char_model, "--data", data, "--set", f"data.val_source={dev}"]
+    result = invoke(*args, "--train", "lora", "--steps", 2, "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    note = f"{task[0]}: no held-out examples"
+    assert note in result.output and result.output.index(note) < result.output.index("step"), result.output
+    assert "evaluate it" not in result.output  # a hint that would not run
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file() and not (tmp_path / "run" / "eval.json").exists()

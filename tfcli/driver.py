@@ -57,8 +57,8 @@ def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False, named_cod
     return registry.plugin_class(kind, key)(rt, quiet, named_code)
 
 
-def train(req: RunRequest) -> tuple[Path, Plugin]:
-    """Run a training job end to end; return its run directory and plug-in (for its hints). Every
+def train(req: RunRequest) -> tuple[Path, list[str]]:
+    """Run a training job end to end; return its run directory and what to run next. Every
     input is checked (recipe, data, backbone, the checkpoint being resumed) before the run directory
     is created or touched."""
     rt = started(req)
@@ -74,6 +74,8 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
         plugin.run_dir = run_dir
         with rt.main_first():  # rank 0 fills the tokenization caches first
             job = plugin.setup(recipe, backbone)
+        if not job.held_out and rt.is_main and not req.quiet:
+            console.print(f"[yellow]note:[/] {nothing_held_out(plugin)}")
         job = with_benchmarks(job, recipe, backbone, rt)
         if source is not None and ckpt is None and plugin.kind == "objective":
             carry_heads(job, backbone, rt.is_main and not req.quiet)
@@ -99,9 +101,17 @@ def train(req: RunRequest) -> tuple[Path, Plugin]:
                 console.print(peak_line(plan, rt), highlight=False)
     finally:
         teardown(rt)
-    if rt.is_main:
+    if rt.is_main and job.held_out:
         plugin.report(recipe, run_dir)
-    return run_dir, plugin
+    return run_dir, plugin.next_commands(run_dir, job.held_out)
+
+
+def nothing_held_out(plugin: Plugin) -> str:
+    return (
+        f"{plugin.key}: no held-out examples (each held-out row was skipped); training without held-out "
+        f"evaluation, best checkpoint or final report (give a dev split with usable rows, or a larger "
+        f"data.val_fraction)"
+    )
 
 
 def started(req: RunRequest) -> Runtime:

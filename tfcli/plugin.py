@@ -91,6 +91,9 @@ class Job:
     reuse: int = 1
     # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
     plan_batch: Optional[Callable[[Batch], Batch]] = None
+    # whether the task has held-out examples to evaluate on; False (every held-out row skipped): the
+    # driver says so before step 1, and the run keeps no best checkpoint and writes no final report
+    held_out: bool = True
     curve: str = "loss"  # the metric the run's curves.png draws (GRPO: its reward, sampled and held-out)
     shown: tuple[str, ...] = ()  # the task's metrics its log line shows (empty: all); metrics.jsonl keeps every one
 
@@ -166,6 +169,10 @@ class Plugin:
 
     def hints(self, run_dir: Path) -> list[str]:
         return [f"evaluate it:  tfcli eval --checkpoint {run_dir}"]
+
+    def next_commands(self, run_dir: Path, evaluated: bool = True) -> list[str]:
+        """hints(run_dir), less its evaluation when the run had nothing held out (it would not run)."""
+        return [h for h in self.hints(run_dir) if evaluated or not h.startswith("evaluate it")]
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
         raise NotImplementedError

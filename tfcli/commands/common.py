@@ -220,6 +220,6 @@ def run_training(
     request = RunRequest(rec, source, out, resume, quiet, dry_run, code)
     if dry_run:
         return plan_only(request)
-    run_dir, plugin = train(request)
+    run_dir, hints = train(request)
     if int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
-        console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(plugin.hints(run_dir)))
+        console.print(f"\n[bold green]done.[/] run: {run_dir}\n" + "\n".join(hints))

@@ -199,11 +199,6 @@ class DPO(Plugin):
             reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
             raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
         held_split, held = next(((s, p.pairs) for s, p in held_out if p.pairs), ("", []))
-        if not held and self.rt.is_main and not self.quiet:
-            console.print(
-                "[yellow]note:[/] dpo: no held-out pairs; training without held-out evaluation (give more "
-                "pairs, a larger data.val_fraction, or a dev split with usable pairs)"
-            )
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
         refs, files = (
@@ -222,6 +217,7 @@ class DPO(Plugin):
             flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0,
             count_items=count_tokens,
             best_key="rewards/accuracies" if held else "",
+            held_out=bool(held),
             examples=len(train.pairs),
             loss_weight=pair_count,
             frozen=frozen,
@@ -251,9 +247,7 @@ class DPO(Plugin):
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
         """The best checkpoint's metrics on all the held-out pairs, against the reference training used
         (its frozen copy, the base, or the precomputed log-probabilities): printed, and eval.json."""
-        split, loss, val = getattr(self, "trained", ("", None, None))
-        if val is None:
-            return {}
+        split, loss, val = self.trained
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
         from torch.distributed.tensor import DTensor  # here: the import costs every process ~0.5 s
 

@@ -573,6 +573,7 @@ class GRPO(Plugin):
             count_items=lambda b: int(b["input_ids"].numel()),
             evaluate=self.evaluation(recipe) if held and cfg.eval_prompts else None,
             best_key="reward" if held and cfg.eval_prompts else "",
+            held_out=bool(held),
             examples=len(train.examples),
             loss_weight=loss.weight,
             frozen=frozen,
@@ -680,9 +681,7 @@ class GRPO(Plugin):
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
         """The best checkpoint's mean reward on the first report_rows(recipe) held-out prompts: printed,
         eval.json, and its completions in samples.jsonl."""
-        held, rollouts = getattr(self, "held", ([], None))
-        if not held:
-            return {}
+        held, rollouts = self.held
         backbone = from_run(run_dir, which="best", device=str(self.rt.device))
         n = report_rows(recipe)
         metrics, lines = self.answered(backbone.model, rollouts, held[:n], alone=True)

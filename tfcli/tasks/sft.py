@@ -185,6 +185,7 @@ class SFT(Plugin):
             flops_per_item=self.flops(recipe, backbone, train),
             count_items=count_tokens,
             held_out_metrics=with_perplexity,
+            held_out=val is not None,
             examples=source.epoch_size(0),
             loss_weight=replies.loss_weight,
         )
