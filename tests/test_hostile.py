@@ -4,6 +4,7 @@ shards, broken benchmark files, runs that cannot evaluate, bad settings. Each is
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -177,3 +178,118 @@ def test_a_run_whose_held_out_rows_are_all_skipped_says_so_before_training(tmp_p
     assert note in result.output and result.output.index(note) < result.output.index("step"), result.output
     assert "evaluate it" not in result.output  # a hint that would not run
     assert (tmp_path / "run" / "checkpoints" / "latest").is_file() and not (tmp_path / "run" / "eval.json").exists()
+
+
+# --- broken benchmark files: one line naming the file and the row, before any model is read ----------
+
+BENCH = HOSTILE / "bench"
+BROKEN_BENCHMARKS = [
+    ("files_string.yaml", None, "files_string.yaml: files must be a mapping of names to file names"),
+    ("rows_lists.yaml", None, "lists.jsonl line 1: a row is a JSON object of fields, got list"),
+    ("choices_string.yaml", None, "choices must be a list of templates, one per choice"),
+    ("missing_field.yaml", None, "rows.jsonl line 1: 'question' is undefined"),
+    ("unknown_format.yaml", None, "format 'tsv' is not one tfcli reads"),
+    ("empty_split.yaml", None, "empty.jsonl has no rows"),
+    ("piqa", "piqa_no_sol2", "piqa_no_sol2/valid.jsonl line 2: 'sol2' is undefined"),
+    ("piqa", "piqa_no_labels", "piqa_no_labels/valid-labels.lst is missing"),
+    ("piqa", "piqa_bad_utf8", "piqa_bad_utf8/valid.jsonl line 2: not UTF-8 text"),
+    ("piqa", "piqa_bad_json", "piqa_bad_json/valid.jsonl line 2: not JSON"),
+]
+
+
+@pytest.fixture
+def no_model_is_read(monkeypatch):
+    """Reading a model fails loudly: the refusals below must come first."""
+    from tfcli.engine import backbone
+
+    def read(*args, **kwargs):
+        raise AssertionError("a model was read before the benchmark's files were checked")
+
+    for name in ("for_inference", "load", "from_run", "from_hf"):
+        monkeypatch.setattr(backbone, name, read)
+
+
+@pytest.mark.parametrize("bench,data,message", BROKEN_BENCHMARKS, ids=[b[2].split(":")[0] for b in BROKEN_BENCHMARKS])
+def test_a_broken_benchmark_is_one_line_before_any_model_is_read(
+    bench, data, message, tmp_path, monkeypatch, no_model_is_read
+):
+    monkeypatch.chdir(tmp_path)
+    name = str(BENCH / bench) if bench.endswith(".yaml") else bench
+    where = ["--data", BENCH / data] if data else []
+    refused(invoke("eval", name, "--checkpoint", tmp_path / "model.gguf", *where), message)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize(
+    "bench,data,message", BROKEN_BENCHMARKS[:3] + BROKEN_BENCHMARKS[6:7], ids=["files", "lists", "choices", "piqa"]
+)
+def test_a_broken_benchmark_inside_training_stops_before_step_1(
+    bench, data, message, tmp_path, char_model, no_model_is_read
+):
+    name = str(BENCH / bench) if bench.endswith(".yaml") else bench
+    data_dir = BENCH / data if data else BENCH
+    args = ["finetune", "sft", "--from", char_model, "--data", write_jsonl(tmp_path / "qa.jsonl", QA), "--steps", 2]
+    args += [
+        "--set",
+        f"train.eval_tasks=[{name}]",
+        "--set",
+        f"train.eval_tasks_data={data_dir}",
+        "--out",
+        tmp_path / "run",
+    ]
+    refused(invoke(*args), message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_well_formed_control_scores(tmp_path, char_model):
+    out = tmp_path / "good.json"
+    result = invoke("eval", BENCH / "good.yaml", "--checkpoint", char_model, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["n-samples"]["good"] == 2
+
+
+def test_a_list_is_checked_whole_before_any_part_is_scored_and_out_decides_where_all_goes(
+    tmp_path, char_model, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    (data / "gsm8k").mkdir(parents=True)
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(2)]
+    write_jsonl(data / "gsm8k" / "test.jsonl", rows)
+    write_jsonl(data / "long.jsonl", [{"q": "why? " * 200, "a": "yes", "b": "no", "label": 0}])
+    (data / "long.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "data": ".",
+                "files": {"test": "long.jsonl"},
+                "context": "{{q}}",
+                "choices": ["{{a}}", "{{b}}"],
+                "answer": "{{label}}",
+            }
+        )
+    )
+    refused(
+        invoke("eval", f"gsm8k,{data / 'long.yaml'}", "--checkpoint", char_model, "--data", data),
+        "does not fit the model's",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # gsm8k's report was not written first
+    good = BENCH / "good.yaml"
+    shutil.copy(BENCH / "rows.jsonl", data / "rows.jsonl")
+    args = [
+        "eval",
+        f"gsm8k,{good}",
+        "--checkpoint",
+        char_model,
+        "--data",
+        data,
+        "--out",
+        tmp_path / "results" / "all.json",
+    ]
+    result = invoke(*args, "--set", "sft.max_new_tokens=2")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "results"]
+    assert {p.name for p in (tmp_path / "results").iterdir()} == {
+        "all.json",
+        "all-gsm8k.json",
+        "all-gsm8k-predictions.jsonl",
+    }

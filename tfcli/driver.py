@@ -64,6 +64,7 @@ def train(req: RunRequest) -> tuple[Path, list[str]]:
     rt = started(req)
     try:
         plugin = checked_plugin(req, rt)
+        benchmarks = benchmarks_of(req.recipe)
         run_dir = Path(req.resume) if req.resume else Path(rt.broadcast(str(new_run_dir(req.recipe, req.out))))
         ckpt = resume_point(req.resume)
         # everything random that is built from here (a fresh model, adapters, a task's heads) is built the
@@ -76,7 +77,7 @@ def train(req: RunRequest) -> tuple[Path, list[str]]:
             job = plugin.setup(recipe, backbone)
         if not job.held_out and rt.is_main and not req.quiet:
             console.print(f"[yellow]note:[/] {nothing_held_out(plugin)}")
-        job = with_benchmarks(job, recipe, backbone, rt)
+        job = with_benchmarks(job, recipe, backbone, rt, benchmarks)
         if source is not None and ckpt is None and plugin.kind == "objective":
             carry_heads(job, backbone, rt.is_main and not req.quiet)
         recipe = resolve_schedule(recipe, job, rt)
@@ -134,13 +135,14 @@ def dry_run(req: RunRequest) -> memory.Plan:
     rt = started(req)
     try:
         plugin = checked_plugin(req, rt)
+        benchmarks = benchmarks_of(req.recipe)
         if req.out is not None and not req.resume:
             new_run_dir(req.recipe, req.out)  # --out is checked as a run would (nothing is created)
         ckpt = resume_point(req.resume)
         torch.manual_seed(req.recipe.train.seed)
         source, backbone = starting_model(req, plugin, rt, ckpt, shapes_only=True)
         recipe = plugin.resolve(req.recipe, backbone)
-        job = with_benchmarks(plugin.setup(recipe, backbone), recipe, backbone, rt)
+        job = with_benchmarks(plugin.setup(recipe, backbone), recipe, backbone, rt, benchmarks)
         recipe = resolve_schedule(recipe, job, rt)
         copies = reading_copies(source, ckpt)
         recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, copies, resumed=ckpt is not None, dry_run=True)
@@ -208,16 +210,19 @@ def peak_line(plan: memory.Plan, rt: Runtime) -> str:
     )
 
 
-def with_benchmarks(job: Job, recipe: Recipe, backbone: Backbone, rt: Runtime) -> Job:
+def benchmarks_of(recipe: Recipe) -> list[in_training.Read]:
+    """train.eval_tasks' questions, read and checked before any model is read."""
+    t = recipe.train
+    return in_training.read(t.eval_tasks, t.eval_tasks_data, t.eval_tasks_few_shot)
+
+
+def with_benchmarks(job: Job, recipe: Recipe, backbone: Backbone, rt: Runtime, read: list) -> Job:
     """train.eval_tasks scored at every evaluation and train.select_by picking the best checkpoint;
     both checked here, before the run directory exists."""
-    t = recipe.train
-    planned = in_training.plan(
-        t.eval_tasks, t.eval_tasks_data, t.eval_tasks_few_shot, backbone.model, backbone.tokenizer
-    )
+    planned = in_training.plan(read, backbone.model, backbone.tokenizer)
     pad = type(backbone.model).pad_id(backbone.tokenizer) if planned else 0
-    job = in_training.add_to(job, planned, pad, t.precision, rt.device)
-    return in_training.select_by(job, t.select_by, in_training.metric_names(planned))
+    job = in_training.add_to(job, planned, pad, recipe.train.precision, rt.device)
+    return in_training.select_by(job, recipe.train.select_by, in_training.metric_names(planned))
 
 
 def check_streaming(recipe: Recipe, plugin: Plugin) -> None:

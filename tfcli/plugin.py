@@ -49,6 +49,13 @@ class EvalOptions:
     # an evaluation may import (a GRPO run's reward function); a run records such names as data
     named_code: frozenset[str] = frozenset()
 
+    def report_path(self, default: Path) -> Path:
+        """Where an evaluation writes its report: --out (its folder made), else `default`."""
+        if self.out is None:
+            return Path(default)
+        Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+        return Path(self.out)
+
 
 @dataclass
 class Job:

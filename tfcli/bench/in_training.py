@@ -21,20 +21,22 @@ SCORED_AT_ONCE = 16  # rows per batch: the loop's memory is the training's, not 
 
 
 @dataclass(frozen=True)
-class Planned:
+class Read:
     name: str  # the metrics' prefix: piqa, mmlu, mmlu_anatomy, my_bench (a file's stem)
+    entry: str  # as train.eval_tasks names it
+    questions: list
+
+
+@dataclass(frozen=True)
+class Planned:
+    name: str
     questions: list
     requests: list
 
 
-def plan(entries: tuple[str, ...], data: str, few_shot: int, model: nn.Module, tokenizer) -> list[Planned]:
-    """Each `name[:N]` of train.eval_tasks read and encoded; every error (an unknown benchmark, a
-    missing file, a question longer than the model) is raised now, before the run starts."""
-    if entries and model.kind not in kinds.GENERATIVE:
-        raise UserError(
-            f"train.eval_tasks: benchmarks score each choice's log-likelihood, which needs a decoder or an "
-            f"encoder-decoder; this run trains a {model.kind} ({model.cfg.family})"
-        )
+def read(entries: tuple[str, ...], data: str, few_shot: int) -> list[Read]:
+    """Each `name[:N]` of train.eval_tasks, its questions read and checked (an unknown benchmark, a
+    missing file, a broken row): before any model is read."""
     out = []
     for entry in entries:
         name, _, count = str(entry).partition(":")
@@ -46,11 +48,25 @@ def plan(entries: tuple[str, ...], data: str, few_shot: int, model: nn.Module, t
                 f"train.eval_tasks: {name} needs train.eval_tasks_data, the directory holding "
                 f"{', '.join(bench.files.values())} (or one holding a {name} directory)"
             )
-        root = spec.data_root(bench, data or None)
+        root = spec.data_root(bench, data or None, "train.eval_tasks_data")
         questions = [q for part in parts for q in spec.questions(part, root, few_shot, each)]
-        requests = loglik.requests(tokenizer, questions, bench.target_delimiter)
-        loglik.check_fits(model, requests, f"train.eval_tasks: {name}")
-        out.append(Planned(Path(name).stem, questions, requests))
+        out.append(Read(Path(name).stem, name, questions))
+    return out
+
+
+def plan(benchmarks: list[Read], model: nn.Module, tokenizer) -> list[Planned]:
+    """The questions read, encoded for the run's model: a question longer than the model is refused now,
+    before the run starts."""
+    if benchmarks and model.kind not in kinds.GENERATIVE:
+        raise UserError(
+            f"train.eval_tasks: benchmarks score each choice's log-likelihood, which needs a decoder or an "
+            f"encoder-decoder; this run trains a {model.kind} ({model.cfg.family})"
+        )
+    out = []
+    for b in benchmarks:
+        requests = loglik.requests(tokenizer, b.questions, spec.load(b.entry).target_delimiter)
+        loglik.check_fits(model, requests, f"train.eval_tasks: {b.entry}")
+        out.append(Planned(b.name, b.questions, requests))
     return out
 
 

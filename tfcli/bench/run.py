@@ -39,8 +39,18 @@ def plan(req: BenchRequest) -> list:
     ]
 
 
-def run(req: BenchRequest, jobs: Optional[list] = None) -> dict:
-    """Check every benchmark's files and sizes first, then score; nothing is written on an error."""
+@dataclass
+class Prepared:
+    """Every benchmark of a request read, encoded for its model and checked to fit: nothing left to fail
+    but scoring."""
+
+    backbone: object
+    scored: list  # (benchmark, [(part, questions, requests)])
+
+
+def prepare(req: BenchRequest, jobs: Optional[list] = None) -> Prepared:
+    """The model read and every benchmark's questions encoded and checked against it (a decoder or an
+    encoder-decoder; no question longer than its positions), before anything is scored or written."""
     from ..engine.backbone import for_inference
 
     jobs = plan(req) if jobs is None else jobs
@@ -51,13 +61,20 @@ def run(req: BenchRequest, jobs: Optional[list] = None) -> dict:
             f"{req.checkpoint} holds a {model.kind} ({backbone.family}); benchmarks score the "
             f"log-likelihood of each choice, which needs a decoder or an encoder-decoder"
         )
-    pad = type(model).pad_id(tok)
     scored = []
     for bench, parts in jobs:
         part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs in parts]
         every = [r for _, _, reqs in part_requests for r in reqs]
         loglik.check_fits(model, every, bench.name, "fewer --few-shot, or a model with a longer context")
         scored.append((bench, part_requests))
+    return Prepared(backbone, scored)
+
+
+def run(req: BenchRequest, prepared: Optional[Prepared] = None) -> dict:
+    """Check every benchmark's files and sizes first (prepare), then score; nothing is written on an error."""
+    prepared = prepare(req) if prepared is None else prepared
+    model, scored = prepared.backbone.model, prepared.scored
+    pad = type(model).pad_id(prepared.backbone.tokenizer)
     batch_size = req.batch_size or loglik.auto_batch_size(model, [r for _, p in scored for _, _, rs in p for r in rs])
     results, samples, started = {}, {}, time.time()
     for bench, part_requests in scored:

@@ -109,8 +109,8 @@ def load(name: str) -> Benchmark:
 
 def _from_yaml(path: Path) -> Benchmark:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a benchmark file is a mapping of fields ({', '.join(sorted(FIELDS))})")
@@ -120,13 +120,41 @@ def _from_yaml(path: Path) -> Benchmark:
     missing = [k for k in ("files", "context", "choices", "answer") if k not in raw]
     if missing:
         raise UserError(f"{path}: {missing[0]} is missing (a benchmark names its files, context, choices and answer)")
+    _check_types(path, raw)
     raw.setdefault("name", path.stem)
     if raw.get("data", "") and not Path(raw["data"]).is_absolute():
         raw["data"] = str((path.parent / raw["data"]).resolve())
     bench = Benchmark(**raw)
     if bench.split not in bench.files:
         raise UserError(f"{path}: split {bench.split!r} is not among its files ({', '.join(bench.files)})")
+    if bench.format == "csv" and not bench.columns:
+        raise UserError(f"{path}: format csv needs columns, the names of the file's columns in order")
     return bench
+
+
+_MAPPINGS = ("files", "labels", "subjects")  # of names to texts
+_LISTS = ("choices", "columns")  # of texts
+
+
+def _check_types(path: Path, raw: dict) -> None:
+    """Each field of a benchmark file of the kind it must be, named in one line when it is not (a
+    string of choices would be scored character by character)."""
+    for key, value in raw.items():
+        if key in _MAPPINGS:
+            ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+            ok = ok and (bool(value) or key != "files")
+            kind = "a mapping of names to file names" if key != "subjects" else "a mapping of subjects to categories"
+        elif key in _LISTS:
+            ok = (
+                isinstance(value, list) and all(isinstance(v, str) for v in value) and (bool(value) or key != "choices")
+            )
+            kind = "a list of templates, one per choice" if key == "choices" else "a list of column names"
+        else:
+            ok, kind = isinstance(value, str), "a text"
+        if not ok:
+            raise UserError(f"{path}: {key} must be {kind}, got {value!r:.80}")
+    if raw.get("format", "jsonl") not in ("jsonl", "csv"):
+        raise UserError(f"{path}: format {raw['format']!r} is not one tfcli reads (jsonl or csv)")
 
 
 @dataclass(frozen=True)
@@ -140,30 +168,66 @@ class Question:
 
 
 def _environment():
+    import jinja2
     import jinja2.sandbox
 
-    return jinja2.sandbox.ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+    # StrictUndefined: a field no row has is an error naming the row, not an empty text scored anyway
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
 
 
-def read_rows(bench: Benchmark, root: Path, split: str) -> list[dict]:
-    """The rows of one split: JSON Lines or CSV, with a labels file joined in where it has one."""
+@dataclass(frozen=True)
+class Row:
+    """A row of a split, and where it is (for the one line that names a bad one)."""
+
+    fields: dict
+    where: str  # FILE line N (JSON Lines), FILE row N (CSV)
+
+
+def read_rows(bench: Benchmark, root: Path, split: str) -> list[Row]:
+    """The rows of one split: JSON Lines (one object a line) or CSV, with a labels file joined in where
+    it has one. A missing or unreadable file, a line that is not a JSON object, an empty split: one line."""
     path = bench.path(root, split)
     if not path.is_file():
         raise UserError(f"{bench.name}: {path} is missing (the {split} split: {bench.files[split]} under --data)")
+    text = _text(path)
     if bench.format == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = [dict(zip(bench.columns, line)) for line in csv.reader(f) if line]
+        lines = [line for line in csv.reader(text.splitlines()) if line]
+        rows = [Row(dict(zip(bench.columns, line)), f"{path} row {i}") for i, line in enumerate(lines, 1)]
     else:
-        try:
-            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not JSON Lines ({e})") from None
+        rows = [
+            Row(_object(line, path, i), f"{path} line {i}")
+            for i, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
+    if not rows:
+        raise UserError(f"{bench.name}: {path} has no rows (the {split} split)")
     if split in bench.labels:
-        labels = (root / bench.labels[split]).read_text().split()
+        labels_path = root / bench.labels[split]
+        if not labels_path.is_file():
+            raise UserError(f"{bench.name}: {labels_path} is missing (the {split} split's labels, one a line)")
+        labels = _text(labels_path).split()
         if len(labels) != len(rows):
-            raise UserError(f"{bench.name}: {len(rows)} rows but {len(labels)} labels in {bench.labels[split]}")
-        rows = [{**row, "label": label} for row, label in zip(rows, labels)]
+            raise UserError(f"{bench.name}: {len(rows)} rows in {path} but {len(labels)} labels in {labels_path}")
+        rows = [Row({**row.fields, "label": label}, row.where) for row, label in zip(rows, labels)]
     return rows
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _object(line: str, path: Path, number: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} line {number}: not JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{path} line {number}: a row is a JSON object of fields, got {type(row).__name__}")
+    return row
 
 
 class Renderer:
@@ -183,24 +247,30 @@ class Renderer:
         self.bench = bench
         self.subject_name = bench.subject.replace("_", " ")
 
-    def _render(self, template, row: dict) -> str:
+    def _render(self, template, row: Row) -> str:
         import jinja2
 
         try:
-            return template.render(**row, subject=self.subject_name)
+            return template.render(**row.fields, subject=self.subject_name)
         except jinja2.TemplateError as e:
-            raise UserError(f"{self.bench.name}: {e} (the row has {', '.join(row)})") from None
+            fields = ", ".join(row.fields) or "no fields"
+            raise UserError(f"{self.bench.name}: {row.where}: {e} (the row has {fields})") from None
 
-    def question(self, row: dict) -> tuple[str, list[str], int]:
+    def question(self, row: Row) -> tuple[str, list[str], int]:
         choices = [self._render(c, row) for c in self.choices]
+        empty = [i for i, c in enumerate(choices) if not c]
+        if empty:  # acc_norm divides a choice's log-likelihood by its length
+            raise UserError(f"{self.bench.name}: {row.where}: choice {empty[0] + 1} is empty")
         answer = self._render(self.answer, row).strip()
         gold = int(answer) if answer.isdigit() else choices.index(answer) if answer in choices else -1
         if not 0 <= gold < len(choices):
-            raise UserError(f"{self.bench.name}: answer {answer!r} is neither a choice's index nor one of {choices}")
+            raise UserError(
+                f"{self.bench.name}: {row.where}: answer {answer!r} is neither a choice's index nor one of {choices}"
+            )
         return self._render(self.context, row), choices, gold
 
     def header(self) -> str:
-        return self._render(self.description, {})
+        return self._render(self.description, Row({}, "the description"))
 
 
 def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> list[Question]:
@@ -227,15 +297,16 @@ def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> li
     return out
 
 
-def data_root(bench: Benchmark, data: Optional[str]) -> Path:
+def data_root(bench: Benchmark, data: Optional[str], option: str = "--data") -> Path:
     """The directory of the benchmark's files: --data itself, or the one of its subdirectories that
-    holds them (so `tfcli eval piqa,mmlu --data bench/` finds bench/piqa and bench/mmlu)."""
+    holds them (so `tfcli eval piqa,mmlu --data bench/` finds bench/piqa and bench/mmlu). `option`: what
+    the user named it with (--data, or train.eval_tasks_data inside training)."""
     where = data or bench.data
     if not where:
-        raise UserError(f"{bench.name}: give --data, the directory holding {', '.join(bench.files.values())}")
+        raise UserError(f"{bench.name}: give {option}, the directory holding {', '.join(bench.files.values())}")
     root = Path(where)
     if not root.is_dir():
-        raise UserError(f"--data {where}: not a directory (a benchmark's data is a directory of its files)")
+        raise UserError(f"{option} {where}: not a directory (a benchmark's data is a directory of its files)")
     part = bench.parts[0]
     if part.path(root, bench.split).is_file():
         return root

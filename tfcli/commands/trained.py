@@ -102,16 +102,21 @@ def eval_(
             str(pick_device(device or "auto")),
             quiet,
         )
-        jobs = bench_run.plan(req)  # every benchmark checked before a task runs
+        prepared = bench_run.prepare(req)  # every benchmark read, encoded and fitted before a task runs
         scored = {}
         for name in tasks:  # tasks of their own (gsm8k, mnli) beside the benchmarks: their own scorers
             key, settings, defaults = task_target(name)
             options = EvalOptions(
-                data=_task_data(data, name), limit=limit, device=device or "auto", quiet=quiet, named_code=code
+                data=_task_data(data, name),
+                limit=limit,
+                out=out.with_name(f"{out.stem}-{name}.json") if out else None,  # --out decides where all goes
+                device=device or "auto",
+                quiet=quiet,
+                named_code=code,
             )
             report = evaluate(newest(checkpoint), key, settings, options, defaults)
             scored.update(bench_report.task_results(name, report))
-        bench_run.run(replace(req, tasks=scored), jobs)
+        bench_run.run(replace(req, tasks=scored), prepared)
         return
 
     if (premise is None) != (hypothesis is None):

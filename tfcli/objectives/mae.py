@@ -153,7 +153,7 @@ class MaskedAutoencoder(Objective):
             metrics = held_out_metrics(
                 module, sequential_batches(val, t.batch_size, recipe.train.seed), self.rt.device, recipe.train.precision
             )
-        out = Path(options.out) if options.out else Path(backbone.checkpoint).parent.parent / "recon-eval.png"
+        out = options.report_path(Path(backbone.checkpoint).parent.parent / "recon-eval.png")
         save_picture(module, picture_batch(val, recipe.train.seed), val.transform, out)
         metrics = {
             "recon_loss": metrics["loss"],

@@ -189,12 +189,10 @@ class ClassificationTask(Plugin):
         results = self.score(recipe, backbone, options)
         self.show(results)
         name = f"eval-{self.eval_name(recipe, options)}.json"
-        if options.out:
-            out = Path(options.out)
-        elif backbone.recipe is None:  # a Hugging Face model: the report goes to the working directory
-            out = Path(f"eval-{Path(backbone.source).name}-{name[len('eval-') :]}")
+        if backbone.recipe is None:  # a Hugging Face model: the report goes to the working directory
+            out = options.report_path(Path(f"eval-{Path(backbone.source).name}-{name[len('eval-') :]}"))
         else:
-            out = Path(backbone.checkpoint).parent.parent / name
+            out = options.report_path(Path(backbone.checkpoint).parent.parent / name)
         out.write_text(
             json.dumps(
                 {"checkpoint": str(backbone.checkpoint), "data": options.data, "limit": options.limit, **results},

@@ -267,10 +267,8 @@ class DPO(Plugin):
         first --limit N of each split) against --reference (default: the run's own reference)."""
         results = self.score(recipe, backbone, options.data, options.reference, options.limit)
         run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
-        out = (
-            Path(options.out)
-            if options.out
-            else run
+        out = options.report_path(
+            run
             / (
                 "eval-dpo"
                 + (f"-{Path(options.data).stem}" if options.data else "")

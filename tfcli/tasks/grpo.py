@@ -723,7 +723,7 @@ class GRPO(Plugin):
             + (f"-{Path(options.data).stem}" if options.data else "")
             + (f"-limit{options.limit}" if options.limit else "")
         )
-        out = Path(options.out) if options.out else run / f"{name}.json"
+        out = options.report_path(run / f"{name}.json")
         stem = out.stem.replace("eval-", "samples-", 1) if out.stem.startswith("eval-") else f"{out.stem}-samples"
         samples = out.with_name(f"{stem}.jsonl")
         out.write_text(

@@ -234,7 +234,7 @@ class SFT(Plugin):
             + (f"-{Path(options.data).stem}" if options.data else "")
             + (f"-limit{options.limit}" if options.limit else "")
         )
-        out = Path(options.out) if options.out else (run or Path(".")) / f"{name}.json"
+        out = options.report_path((run or Path(".")) / f"{name}.json")
         stem = (
             out.stem.replace("eval-", "predictions-", 1) if out.stem.startswith("eval-") else f"{out.stem}-predictions"
         )
