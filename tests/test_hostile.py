@@ -293,3 +293,57 @@ def test_a_list_is_checked_whole_before_any_part_is_scored_and_out_decides_where
         "all-gsm8k.json",
         "all-gsm8k-predictions.jsonl",
     }
+
+
+# --- bad settings and rewards --------------------------------------------------------------------------
+
+
+def test_qlora_on_a_fresh_model_is_refused_before_step_1(tmp_path):
+    data = write_jsonl(tmp_path / "qa.jsonl", QA)
+    result = invoke("finetune", "sft", "--data", data, "--train", "qlora", "--steps", 2, "--out", tmp_path / "run")
+    refused(result, "--train qlora freezes a pretrained model", "give --from MODEL")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_negative_micro_batch_is_refused(tmp_path, small_text):
+    from .conftest import tiny_gpt_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_gpt_recipe(small_text)))
+    result = invoke("pretrain", "--recipe", recipe, "--set", "train.micro_batch_size=-1", "--out", tmp_path / "run")
+    refused(result, "train.micro_batch_size must be 0 or a divisor of train.batch_size (8), got -1")
+
+
+def grpo_args(tmp_path, model, reward: str, rows=QA, *more):
+    data = write_jsonl(tmp_path / "qa.jsonl", rows)
+    return [
+        "finetune", "grpo", "--from", model, "--data", data, "--reward", reward, "--steps", 1, "--batch-size", 2,
+        "--out", tmp_path / "run", "--set", "grpo.max_completion_length=4", "--set", "grpo.num_generations=2",
+        "--set", "grpo.eval_prompts=2", *more,
+    ]  # fmt: skip
+
+
+def test_an_infinite_reward_is_one_line(tmp_path, char_model):
+    (tmp_path / "r.py").write_text("def inf(completions, **kw):\n    return [float('inf') for _ in completions]\n")
+    refused(invoke(*grpo_args(tmp_path, char_model, f"{tmp_path}/r.py:inf")), "returned inf for training row 1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_nan_rewards_are_taken_as_none_and_said_once_as_a_count(tmp_path, char_model):
+    (tmp_path / "r.py").write_text(
+        "import math\ndef half(completions, **kw):\n    return [math.nan if i % 2 else 1.0 for i, _ in enumerate(completions)]\n"
+    )
+    result = invoke(*grpo_args(tmp_path, char_model, f"{tmp_path}/r.py:half"))
+    assert result.exit_code == 0, result.output
+    assert result.output.count("returned NaN for") == 1, result.output
+    assert "reward half returned NaN for 2 of 4 training completions; NaN is taken as None" in result.output
+
+
+def test_rows_no_reward_can_score_are_skipped_with_a_count(tmp_path, char_model):
+    rows = [{**r, "answer": "no number here" if i % 4 == 0 else r["answer"]} for i, r in enumerate(QA)]
+    result = invoke(*grpo_args(tmp_path, char_model, "final-number", rows))
+    assert result.exit_code == 0, result.output
+    assert "rows skipped: no reward can score them (their 'answer' has no final number or is empty)" in result.output
+    none = [{**r, "answer": "none"} for r in QA]
+    (tmp_path / "x").mkdir()
+    refused(invoke(*grpo_args(tmp_path / "x", char_model, "final-number", none)), "no reward can score them")

@@ -163,6 +163,17 @@ class IA3Linear(nn.Module):
 
 
 SWITCHABLE = ("lora", "qlora", "ia3")  # methods whose adapters switch off to leave the base model (disabled)
+QUANTIZED_BASE = ("qlora",)  # methods that hold a pretrained base in NF4, frozen
+
+
+def check_base(method: str, pretrained: bool) -> None:
+    """QLoRA freezes a pretrained base in 4-bit NF4 and trains adapters on it: on a fresh model the base
+    is random weights that never train (and a fresh run saves its whole model, which NF4 cannot be)."""
+    if method in QUANTIZED_BASE and not pretrained:
+        raise UserError(
+            f"--train {method} freezes a pretrained model in 4-bit NF4 and trains LoRA adapters on it: give "
+            f"--from MODEL (on a fresh model the frozen base would be random weights), or --train lora or all"
+        )
 
 
 def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:

@@ -245,6 +245,8 @@ def starting_model(
         source = backbones.recorded(req.resume).get("from") if req.resume else None
     if ckpt:
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
+    if req.recipe.finetune is not None:
+        adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
     if not shapes_only:
         refuse_what_cannot_fit(source, req.recipe, plugin, rt)
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)

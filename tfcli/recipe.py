@@ -195,7 +195,7 @@ class TrainConfig:
             )
         require(self.eval_tasks_few_shot >= 0, "train.eval_tasks_few_shot", ">= 0", self.eval_tasks_few_shot)
         require(
-            self.micro_batch_size == 0 or self.batch_size % self.micro_batch_size == 0,
+            self.micro_batch_size == 0 or (self.micro_batch_size > 0 and self.batch_size % self.micro_batch_size == 0),
             "train.micro_batch_size",
             f"0 or a divisor of train.batch_size ({self.batch_size})",
             self.micro_batch_size,

@@ -335,6 +335,7 @@ class Rollouts:
         self.stops, self.pad, self.mode, self.frozen = stops, pad, mode, frozen
         self.weights = torch.tensor([r.weight for r in rewards])
         self.names = reward_names(rewards)
+        self.nans: Counter = Counter()  # NaNs each reward returned (taken as None), said once
 
     def __call__(self, module: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
         # through the module's own forward: under FSDP its root's parameters are gathered for all of it
@@ -402,7 +403,16 @@ class Rollouts:
             [p.asked for p in prompts], texts, completions, [p.row for p in prompts], self.cfg.max_completion_length
         )
         where = lambda i: f"{split} row {prompts[i].number} (completion {texts[i][:40]!r})"
-        return rewarding.scored(self.rewards, asked, where)
+        before = sum(self.nans.values())
+        scored = rewarding.scored(self.rewards, asked, where, self.nans)
+        if before == 0 and self.nans and self.plugin.rt.is_main and not self.plugin.quiet:
+            spec, count = next(iter(self.nans.items()))
+            name = dict(zip((r.name for r in self.rewards), self.names))[spec]
+            console.print(
+                f"[yellow]note:[/] reward {name} returned NaN for {count} of {len(texts)} {split} completions; "
+                f"NaN is taken as None (the reward does not apply to them), here and from now on"
+            )
+        return scored
 
     def metrics(self, per_reward, total, zero_std, completions, stopped) -> dict[str, Tensor]:
         """TRL's rollout metrics (finite: a statistic of nothing is 0)."""
@@ -532,6 +542,19 @@ class GRPO(Plugin):
         )
         return rewards
 
+    def scorable(self, prompts: list[Prompt], rewards: list, split: str) -> list[Prompt]:
+        """The prompts some reward can score: a row no reward can ever reward (final-number of an answer
+        with no final number) would train on a group of zeros; they are dropped, counted in a note."""
+        kept = [p for p in prompts if not all(r.scores_nothing_of(p.row) for r in rewards)]
+        if len(kept) < len(prompts):
+            field = next(r.reads for r in rewards if r.reads)
+            why = f"{len(prompts) - len(kept)} of {len(prompts)} rows skipped: no reward can score them (their {field!r} has no final number or is empty)"
+            if not kept:
+                raise UserError(f"grpo {split}: {why}; check grpo.answer_field and the rows")
+            if self.rt.is_main and not self.quiet:
+                console.print(f"[yellow]note:[/] grpo {split}: {why}")
+        return kept
+
     def reference(self, recipe) -> str:
         """grpo.reference resolved; "none" without the KL term (beta 0), which reads no reference."""
         return reference_mode(recipe) if recipe.settings.beta > 0 else "none"
@@ -551,7 +574,8 @@ class GRPO(Plugin):
             reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
             raise UserError(f"grpo {train_split}: no usable prompt ({reasons})")
         rewards = self.rewards(recipe, train.examples)
-        held = next((p.examples for _, p in held_out if p.examples), [])
+        train.examples = self.scorable(train.examples, rewards, train_split)
+        held = next((self.scorable(p.examples, rewards, s) for s, p in held_out if p.examples), [])
         mode = self.reference(recipe)
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
         self.tokenizer = backbone.tokenizer

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -60,6 +61,15 @@ class Reward:
     weight: float
     score: Callable[[Completions], list]  # -> one float (or None) per completion
     reads: Optional[str] = None  # the row column it needs (built-ins that compare with the answer)
+
+    def scores_nothing_of(self, row: dict) -> bool:
+        """Whether no completion can earn this reward on `row` (final-number of an answer with no number,
+        exact or contains of an empty answer): such a row's group always scores 0 and teaches nothing."""
+        if self.reads is None:
+            return False
+        answer = str(row.get(self.reads, "") or "")
+        base = self.name.split(":")[0]
+        return answers.final_number(answer) is None if base == "final-number" else not answers.normalise(answer)
 
 
 def parse(spec: str, answer_field: str, named: frozenset[str] = frozenset()) -> list[Reward]:
@@ -207,10 +217,13 @@ def _user_function(body: str) -> Callable[[Completions], list]:
     return score
 
 
-def scored(rewards: list[Reward], c: Completions, where: Callable[[int], str]) -> Tensor:
-    """(N, F): every reward of every completion (NaN where a reward returned None). A reward that
-    raises, returns the wrong count or something that is not a number stops the run in one line
-    naming it and the row (`where(i)` says which row completion i answers)."""
+def scored(
+    rewards: list[Reward], c: Completions, where: Callable[[int], str], nans: Optional[Counter] = None
+) -> Tensor:
+    """(N, F): every reward of every completion (NaN where a reward returned None or NaN: it does not
+    apply; `nans` counts the NaNs by reward, which a run says once). A reward that raises, returns the
+    wrong count, something that is not a number, or an infinity stops the run in one line naming it
+    and the row (`where(i)` says which row completion i answers)."""
     columns = []
     for r in rewards:
         try:
@@ -222,7 +235,10 @@ def scored(rewards: list[Reward], c: Completions, where: Callable[[int], str]) -
         if not isinstance(values, (list, tuple)) or len(values) != len(c.texts):
             count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise UserError(f"reward {r.name} returned {count} values for {len(c.texts)} completions (one each)")
-        columns.append([_number(r, v, where, i) for i, v in enumerate(values)])
+        column = [_number(r, v, where, i) for i, v in enumerate(values)]
+        if nans is not None:
+            nans[r.name] += sum(v is not None and math.isnan(x) for v, x in zip(values, column))
+        columns.append(column)
     return torch.tensor(columns, dtype=torch.float32).t().reshape(len(c.texts), len(rewards))
 
 
@@ -230,7 +246,12 @@ def _number(r: Reward, value: Any, where, i: int) -> float:
     if value is None:
         return math.nan
     if isinstance(value, (bool, int, float)) or (isinstance(value, Tensor) and value.numel() == 1):
-        return float(value)
+        number = float(value)
+        if math.isinf(number):
+            raise UserError(
+                f"reward {r.name} returned {number} for {where(i)} (a finite number, or None where it does not apply)"
+            )
+        return number
     raise UserError(f"reward {r.name} returned {value!r} for {where(i)} (a number, or None where it does not apply)")
 
 
