@@ -405,8 +405,8 @@ class Rollouts:
         where = lambda i: f"{split} row {prompts[i].number} (completion {texts[i][:40]!r})"
         before = sum(self.nans.values())
         scored = rewarding.scored(self.rewards, asked, where, self.nans)
-        if before == 0 and self.nans and self.plugin.rt.is_main and not self.plugin.quiet:
-            spec, count = next(iter(self.nans.items()))
+        if before == 0 < sum(self.nans.values()) and self.plugin.rt.is_main and not self.plugin.quiet:
+            spec, count = next((k, n) for k, n in self.nans.items() if n)
             name = dict(zip((r.name for r in self.rewards), self.names))[spec]
             console.print(
                 f"[yellow]note:[/] reward {name} returned NaN for {count} of {len(texts)} {split} completions; "
