@@ -347,3 +347,25 @@ def test_rows_no_reward_can_score_are_skipped_with_a_count(tmp_path, char_model)
     none = [{**r, "answer": "none"} for r in QA]
     (tmp_path / "x").mkdir()
     refused(invoke(*grpo_args(tmp_path / "x", char_model, "final-number", none)), "no reward can score them")
+
+
+def test_every_command_that_reads_a_run_takes_its_best_checkpoint_and_says_so(tmp_path, char_model):
+    run = tmp_path / "run"
+    args = ["finetune", "sft", "--from", char_model, "--data", write_jsonl(tmp_path / "qa.jsonl", QA), "--steps", 4]
+    args += ["--out", run, "--quiet", "--set", "train.eval_interval=2", "--set", "train.ckpt_interval=2"]
+    args += ["--set", "sft.generate_limit=1", "--set", "sft.max_new_tokens=2", "--set", "train.keep_checkpoints=5"]
+    assert invoke(*args).exit_code == 0
+    (run / "checkpoints" / "best").write_text("step-0000002")  # whichever it was, best and latest now differ
+    said = f"reading step-0000002, the best checkpoint of {run} (its latest is step-0000004)"
+    commands = [
+        ["generate", "--checkpoint", run, "--prompt", "a", "--max-new-tokens", 2],
+        ["eval", "--checkpoint", run, "--set", "sft.max_new_tokens=2", "--out", tmp_path / "e.json"],
+        ["export", "--checkpoint", run, "--hf", tmp_path / "hf"],
+        ["finetune", "sft", "--from", run, "--data", tmp_path / "qa.jsonl", "--steps", 1, "--out", tmp_path / "again"],
+    ]
+    for command in commands:
+        result = invoke(*command, "--set", "sft.generate_limit=1") if command[0] == "finetune" else invoke(*command)
+        assert result.exit_code == 0, result.output
+        assert said in result.output, (command[0], result.output)
+    chat = invoke("chat", "--checkpoint", run, "--chat-template", "chatml", "--max-new-tokens", 2, input="hi\n/exit\n")
+    assert chat.exit_code == 0 and said in chat.output, chat.output

@@ -24,11 +24,18 @@ from rich.progress import (
 )
 
 console = Console(highlight=False, soft_wrap=True)
+errors = Console(stderr=True, highlight=False, soft_wrap=True)  # notes: not in what a command's output pipes on
 _state = {"live": True, "progress": None}  # may phases and bars draw; the training bar, while it runs
 
 
 def configure(enabled: bool) -> None:
     _state["live"] = enabled
+
+
+def note(text: str) -> None:
+    """A note on standard error (unless --quiet), where a pipe of the command's output does not take it."""
+    if _state["live"]:
+        errors.print(f"[yellow]note:[/] {text}")
 
 
 def live() -> bool:

@@ -553,7 +553,7 @@ def evaluate(
     path = hub.resolve(str(path), "--checkpoint")
     if not backbones.is_run(path) and not backbones.looks_like_run(path):
         return evaluate_pretrained(path, key, settings, options, default_recipes or {}, rt)
-    backbone = backbones.from_run(path, which="best", device=str(rt.device))
+    backbone = backbones.from_run(path, device=str(rt.device))
     recipe = backbone.recipe
     key = key or recipe.plugin
     kind = "objective" if key in registry.OBJECTIVES else "task"

@@ -65,6 +65,9 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from ..display import configure
+
+        configure(True)  # each command starts showing what it does (--quiet turns it off again)
         try:
             return fn(*args, **kwargs)
         except UserError as e:

@@ -192,7 +192,7 @@ def export(
         convert.check_writable(hf)
     source = newest(checkpoint)
     # a run (its best checkpoint), or what eval and generate read: a Hugging Face directory, a GGUF, a hub id
-    backbone = from_run(source, which="best") if is_run(source) or looks_like_run(source) else for_inference(source)
+    backbone = from_run(source) if is_run(source) or looks_like_run(source) else for_inference(source)
     if peft is not None:  # first: the adapters unmerged (the other exports merge them into the model)
         from ..engine.backbone import recorded
         from ..engine.checkpoint import run_dir_of

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from .. import adapters
+from .. import adapters, display
 from .. import recipe as recipes
 from ..data.sources import cache_dir, write_into_place
 from ..data.store import is_store
@@ -97,10 +97,13 @@ def family_of(path: Optional[str]) -> Optional[str]:
     return None
 
 
-def from_run(path: Path, which: str = "latest", device: str = "cpu") -> Backbone:
+def from_run(path: Path, which: str = "best", device: str = "cpu") -> Backbone:
     """A trained run (or one of its checkpoints) -> its model in eval mode, head weights, recipe,
-    tokenizer and class names."""
+    tokenizer and class names. Of a run, every command reads its best checkpoint (its latest when it
+    keeps no best), and says which."""
     ckpt = checkpoint.find(Path(path), which)
+    if which == "best" and checkpoint.chosen(path, ckpt):
+        display.note(checkpoint.chosen(path, ckpt))
     run = checkpoint.run_dir_of(ckpt)
     if not (run / "config.yaml").is_file():
         raise UserError(f"{run} has no config.yaml; is it a tfcli run?")
@@ -239,7 +242,7 @@ def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool =
         tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
         return Backbone(model, tok, str(source))
     if is_run(Path(source)):
-        backbone = from_run(Path(source), which="best")
+        backbone = from_run(Path(source))
         merged = merge_adapters(backbone.model)
         if merged and rt.is_main and not plugin.quiet:
             console.print(

@@ -243,6 +243,20 @@ def find(path: Path, which: str = "latest") -> Path:
     return root / name
 
 
+def chosen(path: Path, ckpt: Path) -> str:
+    """Which checkpoint of a run a command reads, in words ("" when `path` named the checkpoint itself):
+    every command that reads a run takes its best checkpoint, or its latest when it keeps no best."""
+    root = Path(path) / CHECKPOINTS
+    if Path(path) == Path(ckpt) or not root.is_dir():
+        return ""
+    best, latest = read_pointer(root / "best"), read_pointer(root / "latest")
+    if best is None:
+        return f"reading {ckpt.name}, the latest checkpoint of {path} (it keeps no best)"
+    if best == latest:
+        return f"reading {ckpt.name}, the best and latest checkpoint of {path}"
+    return f"reading {ckpt.name}, the best checkpoint of {path} (its latest is {latest})"
+
+
 def verify(ckpt: Path, training_state: bool = True) -> None:
     """Every file of a checkpoint present and readable (safetensors headers, JSON): checked before a
     run that resumes from it writes anything."""

@@ -248,7 +248,7 @@ class DPO(Plugin):
         """The best checkpoint's metrics on all the held-out pairs, against the reference training used
         (its frozen copy, the base, or the precomputed log-probabilities): printed, and eval.json."""
         split, loss, val = self.trained
-        backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        backbone = from_run(run_dir, device=str(self.rt.device))
         from torch.distributed.tensor import DTensor  # here: the import costs every process ~0.5 s
 
         if loss.mode == "copy" and any(isinstance(p, DTensor) for p in loss.frozen["reference"].parameters()):

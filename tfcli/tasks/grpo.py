@@ -706,7 +706,7 @@ class GRPO(Plugin):
         """The best checkpoint's mean reward on the first report_rows(recipe) held-out prompts: printed,
         eval.json, and its completions in samples.jsonl."""
         held, rollouts = self.held
-        backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        backbone = from_run(run_dir, device=str(self.rt.device))
         n = report_rows(recipe)
         metrics, lines = self.answered(backbone.model, rollouts, held[:n], alone=True)
         results = {"held_out": {**metrics, "n": min(n, len(held))}}

@@ -204,7 +204,7 @@ class SFT(Plugin):
         """The reply loss of the run's best checkpoint on the first report_rows(recipe) examples of every
         held-out split, and replies generated for the first sft.generate_limit of those, scored:
         printed, and saved as eval.json and predictions.jsonl."""
-        backbone = from_run(run_dir, which="best", device=str(self.rt.device))
+        backbone = from_run(run_dir, device=str(self.rt.device))
         n = report_rows(recipe)
         results = self.score(
             recipe,
