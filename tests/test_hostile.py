@@ -369,3 +369,16 @@ def test_every_command_that_reads_a_run_takes_its_best_checkpoint_and_says_so(tm
         assert said in result.output, (command[0], result.output)
     chat = invoke("chat", "--checkpoint", run, "--chat-template", "chatml", "--max-new-tokens", 2, input="hi\n/exit\n")
     assert chat.exit_code == 0 and said in chat.output, chat.output
+
+
+def test_a_held_out_metric_has_one_name_in_select_by_runs_and_plot(tmp_path, char_model):
+    run = tmp_path / "runs" / "run"
+    args = ["finetune", "sft", "--from", char_model, "--data", write_jsonl(tmp_path / "qa.jsonl", QA), "--steps", 2]
+    args += ["--out", run, "--quiet", "--set", "train.eval_interval=1", "--set", "sft.generate_limit=1"]
+    args += ["--set", f"train.eval_tasks=[{BENCH / 'good.yaml'}]", "--set", f"train.eval_tasks_data={BENCH}"]
+    assert invoke(*args, "--set", "train.select_by=val_good_acc_norm").exit_code == 0
+    listed = invoke("runs", tmp_path / "runs")
+    assert "val_good_acc_norm" in listed.output.replace("│", "").replace("\n", "").replace(" ", ""), listed.output
+    drawn = invoke("plot", run, "--metric", "val_good_acc_norm", "--out", tmp_path / "p.png")
+    assert drawn.exit_code == 0 and (tmp_path / "p.png").is_file(), drawn.output
+    refused(invoke("plot", run, "--metric", "nope"), "val_good_acc_norm")  # the list names them so too

@@ -30,7 +30,10 @@ def runs(root: Path = typer.Argument(Path("runs"), help="The directory holding t
 def plot(
     run: List[Path] = typer.Argument(..., help="One or more run directories."),
     out: Path = typer.Option(Path("runs.png"), help="Where to write the PNG."),
-    metric: str = typer.Option("loss", help="The metric to draw (loss, mlm_loss, dev_matched_acc, ...)."),
+    metric: str = typer.Option(
+        "loss",
+        help="The metric to draw (loss, mlm_loss, val_dev_matched_acc, val_piqa_acc_norm: val_ names a held-out one).",
+    ),
     split: str = typer.Option("val", help="val | train: which rows to draw (train when a run has no val rows)."),
 ):
     """Overlay the runs' loss curves (or another metric) in one PNG."""

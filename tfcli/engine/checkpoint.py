@@ -244,16 +244,15 @@ def find(path: Path, which: str = "latest") -> Path:
 
 
 def chosen(path: Path, ckpt: Path) -> str:
-    """Which checkpoint of a run a command reads, in words ("" when `path` named the checkpoint itself):
-    every command that reads a run takes its best checkpoint, or its latest when it keeps no best."""
+    """Every command that reads a run takes its best checkpoint, or its latest when it keeps no best:
+    where the two differ, which one it read, in words ("" otherwise, and when `path` named the
+    checkpoint itself)."""
     root = Path(path) / CHECKPOINTS
     if Path(path) == Path(ckpt) or not root.is_dir():
         return ""
     best, latest = read_pointer(root / "best"), read_pointer(root / "latest")
-    if best is None:
-        return f"reading {ckpt.name}, the latest checkpoint of {path} (it keeps no best)"
-    if best == latest:
-        return f"reading {ckpt.name}, the best and latest checkpoint of {path}"
+    if best is None or best == latest:
+        return ""
     return f"reading {ckpt.name}, the best checkpoint of {path} (its latest is {latest})"
 
 

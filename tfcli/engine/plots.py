@@ -1,5 +1,9 @@
 """Loss curves as PNG: one run's train and held-out loss with its learning rate (written at each
-evaluation as RUN/curves.png), or several runs overlaid (`tfcli plot`)."""
+evaluation as RUN/curves.png), or several runs overlaid (`tfcli plot`).
+
+A held-out metric has one name wherever a user types or reads it: val_<name> (train.select_by,
+`tfcli runs`, a checkpoint's meta.json, `tfcli plot --metric val_piqa_acc_norm`); metrics.jsonl keeps
+it as <name> on its rows of split "val"."""
 
 from __future__ import annotations
 
@@ -24,13 +28,28 @@ def _series(records: list[dict], split: str, metric: str) -> tuple[list[int], li
 NOT_METRICS = {"step", "split", "reason", "lr", "elapsed_s"}
 
 
+def split_metric(metric: str, split: str) -> tuple[str, str]:
+    """(split, metric as metrics.jsonl keys it): val_piqa_acc_norm is the val rows' piqa_acc_norm."""
+    for prefix in ("val", "train"):
+        if metric.startswith(prefix + "_"):
+            return prefix, metric[len(prefix) + 1 :]
+    return split, metric
+
+
+def named(row: dict, key: str) -> str:
+    """A metric of a metrics.jsonl row by its one name (val_<key> on a held-out row)."""
+    return f"val_{key}" if row.get("split") == "val" else key
+
+
 def require_metric(records: list[list[dict]], metric: str) -> None:
-    """A metric none of the runs logged is a one-line error listing the ones they did."""
-    if any(metric in r for rows in records for r in rows):
+    """A metric none of the runs logged is a one-line error listing the ones they did (val_<name>
+    for the held-out ones)."""
+    split, key = split_metric(metric, "")
+    if any(key in r and split in ("", r.get("split", "train")) for rows in records for r in rows):
         return
     known = sorted(
         {
-            k
+            named(r, k)
             for rows in records
             for r in rows
             for k, v in r.items()
@@ -55,14 +74,15 @@ def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
     """One run: training and held-out `metric` against the step, the learning rate on a second axis."""
     records = read_metrics(run_dir)
     require_metric([records], metric)
+    only, key = split_metric(metric, "")
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for split, style in (("train", "-"), ("val", "o-")):
-        steps, values = _series(records, split, metric)
+        steps, values = _series(records, split, key) if only in ("", split) else ([], [])
         if steps:
-            ax.plot(steps, values, style, label=f"{split} {metric}", markersize=3)
+            ax.plot(steps, values, style, label=f"{split} {key}", markersize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(key)
     ax.grid(alpha=0.3)
     steps, lrs = _series(records, "train", "lr")
     if steps:
@@ -78,6 +98,7 @@ def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str =
     """Several runs' `metric` on one split, overlaid (the train split when a run has no held-out rows)."""
     every = [read_metrics(run) for run in runs]
     require_metric(every, metric)
+    split, metric = split_metric(metric, split)
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for run, records in zip(runs, every):
