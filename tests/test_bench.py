@@ -136,10 +136,22 @@ def test_metrics_are_lm_evaluation_harness_s():
 
 def test_eval_piqa_writes_lm_eval_results_and_mmlu_groups_subjects(hf_llama, piqa_dir, tmp_path):
     out = tmp_path / "piqa.json"
-    result = invoke("eval", "piqa", "--checkpoint", hf_llama, "--data", piqa_dir, "--out", out)
+    result = invoke("eval", "piqa", "--checkpoint", hf_llama, "--data", piqa_dir, "--out", out, "--limit", 1)
     assert result.exit_code == 0, result.output
-    piqa = json.loads(out.read_text())["results"]["piqa"]
+    payload = json.loads(out.read_text())  # lm-evaluation-harness's sections, for the tools that read them
+    piqa = payload["results"]["piqa"]
     assert {"acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"} <= set(piqa)
+    assert piqa["acc_stderr,none"] == "N/A" and "NaN" not in out.read_text()  # one question: no stderr
+    assert payload["n-samples"]["piqa"] == {"original": 3, "effective": 1} and payload["n-shot"]["piqa"] == 0
+    assert payload["versions"]["piqa"] == 1.0 and payload["higher_is_better"]["piqa"] == {"acc": True, "acc_norm": True}
+    config = payload["configs"]["piqa"]
+    assert config["output_type"] == "multiple_choice" and config["doc_to_text"] == "Question: {{goal}}\nAnswer:"
+    assert payload["group_subtasks"] == {"piqa": []}
+    logged = invoke("eval", "piqa", "--checkpoint", hf_llama, "--data", piqa_dir, "--out", out, "--log-samples")
+    assert logged.exit_code == 0, logged.output
+    lines = [json.loads(x) for x in (tmp_path / "piqa_samples_piqa.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and lines[0]["doc"] == {**PIQA_ROWS[0][0], "label": "0"} and lines[0]["target"] == 0
+    assert len(lines[0]["filtered_resps"]) == 2 and lines[0]["arguments"][1][1] == " Put them in the freezer."
     mmlu = tmp_path / "mmlu"
     for split in ("dev", "test"):
         (mmlu / split).mkdir(parents=True)
@@ -240,9 +252,12 @@ def test_a_list_mixes_tasks_and_benchmarks_found_under_one_data_directory(hf_lla
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
-    assert payload["results"]["gsm8k"]["n,none"] == 2 and "exact_match,none" in payload["results"]["gsm8k"]
-    assert payload["n-samples"] == {"gsm8k": 2, "piqa": 3} and payload["config"]["batch_size"] == "auto"
-    assert payload["config"]["batch_sizes"][0] >= 1
+    gsm8k = payload["results"]["gsm8k"]  # its final-number scores named as lm-eval's GSM8K filters, with stderr
+    for key in ("exact_match,strict-match", "exact_match_stderr,strict-match", "exact_match,flexible-extract"):
+        assert key in gsm8k, gsm8k
+    assert payload["n-samples"] == {"gsm8k": {"original": 2, "effective": 2}, "piqa": {"original": 3, "effective": 3}}
+    assert payload["config"]["batch_size"] == "auto" and payload["config"]["batch_sizes"][0] >= 1
+    assert (tmp_path / "both-gsm8k.json").is_file()  # the task's own files go beside --out
 
 
 def test_auto_batch_size_is_the_largest_power_of_two_the_free_memory_holds(hf_llama, monkeypatch):

@@ -183,7 +183,7 @@ def test_classify_a_users_own_file(tiny_hf_bert, tmp_path, fmt):
     assert report["dev"]["n"] == 12 and report["dev"]["labels"] == ["neg", "pos"]
     assert "dev_acc" in [r for r in read_metrics(out) if r.get("split") == "val"][-1]
     one = invoke("eval", "--checkpoint", out, "--input", "great stuff", "--input", "loved it")
-    probs = {line.split()[0]: float(line.split()[1]) for line in one.output.strip().splitlines()}
+    probs = {line.split()[0]: float(line.split()[1]) for line in one.stdout.strip().splitlines()}
     assert one.exit_code == 0 and set(probs) == {"neg", "pos"} and abs(sum(probs.values()) - 1) < 1e-3
 
 
@@ -237,7 +237,7 @@ def test_finetune_mnli_from_a_hugging_face_dir_then_eval(tiny_hf_bert, mnli_dir,
     assert report["dev_matched"]["n"] == 30 and sum(map(sum, report["dev_mismatched"]["confusion"])) == 30
     pair = invoke("eval", "mnli", "--checkpoint", out, "--premise", "A man eats.", "--hypothesis", "Nobody eats.")
     assert pair.exit_code == 0, pair.output
-    probs = {line.split()[0]: float(line.split()[1]) for line in pair.output.strip().splitlines()}
+    probs = {line.split()[0]: float(line.split()[1]) for line in pair.stdout.strip().splitlines()}
     assert set(probs) == set(LABELS) and abs(sum(probs.values()) - 1) < 1e-3
     before = (out / "eval.json").read_text()
     full = invoke("eval", "mnli", "--checkpoint", out, "--limit", 12)

@@ -245,7 +245,7 @@ def test_the_well_formed_control_scores(tmp_path, char_model):
     out = tmp_path / "good.json"
     result = invoke("eval", BENCH / "good.yaml", "--checkpoint", char_model, "--out", out)
     assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["n-samples"]["good"] == 2
+    assert json.loads(out.read_text())["n-samples"]["good"] == {"original": 2, "effective": 2}
 
 
 def test_a_list_is_checked_whole_before_any_part_is_scored_and_out_decides_where_all_goes(
@@ -382,3 +382,24 @@ def test_a_held_out_metric_has_one_name_in_select_by_runs_and_plot(tmp_path, cha
     drawn = invoke("plot", run, "--metric", "val_good_acc_norm", "--out", tmp_path / "p.png")
     assert drawn.exit_code == 0 and (tmp_path / "p.png").is_file(), drawn.output
     refused(invoke("plot", run, "--metric", "nope"), "val_good_acc_norm")  # the list names them so too
+
+
+def test_a_piped_evaluation_prints_progress_lines_and_counts_questions(tmp_path, char_model, monkeypatch):
+    from tfcli import display
+
+    monkeypatch.setattr(display, "PIPED_EVERY_S", 0.0)  # CliRunner's output is a pipe: a line at every advance
+    out = tmp_path / "e.json"
+    result = invoke("eval", BENCH / "good.yaml", "--checkpoint", char_model, "--out", out, "--batch-size", 1)
+    assert result.exit_code == 0, result.output
+    assert (
+        "good: scoring: 1 of 2 questions (50%), eta" in result.output
+        and "good: scoring: 2 questions in" in result.output
+    )
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    write_jsonl(data / "test.jsonl", [{"question": "What is 1 plus 1?", "answer": "#### 2"}])
+    asked = invoke(
+        "eval", "gsm8k", "--checkpoint", char_model, "--data", data, "--set", "sft.max_new_tokens=2", "--out", out
+    )
+    assert asked.exit_code == 0, asked.output
+    assert "sft test: 1 questions from" in asked.output and "tokens trained" not in asked.output

@@ -26,6 +26,7 @@ from rich.progress import (
 console = Console(highlight=False, soft_wrap=True)
 errors = Console(stderr=True, highlight=False, soft_wrap=True)  # notes: not in what a command's output pipes on
 _state = {"live": True, "progress": None}  # may phases and bars draw; the training bar, while it runs
+PIPED_EVERY_S = 30.0  # a phase with a known total, printed to a pipe or a file: a progress line this often
 
 
 def configure(enabled: bool) -> None:
@@ -60,10 +61,14 @@ def _fmt(key: str, v) -> str:
 def phase(label: str, total: Optional[float] = None, unit: str = ""):
     """A labelled spinner with the elapsed time while a slow step runs (reading data, training a
     tokenizer, tokenizing, evaluating...); with a known `total` (bytes, rows, batches) a bar with the
-    share done and the time left. Yields advance(n) for the caller to report progress with. A plain
-    line instead when the output is not a terminal."""
+    share done and the time left. Yields advance(n) for the caller to report progress with. Output
+    that is not a terminal gets a plain progress line every PIPED_EVERY_S seconds instead."""
     if not live():
-        yield lambda n=1: None
+        if total is None or not _state["live"]:
+            yield lambda n=1: None
+            return
+        with _piped(label, total, unit) as advance:
+            yield advance
         return
     training = _state["progress"]
     if training is not None:  # one live display at a time: a row under the training bar
@@ -85,6 +90,29 @@ def phase(label: str, total: Optional[float] = None, unit: str = ""):
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task(label, total=total)
         yield lambda n=1: progress.advance(task, n)
+
+
+@contextlib.contextmanager
+def _piped(label: str, total: float, unit: str):
+    """A phase's progress as plain lines (a log file, CI): one every PIPED_EVERY_S seconds, and the
+    time it took once it printed any."""
+    started = last = time.perf_counter()
+    done, printed = 0.0, False
+
+    def advance(n=1):
+        nonlocal done, last, printed
+        done += n
+        now = time.perf_counter()
+        if now - last >= PIPED_EVERY_S and 0 < done < total:
+            left = (now - started) * (total - done) / done
+            console.print(
+                f"{label}: {done:,.0f} of {_amount(total, unit)} ({100 * done / total:.0f}%), eta {_eta(left)}"
+            )
+            last, printed = now, True
+
+    yield advance
+    if printed:
+        console.print(f"{label}: {_amount(total, unit)} in {_eta(time.perf_counter() - started)}")
 
 
 def counted(items, advance):

@@ -28,15 +28,23 @@ class BenchRequest:
     device: str = "cpu"
     quiet: bool = False
     tasks: Optional[dict] = None  # results of tasks scored alongside (gsm8k, mnli), in the same layout
+    log_samples: bool = False  # every question's log-likelihoods and prediction, a file per benchmark
 
 
 def plan(req: BenchRequest) -> list:
-    """Every benchmark's questions, read and checked before anything is scored or written."""
-    benches = [spec.load(n) for n in req.names]
-    return [
-        (b, [(part, spec.questions(part, spec.data_root(b, req.data), req.few_shot, req.limit)) for part in b.parts])
-        for b in benches
-    ]
+    """Every benchmark's questions, read and checked before anything is scored or written:
+    [(benchmark, [(part, questions, rows in its split)])]."""
+    out = []
+    for b in [spec.load(n) for n in req.names]:
+        root = spec.data_root(b, req.data)
+        parts = []
+        for part in b.parts:
+            questions = spec.questions(part, root, req.few_shot, req.limit)
+            parts.append(
+                (part, questions, len(spec.read_rows(part, root, part.split)) if req.limit else len(questions))
+            )
+        out.append((b, parts))
+    return out
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Prepared:
 
     backbone: object
     scored: list  # (benchmark, [(part, questions, requests)])
+    original: dict  # part -> the rows of its split (before --limit)
 
 
 def prepare(req: BenchRequest, jobs: Optional[list] = None) -> Prepared:
@@ -63,11 +72,11 @@ def prepare(req: BenchRequest, jobs: Optional[list] = None) -> Prepared:
         )
     scored = []
     for bench, parts in jobs:
-        part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs in parts]
+        part_requests = [(part, qs, loglik.requests(tok, qs, part.target_delimiter)) for part, qs, _ in parts]
         every = [r for _, _, reqs in part_requests for r in reqs]
         loglik.check_fits(model, every, bench.name, "fewer --few-shot, or a model with a longer context")
         scored.append((bench, part_requests))
-    return Prepared(backbone, scored)
+    return Prepared(backbone, scored, {part.name: n for _, parts in jobs for part, _, n in parts})
 
 
 def run(req: BenchRequest, prepared: Optional[Prepared] = None) -> dict:
@@ -76,7 +85,7 @@ def run(req: BenchRequest, prepared: Optional[Prepared] = None) -> dict:
     model, scored = prepared.backbone.model, prepared.scored
     pad = type(model).pad_id(prepared.backbone.tokenizer)
     batch_size = req.batch_size or loglik.auto_batch_size(model, [r for _, p in scored for _, _, rs in p for r in rs])
-    results, samples, started = {}, {}, time.time()
+    scored_sections, logged, started = [], {}, time.time()
     for bench, part_requests in scored:
         total = sum(len(q) for _, q, _ in part_requests)
         rows = {}
@@ -85,31 +94,32 @@ def run(req: BenchRequest, prepared: Optional[Prepared] = None) -> dict:
                 per_choice = len(reqs) / max(len(qs), 1)
                 scores, batch_size = _score(model, reqs, pad, batch_size, not req.batch_size, advance, per_choice)
                 rows[part.name] = report.per_question(qs, scores)
-                samples[part.name] = len(qs)
-        if bench.subjects and not bench.subject:
-            categories = {f"{bench.name}_{s}": c for s, c in bench.subjects.items()}
-            results.update(report.grouped(bench.name, rows, categories))
-        else:
-            results[bench.name] = {"alias": bench.name, **report.metrics(rows[bench.name])}
-    payload = {
-        "results": {**(req.tasks or {}), **results},
-        "n-samples": {**{k: int(v["n,none"]) for k, v in (req.tasks or {}).items() if "n,none" in v}, **samples},
-        "config": {
-            "model": str(req.checkpoint),
-            "num_fewshot": req.few_shot,
-            "limit": req.limit or None,
-            "batch_size": req.batch_size or "auto",
-            "batch_sizes": [batch_size],
-            "device": req.device,
-            "seconds": round(time.time() - started, 1),
-        },
+                logged[part.name] = report.samples(qs, rows[part.name])
+        scored_sections.append(report.benchmark(bench, rows, prepared.original, req.few_shot))
+    payload = report.joined(req.tasks or {}, *scored_sections)
+    payload["config"] = {
+        "model": str(req.checkpoint),
+        "num_fewshot": req.few_shot,
+        "limit": req.limit or None,
+        "batch_size": req.batch_size or "auto",
+        "batch_sizes": [batch_size],
+        "device": req.device,
+        "seconds": round(time.time() - started, 1),
     }
     out = req.out or _default_out(req)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
+    written = [out]
+    if req.log_samples:  # lm-eval's --log_samples: a file of every question of each task beside the results
+        for name, lines in logged.items():
+            path = out.with_name(f"{out.stem}_samples_{name}.jsonl")
+            path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+            written.append(path)
     if not req.quiet:
-        show(results, req.names)
-        console.print(f"wrote {out}")
+        show({k: v for s in scored_sections for k, v in s["results"].items()}, req.names)
+        console.print(
+            f"wrote {', '.join(map(str, written[:3]))}" + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+        )
     return payload
 
 
@@ -155,10 +165,10 @@ def show(results: dict, names: list[str]) -> None:
         if r["alias"].startswith("  - ") and len(results) > 12:
             continue  # subjects of a whole benchmark: in the JSON, not on the screen
         table.add_row(
-            r["alias"],
-            f"{100 * r['acc,none']:.2f}",
-            f"{100 * r['acc_stderr,none']:.2f}",
-            f"{100 * r['acc_norm,none']:.2f}",
-            f"{100 * r['acc_norm_stderr,none']:.2f}",
+            r["alias"], *(_pct(r[k]) for k in ("acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"))
         )
     console.print(table)
+
+
+def _pct(value) -> str:
+    return f"{100 * value:.2f}" if isinstance(value, (int, float)) else str(value)

@@ -37,6 +37,7 @@ FIELDS = {
     "description",
     "subjects",
     "labels",
+    "version",
 }
 
 
@@ -60,6 +61,7 @@ class Benchmark:
     data: str = ""  # where the files are when --data is not given (a directory)
     subjects: dict[str, str] = field(default_factory=dict)  # subject -> category (a benchmark with subjects)
     subject: str = ""  # set on one subject's Benchmark
+    version: float = 1.0  # the benchmark's version, as lm-evaluation-harness's results file records it
 
     @property
     def parts(self) -> list["Benchmark"]:
@@ -149,6 +151,8 @@ def _check_types(path: Path, raw: dict) -> None:
                 isinstance(value, list) and all(isinstance(v, str) for v in value) and (bool(value) or key != "choices")
             )
             kind = "a list of templates, one per choice" if key == "choices" else "a list of column names"
+        elif key == "version":
+            ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         else:
             ok, kind = isinstance(value, str), "a text"
         if not ok:
@@ -165,6 +169,8 @@ class Question:
     context: str
     choices: list[str]
     gold: int
+    doc: dict = field(default_factory=dict)  # the row it was rendered from (--log-samples writes it)
+    delimiter: str = " "  # between the context and a choice
 
 
 def _environment():
@@ -293,7 +299,7 @@ def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> li
     out = []
     for row in rows:
         context, choices, gold = render.question(row)
-        out.append(Question(header + shots + context, choices, gold))
+        out.append(Question(header + shots + context, choices, gold, row.fields, bench.target_delimiter))
     return out
 
 

@@ -33,7 +33,10 @@ def eval_(
     checkpoint: Optional[Path] = CHECKPOINT,
     data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's."),
     batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
-    limit: int = typer.Option(0, help="A seeded, class-balanced sample of N examples of each split (0: all)."),
+    limit: int = typer.Option(
+        0,
+        help="Classification: a seeded, class-balanced sample of N examples of each split; generative tasks and benchmarks: the first N (0: all).",
+    ),
     out: Optional[Path] = typer.Option(
         None, help="Write the report (or the MAE picture) here [default: beside the run, eval-<what>.json]."
     ),
@@ -58,6 +61,11 @@ def eval_(
     ),
     batch_size: str = typer.Option(
         "16", help="Benchmarks: rows scored at once, or auto (the most the free memory holds, halved on out-of-memory)."
+    ),
+    log_samples: bool = typer.Option(
+        False,
+        "--log-samples",
+        help="Benchmarks: also write each question's choices, log-likelihoods and prediction (lm-eval's --log_samples), a JSON Lines file per benchmark beside the results.",
     ),
     reward: Optional[str] = typer.Option(
         None,
@@ -101,9 +109,10 @@ def eval_(
             out,
             str(pick_device(device or "auto")),
             quiet,
+            log_samples=log_samples,
         )
         prepared = bench_run.prepare(req)  # every benchmark read, encoded and fitted before a task runs
-        scored = {}
+        scored = bench_report.sections()
         for name in tasks:  # tasks of their own (gsm8k, mnli) beside the benchmarks: their own scorers
             key, settings, defaults = task_target(name)
             options = EvalOptions(
@@ -115,10 +124,12 @@ def eval_(
                 named_code=code,
             )
             report = evaluate(newest(checkpoint), key, settings, options, defaults)
-            scored.update(bench_report.task_results(name, report))
+            scored = bench_report.joined(scored, bench_report.task_results(name, report, max(few_shot, 0)))
         bench_run.run(replace(req, tasks=scored), prepared)
         return
 
+    if log_samples:
+        raise UserError("--log-samples writes benchmarks' questions (tfcli eval piqa,mmlu ...); a task writes its own")
     if (premise is None) != (hypothesis is None):
         raise UserError("give both --premise and --hypothesis, or neither")
     check_device(device)

@@ -160,7 +160,7 @@ class SFT(Plugin):
             build,
             data,
             need_train,
-            summary if say and self.rt.is_main and not self.quiet else None,
+            (summary if need_train else questions_summary) if say and self.rt.is_main and not self.quiet else None,
         )
 
     def setup(self, recipe, backbone) -> Job:
@@ -395,6 +395,11 @@ def summary(split: str, examples: Examples, where: str) -> str:
         summary_line(f"sft {split}", len(examples.examples), "examples", examples.skipped, where)
         + f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)"
     )
+
+
+def questions_summary(split: str, examples: Examples, where: str) -> str:
+    """An evaluation's line: its questions (nothing is trained)."""
+    return summary_line(f"sft {split}", len(examples.examples), "questions", examples.skipped, where)
 
 
 def preview(tok, example, colour: Optional[bool] = None) -> Text:
