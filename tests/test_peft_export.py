@@ -102,3 +102,30 @@ def test_runs_that_are_not_lora_text_runs_are_refused(hf_llama, mnli_dir, tmp_pa
         assert result.exit_code == 0, result.output
         refused = invoke("export", "--checkpoint", run, "--peft", tmp_path / "out")
         assert refused.exit_code == 2 and message in refused.output and not (tmp_path / "out").exists()
+
+
+def test_adapters_over_a_gguf_base_name_its_transformers_export_and_auto_peft_loads_them(tmp_path):
+    from .test_gguf import chat_gguf_file
+
+    class Factory:
+        def mktemp(self, name):
+            (tmp_path / name).mkdir()
+            return tmp_path / name
+
+    gguf = chat_gguf_file(Factory(), max_seq_len=128)
+    rows = [{"prompt": f"What is {a} plus {b}?", "completion": f"It is {a + b}."} for a in range(5) for b in range(4)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "lora"
+    args = ["finetune", "sft", "--from", gguf, "--data", tmp_path / "rows.jsonl", "--train", "lora", "--steps", 2]
+    result = invoke(*args, "--lr", 0.05, "--out", run, "--quiet", "--set", "sft.generate_limit=1")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "adapter"
+    result = invoke("export", "--checkpoint", run, "--peft", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "adapter-base").resolve())
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(out).eval()  # the pair loads by itself
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = from_run(run).model
+    with torch.no_grad():
+        assert (theirs(ids).logits - ours.logits(ours(ids))).abs().max() < 1e-4

@@ -83,7 +83,7 @@ def train(req: RunRequest) -> tuple[Path, list[str]]:
         recipe = resolve_schedule(recipe, job, rt)
         if ckpt is not None:
             recipe = keep_global_batch(recipe, ckpt, rt)
-        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, measured_so_far(rt), resumed=ckpt is not None)
+        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, measured_so_far(rt), resumed=ckpt)
         module = trained_module(recipe, job, backbone.model)
         trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
         if ckpt is not None:
@@ -145,11 +145,16 @@ def dry_run(req: RunRequest) -> memory.Plan:
         job = with_benchmarks(plugin.setup(recipe, backbone), recipe, backbone, rt, benchmarks)
         recipe = resolve_schedule(recipe, job, rt)
         copies = reading_copies(source, ckpt)
-        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, copies, resumed=ckpt is not None, dry_run=True)
+        recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, copies, resumed=ckpt, dry_run=True)
     finally:
         teardown(rt)
     if rt.is_main:
-        display.plan_table(plan, f"memory plan of {recipe.name} ({recipe.train.steps:,} steps): nothing trained")
+        model = (
+            f"{Path(source).name} (recipe {recipe.name})"
+            if source
+            else f"a new {recipe.model.family} (recipe {recipe.name})"
+        )
+        display.plan_table(plan, f"memory plan of {model}, {recipe.train.steps:,} steps: nothing trained")
         if note:
             console.print(f"[yellow]note:[/] {note}")
     return plan
@@ -172,16 +177,18 @@ def fit_memory(
     model: nn.Module,
     rt: Runtime,
     reading: float,
-    resumed: bool = False,
+    resumed: Optional[Path] = None,
     dry_run: bool = False,
 ) -> tuple[Recipe, memory.Plan, str]:
     """The run's memory plan, and the recipe with what it chose: train.activation_checkpointing auto
     resolved, and micro-batches when train.memory_limit needs them (a one-line error when nothing fits,
-    before the run directory exists). A resumed run keeps what it chose when it started."""
+    before the run directory exists). A resumed run (`resumed`: its checkpoint) keeps what it chose when
+    it started, and its plan counts reading that checkpoint."""
     t = recipe.train
     if memory.parse_limit(t.memory_limit) and rt.device.type == "cpu" and not dry_run:
         memory.follow_the_plan()  # before the probes: their activations must not stay resident in the heap
-    plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run)
+    restoring = checkpoint.tensor_file_bytes(resumed) if resumed is not None else 0.0
+    plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run, restoring)
     limit = 0.0 if resumed else memory.limit_of(t.memory_limit, capacity)
     plan, note = memory.choose(plans, t.batch_size, t.activation_checkpointing, t.micro_batch_size, limit)
     memory.returned_to_os()  # what the probes freed, back to the system before training takes its own
@@ -247,8 +254,7 @@ def starting_model(
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
     if req.recipe.finetune is not None:
         adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
-    if not shapes_only:
-        refuse_what_cannot_fit(source, req.recipe, plugin, rt)
+    refuse_what_cannot_fit(source, req.recipe, plugin, rt)  # a dry run too: the same refusal, at the same point
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
 
 

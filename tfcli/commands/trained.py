@@ -208,8 +208,9 @@ def export(
         from ..engine.backbone import recorded
         from ..engine.checkpoint import run_dir_of
 
-        base = recorded(run_dir_of(backbone.checkpoint)).get("from") or "(the run's base model)"
-        loads_with = interop.export_peft(backbone, backbone.recipe, base, peft)
+        record = recorded(run_dir_of(backbone.checkpoint))
+        base = record.get("from_checkpoint") or record.get("from") or "(the run's base model)"
+        loads_with = interop.export_peft(backbone, backbone.recipe, base, peft, lambda: for_inference(base))
         console.print(f"wrote LoRA adapters to {peft}\nload them with:  {loads_with}", soft_wrap=True)
     if hf is not None:
         arch, loads_with = interop.export(backbone, backbone.recipe, hf)

@@ -256,6 +256,12 @@ def chosen(path: Path, ckpt: Path) -> str:
     return f"reading {ckpt.name}, the best checkpoint of {path} (its latest is {latest})"
 
 
+def tensor_file_bytes(ckpt: Path) -> int:
+    """The bytes of a checkpoint's tensors (weights and optimizer states; an FSDP run's shards): what
+    resuming from it reads into memory."""
+    return sum(p.stat().st_size for p in Path(ckpt).rglob("*.safetensors"))
+
+
 def verify(ckpt: Path, training_state: bool = True) -> None:
     """Every file of a checkpoint present and readable (safetensors headers, JSON): checked before a
     run that resumes from it writes anything."""

@@ -172,7 +172,10 @@ class Plan:
 
 
 def gb(n: float) -> str:
-    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+    """Bytes for a person: GB, MB, or kB below a megabyte (a 1 KB limit is not "0 MB")."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GB"
+    return f"{n / 2**20:.0f} MB" if n >= 2**20 or n == 0 else f"{n / 2**10:.0f} kB"
 
 
 # --- what the process and the device have ---------------------------------------------------------
@@ -551,11 +554,12 @@ def first_batch(source, rows: int, seed: int, length: int, device: torch.device)
 READ_COPIES = {"gguf": 2.6, "other": 2.0}
 
 
-def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False):
+def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, restoring: float = 0.0):
     """-> (plans(checkpointing, micro_batch) -> Plan, what the device has for this process), for the run
     about to start: `model` is the backbone (real, or on the meta device for --dry-run); `reading` the
     measured peak so far (bytes), or for a dry run the copies of the weights reading holds at once
-    (READ_COPIES; 0 for a fresh model, which is not read)."""
+    (READ_COPIES; 0 for a fresh model, which is not read); `restoring`: the bytes of the checkpoint a
+    resumed run reads, which it holds at once with the model and its new optimizer states."""
     from .. import adapters
     from .runtime import autocast_context
     from .trainer import ObjectiveModule, build_optimizer
@@ -600,12 +604,13 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False):
         if rt.strategy.name == "ddp":  # DDP's buckets hold a second copy of the gradients
             figures = dataclasses.replace(figures, step=figures.step + grads)
         figures = per_process(figures, rt.strategy.name, rt.world_size)
+        restored = runtime + held + figures.optimizer + restoring if restoring else 0.0
         return Plan(
             figures=figures,
             other_step=other,
             gradients=grads,
             runtime=runtime,
-            reading=reading,
+            reading=max(reading, restored),
             checkpointing=checkpointing,
             micro_batch=micro,
             rows=length if recipe.model.family in TEXT_FAMILIES else 0,

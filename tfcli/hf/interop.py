@@ -103,21 +103,22 @@ def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     return spec.config["model_type"]
 
 
-def export_peft(backbone, recipe, base: str, out: Path) -> str:
-    """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it."""
+def export_peft(backbone, recipe, base: str, out: Path, read_base=None) -> str:
+    """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it.
+    A base transformers cannot name in adapter_config.json (a GGUF file, a tfcli run) is first written
+    as a transformers directory beside the adapters (OUT-base, `read_base()` reading it), and the
+    adapters name that: peft's AutoPeftModel then loads the pair by itself."""
     module = family_module(backbone, "export --peft")
-    peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
     auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(
         backbone.model.kind, "AutoModel"
     )
-    if gguf.is_gguf(base):
-        load = f"transformers.{auto}.from_pretrained({str(Path(base).parent)!r}, gguf_file={Path(base).name!r})"
-    elif (Path(base) / "config.json").is_file() or not Path(base).exists():  # a directory, or a hub id
-        load = f"transformers.{auto}.from_pretrained({base!r})"
-    else:  # a tfcli run: transformers reads its export
-        exported = f"{out}-base"
-        return (
-            f"tfcli export --checkpoint {base} --hf {exported}, then peft.PeftModel.from_pretrained("
-            f"transformers.{auto}.from_pretrained({exported!r}), {str(out)!r})"
-        )
-    return f"peft.PeftModel.from_pretrained({load}, {str(out)!r})"
+    loadable = not gguf.is_gguf(base) and ((Path(base) / "config.json").is_file() or not Path(base).exists())
+    if not loadable:  # a GGUF or a tfcli run: its transformers export, beside the adapters
+        check_writable(Path(f"{out}-base"))
+        peft.check(backbone, recipe, module.rules(backbone.cfg), Path(out))
+        base_backbone = read_base()
+        export(base_backbone, base_backbone.recipe, Path(f"{out}-base"))
+        base = str(Path(f"{out}-base").resolve())
+    peft.export(backbone, recipe, module.rules(backbone.cfg), base, Path(out))
+    load = f"transformers.{auto}.from_pretrained({base!r})"
+    return f"peft.PeftModel.from_pretrained({load}, {str(out)!r})  (or peft.AutoPeftModel{auto[len('AutoModel') :]}.from_pretrained({str(out)!r}))"

@@ -46,8 +46,19 @@ def adapter_tensors(model, rules) -> tuple[dict[str, Tensor], set[str]]:
     return tensors, modules
 
 
+def check(backbone, recipe, rules, out: Path) -> None:
+    """Everything export refuses, checked before a base is written beside the adapters."""
+    _adapters(backbone, recipe, rules, out)
+
+
 def export(backbone, recipe, rules, base: str, out: Path) -> None:
     """Write the run's LoRA adapters as a PEFT directory over `base` (the run's --from model)."""
+    tensors, modules = _adapters(backbone, recipe, rules, out)
+    write_peft(recipe, backbone, tensors, modules, base, out)
+
+
+def _adapters(backbone, recipe, rules, out: Path):
+    """The run's PEFT tensors and target modules; a one-line refusal for a run that has none."""
     ft = recipe.finetune if recipe is not None else None
     if ft is None or ft.train not in ("lora", "qlora"):
         raise UserError(
@@ -63,6 +74,10 @@ def export(backbone, recipe, rules, base: str, out: Path) -> None:
     tensors, modules = adapter_tensors(backbone.model, rules)
     if not tensors:
         raise UserError("export --peft: this run has no LoRA adapters")
+    return tensors, modules
+
+
+def write_peft(recipe, backbone, tensors: dict, modules: set, base: str, out: Path) -> None:
     a = recipe.adapter
     config = {
         "peft_type": "LORA",
