@@ -582,6 +582,16 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
 
     cache: dict = {}
 
+    def after_probes() -> float:
+        """The process once the probes have run a training step and freed it: what the compute libraries
+        keep from their first step (thread pools, kernels' buffers), which a lean process (a resumed run)
+        has not paid for when the plan starts."""
+        import gc
+
+        gc.collect()
+        returned_to_os()
+        return resident_bytes() - held
+
     def plans(checkpointing: bool, micro: int, both: bool = dry_run) -> Plan:
         def measured(ckpt: bool, rows: int):
             if (ckpt, rows) not in cache:
@@ -601,15 +611,16 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
 
         figures, grads = measured(checkpointing, micro)
         other = measured(not checkpointing, micro)[0].step if both else float("nan")
+        process = runtime if on_gpu or dry_run else max(runtime, after_probes())
         if rt.strategy.name == "ddp":  # DDP's buckets hold a second copy of the gradients
             figures = dataclasses.replace(figures, step=figures.step + grads)
         figures = per_process(figures, rt.strategy.name, rt.world_size)
-        restored = runtime + held + figures.optimizer + restoring if restoring else 0.0
+        restored = process + held + figures.optimizer + restoring if restoring else 0.0
         return Plan(
             figures=figures,
             other_step=other,
             gradients=grads,
-            runtime=runtime,
+            runtime=process,
             reading=max(reading, restored),
             checkpointing=checkpointing,
             micro_batch=micro,
