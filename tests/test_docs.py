@@ -44,3 +44,24 @@ def test_the_readme_is_a_short_front_door_that_links_to_existing_pages():
     links = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]+)", text)
     assert len(links) > 10
     assert [link for link in links if not (REPO / link).is_file()] == []
+
+
+def test_every_documented_error_is_what_tfcli_prints(tmp_path, monkeypatch):
+    """`$ tfcli ...` followed by `error: ...` in the README and the docs: the command, run in an empty
+    directory, prints that line exactly (the allowed keys of an unknown field went out of date once)."""
+    import re
+    import shlex
+
+    from .conftest import invoke
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    pairs = [
+        (command, error)
+        for page in pages
+        for command, error in re.findall(r"^\$ tfcli (.+)\n(error: .+)$", page.read_text(), re.M)
+    ]
+    assert len(pairs) >= 3, pairs
+    monkeypatch.chdir(tmp_path)
+    for command, error in pairs:
+        result = invoke(*shlex.split(command))
+        assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == error, (command, result.output)

@@ -403,3 +403,18 @@ def test_a_piped_evaluation_prints_progress_lines_and_counts_questions(tmp_path,
     )
     assert asked.exit_code == 0, asked.output
     assert "sft test: 1 questions from" in asked.output and "tokens trained" not in asked.output
+
+
+def test_chat_says_reset_and_a_data_folder_with_test_and_no_dev_is_taken(tmp_path, char_model):
+    chat = invoke(
+        "chat", "--checkpoint", char_model, "--chat-template", "chatml", "--max-new-tokens", 1, input="hi\n/reset\n"
+    )
+    assert chat.exit_code == 0 and "[conversation reset]" in chat.output, chat.output
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", QA)
+    write_jsonl(folder / "test.jsonl", QA[:4])
+    for task in (["grpo", "--reward", "contains", "--set", "grpo.max_completion_length=8"], ["sft"]):
+        result = invoke("finetune", *task, "--from", char_model, "--data", folder, "--steps", 1, "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert "test.jsonl" in result.output, result.output

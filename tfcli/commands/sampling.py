@@ -179,6 +179,8 @@ def chat_command(
             return
         if line.strip() == "/reset":
             messages = list(start)
+            kept = " (the system message kept)" if start else ""
+            sys.stdout.write(f"[conversation reset{kept}]\n")
             continue
         if not line.strip():
             continue

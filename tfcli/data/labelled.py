@@ -18,7 +18,7 @@ from ..errors import UserError, listing, short
 from .sources import load_hub_dataset
 from .tables import EXTENSIONS, columns, read_table
 
-SPLIT_ALIASES = {"dev": ("dev", "validation", "val")}
+SPLIT_ALIASES = {"dev": ("dev", "validation", "val", "test")}  # a held-out split by any of its usual names
 
 
 @dataclass(frozen=True)
