@@ -611,7 +611,7 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
 
         figures, grads = measured(checkpointing, micro)
         other = measured(not checkpointing, micro)[0].step if both else float("nan")
-        process = runtime if on_gpu or dry_run else max(runtime, after_probes())
+        process = runtime if on_gpu else max(runtime, after_probes())
         if rt.strategy.name == "ddp":  # DDP's buckets hold a second copy of the gradients
             figures = dataclasses.replace(figures, step=figures.step + grads)
         figures = per_process(figures, rt.strategy.name, rt.world_size)
