@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,9 +45,9 @@ class RunRequest:
     """What a training command asks for."""
 
     recipe: Recipe
-    source: Optional[str] = None  # --from: a tfcli run or a Hugging Face directory
-    out: Optional[Path] = None
-    resume: Optional[Path] = None  # a run directory to continue
+    source: str | None = None  # --from: a tfcli run or a Hugging Face directory
+    out: Path | None = None
+    resume: Path | None = None  # a run directory to continue
     quiet: bool = False
     dry_run: bool = False  # print the memory plan and stop: nothing trained or written
     named_code: frozenset[str] = frozenset()  # file.py:function the command line names (plugin.EvalOptions)
@@ -160,7 +160,7 @@ def dry_run(req: RunRequest) -> memory.Plan:
     return plan
 
 
-def reading_copies(source: Optional[str], ckpt: Optional[Path]) -> float:
+def reading_copies(source: str | None, ckpt: Path | None) -> float:
     """How many copies of its fp32 weights a run holds while reading them (a dry run's estimate)."""
     from .hf import gguf
 
@@ -177,7 +177,7 @@ def fit_memory(
     model: nn.Module,
     rt: Runtime,
     reading: float,
-    resumed: Optional[Path] = None,
+    resumed: Path | None = None,
     dry_run: bool = False,
 ) -> tuple[Recipe, memory.Plan, str]:
     """The run's memory plan, and the recipe with what it chose: train.activation_checkpointing auto
@@ -185,8 +185,8 @@ def fit_memory(
     before the run directory exists). A resumed run (`resumed`: its checkpoint) keeps what it chose when
     it started, and its plan counts reading that checkpoint."""
     t = recipe.train
-    if memory.parse_limit(t.memory_limit) and rt.device.type == "cpu" and not dry_run:
-        memory.follow_the_plan()  # before the probes: their activations must not stay resident in the heap
+    if rt.device.type == "cpu" and not dry_run:  # before the probes: their activations must not stay resident
+        memory.follow_the_plan(limited=bool(memory.parse_limit(t.memory_limit)))
     restoring = checkpoint.tensor_file_bytes(resumed) if resumed is not None else 0.0
     plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run, restoring)
     limit = 0.0 if resumed else memory.limit_of(t.memory_limit, capacity)
@@ -241,8 +241,8 @@ def check_streaming(recipe: Recipe, plugin: Plugin) -> None:
 
 
 def starting_model(
-    req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Optional[Path], shapes_only: bool = False
-) -> tuple[Optional[str], Backbone]:
+    req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Path | None, shapes_only: bool = False
+) -> tuple[str | None, Backbone]:
     """(where the weights come from, the backbone): --from (a hub id resolved), or the resumed run's
     own record of it; the backbone read from there, or from the checkpoint being resumed (shapes_only:
     on the meta device, for a memory plan)."""
@@ -258,7 +258,7 @@ def starting_model(
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
 
 
-def refuse_what_cannot_fit(source: Optional[str], recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
+def refuse_what_cannot_fit(source: str | None, recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
     """Before the weights or the data are read: a run whose weights, frozen reference copy, gradients
     and optimizer states alone pass train.memory_limit stops in one line (a model too large for the
     machine is refused, not killed while it is read; the full plan, which needs a batch of the data,
@@ -305,7 +305,7 @@ def runtime_for(req: RunRequest) -> Runtime:
     return rt
 
 
-def resumed_threads(run: Optional[Path]) -> int:
+def resumed_threads(run: Path | None) -> int:
     """The CPU threads a resumed run trained with (0: choose anew): the same count gives the same
     floating-point sums, so the run continues bit for bit whatever else the machine now runs."""
     if (
@@ -346,13 +346,13 @@ def recipe_with(recipe: Recipe, section: str, **values) -> Recipe:
     return recipes.replace(recipe, **{section: recipes.replace(getattr(recipe, section), **values)})
 
 
-def saves_partial(recipe: Recipe, source: Optional[str]) -> bool:
+def saves_partial(recipe: Recipe, source: str | None) -> bool:
     """A finetuning run that trains part of a model it read from somewhere saves only that part (and
     the heads); loading it reads the base again (small checkpoints, as PEFT's)."""
     return recipe.finetune is not None and recipe.finetune.train != "all" and bool(source)
 
 
-def resume_point(run: Optional[Path]) -> Optional[Path]:
+def resume_point(run: Path | None) -> Path | None:
     """The checkpoint to resume from; None for a new run, or for a run stopped before its first
     checkpoint (it starts again from step 0 in the same directory)."""
     if run is None:
@@ -426,7 +426,7 @@ def write_run_files(
     rt: Runtime,
     backbone: Backbone,
     job: Job,
-    source: Optional[str],
+    source: str | None,
     parameters: dict[str, int],
     plan: memory.Plan,
 ) -> None:
@@ -442,7 +442,7 @@ def write_run_files(
             (run_dir / name).write_text(data)
 
 
-def run_record(run_dir: Path, source: Optional[str], backbone: Backbone, rt: Runtime) -> dict:
+def run_record(run_dir: Path, source: str | None, backbone: Backbone, rt: Runtime) -> dict:
     """The provenance of a run: its --from (absolute, and the checkpoint read when it is a tfcli
     run), command lines (one per session), versions, device."""
     import sys
@@ -473,7 +473,7 @@ def job_files(job: Job) -> dict[str, str]:
     return {**({backbones.LABELS_FILE: json.dumps(list(job.labels))} if job.labels else {}), **job.files}
 
 
-def new_run_dir(recipe: Recipe, out: Optional[Path]) -> Path:
+def new_run_dir(recipe: Recipe, out: Path | None) -> Path:
     """Where a new run goes: --out if it is absent or an empty directory, else runs/<recipe>-<time>
     (-2, -3, ... after it for another run of the recipe started within the same second; under torchrun
     rank 0's choice is broadcast)."""
@@ -500,7 +500,7 @@ def banner(
     module: ObjectiveModule,
     backbone: Backbone,
     run_dir: Path,
-    ckpt: Optional[Path],
+    ckpt: Path | None,
     rt: Runtime,
 ) -> str:
     n = sum(p.numel() for p in backbone.model.parameters())
@@ -545,10 +545,10 @@ def quantized_note(module: nn.Module) -> str:
 
 def evaluate(
     path: Path,
-    key: Optional[str],
+    key: str | None,
     settings: dict[str, Any],
     options: EvalOptions,
-    default_recipes: Optional[dict[str, str]] = None,
+    default_recipes: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """`tfcli eval [KEY] --checkpoint RUN`: the run's own plug-in's evaluation, or plug-in KEY's
     (e.g. k-shot MNLI of a pretrained GPT); `settings` override the plug-in's recipe section. A
@@ -577,7 +577,7 @@ def evaluate(
 
 def evaluate_pretrained(
     path: Path,
-    key: Optional[str],
+    key: str | None,
     settings: dict[str, Any],
     options: EvalOptions,
     default_recipes: dict[str, str],

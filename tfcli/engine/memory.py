@@ -19,8 +19,8 @@ import contextlib
 import copy
 import dataclasses
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +84,7 @@ class Figures:
     optimizer: float  # the optimizer's states
     step: float  # the peak of one micro-batch's forward, backward and update: activations, gradients, temporaries
 
-    def extrapolated(self, other: "Figures", blocks: tuple[int, int], to: int) -> "Figures":
+    def extrapolated(self, other: Figures, blocks: tuple[int, int], to: int) -> Figures:
         """self at blocks[0], other at blocks[1] -> the figures at `to` blocks (each linear in blocks)."""
         a, b = blocks
         return Figures(
@@ -206,12 +206,12 @@ def device_capacity(device: torch.device, local_processes: int = 1) -> float:
     return (available + resident_bytes() * local_processes) / local_processes
 
 
-def available_ram() -> Optional[float]:
+def available_ram() -> float | None:
     """The memory the system could give now (Linux's MemAvailable), or None where it does not say."""
     return _proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
-def _proc_bytes(path: str, key: str) -> Optional[float]:
+def _proc_bytes(path: str, key: str) -> float | None:
     """A 'Key:  N kB' line of a Linux /proc file, in bytes (None elsewhere)."""
     try:
         for line in open(path):
@@ -516,22 +516,24 @@ def returned_to_os() -> None:
 
 
 MMAP_THRESHOLD = 1 << 20  # with a memory limit on the CPU: blocks from 1 MB up are mapped and unmapped
+DEFAULT_MMAP_THRESHOLD = 32 << 20  # without one: glibc's own ceiling, fixed from the start
 
 
-def follow_the_plan() -> bool:
-    """With train.memory_limit set on the CPU, make resident memory follow the tensors the plan counts.
-    glibc raises its mmap threshold (to 32 MB) after the first large block is freed, and from then on
-    serves activations from its heap, where freed blocks stay resident between differently sized ones:
-    SmolLM2 full SFT with recomputation (8 x 512) held 4.9 GB resident for 3.0 GB of tensors and
-    process. A fixed 1 MB threshold maps and unmaps every large block instead (peak 3.0 GB), at the cost
-    of the kernel zeroing fresh pages: about a quarter slower a step on this 2-core CPU, so only when
-    a limit asks for it. Returns whether the allocator took the setting (glibc only)."""
+def follow_the_plan(limited: bool = True) -> bool:
+    """Make resident memory on the CPU follow the tensors the plan counts. glibc raises its mmap
+    threshold (to 32 MB) after the first large block is freed and its trim threshold with it (to 64
+    MB), and from then on serves activations from a heap that keeps what is freed resident: SmolLM2 LoRA
+    SFT with recomputation (8 x 512) held 3.04 GB for a 1.92 GB plan. A threshold set once stops both:
+    at 32 MB (the default here; glibc's own ceiling) the heap's top is given back as it frees, 2.22 GB
+    at the same speed; with train.memory_limit set (`limited`), 1 MB maps and unmaps every large block,
+    1.82 GB, at the cost of the kernel zeroing fresh pages (18% a step there, up to 43% for full SFT),
+    so only when a limit asks for it. Returns whether the allocator took the setting (glibc only)."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD if limited else DEFAULT_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 
