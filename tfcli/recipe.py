@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.resources
 import math
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -29,7 +30,9 @@ from . import registry
 from .errors import UserError
 from .models import FAMILIES
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+RECIPES_DIR = Path(
+    str(importlib.resources.files("tfcli.recipes"))
+)  # recipes/ of the checkout, installed as tfcli.recipes
 # field metadata: a path (or comma-separated paths) that a run records absolute, so that it names the
 # same file from any directory; CODE: a list whose file.py:function parts are (a GRPO reward)
 PATH = {"path": "path"}
@@ -46,7 +49,7 @@ def require(ok: bool, field: str, expected: str, value: Any) -> None:
 _POWERS = {"": 0, "b": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def parse_limit(text) -> Optional[float]:
+def parse_limit(text) -> float | None:
     """'auto' -> None; '0' -> 0 (no limit); '4GB', '4G', '3.5GiB', '4000MB' -> bytes (K, M, G and T
     with or without B or iB are powers of 1024, as memory is sold)."""
     text = str(text).strip().lower()
@@ -279,8 +282,8 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    finetune: Optional[FinetuneConfig] = None  # task recipes only
-    adapter: Optional[AdapterConfig] = None  # task recipes only
+    finetune: FinetuneConfig | None = None  # task recipes only
+    adapter: AdapterConfig | None = None  # task recipes only
     settings: Any = None  # the plug-in's own section, written under its key (e.g. `mlm:`)
     # task recipes: per finetune.train, the fields it changes (`lora: {optim.lr: 1.0e-3, ...}`), applied
     # when the recipe is read unless an override sets them; a run's saved config.yaml has them applied
@@ -325,7 +328,7 @@ def shipped_recipes(pattern: str, families: tuple[str, ...]) -> dict[str, str]:
     return {f: n for f, n in names.items() if (RECIPES_DIR / f"{n}.yaml").is_file()}
 
 
-def load(name_or_path: str, overrides: Optional[dict[str, Any]] = None) -> Recipe:
+def load(name_or_path: str, overrides: dict[str, Any] | None = None) -> Recipe:
     """Read a recipe (following `extends:`), apply dotted-path overrides, validate everything."""
     return from_dict(load_raw(name_or_path), overrides)
 
@@ -401,7 +404,7 @@ def _anchor(part: str, base: Path) -> str:
     return str(beside.resolve()) if beside.exists() else part
 
 
-def from_dict(raw: dict, overrides: Optional[dict[str, Any]] = None) -> Recipe:
+def from_dict(raw: dict, overrides: dict[str, Any] | None = None) -> Recipe:
     """A recipe from plain data with dotted-path overrides; relative paths that exist from the working
     directory are made absolute (a run records where its files are, and is read from anywhere)."""
     raw = _deepcopy(raw)
