@@ -18,8 +18,8 @@ import os
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.common import ROOT
 

@@ -224,7 +224,7 @@ def test_the_three_references_give_the_same_loss_on_lora():
     )
     torch.manual_seed(2)
     with torch.no_grad():
-        for n, p in backbone.model.named_parameters():
+        for p in backbone.model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)  # trained adapters: the policy is no longer the base
     model, cfg = backbone.model.eval(), DPOConfig(beta=0.2)

@@ -26,7 +26,7 @@ def _dataclass(section: str):
 @pytest.mark.parametrize("command", [pretrain, finetune], ids=["pretrain", "finetune"])
 def test_every_shortcut_flag_is_a_recipe_field_of_its_type(command):
     assert command.recipe_flags
-    for name, path in command.recipe_flags.items():
+    for path in command.recipe_flags.values():
         section, field = path.split(".")
         hints = typing.get_type_hints(_dataclass(section))
         assert field in {f.name for f in dataclasses.fields(_dataclass(section))}, path

@@ -53,7 +53,8 @@ def sft_lora(tmp_path_factory, chat_model):
     return tmp / "run"
 
 
-def logits_of(model, ids=torch.arange(3, 19).view(2, 8)):
+def logits_of(model, ids=None):
+    ids = torch.arange(3, 19).view(2, 8) if ids is None else ids
     with torch.no_grad():
         return model.logits(model(ids))
 

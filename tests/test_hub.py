@@ -97,7 +97,7 @@ def test_smollm2s_hub_id_reads_a_cached_llama_and_is_one_line_when_absent(tmp_pa
     result = invoke("generate", "--checkpoint", hub_id, "--chat", "--prompt", "hi", "--greedy", "--max-new-tokens", 3)
     assert result.exit_code == 0, result.output
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join('{"prompt": "2+%d?", "completion": "%d"}\n' % (i, 2 + i) for i in range(20)))
+    rows.write_text("".join(f'{{"prompt": "2+{i}?", "completion": "{2 + i}"}}\n' for i in range(20)))
     result = invoke(
         "finetune",
         "sft",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from .models.blocks import MLP, Attention, linear
 from .recipe import AdapterConfig
 
 
-def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> Optional[tuple[tuple[str, int], ...]]:
+def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
     """The parts a block's linear holds and their widths, in output order (None for a linear outside
     the blocks): an attention's layout (grouped-query attention's k and v narrower than q), or the
     MLP's one part."""
@@ -176,7 +175,7 @@ def check_base(method: str, pretrained: bool) -> None:
         )
 
 
-def apply(model: nn.Module, method: str, cfg: Optional[AdapterConfig]) -> int:
+def apply(model: nn.Module, method: str, cfg: AdapterConfig | None) -> int:
     """Swap adapters into the model's block linears (lora, ia3) and freeze what the method does not
     train; return how many linears were adapted. The caller keeps the task's heads trainable."""
     if method == "all":

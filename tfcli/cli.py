@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import typer
 from typer._click import exceptions as click_errors  # typer vendors click
@@ -54,7 +53,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    version: Optional[bool] = typer.Option(
+    version: bool | None = typer.Option(
         None, "--version", callback=_version, is_eager=True, help="Print tfcli's version and exit."
     ),
 ):

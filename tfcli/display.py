@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
 
 from rich.console import Console
 from rich.progress import (
@@ -58,7 +57,7 @@ def _fmt(key: str, v) -> str:
 
 
 @contextlib.contextmanager
-def phase(label: str, total: Optional[float] = None, unit: str = ""):
+def phase(label: str, total: float | None = None, unit: str = ""):
     """A labelled spinner with the elapsed time while a slow step runs (reading data, training a
     tokenizer, tokenizing, evaluating...); with a known `total` (bytes, rows, batches) a bar with the
     share done and the time left. Yields advance(n) for the caller to report progress with. Output

@@ -5,7 +5,7 @@ loop serves both; only how the next logits are computed differs.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +16,7 @@ from .models.blocks import product_by_slices
 
 
 def sample_next(
-    logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
+    logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> Tensor:
     """(B, V) logits of the last position -> (B,) next ids. temperature 0 means greedy."""
     if temperature <= 0:
@@ -71,14 +71,14 @@ class ColumnSplitHead:
 
 @torch.no_grad()
 def sampling_loop(
-    next_logits: Callable[[Optional[Tensor]], Tensor],
+    next_logits: Callable[[Tensor | None], Tensor],
     *,
     max_new_tokens: int,
     temperature: float,
     top_k: int,
     top_p: float,
-    eos_id: Optional[int],
-    seed: Optional[int],
+    eos_id: int | None,
+    seed: int | None,
     device: torch.device,
     stop_ids: Iterable[int] = (),
 ) -> Iterator[int]:
@@ -107,9 +107,9 @@ def generate_tokens(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: Optional[int] = None,
+    eos_id: int | None = None,
     use_cache: bool = True,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     stop_ids: Iterable[int] = (),
 ) -> Iterator[int]:
     """Yield new token ids for a decoder (`model(ids, caches) -> hidden`, `model.logits(hidden)`).
@@ -122,7 +122,7 @@ def generate_tokens(
     caches = model.new_caches(ctx) if use_cache else None
     logits = decode_logits(model, prompt.device)
 
-    def next_logits(previous: Optional[Tensor]) -> Tensor:
+    def next_logits(previous: Tensor | None) -> Tensor:
         nonlocal ids, caches
         pending = ids if previous is None else previous  # tokens the cache has not seen
         if previous is not None:
@@ -154,13 +154,13 @@ def generate_seq2seq(
     *,
     start_id: int,
     max_new_tokens: int,
-    attention_mask: Optional[Tensor] = None,
+    attention_mask: Tensor | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: Optional[int] = None,
+    eos_id: int | None = None,
     use_cache: bool = True,
-    seed: Optional[int] = None,
+    seed: int | None = None,
 ) -> Iterator[int]:
     """Yield new target ids for input_ids (1, S). The decoder starts from `start_id` (T5: pad) and
     may produce at most model.cfg.max_seq_len tokens; without the cache every step re-decodes all."""
@@ -170,7 +170,7 @@ def generate_seq2seq(
     dec = torch.full((input_ids.size(0), 1), start_id, dtype=torch.long, device=input_ids.device)
     logits = decode_logits(model, input_ids.device)
 
-    def next_logits(previous: Optional[Tensor]) -> Tensor:
+    def next_logits(previous: Tensor | None) -> Tensor:
         nonlocal dec
         if previous is not None:
             dec = torch.cat([dec, previous], dim=1)
@@ -202,7 +202,7 @@ def generate_batch(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     start_id: int = 0,
     pad_id: int = 0,
     keep_stop: bool = False,
@@ -269,7 +269,7 @@ def _rows_until_stop(
     steps: int,
     stop: set[int],
     sampling: dict,
-    seed: Optional[int],
+    seed: int | None,
     device,
     keep_stop: bool = False,
     finished: Callable[[bool], bool] = bool,
@@ -315,7 +315,7 @@ def stream(
     top_k: int,
     top_p: float,
     use_cache: bool = True,
-    seed: Optional[int] = None,
+    seed: int | None = None,
 ) -> Iterator[str]:
     """The text a run generates after `prompt`, piece by piece: a decoder continues the prompt (which
     comes first); an encoder-decoder encodes it once and answers (sentinels shown)."""
@@ -367,7 +367,7 @@ def reply(
     temperature: float,
     top_k: int,
     top_p: float,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     use_cache: bool = True,
 ) -> Iterator[str]:
     """A chat model's next turn, piece by piece: the conversation rendered by `template` (a

@@ -14,9 +14,10 @@ Losses and evaluations receive the model, the heads and a batch, never the train
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Optional
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -33,17 +34,17 @@ LossFn = Callable[[nn.Module, nn.ModuleDict, Batch], tuple[Tensor, dict[str, Ten
 class EvalOptions:
     """What `tfcli eval` was asked for, beyond the run."""
 
-    data: Optional[str] = None  # evaluate on this data instead of the run's
+    data: str | None = None  # evaluate on this data instead of the run's
     limit: int = 0  # a sample of N examples of each split
     batches: int = 0  # held-out batches for pretraining runs (0: the recipe's train.eval_batches)
-    out: Optional[Path] = None  # where to write a picture or report
+    out: Path | None = None  # where to write a picture or report
     inputs: tuple[str, ...] = ()  # classify one input (e.g. premise and hypothesis) instead of a split
     few_shot: int = -1  # >= 0: k-shot prompting of an un-finetuned decoder/encoder-decoder
     cloze: bool = False  # zero-shot: label words scored at a [MASK] by a BERT's MLM head
-    reference: Optional[str] = None  # preference evaluation: the model the rewards are measured against
+    reference: str | None = None  # preference evaluation: the model the rewards are measured against
     seed: int = 0
     device: str = "cpu"
-    precision: Optional[str] = None  # None: the run's own train.precision
+    precision: str | None = None  # None: the run's own train.precision
     quiet: bool = False
     # the user's own code this command's command line names (file.py:function, absolute): the only code
     # an evaluation may import (a GRPO run's reward function); a run records such names as data
@@ -64,14 +65,14 @@ class Job:
     heads: nn.ModuleDict  # what the plug-in adds to the backbone (trained with it, saved as heads.*)
     loss: LossFn  # (model, heads, batch) -> (loss, metrics of scalar tensors)
     train: Source  # training data; the driver's one Sampler draws from it
-    val: Optional[Source]  # held-out data for the periodic loss (first train.eval_batches batches)
+    val: Source | None  # held-out data for the periodic loss (first train.eval_batches batches)
     flops_per_item: float  # training FLOPs per token/example/image, for MFU
     count_items: Callable[[Batch], int]  # tokens (examples, images) a batch counts for
     item_name: str = "tok"
     held_out_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m  # e.g. add perplexity
     # run at each evaluation with the trained module (train.ObjectiveModule) and the run directory;
     # returns metrics to log (e.g. accuracy) and may write files (e.g. MAE's reconstruction pictures)
-    evaluate: Optional[Callable[[nn.Module, Path], dict[str, float]]] = None
+    evaluate: Callable[[nn.Module, Path], dict[str, float]] | None = None
     best_key: str = ""  # the metric that picks the best checkpoint (train.select_by may name another); "" = none
     best_lowest: bool = False  # the lowest best_key is the best (a loss), not the highest
     examples: int = 0  # training examples per epoch, for finetune.epochs
@@ -83,7 +84,7 @@ class Job:
     # how many items a batch's loss averages over (SFT: its trained tokens), as a tensor; set, the
     # trainer weighs each micro-batch by it, so the gradient is the mean over every item of the
     # global (accumulated, all-process) batch whatever grad_accum is, and held-out means are per item
-    loss_weight: Optional[Callable[[Batch], Tensor]] = None
+    loss_weight: Callable[[Batch], Tensor] | None = None
     files: dict[str, str] = field(
         default_factory=dict
     )  # name -> text the run directory keeps (DPO's reference log-probs)
@@ -94,10 +95,10 @@ class Job:
     # batches (prompts) into what the loss reads (sampled completions, their rewards and advantages),
     # with the model as it is now and without gradients; the same rollouts train `reuse` steps in a row
     # (a checkpoint between them keeps them, so a resumed run trains on the same ones)
-    rollout: Optional[Callable[[nn.Module, list], tuple[list, dict[str, Tensor]]]] = None
+    rollout: Callable[[nn.Module, list], tuple[list, dict[str, Tensor]]] | None = None
     reuse: int = 1
     # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
-    plan_batch: Optional[Callable[[Batch], Batch]] = None
+    plan_batch: Callable[[Batch], Batch] | None = None
     # whether the task has held-out examples to evaluate on; False (every held-out row skipped): the
     # driver says so before step 1, and the run keeps no best checkpoint and writes no final report
     held_out: bool = True
@@ -113,7 +114,7 @@ class Plugin:
     model_kinds: ClassVar[tuple[str, ...]] = ()  # the model kinds it trains (models.kinds), in order of preference
     recipe_pattern: ClassVar[str] = ""  # its default recipe's name for a family, e.g. "classify-{family}-mini"
     families: ClassVar[tuple[str, ...]] = ()  # derived: the families of its model kinds
-    Config: ClassVar[Optional[type]] = None  # its recipe section (named like the key), if any
+    Config: ClassVar[type | None] = None  # its recipe section (named like the key), if any
     recipes: ClassVar[dict[str, str]] = {}  # derived: family -> its shipped default recipe (the first: the plug-in's)
     describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
     streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
@@ -122,9 +123,7 @@ class Plugin:
     def __init__(self, rt: Runtime, quiet: bool = False, named_code: frozenset[str] = frozenset()):
         self.rt, self.quiet = rt, quiet
         self.named_code = named_code  # as EvalOptions.named_code: what this command's own command line names
-        self.run_dir: Optional[Path] = (
-            None  # the run a training job writes (set before setup; its files exist on resume)
-        )
+        self.run_dir: Path | None = None  # the run a training job writes (set before setup; its files exist on resume)
 
     def __init_subclass__(cls, **kwargs):
         """A plug-in names model kinds, never families: the families (a new one included) and their
@@ -135,7 +134,7 @@ class Plugin:
             cls.recipes = shipped_recipes(cls.recipe_pattern, cls.families)
 
     @classmethod
-    def default_recipe(cls, family: Optional[str] = None) -> str:
+    def default_recipe(cls, family: str | None = None) -> str:
         return cls.recipes.get(family or "", next(iter(cls.recipes.values())))
 
     def title(self, recipe, backbone) -> str:
@@ -149,7 +148,7 @@ class Plugin:
     def tokenizer_texts(self, recipe) -> Iterable[str]:
         return ()
 
-    def tokenizer_key(self, recipe) -> Optional[str]:
+    def tokenizer_key(self, recipe) -> str | None:
         """A fingerprint of the text tokenizer_texts reads, to cache a trained tokenizer by (None: never)."""
         return None
 
@@ -194,7 +193,7 @@ class Backbone:
     source: str = "scratch"  # "scratch", a tfcli run or checkpoint, or a Hugging Face directory
     heads: dict[str, Tensor] = field(default_factory=dict)  # head weights that came with it (no "heads." prefix)
     recipe: Any = None  # the recipe of the tfcli run it came from
-    checkpoint: Optional[Path] = None  # the checkpoint it was read from
+    checkpoint: Path | None = None  # the checkpoint it was read from
     labels: tuple[str, ...] = ()  # a classifier's class names, in id order
     resumed: bool = False  # a run being resumed: the model's weights come from its checkpoint, after setup
 

@@ -6,9 +6,9 @@ so runs, plot and the loggers show them and train.select_by may pick the best ch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -79,7 +78,7 @@ def check_fits(model, requests: list[Request], what: str, hint: str = "") -> Non
 MIN_SHARED = 8  # tokens: a shorter prefix common to a whole batch is not worth a pass of its own
 
 
-def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int], Optional[list]]:
+def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int], list | None]:
     """The tokens every context starts with (the description and few-shot examples), run once for the
     whole call: (those tokens, their KV caches), or ([], None) when they are too few to be worth it.
     Every context keeps at least its last token to run (its position predicts the choices)."""
@@ -93,7 +92,7 @@ def _shared_prefix(model, groups: list[list[Request]], device) -> tuple[list[int
 
 
 def _decoder_batch(
-    model, groups: list[list[Request]], pad: int, device, shared: list[int], prefix: Optional[list]
+    model, groups: list[list[Request]], pad: int, device, shared: list[int], prefix: list | None
 ) -> list[list[tuple[float, bool]]]:
     """A batch of questions, each a group of choices after one context (or one choice alone, its
     row context and choice), in passes that share what can be shared through the KV cache:

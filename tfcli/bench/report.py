@@ -143,7 +143,7 @@ def grouped(name: str, parts: dict[str, list[dict]], categories: dict[str, str])
     questions, and `acc_subjects` over subjects)."""
     results = {part: {"alias": f"  - {part}", **metrics(rows)} for part, rows in parts.items()}
     by_category = defaultdict(list)
-    for part, rows in parts.items():
+    for part in parts:
         by_category[categories[part]].append(part)
     for category, members in sorted(by_category.items()):
         rows = [r for m in members for r in parts[m]]

@@ -8,7 +8,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from ..display import console, phase
 from ..errors import UserError
@@ -20,14 +19,14 @@ from . import loglik, report, spec
 class BenchRequest:
     names: list[str]
     checkpoint: Path
-    data: Optional[str] = None
+    data: str | None = None
     few_shot: int = 0
     limit: int = 0
     batch_size: int = 16  # 0: auto, the largest the free memory holds (loglik.auto_batch_size)
-    out: Optional[Path] = None
+    out: Path | None = None
     device: str = "cpu"
     quiet: bool = False
-    tasks: Optional[dict] = None  # results of tasks scored alongside (gsm8k, mnli), in the same layout
+    tasks: dict | None = None  # results of tasks scored alongside (gsm8k, mnli), in the same layout
     log_samples: bool = False  # every question's log-likelihoods and prediction, a file per benchmark
 
 
@@ -57,7 +56,7 @@ class Prepared:
     original: dict  # part -> the rows of its split (before --limit)
 
 
-def prepare(req: BenchRequest, jobs: Optional[list] = None) -> Prepared:
+def prepare(req: BenchRequest, jobs: list | None = None) -> Prepared:
     """The model read and every benchmark's questions encoded and checked against it (a decoder or an
     encoder-decoder; no question longer than its positions), before anything is scored or written."""
     from ..engine.backbone import for_inference
@@ -79,7 +78,7 @@ def prepare(req: BenchRequest, jobs: Optional[list] = None) -> Prepared:
     return Prepared(backbone, scored, {part.name: n for _, parts in jobs for part, _, n in parts})
 
 
-def run(req: BenchRequest, prepared: Optional[Prepared] = None) -> dict:
+def run(req: BenchRequest, prepared: Prepared | None = None) -> dict:
     """Check every benchmark's files and sizes first (prepare), then score; nothing is written on an error."""
     prepared = prepare(req) if prepared is None else prepared
     model, scored = prepared.backbone.model, prepared.scored
@@ -161,7 +160,7 @@ def show(results: dict, names: list[str]) -> None:
     from rich.table import Table
 
     table = Table("benchmark", "acc", "±", "acc_norm", "±")
-    for name, r in results.items():
+    for r in results.values():
         if r["alias"].startswith("  - ") and len(results) > 12:
             continue  # subjects of a whole benchmark: in the JSON, not on the screen
         table.add_row(

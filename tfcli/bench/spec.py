@@ -14,7 +14,6 @@ import csv
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -64,7 +63,7 @@ class Benchmark:
     version: float = 1.0  # the benchmark's version, as lm-evaluation-harness's results file records it
 
     @property
-    def parts(self) -> list["Benchmark"]:
+    def parts(self) -> list[Benchmark]:
         """The subjects as Benchmarks of their own (a benchmark without subjects is its one part)."""
         if not self.subjects or self.subject:
             return [self]
@@ -303,7 +302,7 @@ def questions(bench: Benchmark, root: Path, few_shot: int, limit: int = 0) -> li
     return out
 
 
-def data_root(bench: Benchmark, data: Optional[str], option: str = "--data") -> Path:
+def data_root(bench: Benchmark, data: str | None, option: str = "--data") -> Path:
     """The directory of the benchmark's files: --data itself, or the one of its subdirectories that
     holds them (so `tfcli eval piqa,mmlu --data bench/` finds bench/piqa and bench/mmlu). `option`: what
     the user named it with (--data, or train.eval_tasks_data inside training)."""

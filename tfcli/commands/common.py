@@ -9,7 +9,6 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from typer._click import exceptions as click_errors  # typer vendors click
@@ -72,14 +71,14 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {one_line(str(e))}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         except Interrupted as e:
             typer.echo(
                 f"interrupted at step {e.step}: a checkpoint was saved; resume with "
                 f"tfcli {fn.__name__} --resume {e.run_dir}",
                 err=True,
             )
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt, click_errors.ClickException):
             raise
         except Exception as e:
@@ -90,7 +89,7 @@ def user_errors(fn):
                 f"the traceback is in {write_traceback()} (TFCLI_DEBUG=1 prints it)",
                 err=True,
             )
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -130,8 +129,8 @@ def resolve_recipe(name: str, sets: list[str], shortcuts: dict) -> recipes.Recip
 
 
 def training_recipe(
-    default: str, recipe: Optional[str], resume: Optional[str], sets: list[str], shortcuts: dict
-) -> tuple[recipes.Recipe, Optional[Path]]:
+    default: str, recipe: str | None, resume: str | None, sets: list[str], shortcuts: dict
+) -> tuple[recipes.Recipe, Path | None]:
     """The recipe of a new run (--recipe, else `default`), or of the run being resumed (its config.yaml);
     `--resume auto` is the newest unfinished run of that recipe under runs/."""
     if resume is None:
@@ -186,7 +185,7 @@ def note(text: str) -> None:
     typer.echo(f"note: {text}", err=True)
 
 
-def newest(checkpoint: Optional[Path], families: tuple[str, ...] = ()) -> Path:
+def newest(checkpoint: Path | None, families: tuple[str, ...] = ()) -> Path:
     """--checkpoint, or the newest run under runs/ (of `families` when given), named so that nobody
     wonders which it was."""
     if checkpoint is not None:
@@ -198,7 +197,7 @@ def newest(checkpoint: Optional[Path], families: tuple[str, ...] = ()) -> Path:
     return run
 
 
-def check_device(device: Optional[str]) -> None:
+def check_device(device: str | None) -> None:
     import torch
 
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -207,9 +206,9 @@ def check_device(device: Optional[str]) -> None:
 
 def run_training(
     rec: recipes.Recipe,
-    source: Optional[str],
-    out: Optional[Path],
-    resume: Optional[Path],
+    source: str | None,
+    out: Path | None,
+    resume: Path | None,
     quiet: bool,
     dry_run: bool = False,
     code: frozenset[str] = frozenset(),

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -146,7 +145,7 @@ class Grid:
     backbones: list[str]
     strategies: list[str]
     budget: Budget
-    data: Optional[str] = None
+    data: str | None = None
     lr: dict[str, float] = field(default_factory=dict)  # strategy -> learning rate (else the recipe's)
     sets: list[str] = field(default_factory=list)  # key=value overrides for every cell
     report_limit: int = 0  # every cell scored on a balanced sample of N examples of each split (0: all)
@@ -182,7 +181,7 @@ def unique_slugs(paths: list[str]) -> dict[str, str]:
     return {p: f"{slug(p, 1)}{i}" for i, p in enumerate(paths)}
 
 
-def split_list(text: Optional[str]) -> list[str]:
+def split_list(text: str | None) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
@@ -197,7 +196,7 @@ def parse_vary(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def parse_lr(text: Optional[str]) -> dict[str, float]:
+def parse_lr(text: str | None) -> dict[str, float]:
     """'all=5e-5,lora=5e-4' -> {strategy: lr} (a strategy as written in --train, or its base: lora
     also sets lora+head's)."""
     out = {}
@@ -211,16 +210,16 @@ def parse_lr(text: Optional[str]) -> dict[str, float]:
 
 
 def load_grid(
-    path: Optional[Path],
-    tasks: Optional[str],
-    backbones: Optional[str],
-    strategies: Optional[str],
-    budget: Optional[str],
-    data: Optional[str],
-    lr: Optional[str],
+    path: Path | None,
+    tasks: str | None,
+    backbones: str | None,
+    strategies: str | None,
+    budget: str | None,
+    data: str | None,
+    lr: str | None,
     sets: list[str],
-    report_limit: Optional[int] = None,
-    vary: Optional[list[str]] = None,
+    report_limit: int | None = None,
+    vary: list[str] | None = None,
 ) -> Grid:
     """The grid from a YAML file (keys: tasks, from, train, budget, data, lr, set, vary, report_limit)
     with the flags over it."""
@@ -237,7 +236,7 @@ def load_grid(
         if unknown:
             raise UserError(f"--grid {path}: unknown key {sorted(unknown)[0]!r} ({', '.join(keys)})")
 
-    def listed(flag: Optional[str], *keys: str) -> list[str]:
+    def listed(flag: str | None, *keys: str) -> list[str]:
         if flag:
             return split_list(flag)
         value = next((spec[k] for k in keys if k in spec), [])
@@ -265,7 +264,7 @@ def load_grid(
     return grid
 
 
-def refuse_code_from_the_file(path: Optional[Path], spec: dict, sets: list[str], vary: list[str]) -> None:
+def refuse_code_from_the_file(path: Path | None, spec: dict, sets: list[str], vary: list[str]) -> None:
     """A grid file is data: a reward function (file.py:function) it names runs only when the command
     line names it too (--set grpo.reward=...), as every command's own reward does."""
     from ..tasks.rewards import user_functions
@@ -334,7 +333,7 @@ def cell_recipe(cell: Cell, grid: Grid):
     return recipes.load(defaults[family], {**{f"{key}.{k}": v for k, v in settings.items()}, **overrides})
 
 
-def held_out_file(cell: Cell, grid: Grid, out: Path) -> Optional[Path]:
+def held_out_file(cell: Cell, grid: Grid, out: Path) -> Path | None:
     """One data file is split by every training cell (data.val_fraction, seeded by train.seed): the
     prompting cells score exactly those held-out rows, written once to OUT/held-out/<task>-<family>.jsonl."""
     if not grid.data or not Path(grid.data).is_file():
@@ -659,7 +658,7 @@ def params_text(r: dict) -> str:
     return f"{count(t)} ({100 * t / n:.3g}%)" if t and n else "-"
 
 
-def chart(rows: list[dict], out: Path) -> Optional[Path]:
+def chart(rows: list[dict], out: Path) -> Path | None:
     """Accuracy on the first evaluation split against trained parameters (log scale): one colour per
     family, one marker per strategy, the majority class as a dashed line."""
     from ..engine.plots import figure, save_figure

@@ -84,7 +84,7 @@ def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
     return path.read_text().splitlines(), _class(ast.parse(path.read_text()), name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field(path: str) -> Field:
     """A recipe field's type and its comment: the one after it on its line, else the lines just above it."""
     section, name = path.split(".")
@@ -113,7 +113,7 @@ def help_text(f: Field, lead: str = "") -> str:
     return f"{text.rstrip('.')} [default: the recipe's {f.path}]."
 
 
-def recipe_flags(*specs: str, after: str, leads: Optional[dict[str, str]] = None):
+def recipe_flags(*specs: str, after: str, leads: dict[str, str] | None = None):
     """Add a flag per recipe field to a command, after its parameter `after`. A spec is `section.name`
     (the flag --name) or `section.name:flag` (e.g. data.source:data, the flag --data); `leads` puts a
     command's own words before a field's. The command receives the given ones as `shortcuts`:
@@ -134,7 +134,7 @@ def recipe_flags(*specs: str, after: str, leads: Optional[dict[str, str]] = None
                     name,
                     inspect.Parameter.POSITIONAL_OR_KEYWORD,
                     default=typer.Option(None, cli, help=help_text(f, leads.get(path, ""))),
-                    annotation=Optional[f.python_type],
+                    annotation=Optional[f.python_type],  # noqa: UP045 (a runtime type, built from a value)
                 ),
             )
         params = [p for p in signature.parameters.values() if p.name != "shortcuts"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
 
 import typer
 
@@ -28,7 +27,7 @@ def runs(root: Path = typer.Argument(Path("runs"), help="The directory holding t
 
 @user_errors
 def plot(
-    run: List[Path] = typer.Argument(..., help="One or more run directories."),
+    run: list[Path] = typer.Argument(..., help="One or more run directories."),
     out: Path = typer.Option(Path("runs.png"), help="Where to write the PNG."),
     metric: str = typer.Option(
         "loss",

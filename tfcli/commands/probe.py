@@ -17,7 +17,6 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -31,14 +30,14 @@ METHODS = ("ridge", "logistic")
 class ProbeRequest:
     task: str  # mnli, classify, image-classify, ...
     sources: list[str]  # models: runs, Hugging Face directories, hub ids, GGUF files
-    data: Optional[str] = None
+    data: str | None = None
     layers: str = "all"  # all, or comma-separated depths (0: the embeddings)
     pooling: str = "mean"  # mean | last (decoders) | cls (encoders)
     method: str = "ridge"
     limit: int = 2000  # training examples (a seeded balanced sample; 0: all)
     eval_limit: int = 1000  # examples of each evaluation split
     sets: dict = field(default_factory=dict)  # recipe overrides (e.g. classify.text_fields)
-    out: Optional[Path] = None  # where probe.json and probe.png go
+    out: Path | None = None  # where probe.json and probe.png go
     seed: int = 0
 
 
@@ -119,7 +118,7 @@ def cache_key(req: ProbeRequest, source: str) -> str:
     """What the features depend on: the model's files (path, size, time), the data's, the task and its
     settings, the sample and the pooling; not the probe (ridge or logistic) nor the layers asked for."""
 
-    def stamp(p: Optional[str]) -> str:
+    def stamp(p: str | None) -> str:
         if not p or not Path(p).exists():
             return str(p)
         files = [Path(p)] if Path(p).is_file() else sorted(x for x in Path(p).rglob("*") if x.is_file())[:200]

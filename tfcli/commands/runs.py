@@ -7,7 +7,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -31,7 +30,7 @@ class RunInfo:
         return self.step >= self.steps > 0
 
 
-def describe(run: Path) -> Optional[RunInfo]:
+def describe(run: Path) -> RunInfo | None:
     """A run directory's summary (None when it is not a tfcli run)."""
     config = run / "config.yaml"
     try:

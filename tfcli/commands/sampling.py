@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -31,7 +30,7 @@ GREEDY = typer.Option(False, "--greedy", help="Always take the most likely token
 SAMPLING_SEED = typer.Option(None, help="Random seed for reproducible samples [default: unseeded].")
 
 
-def generator(command: str, checkpoint: Optional[Path], device: Optional[str], kinds_wanted=None):
+def generator(command: str, checkpoint: Path | None, device: str | None, kinds_wanted=None):
     """(the backbone a generating command runs, its device): a decoder or encoder-decoder, refused in
     one line otherwise."""
     from ..engine.backbone import for_inference
@@ -58,10 +57,10 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 @user_errors
 def generate(
     prompt: str = typer.Option("", help="Text to continue (with --chat: the user's message)."),
-    checkpoint: Optional[Path] = GENERATOR,
+    checkpoint: Path | None = GENERATOR,
     chat: bool = typer.Option(False, "--chat", help="Answer --prompt as one chat turn, in the model's chat template."),
-    system: Optional[str] = typer.Option(None, help="--chat: a system message first."),
-    chat_template: Optional[str] = CHAT_TEMPLATE,
+    system: str | None = typer.Option(None, help="--chat: a system message first."),
+    chat_template: str | None = CHAT_TEMPLATE,
     max_new_tokens: int = typer.Option(200, help=SAMPLING_HELP["max_new_tokens"]),
     temperature: float = typer.Option(0.8, help=SAMPLING_HELP["temperature"]),
     top_k: int = TOP_K,
@@ -70,13 +69,13 @@ def generate(
     no_cache: bool = typer.Option(
         False, "--no-cache", help="Recompute every position each step (for checking the cache)."
     ),
-    seed: Optional[int] = SAMPLING_SEED,
+    seed: int | None = SAMPLING_SEED,
     images: int = typer.Option(
         0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."
     ),
-    out: Optional[Path] = typer.Option(None, help="--images: the PNG to write [default: RUN/samples.png]."),
-    device: Optional[str] = DEVICE,
-    precision: Optional[str] = PRECISION,
+    out: Path | None = typer.Option(None, help="--images: the PNG to write [default: RUN/samples.png]."),
+    device: str | None = DEVICE,
+    precision: str | None = PRECISION,
     quiet: bool = QUIET,
 ):
     """Generate text from a decoder (or encoder-decoder) checkpoint, streaming tokens as they are made;
@@ -134,17 +133,17 @@ def generate(
 
 @user_errors
 def chat_command(
-    checkpoint: Optional[Path] = GENERATOR,
-    chat_template: Optional[str] = CHAT_TEMPLATE,
+    checkpoint: Path | None = GENERATOR,
+    chat_template: str | None = CHAT_TEMPLATE,
     greedy: bool = GREEDY,
     max_new_tokens: int = typer.Option(256, help=SAMPLING_HELP["max_new_tokens"]),
     temperature: float = typer.Option(0.7, help=SAMPLING_HELP["temperature"]),
     top_k: int = TOP_K,
     top_p: float = typer.Option(0.9, help=SAMPLING_HELP["top_p"]),
-    system: Optional[str] = typer.Option(None, help="A system message, kept through /reset."),
-    seed: Optional[int] = SAMPLING_SEED,
-    device: Optional[str] = DEVICE,
-    precision: Optional[str] = PRECISION,
+    system: str | None = typer.Option(None, help="A system message, kept through /reset."),
+    seed: int | None = SAMPLING_SEED,
+    device: str | None = DEVICE,
+    precision: str | None = PRECISION,
 ):
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
     Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -13,35 +12,35 @@ from .common import QUIET, overrides, recipes, user_errors
 
 @user_errors
 def compare(
-    task: Optional[str] = typer.Option(
+    task: str | None = typer.Option(
         None, help="Task(s), comma-separated: mnli, classify, image-classify, sft, gsm8k, dpo."
     ),
-    from_: Optional[str] = typer.Option(
+    from_: str | None = typer.Option(
         None, "--from", help="The models, comma-separated: tfcli runs, Hugging Face directories or hub ids."
     ),
-    train: Optional[str] = typer.Option(
+    train: str | None = typer.Option(
         None,
         help="Strategies, comma-separated: all, head, lora, ia3, bitfit; X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all].",
     ),
-    budget: Optional[str] = typer.Option(
+    budget: str | None = typer.Option(
         None,
         help="Each cell's budget: 500steps, 10000ex (one epoch over N rows), 10m / 1h (training time) or 1epoch [default: 1epoch].",
     ),
-    data: Optional[str] = typer.Option(None, help="Task data for every cell [default: each recipe's]."),
-    lr: Optional[str] = typer.Option(
+    data: str | None = typer.Option(None, help="Task data for every cell [default: each recipe's]."),
+    lr: str | None = typer.Option(
         None, help="Learning rate per strategy, e.g. all=5e-5,lora=5e-4 [default: the recipe's]."
     ),
-    grid: Optional[Path] = typer.Option(
+    grid: Path | None = typer.Option(
         None, help="A YAML file with tasks, from, train, budget, data, lr and set; flags win."
     ),
     out: Path = typer.Option(..., help="The study's directory: cells/, logs/, results.md, results.csv, results.png."),
-    set_: List[str] = typer.Option([], "--set", help="key.path=value for every cell (repeatable)."),
-    vary: List[str] = typer.Option(
+    set_: list[str] = typer.Option([], "--set", help="key.path=value for every cell (repeatable)."),
+    vary: list[str] = typer.Option(
         [],
         "--vary",
         help="key.path=v1,v2: run every training cell at each value, e.g. --vary dpo.beta=0.1,0.3 (repeatable: all combinations).",
     ),
-    report_limit: Optional[int] = typer.Option(
+    report_limit: int | None = typer.Option(
         None,
         help="Score every cell on the same balanced sample of N examples of each evaluation split [default: all of them].",
     ),
@@ -83,7 +82,7 @@ def probe(
         "--from",
         help="The model(s), comma-separated: tfcli runs, Hugging Face directories or hub ids, GGUF files.",
     ),
-    data: Optional[str] = typer.Option(None, help="The task's data, as finetune reads it [default: the recipe's]."),
+    data: str | None = typer.Option(None, help="The task's data, as finetune reads it [default: the recipe's]."),
     layers: str = typer.Option("all", help="all, or depths such as 0,3,6 (0: the embeddings, n: the n-th block)."),
     pooling: str = typer.Option(
         "mean", help="mean (of tokens or patches), last (a decoder's last token) or cls (an encoder's first)."
@@ -95,7 +94,7 @@ def probe(
     eval_limit: int = typer.Option(1000, help="Examples of each evaluation split (0: all)."),
     out: Path = typer.Option(Path("probe"), help="Directory for probe.json and probe.png."),
     seed: int = typer.Option(0, help="Seed of the samples."),
-    set_: List[str] = typer.Option(
+    set_: list[str] = typer.Option(
         [], "--set", help="A recipe field for reading the data, e.g. --set classify.text_fields=[title] (repeatable)."
     ),
 ):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -26,23 +25,23 @@ from .common import (
 
 @user_errors
 def eval_(
-    task: Optional[str] = typer.Argument(
+    task: str | None = typer.Argument(
         None,
         help="What to evaluate as (mnli, classify, image-classify, mae, ...); omit for the run's own objective or task.",
     ),
-    checkpoint: Optional[Path] = CHECKPOINT,
-    data: Optional[str] = typer.Option(None, help="Evaluate on this data instead of the run's."),
+    checkpoint: Path | None = CHECKPOINT,
+    data: str | None = typer.Option(None, help="Evaluate on this data instead of the run's."),
     batches: int = typer.Option(0, help="Held-out batches for pretraining runs (0: the recipe's train.eval_batches)."),
     limit: int = typer.Option(
         0,
         help="Classification: a seeded, class-balanced sample of N examples of each split; generative tasks and benchmarks: the first N (0: all).",
     ),
-    out: Optional[Path] = typer.Option(
+    out: Path | None = typer.Option(
         None, help="Write the report (or the MAE picture) here [default: beside the run, eval-<what>.json]."
     ),
-    premise: Optional[str] = typer.Option(None, help="MNLI: classify this premise ..."),
-    hypothesis: Optional[str] = typer.Option(None, help="... with this hypothesis, and print the label probabilities."),
-    input_: List[str] = typer.Option([], "--input", help="Classify this input (repeat for a pair's second text)."),
+    premise: str | None = typer.Option(None, help="MNLI: classify this premise ..."),
+    hypothesis: str | None = typer.Option(None, help="... with this hypothesis, and print the label probabilities."),
+    input_: list[str] = typer.Option([], "--input", help="Classify this input (repeat for a pair's second text)."),
     few_shot: int = typer.Option(
         -1, help="Score an un-finetuned decoder/encoder-decoder with k solved examples in the prompt (-1: off)."
     ),
@@ -50,13 +49,13 @@ def eval_(
         False, "--cloze", help="Zero-shot BERT: label words scored at a [MASK] in a template by the MLM head."
     ),
     seed: int = typer.Option(0, help="Seed for sampled examples (few-shot, --limit, masking)."),
-    device: Optional[str] = DEVICE,
-    precision: Optional[str] = PRECISION,
+    device: str | None = DEVICE,
+    precision: str | None = PRECISION,
     quiet: bool = QUIET,
-    set_: List[str] = typer.Option(
+    set_: list[str] = typer.Option(
         [], "--set", help="A setting of the evaluated task, e.g. --set sft.max_new_tokens=64 (repeatable)."
     ),
-    reference: Optional[str] = typer.Option(
+    reference: str | None = typer.Option(
         None, help="dpo: the model rewards are measured against [default: the run's reference]."
     ),
     batch_size: str = typer.Option(
@@ -67,7 +66,7 @@ def eval_(
         "--log-samples",
         help="Benchmarks: also write each question's choices, log-likelihoods and prediction (lm-eval's --log_samples), a JSON Lines file per benchmark beside the results.",
     ),
-    reward: Optional[str] = typer.Option(
+    reward: str | None = typer.Option(
         None,
         help="grpo: the reward(s) to score with [default: the run's; a file.py:function of yours runs only when named here].",
     ),
@@ -174,15 +173,15 @@ def eval_(
 
 @user_errors
 def export(
-    hf: Optional[Path] = typer.Option(None, "--hf", help="Write a Hugging Face transformers directory here."),
-    gguf: Optional[Path] = typer.Option(
+    hf: Path | None = typer.Option(None, "--hf", help="Write a Hugging Face transformers directory here."),
+    gguf: Path | None = typer.Option(
         None, "--gguf", help="Write a GGUF file here (llama-family runs: llama.cpp, Ollama, tfcli)."
     ),
     gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF matrices: f32, f16 or q8_0 (norms stay f32)."),
-    peft: Optional[Path] = typer.Option(
+    peft: Path | None = typer.Option(
         None, "--peft", help="A LoRA run: write its adapters, unmerged, as a PEFT directory here."
     ),
-    checkpoint: Optional[Path] = CHECKPOINT,
+    checkpoint: Path | None = CHECKPOINT,
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
     from ..display import console
@@ -229,14 +228,14 @@ def _presets():
     return PRESETS
 
 
-def _task_data(data: Optional[str], name: str) -> Optional[str]:
+def _task_data(data: str | None, name: str) -> str | None:
     """A task's data in a list with benchmarks: --data itself, or its subdirectory named after the task."""
     if data and (Path(data) / name).is_dir():
         return str(Path(data) / name)
     return data
 
 
-def _settings_of(key: Optional[str]) -> str:
+def _settings_of(key: str | None) -> str:
     """What `--set` takes for the evaluated task: its recipe section's fields."""
     import dataclasses
 

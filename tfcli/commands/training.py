@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -39,15 +38,15 @@ from .flags import recipe_flags
 @user_errors
 def pretrain(
     ctx: typer.Context,
-    objective: Optional[str] = typer.Option(
+    objective: str | None = typer.Option(
         None, help="clm (GPT next-token) | mlm | span | mae | electra | igpt [default: the recipe's; clm]."
     ),
-    recipe: Optional[str] = typer.Option(None, help="Recipe name or a YAML path [default: the objective's]."),
-    out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[str] = typer.Option(
+    recipe: str | None = typer.Option(None, help="Recipe name or a YAML path [default: the objective's]."),
+    out: Path | None = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
+    resume: str | None = typer.Option(
         None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."
     ),
-    from_: Optional[str] = typer.Option(
+    from_: str | None = typer.Option(
         None,
         "--from",
         help="Continue pretraining these weights: a tfcli run, a Hugging Face directory or hub id [default: a fresh model; --objective defaults to the family's].",
@@ -55,13 +54,13 @@ def pretrain(
     no_nsp: bool = typer.Option(
         False, "--no-nsp", help="mlm: RoBERTa style, full segments and no next-sentence prediction (mlm.nsp=false)."
     ),
-    seed: Optional[int] = SEED,
-    device: Optional[str] = DEVICE,
-    precision: Optional[str] = PRECISION,
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    seed: int | None = SEED,
+    device: str | None = DEVICE,
+    precision: str | None = PRECISION,
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = QUIET,
     dry_run: bool = DRY_RUN,
-    shortcuts: Optional[dict] = None,
+    shortcuts: dict | None = None,
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE,
     ELECTRA), from scratch or (--from) continuing a pretrained model's weights."""
@@ -84,7 +83,7 @@ def pretrain(
     return run_training(rec, from_, out, resume_dir, quiet, dry_run)
 
 
-def continued_from(source: Optional[str], resume: Optional[str]) -> Optional[str]:
+def continued_from(source: str | None, resume: str | None) -> str | None:
     """--from of `pretrain`: a local path, or a hub id resolved to its snapshot."""
     if source is None:
         return None
@@ -206,28 +205,28 @@ FINETUNE_FLAGS = (
 @user_errors
 def finetune(
     ctx: typer.Context,
-    task: Optional[str] = typer.Argument(
+    task: str | None = typer.Argument(
         None, help=f"Task: {', '.join(registry.TASKS)}, or a preset (mnli, gsm8k) [default with --resume: the run's]."
     ),
-    from_: Optional[str] = typer.Option(
+    from_: str | None = typer.Option(
         None,
         "--from",
         help="A tfcli run or a Hugging Face model directory [default: the recipe's model, randomly initialised].",
     ),
-    recipe: Optional[str] = typer.Option(
+    recipe: str | None = typer.Option(
         None, help="Recipe name or YAML path [default: the task's for the --from model's family]."
     ),
-    out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
-    resume: Optional[str] = typer.Option(
+    out: Path | None = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
+    resume: str | None = typer.Option(
         None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."
     ),
-    seed: Optional[int] = SEED,
-    device: Optional[str] = DEVICE,
-    precision: Optional[str] = PRECISION,
-    set_: List[str] = typer.Option([], "--set", help=SET_HELP),
+    seed: int | None = SEED,
+    device: str | None = DEVICE,
+    precision: str | None = PRECISION,
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = QUIET,
     dry_run: bool = DRY_RUN,
-    shortcuts: Optional[dict] = None,
+    shortcuts: dict | None = None,
 ):
     """Finetune a pretrained model on a task."""
     from ..engine.backbone import family_of

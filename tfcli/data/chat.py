@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 from ..errors import UserError, short
 from .special_tokens import template_of
@@ -47,7 +46,7 @@ class ChatTemplate:
         self._template = _compile(source, where)
 
     @classmethod
-    def load(cls, name_or_path: str) -> "ChatTemplate":
+    def load(cls, name_or_path: str) -> ChatTemplate:
         """A template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or a
         tokenizer_config.json (its `chat_template`)."""
         path = Path(name_or_path)
@@ -164,7 +163,7 @@ def stop_ids(tokenizer) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def for_model(tokenizer, name: Optional[str] = None) -> "ChatTemplate":
+def for_model(tokenizer, name: str | None = None) -> ChatTemplate:
     """--chat-template NAME|FILE, else the model's own template, else a one-line refusal naming both."""
     if name:
         return ChatTemplate.load(name)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import numpy as np
 
@@ -82,7 +81,7 @@ class Seq2SeqExample:
         return len(self.target)
 
 
-AnyExample = Union[Example, Seq2SeqExample]
+AnyExample = Example | Seq2SeqExample
 
 
 @dataclass
@@ -125,7 +124,7 @@ def row_format(row: dict, fields: Fields, wanted: str = "auto") -> str:
     return "text"
 
 
-def as_messages(row: dict, fields: Fields, fmt: str) -> Union[list[dict], str]:
+def as_messages(row: dict, fields: Fields, fmt: str) -> list[dict] | str:
     """The row as a conversation (prompt rows become [system], user, assistant), its text for a
     text row, or a string naming why it is skipped (prefixed 'skip:')."""
     if fmt == "text":
@@ -149,7 +148,7 @@ def as_messages(row: dict, fields: Fields, fmt: str) -> Union[list[dict], str]:
     return why_out_of_order(messages) or [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def why_out_of_order(messages: list[dict]) -> Optional[str]:
+def why_out_of_order(messages: list[dict]) -> str | None:
     """An optional system message, then user and assistant in turn, ending in a non-empty reply."""
     turns = messages[1:] if messages[0]["role"] == "system" else messages
     expected = ["user", "assistant"] * len(turns)
@@ -178,13 +177,13 @@ class ExampleBuilder:
         columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
         return Examples(*built(rows, self.example), columns=tuple(columns))
 
-    def example(self, row: dict) -> Union[AnyExample, str]:
+    def example(self, row: dict) -> AnyExample | str:
         parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
         if isinstance(parsed, str) and parsed.startswith("skip:"):
             return parsed
         return self.within_length(self.build(parsed))
 
-    def within_length(self, example: Union[AnyExample, str]) -> Union[AnyExample, str]:
+    def within_length(self, example: AnyExample | str) -> AnyExample | str:
         """The example, or why it is skipped: its prompt alone, or the whole of it, is longer than the
         model reads."""
         if isinstance(example, str):
@@ -195,7 +194,7 @@ class ExampleBuilder:
             return "skip:longer than data.seq_len"
         return example
 
-    def build(self, parsed: Union[list[dict], str]) -> Union[AnyExample, str]:
+    def build(self, parsed: list[dict] | str) -> AnyExample | str:
         """A conversation (or a plain text) -> an example, or 'skip:<why>'."""
         raise NotImplementedError
 
@@ -207,7 +206,7 @@ class DecoderExamples(ExampleBuilder):
     def __init__(
         self,
         tokenizer,
-        template: Optional[ChatTemplate],
+        template: ChatTemplate | None,
         train_on: str,
         max_length: int,
         fields: Fields = Fields(),

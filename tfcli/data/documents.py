@@ -15,9 +15,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 from ..errors import UserError, listing
 from .sources import _first_line, builtin_corpus_file, expand_paths, load_hub_dataset
@@ -35,7 +35,7 @@ class DocumentSource:
     spec: str
     text_field: str = "text"
     files: tuple[Path, ...] = ()
-    hub: Optional[tuple[str, Optional[str], str]] = None  # (name, config, split)
+    hub: tuple[str, str | None, str] | None = None  # (name, config, split)
     streaming: bool = False
 
     def fingerprint(self) -> str:
@@ -45,7 +45,7 @@ class DocumentSource:
         parts = [f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in self.files]
         return hashlib.sha256("\n".join([self.text_field, *parts]).encode()).hexdigest()[:20]
 
-    def total_bytes(self) -> Optional[int]:
+    def total_bytes(self) -> int | None:
         """The size of a corpus of plain text files (a progress bar's total); None for tables and the hub."""
         if self.hub is not None or not self.files or any(f.suffix.lower() not in TEXT_SUFFIXES for f in self.files):
             return None
@@ -96,7 +96,7 @@ def read_file(path: Path, field: str) -> Iterator[Piece]:
 
 def _text_pieces(path: Path) -> Iterator[Piece]:
     """One document: pieces of ~PIECE_CHARS, each extended to the end of a paragraph."""
-    pending: Optional[str] = None  # held back until we know whether the document ends with it
+    pending: str | None = None  # held back until we know whether the document ends with it
     try:
         with open(path, encoding="utf-8") as f:
             while True:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -54,7 +53,7 @@ class ImageTransform:
     hflip: bool = True
 
     @classmethod
-    def from_config(cls, cfg: ImageConfig, size: int, train: bool) -> "ImageTransform":
+    def from_config(cls, cfg: ImageConfig, size: int, train: bool) -> ImageTransform:
         return cls(size, cfg.mean, cfg.std, train and cfg.augment, cfg.crop_scale, cfg.crop_ratio, cfg.hflip)
 
     def crop_box(self, h: int, w: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
@@ -70,7 +69,7 @@ class ImageTransform:
         side = min(h, w)  # fallback: the central square
         return (h - side) // 2, (w - side) // 2, side, side
 
-    def __call__(self, image: np.ndarray, rng: Optional[np.random.Generator] = None) -> Tensor:
+    def __call__(self, image: np.ndarray, rng: np.random.Generator | None = None) -> Tensor:
         h, w, _ = image.shape
         if self.train:
             top, left, ch, cw = self.crop_box(h, w, rng)

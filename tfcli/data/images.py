@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -46,7 +45,7 @@ class LazyImages:
     file list (or the dataset's memory-mapped Arrow table) is held, whatever the number of images.
     `sizes` are (height, width) read from the files' headers, for checks that need no pixels."""
 
-    def __init__(self, read, count: int, sizes: np.ndarray, ids: Optional[np.ndarray] = None):
+    def __init__(self, read, count: int, sizes: np.ndarray, ids: np.ndarray | None = None):
         self.read, self.count, self.sizes = read, count, sizes  # read(i) -> uint8 (H, W, 3)
         self.ids = np.arange(count) if ids is None else ids
 
@@ -56,7 +55,7 @@ class LazyImages:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.read(int(self.ids[i]))
 
-    def take(self, idx: np.ndarray) -> "LazyImages":
+    def take(self, idx: np.ndarray) -> LazyImages:
         return LazyImages(self.read, self.count, self.sizes[idx], self.ids[idx])
 
 
@@ -66,13 +65,13 @@ class ImageSet:
     decoded per batch) and labels."""
 
     images: list | np.ndarray | LazyImages
-    labels: Optional[np.ndarray] = None  # int64 (N,)
+    labels: np.ndarray | None = None  # int64 (N,)
     class_names: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def take(self, idx) -> "ImageSet":
+    def take(self, idx) -> ImageSet:
         idx = np.asarray(idx, dtype=np.int64)
         if isinstance(self.images, (np.ndarray, LazyImages)):
             images = self.images[idx] if isinstance(self.images, np.ndarray) else self.images.take(idx)
@@ -89,7 +88,7 @@ class ImageSet:
             return min(self.images.shape[1:3]) if len(self.images) else 0
         return min((min(im.shape[:2]) for im in self.images[:1000]), default=0)
 
-    def subset(self, n: int, seed: int = 0) -> "ImageSet":
+    def subset(self, n: int, seed: int = 0) -> ImageSet:
         """A seeded random n of the images, in their order (files are often sorted by class, so
         the first n would not do); n <= 0 or >= len: all of them."""
         if n <= 0 or n >= len(self):
@@ -100,7 +99,7 @@ class ImageSet:
 @dataclass
 class ImageSplits:
     train: ImageSet
-    test: Optional[ImageSet] = None
+    test: ImageSet | None = None
     skipped: int = 0  # unreadable files left out
 
 
@@ -166,7 +165,7 @@ def to_rgb(image) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
-def read_image(path: Path) -> Optional[np.ndarray]:
+def read_image(path: Path) -> np.ndarray | None:
     """uint8 (H, W, 3), or None if the file is not a readable image."""
     from PIL import Image, UnidentifiedImageError
 
@@ -217,7 +216,7 @@ def _from_npz(path: Path) -> ImageSplits:
         raise UserError(f"{path}: no x_train array (has: {listing(sorted(keys))})")
     names = [str(c) for c in arrays["class_names"]] if "class_names" in keys else []
 
-    def split(name: str) -> Optional[ImageSet]:
+    def split(name: str) -> ImageSet | None:
         if f"x_{name}" not in keys:
             return None
         labels = arrays[f"y_{name}"].astype(np.int64).reshape(-1) if f"y_{name}" in keys else None
@@ -245,7 +244,7 @@ def _from_folder(root: Path) -> ImageSplits:
     return ImageSplits(train, None, skipped)
 
 
-def _read_folder(root: Path, class_names: Optional[list[str]]) -> tuple[ImageSet, int]:
+def _read_folder(root: Path, class_names: list[str] | None) -> tuple[ImageSet, int]:
     """The folder's images, checked now (headers and integrity, never pixels) and decoded per batch;
     unreadable files are left out and counted."""
     classes = class_names or sorted(p.name for p in root.iterdir() if p.is_dir() and _has_images(p))
@@ -274,7 +273,7 @@ def _read_folder(root: Path, class_names: Optional[list[str]]) -> tuple[ImageSet
     )
 
 
-def image_size(path: Path) -> Optional[tuple[int, int]]:
+def image_size(path: Path) -> tuple[int, int] | None:
     """(height, width) after the shrink to MAX_SIDE, from the header; None for a file that is not a
     readable image (Pillow's integrity check, which decodes no pixels)."""
     from PIL import Image, UnidentifiedImageError

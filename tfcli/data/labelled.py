@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -30,7 +29,7 @@ class TextSpec:
     label_field: str = "label"
     labels: tuple[str, ...] = ()  # empty: the training split's distinct labels, sorted
     splits: tuple[str, ...] = ("train", "dev")  # training split first
-    hub: Optional[tuple[str, str]] = None  # the default data: a Hugging Face dataset and config
+    hub: tuple[str, str] | None = None  # the default data: a Hugging Face dataset and config
     hub_splits: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -127,7 +126,7 @@ def _directory_splits(directory: Path, spec: TextSpec, need_train: bool) -> dict
     return {first: _split_file(directory, first, optional=not need_train), **present}
 
 
-def _split_path(directory: Path, split: str) -> Optional[Path]:
+def _split_path(directory: Path, split: str) -> Path | None:
     """The file holding `split` in `directory` (its name or an alias, any known extension), if any."""
     for name in SPLIT_ALIASES.get(split, (split,)):
         for ext in EXTENSIONS:
@@ -145,7 +144,7 @@ def _split_file(directory: Path, split: str, optional: bool = False) -> tuple:
     raise UserError(f"{directory}: no {split} file ({', '.join(split + e for e in EXTENSIONS)})")
 
 
-def _hub_split(name: str, config: Optional[str], split: str) -> tuple:
+def _hub_split(name: str, config: str | None, split: str) -> tuple:
     ds = load_hub_dataset(
         name, config, split, instead="pass --data with local files (a directory of train/dev files, or one file)"
     )
@@ -175,7 +174,7 @@ def _field(spec: TextSpec, name: str, present: list[str], where: str) -> str:
     )
 
 
-def _label_id(value, labels: tuple[str, ...], where: str, n: int) -> Optional[int]:
+def _label_id(value, labels: tuple[str, ...], where: str, n: int) -> int | None:
     """A label by name (any case), or a word-label set's id; None for 'no label' (blank, '-', < 0)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)

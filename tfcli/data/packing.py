@@ -10,7 +10,6 @@ packed block's loss is the loss of its documents run alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -42,7 +41,7 @@ class TokenSpan:
 
 
 def split_stores(
-    train: TokenStore, val: Optional[TokenStore], val_fraction: float, block: int
+    train: TokenStore, val: TokenStore | None, val_fraction: float, block: int
 ) -> tuple[TokenSpan, TokenSpan]:
     """The training span and the held-out span: a separate store (data.val_source), or the last
     `val_fraction` of the training stream (contiguous, so no block straddles the split)."""

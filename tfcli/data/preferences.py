@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from ..errors import UserError
 from .chat import check_messages
@@ -51,7 +50,7 @@ class Pairs:
     skipped: Counter = field(default_factory=Counter)
 
 
-def dialogue(text: str) -> Optional[list[dict]]:
+def dialogue(text: str) -> list[dict] | None:
     """'\\n\\nHuman: a\\n\\nAssistant: b' -> [{user: a}, {assistant: b}]; None when it is not one."""
     parts = _TURN.split(text if text.startswith("\n\n") else "\n\n" + text.lstrip("\n"))
     if len(parts) < 3 or parts[0].strip():
@@ -59,7 +58,7 @@ def dialogue(text: str) -> Optional[list[dict]]:
     return [{"role": ROLES[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts) - 1, 2)]
 
 
-def as_messages(value) -> Optional[list[dict]]:
+def as_messages(value) -> list[dict] | None:
     """A message list as it is, a Human/Assistant dialogue parsed, None otherwise."""
     if isinstance(value, list):
         try:
@@ -70,7 +69,7 @@ def as_messages(value) -> Optional[list[dict]]:
     return dialogue(value) if isinstance(value, str) and "\n\nHuman:" in "\n\n" + value.lstrip("\n") else None
 
 
-def reply_text(value) -> Optional[str]:
+def reply_text(value) -> str | None:
     """A reply given as text or as [{role: assistant, content}]."""
     if isinstance(value, str):
         return value
@@ -85,7 +84,7 @@ def reply_text(value) -> Optional[str]:
     return None
 
 
-def split_pair(row: dict, f: PairFields) -> Union[tuple[list[dict], str, str], str]:
+def split_pair(row: dict, f: PairFields) -> tuple[list[dict], str, str] | str:
     """(prompt messages, chosen reply, rejected reply), or 'skip:<why>'."""
     for name in (f.chosen, f.rejected):
         if row.get(name) is None:
@@ -119,7 +118,7 @@ class PairBuilder:
     def build_all(self, rows: list) -> Pairs:
         return Pairs(*built(rows, self.pair))
 
-    def pair(self, row: dict) -> Union[Pair, str]:
+    def pair(self, row: dict) -> Pair | str:
         parsed = split_pair(row, self.fields)
         if isinstance(parsed, str):
             return parsed

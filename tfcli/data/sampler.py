@@ -12,8 +12,8 @@ processes share it, and a resumed run continues exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 from torch import Tensor
@@ -35,7 +35,7 @@ class Draw:
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, rows: slice) -> "Draw":
+    def __getitem__(self, rows: slice) -> Draw:
         return Draw(self.epochs[rows], self.indices[rows], self.keys[rows])
 
     def rng(self, i: int) -> np.random.Generator:
@@ -47,7 +47,7 @@ class Source:
     """What a plug-in's data gives the sampler. Subclasses set `epoch_size` and `batch`."""
 
     shuffle: bool = True  # False: index order (a source drawing its own random examples)
-    lengths: Optional[np.ndarray] = None  # per-example lengths: batches of similar length
+    lengths: np.ndarray | None = None  # per-example lengths: batches of similar length
 
     def epoch_size(self, epoch: int) -> int:
         raise NotImplementedError
@@ -86,10 +86,10 @@ class Sampler:
         self.rank, self.world_size = rank, world_size
         self.micro_batch = micro_batch
         self.epoch, self.index = 0, 0  # the next example: position `index` of epoch `epoch`
-        self._orders: dict[int, Optional[np.ndarray]] = {}
+        self._orders: dict[int, np.ndarray | None] = {}
         self._pending: list[Draw] = []  # the rest of the current batch's micro-batches
 
-    def _order(self, epoch: int) -> Optional[np.ndarray]:
+    def _order(self, epoch: int) -> np.ndarray | None:
         """Epoch `epoch`'s example order (None: index order), cached for the current epochs."""
         if epoch not in self._orders:
             n, order = self.source.epoch_size(epoch), None

@@ -13,7 +13,6 @@ import socket
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
 from ..errors import UserError
@@ -93,7 +92,7 @@ def expand_paths(source: str) -> list[Path]:
 
 
 def load_hub_dataset(
-    name: str, config: Optional[str] = None, split: Optional[str] = None, *, instead: str, streaming: bool = False
+    name: str, config: str | None = None, split: str | None = None, *, instead: str, streaming: bool = False
 ):
     """`datasets.load_dataset` for a hub dataset that fails with one line, and within seconds rather
     than after a minute of retries when the hub cannot be reached. `instead` says what to do then."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional
 
 from ..errors import UserError
 
@@ -23,25 +22,25 @@ MAP_FILE = "special_tokens_map.json"
 class SpecialTokens:
     """The text of each special token a tokenizer defines (None: it has none)."""
 
-    bos: Optional[str] = None
-    eos: Optional[str] = None
-    pad: Optional[str] = None
-    unk: Optional[str] = None
-    mask: Optional[str] = None
+    bos: str | None = None
+    eos: str | None = None
+    pad: str | None = None
+    unk: str | None = None
+    mask: str | None = None
 
     def to_config(self) -> dict[str, str]:
         """tokenizer_config.json's keys: bos_token, eos_token, ..."""
         return {f"{k}_token": v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
-    def from_config(cls, raw: dict) -> "SpecialTokens":
-        def text(value) -> Optional[str]:
+    def from_config(cls, raw: dict) -> SpecialTokens:
+        def text(value) -> str | None:
             return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
         return cls(**{f.name: text(raw.get(f"{f.name}_token")) for f in fields(cls)})
 
 
-def read_config(directory: Path) -> tuple[SpecialTokens, Optional[str]]:
+def read_config(directory: Path) -> tuple[SpecialTokens, str | None]:
     """(special tokens, chat template) of a Hugging Face or tfcli directory; empty when it has none."""
     raw: dict = {}
     for name in (MAP_FILE, CONFIG_FILE):  # tokenizer_config.json wins
@@ -58,7 +57,7 @@ def read_config(directory: Path) -> tuple[SpecialTokens, Optional[str]]:
     return SpecialTokens.from_config(raw), template
 
 
-def template_of(raw: dict) -> Optional[str]:
+def template_of(raw: dict) -> str | None:
     """A tokenizer_config's `chat_template`: a string, or the one named `default` of several."""
     template = raw.get("chat_template")
     if isinstance(template, list):
@@ -66,7 +65,7 @@ def template_of(raw: dict) -> Optional[str]:
     return template if isinstance(template, str) else None
 
 
-def config_text(specials: SpecialTokens, chat_template: Optional[str], base: Optional[dict] = None) -> str:
+def config_text(specials: SpecialTokens, chat_template: str | None, base: dict | None = None) -> str:
     """tokenizer_config.json holding `base` (a family's own keys), the special tokens and the template."""
     out = {**(base or {}), **specials.to_config()}
     if chat_template:

@@ -24,9 +24,9 @@ import os
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class DiskArray:
     def __len__(self) -> int:
         return self.n
 
-    def view(self, start: int, stop: int) -> "DiskArray":
+    def view(self, start: int, stop: int) -> DiskArray:
         """Values [start, stop) as a DiskArray on the same open file (nothing read)."""
         start, stop, _ = slice(start, stop).indices(self.n)
         return DiskArray(self.path, self.dtype, max(0, stop - start), self.start + start, self._file)
@@ -91,12 +91,12 @@ class TokenStore:
     root: Path
     tokens: DiskArray  # (N,) uint16 | uint32
     doc_ends: np.ndarray  # (D,) int64
-    sent_ends: Optional[np.ndarray]  # (S,) int64, sentence stores only
-    doc_sents: Optional[np.ndarray]  # (D,) int64, sentence stores only
+    sent_ends: np.ndarray | None  # (S,) int64, sentence stores only
+    doc_sents: np.ndarray | None  # (D,) int64, sentence stores only
     index: dict
 
     @classmethod
-    def open(cls, root: Path) -> "TokenStore":
+    def open(cls, root: Path) -> TokenStore:
         root = Path(root)
         try:
             index = json.loads((root / INDEX).read_text())

@@ -14,7 +14,7 @@ of processes. The stream's first blocks are the evaluation set (not trained on i
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class BlockStream(Stream):
         self.epoch, self.pieces_read, self.carry = 0, 0, np.zeros(0, dtype=np.int64)
         self.buffer: list[np.ndarray] = []
         self.rng = np.random.default_rng([seed, 23])
-        self._pieces: Optional[Iterator] = None
+        self._pieces: Iterator | None = None
         self._skipped_held_out = False
 
     # --- reading -----------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def stream_sources(
     data,
     train_cfg,
     make_batch: Callable[[np.ndarray, list], dict],
-) -> tuple[BlockStream, Optional[ListSource]]:
+) -> tuple[BlockStream, ListSource | None]:
     """The training stream and its held-out blocks (the stream's first eval_batches x batch_size)."""
     held = train_cfg.eval_batches * train_cfg.batch_size
     val = ListSource(BlockStream(source, tokenizer, block_len, 1, 0, make_batch).first_blocks(held), make_batch)

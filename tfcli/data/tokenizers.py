@@ -8,8 +8,8 @@ The objective decides the special tokens (GPT: <|endoftext|>; BERT: [CLS] [SEP] 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -23,7 +23,7 @@ class TextTokenizer:
     """A `tokenizers.Tokenizer` plus the special-token ids the objectives need, and (where its
     directory says) its special tokens and chat template (data.special_tokens)."""
 
-    def __init__(self, tok: Tokenizer, specials: Optional[SpecialTokens] = None, chat_template: Optional[str] = None):
+    def __init__(self, tok: Tokenizer, specials: SpecialTokens | None = None, chat_template: str | None = None):
         self.tok = tok
         self.specials = specials or SpecialTokens()
         self.chat_template = chat_template
@@ -32,10 +32,10 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def token_id(self, token: str) -> Optional[int]:
+    def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
-    def special_id(self, *candidates: str) -> Optional[int]:
+    def special_id(self, *candidates: str) -> int | None:
         """The id of the first of `candidates` that the vocabulary has."""
         for c in candidates:
             i = self.tok.token_to_id(c)
@@ -44,7 +44,7 @@ class TextTokenizer:
         return None
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         """The recorded end-of-sequence token's id, else the first of the families' own that exists."""
         recorded = self.specials.eos and self.tok.token_to_id(self.specials.eos)
         return recorded if recorded is not None else self.special_id("<|endoftext|>", "</s>", "[SEP]")
@@ -70,7 +70,7 @@ class TextTokenizer:
         return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
     @classmethod
-    def from_run(cls, directory: Path) -> "TextTokenizer":
+    def from_run(cls, directory: Path) -> TextTokenizer:
         path = Path(directory) / TOKENIZER_FILE
         try:
             return cls(Tokenizer.from_file(str(path)), *read_config(Path(directory)))

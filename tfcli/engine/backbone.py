@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tokenizers import Tokenizer
@@ -32,7 +31,7 @@ LABELS_FILE = "labels.json"  # a classifier run's class names, in id order
 RUN_FILE = "run.json"  # provenance: the --from model (and checkpoint), commands, versions
 
 
-def recorded(run_dir: Optional[Path]) -> dict:
+def recorded(run_dir: Path | None) -> dict:
     """A run's run.json ({} when it has none, as runs from before 0.2 do)."""
     path = Path(run_dir) / RUN_FILE if run_dir else None
     if path is None or not path.is_file():
@@ -85,7 +84,7 @@ def unknown_source(flag: str, path) -> UserError:
     )
 
 
-def family_of(path: Optional[str]) -> Optional[str]:
+def family_of(path: str | None) -> str | None:
     """The model family a --from path holds (a tfcli run or a Hugging Face directory), if it is one."""
     if not path or not Path(path).exists():
         return None
@@ -194,7 +193,7 @@ def for_resume(run_dir: Path, recipe, ckpt: Path, shapes_only: bool = False) -> 
     return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 
-def check_family(source: Optional[str], recipe, plugin) -> str:
+def check_family(source: str | None, recipe, plugin) -> str:
     """The source's family, checked: it exists and holds a model the plug-in trains (nothing read but
     its config)."""
     if source is not None and not Path(source).exists():
@@ -211,7 +210,7 @@ def check_family(source: Optional[str], recipe, plugin) -> str:
     return family
 
 
-def meta_model(source: Optional[str], recipe, plugin):
+def meta_model(source: str | None, recipe, plugin):
     """The model a run starts from, on the meta device, from configs alone: no weight, tokenizer or
     data read (a fresh model whose vocabulary its tokenizer decides is counted without one). A GGUF's
     parsed header is cached, so the run's own read does not parse it again."""
@@ -230,7 +229,7 @@ def run_on_meta(source: str) -> tuple[Path, nn.Module]:
     return run, on_meta(recipes.load_resolved(run / "config.yaml").model)
 
 
-def load(source: Optional[str], recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
+def load(source: str | None, recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
     """The backbone a training run starts from: `source` (--from) or a fresh model. The family is
     checked against the plug-in before anything is built or trained. shapes_only: the model on the
     meta device, no weight read or initialised (a memory plan)."""
@@ -264,7 +263,7 @@ def merge_adapters(model) -> str:
     return " and ".join(f"{name} adapters ({n} linears)" for name, n in counts.items() if n)
 
 
-def with_vocab(cfg, tokenizer: Optional[TextTokenizer]):
+def with_vocab(cfg, tokenizer: TextTokenizer | None):
     """model.vocab_size 0 takes the tokenizer's; a smaller one than the tokenizer's is an error."""
     if tokenizer is None:
         return cfg

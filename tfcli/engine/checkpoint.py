@@ -29,7 +29,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,7 +156,7 @@ def staging(run_dir: Path, step: int, create: bool = True) -> Path:
 def save(
     run_dir: Path,
     step: int,
-    weights: Optional[dict[str, torch.Tensor]],
+    weights: dict[str, torch.Tensor] | None,
     state: dict,
     meta: dict,
     keep: int,
@@ -211,7 +211,7 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def read_pointer(path: Path) -> Optional[str]:
+def read_pointer(path: Path) -> str | None:
     """What a pointer file (latest, best, .lock) names; None when there is none."""
     return path.read_text().strip() if path.is_file() else None
 
@@ -305,7 +305,7 @@ def newest_run(runs_root: Path = Path("runs"), families: tuple[str, ...] = ()) -
     return max(candidates, key=lambda p: (p / CHECKPOINTS / "latest").stat().st_mtime)
 
 
-def _family(run: Path) -> Optional[str]:
+def _family(run: Path) -> str | None:
     """The model family a run's config.yaml names (None when unreadable)."""
     import yaml
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from rich.table import Table
@@ -18,7 +18,7 @@ def held_out_sums(
     batches: Iterable[dict[str, Tensor]],
     device: torch.device,
     precision: str = "fp32",
-    weight: Optional[Callable[[dict], Tensor]] = None,
+    weight: Callable[[dict], Tensor] | None = None,
 ) -> tuple[dict[str, float], float]:
     """(Sums of the loss's metrics, their count) over held-out batches (module: model + heads + loss,
     train.ObjectiveModule): each batch counts once, or as many times as `weight` (Job.loss_weight)
@@ -48,7 +48,7 @@ def held_out_metrics(
     batches: Iterable[dict[str, Tensor]],
     device: torch.device,
     precision: str = "fp32",
-    weight: Optional[Callable[[dict], Tensor]] = None,
+    weight: Callable[[dict], Tensor] | None = None,
 ) -> dict[str, float]:
     """Mean of the loss's metrics over held-out batches (one process)."""
     sums, n = held_out_sums(module, batches, device, precision, weight)

@@ -9,7 +9,6 @@ import csv
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 from ..errors import UserError
 
@@ -33,9 +32,9 @@ def check_available(names: tuple[str, ...]) -> None:
 class MetricsLog:
     """Rank 0's metrics sink for one run."""
 
-    def __init__(self, run_dir: Path, names: tuple[str, ...], run_name: str, config: Optional[dict] = None):
+    def __init__(self, run_dir: Path, names: tuple[str, ...], run_name: str, config: dict | None = None):
         self.run_dir, self.names, self.run_name, self.config = Path(run_dir), names, run_name, config
-        self._csv_rows: Optional[list[dict]] = None
+        self._csv_rows: list[dict] | None = None
         self._tb = self._wandb = None
 
     def write(self, record: dict) -> None:

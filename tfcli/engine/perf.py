@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional
 
 import torch
 
@@ -78,7 +77,7 @@ def training_flops_multiplier(train: str) -> float:
     return {"all": 6.0, "head": 2.0}.get(train, 4.0)
 
 
-def mfu(achieved_flops: float, peak: float) -> Optional[float]:
+def mfu(achieved_flops: float, peak: float) -> float | None:
     """Achieved over peak; None (shown as n/a) where that is above 1: the FLOP count or the measured
     peak is wrong, and a pinned 100% would hide it."""
     if peak <= 0:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Optional
 
 from torch import Tensor
 
@@ -21,7 +20,7 @@ class Prefetcher:
         self.sampler, self.depth, self.pin = sampler, depth, pin_memory
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._consumed = sampler.state_dict()  # the position after the last batch handed out
 
     def _work(self) -> None:

@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -215,8 +214,8 @@ class Runtime:
     threads: int = 1  # torch's CPU threads in this process
     collective_timeout_min: float = 10.0  # how long a collective waits for the other ranks
     threads_why: str = ""  # how `threads` was chosen, for the run's header
-    deterministic_before: Optional[bool] = None  # torch's setting before train.deterministic changed it
-    threads_before: Optional[int] = None  # torch's CPU threads before the run set its own
+    deterministic_before: bool | None = None  # torch's setting before train.deterministic changed it
+    threads_before: int | None = None  # torch's CPU threads before the run set its own
 
     @property
     def is_main(self) -> bool:

@@ -19,7 +19,6 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +73,7 @@ def _other_counts_shares(meta: dict, stored: dict[str, Tensor]) -> dict[str, Ten
     }
 
 
-def save(directory: Path, module: nn.Module, optimizer, names: Optional[set]) -> list:
+def save(directory: Path, module: nn.Module, optimizer, names: set | None) -> list:
     """Every process writes its shards of the weights (`names` only, for a run that saves what it trains)
     and of the optimizer's states into directory/shards; returns the optimizer's param_groups (JSON)."""
     weights = state_dicts().get_model_state_dict(module, options=options(False))
@@ -154,7 +153,7 @@ def sizes(ckpt: Path) -> dict[str, tuple]:
     return {k: tuple(m.size) for k, m in _metadata(ckpt).items()}
 
 
-def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: Optional[set]) -> None:
+def load(ckpt: Path, module: nn.Module, optimizer, param_groups: list, names: set | None) -> None:
     """The checkpoint's weights and optimizer states into this process's module and optimizer (sharded
     or whole, on any number of processes; a low-bit optimizer's states saved by another number are
     re-divided: optimizers.reshare). A parameter with no state in the checkpoint (it never had a

@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +38,7 @@ class ObjectiveModule(nn.Module):
         self.model, self.heads = model, heads
         self.loss_fn = loss_fn
 
-    def forward(self, batch: Batch, fn: Optional[LossFn] = None):
+    def forward(self, batch: Batch, fn: LossFn | None = None):
         return (fn or self.loss_fn)(self.model, self.heads, batch)
 
 
@@ -129,7 +128,7 @@ class Trainer:
         self.sampler, self.batches = self._data(job, rt)
         self.micro_batches = self.tc.grad_accum * len(micro_slices(self.tc.batch_size, self.tc.micro_batch_size))
         self.step, self.best, self.skipped = 0, None, 0
-        self.rollouts: Optional[tuple[list, dict]] = None  # on-policy batches and metrics, for job.reuse steps
+        self.rollouts: tuple[list, dict] | None = None  # on-policy batches and metrics, for job.reuse steps
         self.elapsed_before, self.started = (
             0.0,
             time.perf_counter(),
@@ -332,7 +331,7 @@ class Trainer:
                 f"lower the learning rate, or set train.skip_nonfinite to skip such batches)"
             )
 
-    def _log(self, window: "_Window", peak: float, display: TrainDisplay) -> None:
+    def _log(self, window: _Window, peak: float, display: TrainDisplay) -> None:
         """The window's metrics, read from the device once: skipped steps reported, the rest averaged."""
         steps = window.read()
         self._non_finite([(s, m) for s, m in steps if not all(math.isfinite(v) for v in m.values())])
@@ -409,7 +408,7 @@ class Trainer:
             self._checkpoint(weights, optimizer, is_best)
         self.rt.barrier()
 
-    def _checkpoint(self, weights: Optional[dict], optimizer: dict, is_best: bool) -> None:
+    def _checkpoint(self, weights: dict | None, optimizer: dict, is_best: bool) -> None:
         """Rank 0 writes the checkpoint (weights None: the processes' shards are in its staging directory)."""
         with phase(f"writing checkpoint step-{self.step:07d}"):
             state = {
@@ -454,7 +453,7 @@ class Trainer:
             self.log.close()
 
 
-def _rounded(value: Optional[float], digits: int) -> Optional[float]:
+def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
@@ -518,7 +517,7 @@ class _Window:
         return {"metrics": [[step, m] for step, m in self.read()], "items": self.items, "seconds": self.seconds()}
 
     @classmethod
-    def from_state(cls, state: Optional[dict]) -> "_Window":
+    def from_state(cls, state: dict | None) -> _Window:
         window = cls()
         if state:
             window.metrics = [(int(step), {k: torch.tensor(v) for k, v in m.items()}) for step, m in state["metrics"]]

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -53,7 +53,7 @@ class Export:
     config: dict
     extra_tensors: dict[str, Tensor] = field(default_factory=dict)  # e.g. fixed sin-cos positions
     files: dict[str, Any] = field(default_factory=dict)  # file name -> text or bytes (tokenizer_config.json, ...)
-    rules: Optional[list[Rule]] = None  # another architecture's names than the family's table (e.g. Dinov2)
+    rules: list[Rule] | None = None  # another architecture's names than the family's table (e.g. Dinov2)
     loads_with: str = ""  # how to load it, printed by `tfcli export` ("" : the Auto class of its architecture)
 
 
@@ -200,7 +200,7 @@ def write_dir(
     state: dict[str, Tensor],
     files: dict[str, str],
     weights: str = "model.safetensors",
-    config_name: Optional[str] = CONFIG,
+    config_name: str | None = CONFIG,
 ) -> None:
     """config.json, model.safetensors (or `weights`) and the given text files, readable by everyone (0644)."""
     check_writable(out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -283,7 +283,7 @@ def tokenizer(meta: dict, path: Path):
     user = [t for t, k in zip(tokens, types) if k == 4 and set(t) <= alphabet]  # 4: USER_DEFINED
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
-    def named(key: str) -> Optional[str]:
+    def named(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 

@@ -7,7 +7,7 @@ NSP heads belong to the objective (tfcli.objectives.mlm_nsp), the classifier to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +70,7 @@ def encoder_blocks(cfg: BertConfig) -> nn.ModuleList:
     )
 
 
-def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Optional[Tensor], all_layers: bool = False):
+def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Tensor | None, all_layers: bool = False):
     """x (B, T, D) through the blocks with padded keys masked -> (B, T, D), or (all_layers) the embeddings
     and every block's output (n_layer + 1)."""
     # no mask at all when nothing is padded: SDPA's fastest path
@@ -108,7 +108,7 @@ class Bert(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.wte.weight  # the MLM decoder is tied to the token embedding
 
-    def embed(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None) -> Tensor:
+    def embed(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T), token_type_ids (B, T) of 0/1 -> normalised embeddings (B, T, D)."""
         T = input_ids.size(1)
         if T > self.cfg.max_seq_len:
@@ -120,8 +120,8 @@ class Bert(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        token_type_ids: Optional[Tensor] = None,
-        attention_mask: Optional[Tensor] = None,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
         all_layers: bool = False,
     ):
         """input_ids (B, T), token_type_ids (B, T), attention_mask (B, T) of 1 = token, 0 = pad

@@ -8,7 +8,7 @@ what goes into the attention mask), never in the parts themselves.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,8 @@ class KVCache:
 
     def __init__(self, max_len: int):
         self.max_len = max_len
-        self.k: Optional[Tensor] = None  # (B, nh, max_len, hs)
-        self.v: Optional[Tensor] = None
+        self.k: Tensor | None = None  # (B, nh, max_len, hs)
+        self.v: Tensor | None = None
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,7 +102,7 @@ SLICED_MIN_WEIGHT = 1 << 17  # elements; a smaller weight is read faster whole t
 # 256 x 256 one: 6 us whole, 13 sliced; 768 x 256: 57 us whole, 35 sliced, 60 distinct weights, 2 cores)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), which on a multi-threaded CPU with few rows of x (decoding: one
     position per sequence) computes the product as a batch of row slices of the weight, one per
     torch thread. MKL runs such a product as a matrix-vector product on one thread only: SmolLM2's
@@ -165,14 +165,14 @@ class Attention(nn.Module):
         d_model: int,
         n_head: int,
         *,
-        n_kv_head: Optional[int] = None,
-        head_dim: Optional[int] = None,
+        n_kv_head: int | None = None,
+        head_dim: int | None = None,
         bias: bool = True,
-        out_bias: Optional[bool] = None,
+        out_bias: bool | None = None,
         dropout: float = 0.0,
         cross: bool = False,
-        scale: Optional[float] = None,
-        qk_norm: Optional[Callable[[int], nn.Module]] = None,
+        scale: float | None = None,
+        qk_norm: Callable[[int], nn.Module] | None = None,
         window: int = 0,
     ):
         super().__init__()
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         return x.view(B, T, n, self.head_dim).transpose(1, 2)
 
     def _project(
-        self, x: Tensor, context: Optional[Tensor], cache: Optional[KVCache], rope: Optional[tuple[Tensor, Tensor]]
+        self, x: Tensor, context: Tensor | None, cache: KVCache | None, rope: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, nh, T, hs) and the keys and values to attend to (B, n_kv, Tk, hs), cache included."""
         if self.cross:
@@ -233,11 +233,11 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         *,
-        context: Optional[Tensor] = None,
-        mask: Optional[Tensor] = None,
+        context: Tensor | None = None,
+        mask: Tensor | None = None,
         causal: bool = False,
-        cache: Optional[KVCache] = None,
-        rope: Optional[tuple[Tensor, Tensor]] = None,
+        cache: KVCache | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self._project(x, context, cache, rope)
@@ -264,12 +264,12 @@ class Attention(nn.Module):
 
 def decoder_positions(
     input_ids: Tensor,
-    caches: Optional[list],
+    caches: list | None,
     context: int,
-    doc_ids: Optional[Tensor] = None,
-    key_mask: Optional[Tensor] = None,
-    shared_prompt: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
+    doc_ids: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    shared_prompt: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """A causal decoder's positions and attention mask for input_ids (B, T) after the cached tokens:
     plain (positions start.., no mask: SDPA's causal fast path), packed documents (doc_ids (B, T):
     positions restart per document, (B, 1, T, T) within-document mask), left-padded batched
@@ -414,8 +414,8 @@ class Block(nn.Module):
         norm_attn: nn.Module,
         norm_mlp: nn.Module,
         *,
-        cross_attn: Optional[Attention] = None,
-        norm_cross: Optional[nn.Module] = None,
+        cross_attn: Attention | None = None,
+        norm_cross: nn.Module | None = None,
         prenorm: bool = True,
         dropout: float = 0.0,
     ):
@@ -436,13 +436,13 @@ class Block(nn.Module):
         self,
         x: Tensor,
         *,
-        mask: Optional[Tensor] = None,
+        mask: Tensor | None = None,
         causal: bool = False,
-        cache: Optional[KVCache] = None,
-        context: Optional[Tensor] = None,
-        context_mask: Optional[Tensor] = None,
-        cross_cache: Optional[KVCache] = None,
-        rope: Optional[tuple[Tensor, Tensor]] = None,
+        cache: KVCache | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        cross_cache: KVCache | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         kwargs = dict(
             mask=mask,
@@ -461,13 +461,13 @@ class Block(nn.Module):
         self,
         x: Tensor,
         *,
-        mask: Optional[Tensor],
+        mask: Tensor | None,
         causal: bool,
-        cache: Optional[KVCache],
-        context: Optional[Tensor],
-        context_mask: Optional[Tensor],
-        cross_cache: Optional[KVCache],
-        rope: Optional[tuple[Tensor, Tensor]],
+        cache: KVCache | None,
+        context: Tensor | None,
+        context_mask: Tensor | None,
+        cross_cache: KVCache | None,
+        rope: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
         x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache, rope=rope))
         if self.cross_attn is not None:

@@ -18,13 +18,11 @@ fuses them itself), as does RMSNorm off the CPU (CUDA has a fused kernel) and ou
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
 
-def _gradient_flows(*tensors: Optional[Tensor]) -> bool:
+def _gradient_flows(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -33,7 +31,7 @@ class RMSNormFunction(torch.autograd.Function):
     reciprocal root for backward (autograd would also keep x^2's input and the normalised x)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         # the mean square as one reduction (no x^2 temporary); rsqrt(mean + eps), as F.rms_norm rounds it
         rstd = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.size(-1)).add_(eps).rsqrt_()  # (..., 1)
         y = torch.mul(x, rstd)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from torch import Tensor, nn
 
@@ -87,17 +86,17 @@ class GPT(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.wte.weight  # tied, as in GPT-2
 
-    def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
     def forward(
         self,
         input_ids: Tensor,
-        caches: Optional[list[KVCache]] = None,
+        caches: list[KVCache] | None = None,
         all_layers: bool = False,
-        doc_ids: Optional[Tensor] = None,
-        key_mask: Optional[Tensor] = None,
-        shared_prompt: Optional[Tensor] = None,
+        doc_ids: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        shared_prompt: Tensor | None = None,
     ):
         """input_ids (B, T) -> hidden states (B, T, D). With caches, T new tokens follow the cached ones.
         all_layers: the embeddings and every block's output (n_layer + 1), each through the final norm

@@ -12,7 +12,7 @@ recomputes) by type, whatever the family.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -41,16 +41,16 @@ class DecoderLM(Protocol):
     def forward(
         self,
         input_ids: Tensor,
-        caches: Optional[list] = None,
+        caches: list | None = None,
         all_layers: bool = False,
-        doc_ids: Optional[Tensor] = None,
-        key_mask: Optional[Tensor] = None,
-        shared_prompt: Optional[Tensor] = None,
+        doc_ids: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        shared_prompt: Tensor | None = None,
     ) -> Any: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...
 
-    def new_caches(self, max_len: Optional[int] = None) -> list: ...
+    def new_caches(self, max_len: int | None = None) -> list: ...
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
 
@@ -67,19 +67,19 @@ class EncoderDecoder(Protocol):
     kind: ClassVar[str]
     cfg: Any
 
-    def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor: ...
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
 
     def decode(
         self,
         decoder_input_ids: Tensor,
         encoder_out: Tensor,
-        encoder_mask: Optional[Tensor] = None,
-        caches: Optional[list] = None,
+        encoder_mask: Tensor | None = None,
+        caches: list | None = None,
     ) -> Tensor: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...
 
-    def new_caches(self, max_len: Optional[int] = None) -> list: ...
+    def new_caches(self, max_len: int | None = None) -> list: ...
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float: ...  # training FLOPs (MFU)
 
@@ -98,8 +98,8 @@ class TextEncoder(Protocol):
     def forward(
         self,
         input_ids: Tensor,
-        token_type_ids: Optional[Tensor] = None,
-        attention_mask: Optional[Tensor] = None,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
         all_layers: bool = False,
     ) -> Any: ...
 

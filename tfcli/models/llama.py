@@ -6,7 +6,6 @@ q/k norms and a sliding window where an architecture has them. Built from the sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from torch import Tensor, nn
 
@@ -125,17 +124,17 @@ class Llama(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_caches(self, max_len: Optional[int] = None) -> list[KVCache]:
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 
     def forward(
         self,
         input_ids: Tensor,
-        caches: Optional[list[KVCache]] = None,
+        caches: list[KVCache] | None = None,
         all_layers: bool = False,
-        doc_ids: Optional[Tensor] = None,
-        key_mask: Optional[Tensor] = None,
-        shared_prompt: Optional[Tensor] = None,
+        doc_ids: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        shared_prompt: Tensor | None = None,
     ):
         """input_ids (B, T) -> hidden states (B, T, D); the arguments mean what they mean for GPT
         (blocks.decoder_positions): caches, every layer's output, packed documents, left padding."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -121,7 +120,7 @@ class Rotary(nn.Module):
         return emb.cos() * self.attention_scale, emb.sin() * self.attention_scale
 
 
-def rope_scaling_of(theta: float, params: Optional[dict]) -> RopeScaling:
+def rope_scaling_of(theta: float, params: dict | None) -> RopeScaling:
     """A transformers config's rope settings (`rope_parameters`, or the older `rope_theta` +
     `rope_scaling`) -> RopeScaling. Unknown rope types are refused by check_rope."""
     p = dict(params or {})

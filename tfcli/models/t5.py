@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -189,7 +189,7 @@ class T5(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.shared.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_caches(self, max_len: Optional[int] = None) -> list[tuple[KVCache, KVCache]]:
+    def new_caches(self, max_len: int | None = None) -> list[tuple[KVCache, KVCache]]:
         """(self-attention, cross-attention) caches for each decoder layer."""
         n = max_len or self.cfg.max_seq_len
         return [(KVCache(n), KVCache(0)) for _ in self.decoder]
@@ -207,7 +207,7 @@ class T5(nn.Module):
         attn = 12 * inner * (cfg.n_layer * seq_len**2 + cfg.n_decoder_layer * (target_len**2 + target_len * seq_len))
         return (6.0 * (n_enc * seq_len + n_dec * target_len) + attn) / (seq_len + target_len)
 
-    def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """input_ids (B, S), attention_mask (B, S) of 1 = token, 0 = pad -> (B, S, D)."""
         S = input_ids.size(1)
         mask = self.encoder_bias(S, S)  # (1, nh, S, S)
@@ -223,8 +223,8 @@ class T5(nn.Module):
         self,
         decoder_input_ids: Tensor,
         encoder_out: Tensor,
-        encoder_mask: Optional[Tensor] = None,
-        caches: Optional[list[tuple[KVCache, KVCache]]] = None,
+        encoder_mask: Tensor | None = None,
+        caches: list[tuple[KVCache, KVCache]] | None = None,
     ) -> Tensor:
         """decoder_input_ids (B, T) after the cached ones, encoder_out (B, S, D) -> (B, T, D).
 
@@ -250,7 +250,7 @@ class T5(nn.Module):
         x = self.drop(self.decoder_norm(x))
         return x * self.cfg.d_model**-0.5 if self.lm_head is None else x
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor], decoder_input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, decoder_input_ids: Tensor) -> Tensor:
         """Teacher-forced pass: encode, then decode every target position -> (B, T, D)."""
         return self.decode(decoder_input_ids, self.encode(input_ids, attention_mask), attention_mask)
 

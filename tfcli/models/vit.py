@@ -9,7 +9,7 @@ masking are pure functions so that the objective, the pictures and the tests sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -204,7 +204,7 @@ class ConvStem(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.proj = nn.Conv2d(c, cfg.d_model, 1)
 
-    def forward(self, pixels: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+    def forward(self, pixels: Tensor, keep: Tensor | None = None) -> Tensor:
         """(B, C, H, W) -> (B, D, H/P, W/P)."""
         x = pixels
         for layer in self.layers:
@@ -243,7 +243,7 @@ class ViT(nn.Module):
             nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.cls_token, std=0.02)
 
-    def embed(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+    def embed(self, pixels: Tensor, ids_keep: Tensor | None = None) -> Tensor:
         """(B, C, H, W) -> (B, 1 + K, D): [CLS] then the kept patches (all N if ids_keep is None)."""
         B, _, H, W = pixels.shape
         if H != self.cfg.image_size or W != self.cfg.image_size:
@@ -267,7 +267,7 @@ class ViT(nn.Module):
         )
         return f"{what}: {self.cfg.n_patches} tokens ({self.cfg.grid}x{self.cfg.grid}) + [CLS], {params:,} parameters"
 
-    def tokens(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+    def tokens(self, pixels: Tensor, ids_keep: Tensor | None = None) -> Tensor:
         """The stem: (B, C, H, W) -> (B, D, H/P, W/P). A convolutional stem given the kept patches sees
         only their pixels."""
         if self.cfg.stem == "patch" or ids_keep is None:
@@ -284,13 +284,13 @@ class ViT(nn.Module):
         embed = cfg.d_model * cfg.channels * cfg.patch_size**2 * (seq_len - 1) / seq_len
         return dense_flops_per_token(self.blocks, cfg.n_layer, seq_len, cfg.d_model) + 6.0 * embed
 
-    def forward_features(self, pixels: Tensor, ids_keep: Optional[Tensor] = None, all_layers: bool = False):
+    def forward_features(self, pixels: Tensor, ids_keep: Tensor | None = None, all_layers: bool = False):
         """Normalised hidden states (B, 1 + K, D); only the kept patches enter the blocks. all_layers: the
         embeddings and every block's output (n_layer + 1), each normalised (a probe of every depth)."""
         x = self.embed(pixels, ids_keep)
         return through_blocks(x, self.blocks, lambda i, block, h: block(h), all_layers, self.norm)
 
-    def forward(self, pixels: Tensor, ids_keep: Optional[Tensor] = None) -> Tensor:
+    def forward(self, pixels: Tensor, ids_keep: Tensor | None = None) -> Tensor:
         return self.forward_features(pixels, ids_keep)
 
     @staticmethod

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from torch import nn
@@ -120,7 +119,7 @@ class ImageGPT(Objective):
         ]
 
 
-def held_out_tokens(recipe, palette: np.ndarray, side: int, n: int, seed: int) -> Optional[np.ndarray]:
+def held_out_tokens(recipe, palette: np.ndarray, side: int, n: int, seed: int) -> np.ndarray | None:
     """n held-out images of the run's data as colour indices (a seeded sample)."""
     splits = load_images(recipe.data.source, recipe.data.val_fraction, recipe.train.seed)
     images = splits.test if splits.test is not None and len(splits.test) else splits.train

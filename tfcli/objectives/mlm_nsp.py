@@ -9,7 +9,7 @@ projection + cross-entropy), not at all T positions as in transformers' BertForP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import torch
@@ -172,7 +172,7 @@ class MaskedLM(TextObjective):
     describe = "BERT MLM + NSP"
     replace = (0.8, 0.1)  # [MASK] and random-token shares of the chosen tokens
 
-    def example_sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, Optional[PairSource]]:
+    def example_sources(self, recipe, backbone, nsp: bool) -> tuple[PairSource, PairSource | None]:
         """A sentence store of the data (cached), held-out documents, and the training and held-out
         sources of pairs (NSP) or full segments, masked with this objective's shares."""
         s, d, seed = recipe.settings, recipe.data, recipe.train.seed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +16,7 @@ from .losses import with_perplexity
 from .objective import TextObjective
 
 
-def shifted_pairs(blocks, rngs, eos: Optional[int] = None) -> dict[str, Tensor]:
+def shifted_pairs(blocks, rngs, eos: int | None = None) -> dict[str, Tensor]:
     """(B, T + 1) blocks -> inputs and the targets one to the right; given the end-of-text id (a
     stream with data.document_mask), attention and targets also stay inside each document."""
     t = torch.from_numpy(blocks)

@@ -9,9 +9,10 @@ source, heads and loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..data.documents import open_source
 from ..data.sampler import sequential_batches

@@ -5,7 +5,6 @@ else the last number it wrote, as lm-evaluation-harness's flexible extraction do
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 METRICS = ("exact", "contains", "final-number")
 _NUMBER = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?")
@@ -16,7 +15,7 @@ def normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def final_number(text: str, strict: bool = False) -> Optional[str]:
+def final_number(text: str, strict: bool = False) -> str | None:
     """The number after '####' (strict), or failing that the last number in the text, as a canonical
     string ('1,000.50' -> '1000.5'); None where there is none."""
     marked = text.split("####")[-1] if "####" in text else None

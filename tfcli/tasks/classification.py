@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,21 +97,21 @@ class ClassificationTask(Plugin):
     kind = "task"
 
     def load(
-        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+        self, recipe, backbone, data: str | None = None, labels: tuple[str, ...] = (), need_train: bool = True
     ) -> TaskData:
         """The task's data (`data` instead of the recipe's, for `tfcli eval --data`); `labels`: the
         label set a trained classifier was trained with (evaluation must use its ids); need_train=False:
         evaluation, which may read data without a training split."""
         raise NotImplementedError
 
-    def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
+    def head(self, recipe, backbone, data: TaskData, options: EvalOptions | None = None) -> Head:
         raise NotImplementedError
 
     def sample(self, data, n: int, seed: int):
         """A seeded, class-balanced sample of n examples of one split (n <= 0: all)."""
         raise NotImplementedError
 
-    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+    def check(self, recipe, backbone, options: EvalOptions | None = None) -> None:
         """Refuse a request the backbone cannot serve (a head its family lacks) before any data is read."""
 
     def setup(self, recipe, backbone) -> Job:
@@ -227,6 +227,6 @@ class ClassificationTask(Plugin):
                 console.print(table)
 
 
-def with_data(recipe, source: Optional[str]):
+def with_data(recipe, source: str | None):
     """The recipe reading its task data from `source` (eval --data) when given."""
     return recipe if not source else replace(recipe, data=replace(recipe.data, source=source, val_source=""))

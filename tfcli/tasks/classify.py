@@ -10,8 +10,8 @@ un-finetuned one can be prompted with k solved examples (`tfcli eval mnli --few-
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -189,7 +189,7 @@ class Classify(ClassificationTask):
             yield from texts
 
     def load(
-        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+        self, recipe, backbone, data: str | None = None, labels: tuple[str, ...] = (), need_train: bool = True
     ) -> TaskData:
         spec = text_spec(recipe.settings)
         spec = replace(spec, labels=labels) if labels else spec
@@ -218,7 +218,7 @@ class Classify(ClassificationTask):
     def sample(self, rows: list, n: int, seed: int) -> list:
         return [rows[i] for i in balanced_sample(np.array([y for _, y in rows]), n, seed)]
 
-    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+    def check(self, recipe, backbone, options: EvalOptions | None = None) -> None:
         """--cloze on a BERT only, a text head on T5/GPT only, a pooling the family has, and nothing to
         train alone in text-to-text: each refused before the data is read."""
         if options is not None and options.cloze:
@@ -242,7 +242,7 @@ class Classify(ClassificationTask):
                 f"(prompt it with --few-shot K instead)"
             )
 
-    def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> Head:
+    def head(self, recipe, backbone, data: TaskData, options: EvalOptions | None = None) -> Head:
         if options is not None and options.cloze:
             return self.cloze(recipe, backbone, data)
         return (
@@ -298,7 +298,7 @@ class Classify(ClassificationTask):
 
         return ClozeHead(make_source, ids["mask"], cloze.word_ids(tok, words), mlm, float(max_length))
 
-    def text_head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions]) -> TextHead:
+    def text_head(self, recipe, backbone, data: TaskData, options: EvalOptions | None) -> TextHead:
         """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""
         spec = text_spec(recipe.settings)
         self.check(recipe, backbone)

@@ -13,7 +13,7 @@ the pieces tokenize as the filled-in string would.
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -103,7 +103,7 @@ class ClozeHead(Head):
         make_source: Callable[[list, bool], Source],
         mask_id: int,
         words: list[int],
-        mlm_heads: Optional[nn.ModuleDict],
+        mlm_heads: nn.ModuleDict | None,
         tokens_per_item: float,
     ):
         self.make_source, self.mask_id, self.words, self.tokens_per_item = make_source, mask_id, words, tokens_per_item

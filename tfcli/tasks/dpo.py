@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ class DPO(Plugin):
     describe = "DPO preference tuning"
 
     def pairs(
-        self, recipe, backbone, data: Optional[str] = None, need_train: bool = True, say: bool = True
+        self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
     ) -> dict[str, Pairs]:
         """Every split's pairs (the training split first), each split's skipped rows named (say)."""
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
@@ -291,7 +291,7 @@ class DPO(Plugin):
         return results
 
     def score(
-        self, recipe, backbone, data: Optional[str], reference: Optional[str], limit: int, say: bool = True
+        self, recipe, backbone, data: str | None, reference: str | None, limit: int, say: bool = True
     ) -> dict[str, dict]:
         splits = self.pairs(recipe, backbone, data, need_train=False, say=say)
         held = {s: p.pairs[: limit or None] for i, (s, p) in enumerate(splits.items()) if i > 0 and p.pairs}
@@ -317,7 +317,7 @@ class DPO(Plugin):
                 f"{m['logps/rejected']:.2f}, loss {m['loss']:.4f}"
             )
 
-    def eval_reference(self, recipe, backbone, reference: Optional[str]) -> Preference:
+    def eval_reference(self, recipe, backbone, reference: str | None) -> Preference:
         """What an evaluation compares the model with: --reference, else the run's: its adapters off
         when it trained adapters, else the model it started from."""
         cfg = recipe.settings
@@ -339,7 +339,7 @@ class DPO(Plugin):
         ]
 
 
-def measure(recipe, model: nn.Module, loss: "Preference", pairs: PairBatches, split: str, device) -> dict[str, float]:
+def measure(recipe, model: nn.Module, loss: Preference, pairs: PairBatches, split: str, device) -> dict[str, float]:
     """Loss and TRL's reward metrics of `model` against `loss`'s reference on every pair, in order."""
     batches = sequential_batches(pairs, recipe.train.batch_size, 0)
     with phase(f"scoring {split} pairs"):

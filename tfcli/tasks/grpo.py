@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ def data_spec(cfg: GRPOConfig) -> TextSpec:
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]  # what generation starts from (the chat template's rendering, generation prompt included)
-    asked: Union[str, list]  # the prompt as rewards receive it: its text, or its messages
+    asked: str | list  # the prompt as rewards receive it: its text, or its messages
     row: dict  # the row's columns (what rewards read)
     number: int  # the row's position in its split (1-based), for messages about it
 
@@ -156,7 +156,7 @@ class PromptBuilder:
     user's message, as SFT reads it; with no template, the text as it is, as TRL feeds a plain prompt),
     rendered with the generation prompt; rows too long to leave room for a completion are skipped."""
 
-    def __init__(self, tokenizer, template: Optional[ChatTemplate], cfg: GRPOConfig, longest: int):
+    def __init__(self, tokenizer, template: ChatTemplate | None, cfg: GRPOConfig, longest: int):
         self.tok, self.template, self.cfg, self.longest = tokenizer, template, cfg, longest
         self.prompt_field = fields_of(cfg)[0]
 
@@ -170,7 +170,7 @@ class PromptBuilder:
                 out.examples.append(built)
         return out
 
-    def example(self, row: dict, number: int) -> Union[Prompt, str]:
+    def example(self, row: dict, number: int) -> Prompt | str:
         cfg = self.cfg
         system = [{"role": "system", "content": cfg.system}] if cfg.system else []
         if isinstance(row.get(cfg.messages_field), list):
@@ -183,7 +183,7 @@ class PromptBuilder:
                 return "skip:messages not ending with the user's turn"
             if self.template is None:
                 return "skip:a conversation needs a chat template (grpo.chat_template)"
-            asked: Union[str, list] = [{"role": m["role"], "content": m["content"]} for m in messages]
+            asked: str | list = [{"role": m["role"], "content": m["content"]} for m in messages]
             ids = self.template.render(self.tok, system + asked, add_generation_prompt=True).ids
         elif isinstance(row.get(self.prompt_field), str) and row[self.prompt_field].strip():
             asked = row[self.prompt_field]
@@ -222,7 +222,7 @@ class PromptBatches(Source):
 # --- advantages and the loss ---------------------------------------------------------------------
 
 
-def nanstd(x: Tensor, dim: Optional[int] = None) -> Tensor:
+def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     """The unbiased standard deviation of the non-NaN values (NaN for fewer than two): TRL's nanstd."""
     x = x if dim is not None else x.reshape(-1)
     dim = dim if dim is not None else 0
@@ -330,7 +330,7 @@ class Rollouts:
     prompt, their advantages, and the log-probabilities the loss compares with) and the step's reward
     metrics. Generation runs in eval mode, without gradients, with the draw's own seed."""
 
-    def __init__(self, plugin: "GRPO", cfg: GRPOConfig, prompts: list[Prompt], rewards, stops, pad, mode, frozen):
+    def __init__(self, plugin: GRPO, cfg: GRPOConfig, prompts: list[Prompt], rewards, stops, pad, mode, frozen):
         self.plugin, self.cfg, self.prompts, self.rewards = plugin, cfg, prompts, rewards
         self.stops, self.pad, self.mode, self.frozen = stops, pad, mode, frozen
         self.weights = torch.tensor([r.weight for r in rewards])
@@ -365,7 +365,7 @@ class Rollouts:
                     rows["old_logps"] = completion_logprobs(model, rows, cfg.temperature)
             if cfg.beta > 0:
                 rows["ref_logps"] = reference_of(
-                    model, self.mode, self.frozen, lambda m: completion_logprobs(m, rows, cfg.temperature)
+                    model, self.mode, self.frozen, lambda m, rows=rows: completion_logprobs(m, rows, cfg.temperature)
                 )
             out.append(rows)
             start += n
@@ -494,7 +494,7 @@ class GRPO(Plugin):
             return mine
         return self.rt.mean({"done": float(mine)})["done"] >= 1.0
 
-    def prompts(self, recipe, backbone, data: Optional[str] = None, need_train: bool = True, say: bool = True):
+    def prompts(self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True):
         """Every split's prompts (the training split first), each split's skipped rows named (say)."""
         cfg = recipe.settings
         room = min(recipe.data.seq_len, backbone.cfg.max_seq_len) - cfg.max_completion_length

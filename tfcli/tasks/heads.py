@@ -7,7 +7,7 @@ four layers; a decoder's last token; T5's encoder mean; ViT's [CLS] or the mean 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ def matmul_params(model: nn.Module) -> int:
 class ExampleSource(Source):
     """Pre-encoded examples batched by `collate`; with `lengths`, batches of similar length."""
 
-    def __init__(self, examples: list, collate: Callable[[list], Batch], lengths: Optional[np.ndarray] = None):
+    def __init__(self, examples: list, collate: Callable[[list], Batch], lengths: np.ndarray | None = None):
         self.examples, self.collate, self.lengths = examples, collate, lengths
 
     def epoch_size(self, epoch: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
@@ -30,7 +29,7 @@ class ImageClassify(ClassificationTask):
     describe = "image classification"
 
     def load(
-        self, recipe, backbone, data: Optional[str] = None, labels: tuple[str, ...] = (), need_train: bool = True
+        self, recipe, backbone, data: str | None = None, labels: tuple[str, ...] = (), need_train: bool = True
     ) -> TaskData:
         """The images (data.source, or `data`); they must carry labels. Without a test split of their
         own a seeded data.val_fraction is held out."""
@@ -51,7 +50,7 @@ class ImageClassify(ClassificationTask):
             raise UserError(f"{source}: labels go up to {n_classes - 1}, but the classifier has {len(names)} classes")
         return TaskData(splits.train.subset(ft.limit, recipe.train.seed), {"test": test}, names)
 
-    def check(self, recipe, backbone, options: Optional[EvalOptions] = None) -> None:
+    def check(self, recipe, backbone, options: EvalOptions | None = None) -> None:
         """A decoder reads images only as an ImageGPT run's colours: a text model is refused before the
         images are read."""
         from ..data.palette import PALETTE_FILE
@@ -68,7 +67,7 @@ class ImageClassify(ClassificationTask):
     def sample(self, images: ImageSet, n: int, seed: int) -> ImageSet:
         return images.take(balanced_sample(images.labels, n, seed))
 
-    def head(self, recipe, backbone, data: TaskData, options: Optional[EvalOptions] = None) -> ClassifierHead:
+    def head(self, recipe, backbone, data: TaskData, options: EvalOptions | None = None) -> ClassifierHead:
         cfg, settings, ft = backbone.cfg, recipe.settings, recipe.finetune or FinetuneConfig()
         if backbone.model.kind == kinds.DECODER:
             return self.colour_head(backbone, data, ft)

@@ -5,7 +5,7 @@ with its adapters switched off (LoRA, IA3: no second copy)."""
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

@@ -11,8 +11,8 @@ An encoder-decoder's batch is the padded source and the reply as T5 targets.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ class PairBatches(Source):
     2B rows: the chosen replies first, then the rejected ones. `reference` (N, 2), when the reference
     model's log-probabilities were computed ahead, rides along as ref_logps (2B,), chosen first."""
 
-    def __init__(self, pairs: list, pad_id: int, reference: Optional[Tensor] = None, share_prompt: bool = True):
+    def __init__(self, pairs: list, pad_id: int, reference: Tensor | None = None, share_prompt: bool = True):
         self.pairs, self.pad, self.reference, self.share = pairs, pad_id, reference, share_prompt
         self.lengths = np.array([p.length for p in pairs])  # either layout: the same batches
 

@@ -28,9 +28,10 @@ import importlib.util
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,7 +61,7 @@ class Reward:
     name: str  # as the metrics name it: rewards/<name>/mean
     weight: float
     score: Callable[[Completions], list]  # -> one float (or None) per completion
-    reads: Optional[str] = None  # the row column it needs (built-ins that compare with the answer)
+    reads: str | None = None  # the row column it needs (built-ins that compare with the answer)
 
     def scores_nothing_of(self, row: dict) -> bool:
         """Whether no completion can earn this reward on `row` (final-number of an answer with no number,
@@ -106,7 +107,7 @@ def _items(spec: str) -> list[str]:
     return [item for item in items if item]
 
 
-def _user_body(item: str) -> Optional[str]:
+def _user_body(item: str) -> str | None:
     """file.py:function of an item that names a user's function (its weight left off), else None."""
     m = _WEIGHT.fullmatch(item)
     body = m.group(1) if m and _USER.fullmatch(m.group(1)) else item
@@ -217,9 +218,7 @@ def _user_function(body: str) -> Callable[[Completions], list]:
     return score
 
 
-def scored(
-    rewards: list[Reward], c: Completions, where: Callable[[int], str], nans: Optional[Counter] = None
-) -> Tensor:
+def scored(rewards: list[Reward], c: Completions, where: Callable[[int], str], nans: Counter | None = None) -> Tensor:
     """(N, F): every reward of every completion (NaN where a reward returned None or NaN: it does not
     apply; `nans` counts the NaNs by reward, which a run says once). A reward that raises, returns the
     wrong count, something that is not a number, or an infinity stops the run in one line naming it

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from rich.table import Table
@@ -140,17 +140,17 @@ class SFT(Plugin):
                 f"are for decoders"
             )
 
-    def template(self, recipe, backbone) -> Optional[ChatTemplate]:
+    def template(self, recipe, backbone) -> ChatTemplate | None:
         return template_for(recipe.settings.chat_template, backbone)
 
-    def builder(self, recipe, backbone, template: Optional[ChatTemplate]):
+    def builder(self, recipe, backbone, template: ChatTemplate | None):
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
         return reply_format(backbone.model).builder(
             backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format
         )
 
     def examples(
-        self, recipe, backbone, data: Optional[str] = None, need_train: bool = True, say: bool = True
+        self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
     ) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
         build = self.builder(recipe, backbone, self.template(recipe, backbone))
@@ -248,9 +248,9 @@ class SFT(Plugin):
         self,
         recipe,
         backbone,
-        data: Optional[str],
-        n_loss: Optional[int],
-        n_generated: Optional[int],
+        data: str | None,
+        n_loss: int | None,
+        n_generated: int | None,
         predictions: Path,
         say: bool = True,
     ) -> dict:
@@ -341,7 +341,7 @@ def report_rows(recipe) -> int:
     return recipe.finetune.report_limit or max(REPORT_FLOOR, t.steps * t.batch_size * t.grad_accum)
 
 
-def read_splits(recipe, spec: TextSpec, build, data: Optional[str], need_train: bool, describe=None) -> dict:
+def read_splits(recipe, spec: TextSpec, build, data: str | None, need_train: bool, describe=None) -> dict:
     """Every split's rows (the recipe's data, or `data`) through `build` (.build_all), the training split
     first: its first finetune.limit rows, or none for an evaluation, whose --data FILE is evaluated
     whole. describe(split, built, where), when given, is the line printed for each split."""
@@ -366,7 +366,7 @@ def read_splits(recipe, spec: TextSpec, build, data: Optional[str], need_train: 
     return out
 
 
-def template_for(name: str, backbone) -> Optional[ChatTemplate]:
+def template_for(name: str, backbone) -> ChatTemplate | None:
     """The template examples are rendered in: `name` (a shipped template or a file), else the model's
     own, else none (name "none", a model without one, an encoder-decoder)."""
     tok = backbone.tokenizer
@@ -402,7 +402,7 @@ def questions_summary(split: str, examples: Examples, where: str) -> str:
     return summary_line(f"sft {split}", len(examples.examples), "questions", examples.skipped, where)
 
 
-def preview(tok, example, colour: Optional[bool] = None) -> Text:
+def preview(tok, example, colour: bool | None = None) -> Text:
     """One example as the model reads it, the trained tokens highlighted; without colour (output piped
     to a file or a pager) they are marked [[between double brackets]]."""
     colour = console.color_system is not None if colour is None else colour

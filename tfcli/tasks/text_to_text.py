@@ -10,8 +10,6 @@ un-finetuned checkpoint the same way, with k solved training examples before the
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -143,7 +141,7 @@ class DecoderReader:
 def target_log_probs(
     model: nn.Module,
     encoded: Tensor,
-    encoder_mask: Optional[Tensor],
+    encoder_mask: Tensor | None,
     targets: Tensor,
     start_id: int,
     ignore_id: int = IGNORE,
