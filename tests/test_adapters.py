@@ -1,5 +1,5 @@
 """Parameter-efficient finetuning through one adapter module for every family: LoRA and IA3 leave the
-outputs exactly as they were at initialisation; each strategy trains only its parameters; merging
+outputs exactly as they were at initialisation; each method trains only its parameters; merging
 gives the adapted model's outputs; a LoRA run saves only its adapters and head, resumes bit for bit,
 evaluates, and exports a plain transformers model with the same logits."""
 
@@ -180,7 +180,7 @@ def test_a_lora_run_saves_only_adapters_resumes_evaluates_and_exports_merged(hf_
 
 
 @pytest.mark.parametrize("method", ["ia3", "bitfit", "head"])
-def test_every_strategy_trains_and_reports_what_it_trains(method, hf_bert, mnli_dir, tmp_path):
+def test_every_method_trains_and_reports_what_it_trains(method, hf_bert, mnli_dir, tmp_path):
     result = invoke(
         "finetune",
         "mnli",

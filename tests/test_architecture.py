@@ -27,13 +27,23 @@ def _module_name(path: Path) -> str:
 
 @functools.lru_cache(maxsize=1)
 def import_graph() -> dict[str, set[str]]:
-    """tfcli module -> the tfcli modules it imports, at module level or inside functions."""
+    """tfcli module -> the tfcli modules it imports, at module level or inside functions (not those
+    only a type checker reads, under `if TYPE_CHECKING:`)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        checking = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+            for inner in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in checking:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -338,3 +348,51 @@ def test_every_import_inside_a_function_resolves():
                 if not hasattr(module, alias.name) and importlib.util.find_spec(f"{base}.{alias.name}") is None:
                     missing.append(f"{path.relative_to(REPO)}:{node.lineno} {base}.{alias.name}")
     assert not missing, missing
+
+
+def test_no_module_outside_the_methods_table_compares_a_finetuning_methods_name():
+    """finetune.train is one table (adapters.METHODS): what a method trains, whether it switches off,
+    its FLOPs, its memory and its export are the record's; a new method is a record, not nine branches."""
+    import re
+
+    from tfcli.adapters import METHODS
+    from tfcli.recipe import FinetuneConfig
+
+    assert typing_args(FinetuneConfig, "train") == tuple(METHODS)
+    names = "|".join(METHODS)
+    patterns = [
+        re.compile(r"\.train\s*(==|!=|\bin\b|\bnot in\b)"),
+        re.compile(rf"""\btrain\s*(==|!=)\s*["']({names})["']"""),
+        re.compile(rf"""\(\s*["']({names})["']\s*,\s*["']({names})["']"""),
+    ]
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "adapters.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(p.search(line) for p in patterns) and "train_on" not in line
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def typing_args(cls, name: str) -> tuple:
+    import typing
+
+    return typing.get_args(typing.get_type_hints(cls)[name])
+
+
+def test_no_module_compares_a_distributed_strategys_name():
+    """DDP and FSDP answer for themselves (runtime.Strategy: sharded, lockstep, held, gradient_copies):
+    how checkpoints are written, what a process holds for the plan, whether processes generate together."""
+    import re
+
+    pattern = re.compile(
+        r"""strategy\.name\s*(==|!=|in\b)|["'](ddp|fsdp)["']\s*(==|!=)|(==|!=|in)\s*\(?["'](ddp|fsdp)["']"""
+    )
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, "\n".join(offenders)

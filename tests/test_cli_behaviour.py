@@ -38,7 +38,7 @@ def test_resume_refuses_an_override_that_would_not_be_what_ran(tmp_path, small_t
     assert max(m["step"] for m in read_metrics(run)) == 6
 
 
-def test_each_strategy_reads_its_own_defaults_and_the_command_line_wins(tmp_path):
+def test_each_method_reads_its_own_defaults_and_the_command_line_wins(tmp_path):
     from tfcli import recipe as recipes
 
     lora = recipes.load("mnli-minilm", {"finetune.train": "lora"})
@@ -50,7 +50,7 @@ def test_each_strategy_reads_its_own_defaults_and_the_command_line_wins(tmp_path
     assert full.optim.lr == 1e-4 and full.finetune.pooling == "cls" and full.adapter.targets == ("q", "v")
     assert recipes.load("mnli-gpt-mini", {"finetune.train": "lora"}).finetune.pooling == "auto"  # a GPT's own
     recipes.save(lora, tmp_path / "config.yaml")  # a run's recipe: applied, without the table
-    assert "strategies" not in (tmp_path / "config.yaml").read_text()
+    assert "methods" not in (tmp_path / "config.yaml").read_text()
     assert recipes.load(str(tmp_path / "config.yaml"), {"finetune.train": "lora"}).optim.lr == 1e-3
 
 

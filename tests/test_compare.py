@@ -1,4 +1,4 @@
-"""`tfcli compare`: budgets and cell names; a grid of two strategies writes its table, CSV and chart;
+"""`tfcli compare`: budgets and cell names; a grid of two approaches writes its table, CSV and chart;
 run again, a half-finished grid runs only what is missing (a finished cell is not run again, an
 interrupted one resumes from its checkpoint)."""
 
@@ -42,8 +42,8 @@ def test_cell_names_are_unique_and_readable():
     assert names == {"runs/a/bert": "a-bert", "runs/b/bert": "b-bert", "hf/minilm": "hf-minilm"}
 
 
-def test_unknown_strategies_and_missing_tasks_are_refused():
-    with pytest.raises(UserError, match="unknown strategy 'prefix'"):
+def test_unknown_approaches_and_missing_tasks_are_refused():
+    with pytest.raises(UserError, match="unknown approach 'prefix'"):
         compare.load_grid(None, "mnli", "x", "all,prefix", None, None, None, [])
     with pytest.raises(UserError, match="name the task"):
         compare.load_grid(None, None, "x", "all", None, None, None, [])
@@ -223,17 +223,17 @@ def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path
         ("all", ["--train", "all"]),
     ],
 )
-def test_strategies_read_as_finetune_flags(spec, flags):
-    assert compare.parse_strategy(spec).flags() == flags
+def test_approaches_read_as_finetune_flags(spec, flags):
+    assert compare.parse_approach(spec).flags() == flags
 
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("lora+head:max", "unknown pooling 'max'"), ("prefix", "unknown strategy"), ("shot", "unknown strategy")],
+    [("lora+head:max", "unknown pooling 'max'"), ("prefix", "unknown approach"), ("shot", "unknown approach")],
 )
-def test_a_bad_strategy_is_one_line(spec, message):
+def test_a_bad_approach_is_one_line(spec, message):
     with pytest.raises(UserError, match=message):
-        compare.parse_strategy(spec)
+        compare.parse_approach(spec)
 
 
 def test_a_varied_setting_is_one_more_dimension_of_the_grid_but_not_for_prompting():

@@ -1,7 +1,7 @@
 """Finetuning from a finetuning run (issue 36): `--from` an adapter run is its base with the adapters
 merged (SFT -> DPO with new adapters over the merged SFT model, whose reference is that model; SFT ->
 full finetuning), said in one note line; a run that fails before its first checkpoint leaves no
-directory; and every strategy that creates parameters (adapters, heads) creates the same ones in two
+directory; and every method that creates parameters (adapters, heads) creates the same ones in two
 runs of the same command."""
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_directory(chat_m
 
 
 @pytest.mark.parametrize(
-    "strategy", ["all", "lora", *(pytest.param(s, marks=pytest.mark.slow) for s in ("head", "ia3", "bitfit"))]
+    "method", ["all", "lora", *(pytest.param(s, marks=pytest.mark.slow) for s in ("head", "ia3", "bitfit"))]
 )
-def test_two_runs_of_a_classifier_from_a_pretrained_model_give_the_same_losses(strategy, hf_bert, mnli_dir, tmp_path):
+def test_two_runs_of_a_classifier_from_a_pretrained_model_give_the_same_losses(method, hf_bert, mnli_dir, tmp_path):
     losses = []
     for n in range(2):
         torch.manual_seed(n)  # what a fresh process starts with differs from run to run
@@ -193,7 +193,7 @@ def test_two_runs_of_a_classifier_from_a_pretrained_model_give_the_same_losses(s
             "--data",
             mnli_dir,
             "--train",
-            strategy,
+            method,
             "--steps",
             2,
             "--batch-size",
@@ -213,8 +213,8 @@ def test_two_runs_of_a_classifier_from_a_pretrained_model_give_the_same_losses(s
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("strategy", ["lora", "ia3"])
-def test_two_dpo_runs_with_new_adapters_give_the_same_losses(strategy, chat_model, tmp_path):
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+def test_two_dpo_runs_with_new_adapters_give_the_same_losses(method, chat_model, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     losses = []
     for n in range(2):
@@ -227,7 +227,7 @@ def test_two_dpo_runs_with_new_adapters_give_the_same_losses(strategy, chat_mode
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--steps",
             3,
             "--batch-size",

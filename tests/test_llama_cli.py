@@ -1,5 +1,5 @@
 """The llama family through the whole tool, as GPT goes: pretraining on the built-in-style corpus with
-a falling loss, bit-exact resume, FSDP equal to one process, generate, every finetuning strategy on
+a falling loss, bit-exact resume, FSDP equal to one process, generate, every finetuning method on
 MNLI, classifier heads on the last token and the mean, and export --hf loaded by transformers with
 the same logits."""
 
@@ -145,7 +145,7 @@ def test_export_loads_in_transformers_as_llama_with_the_same_logits(llama_run, t
 @pytest.mark.parametrize(
     "method", ["all", "lora", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ia3", "bitfit"))]
 )
-def test_every_strategy_finetunes_mnli_as_text(method, llama_run, mnli_dir, tmp_path):
+def test_every_method_finetunes_mnli_as_text(method, llama_run, mnli_dir, tmp_path):
     result = invoke(
         "finetune",
         "mnli",

@@ -1,5 +1,5 @@
-"""Every run resumes bit for bit, whatever its task and strategy (issue 36): every task (mnli, classify,
-image-classify, sft, gsm8k, dpo) x every strategy it takes x one family per model kind, and every
+"""Every run resumes bit for bit, whatever its task and method (issue 36): every task (mnli, classify,
+image-classify, sft, gsm8k, dpo) x every method it takes x one family per model kind, and every
 pretraining objective, is run for 3 steps with a checkpoint at step 2, cut back to that checkpoint and
 resumed; the resumed run logs the uninterrupted run's losses exactly. Resuming must not depend on
 which parameters happened to get gradients (a BERT pooler that mean pooling never reads)."""
@@ -28,7 +28,7 @@ EVERY_STEP = [
     "--set",
     "train.keep_checkpoints=5",
 ]
-STRATEGIES = ["all", "head", "lora", "ia3", "bitfit"]
+METHODS = ["all", "head", "lora", "ia3", "bitfit"]
 
 
 def cut_and_resume(command: str, whole, tmp_path, *resume_args):
@@ -95,9 +95,9 @@ def vit_model(tmp_path_factory):  # a vision encoder (an MAE run), and its image
 # --- tasks ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_mnli_on_a_text_encoder(strategy, pooling, hf_bert, mnli_dir, tmp_path):
+def test_mnli_on_a_text_encoder(method, pooling, hf_bert, mnli_dir, tmp_path):
     assert_resumes_exactly(
         "finetune",
         [
@@ -107,7 +107,7 @@ def test_mnli_on_a_text_encoder(strategy, pooling, hf_bert, mnli_dir, tmp_path):
             "--data",
             mnli_dir,
             "--train",
-            strategy,
+            method,
             "--pooling",
             pooling,
             "--batch-size",
@@ -145,8 +145,8 @@ def test_parameters_that_never_get_a_gradient_do_not_stop_a_resume(hf_bert, mnli
     )
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_mnli_on_a_decoder(strategy, chat_model, mnli_dir, tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_mnli_on_a_decoder(method, chat_model, mnli_dir, tmp_path):
     assert_resumes_exactly(
         "finetune",
         [
@@ -156,7 +156,7 @@ def test_mnli_on_a_decoder(strategy, chat_model, mnli_dir, tmp_path):
             "--data",
             mnli_dir,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             4,
             "--set",
@@ -166,8 +166,8 @@ def test_mnli_on_a_decoder(strategy, chat_model, mnli_dir, tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["all", "lora", "ia3", "bitfit"])
-def test_mnli_text_to_text_on_an_encoder_decoder(strategy, t5_model, mnli_dir, tmp_path):
+@pytest.mark.parametrize("method", ["all", "lora", "ia3", "bitfit"])
+def test_mnli_text_to_text_on_an_encoder_decoder(method, t5_model, mnli_dir, tmp_path):
     assert_resumes_exactly(
         "finetune",
         [
@@ -177,7 +177,7 @@ def test_mnli_text_to_text_on_an_encoder_decoder(strategy, t5_model, mnli_dir, t
             "--data",
             mnli_dir,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             4,
             "--set",
@@ -187,8 +187,8 @@ def test_mnli_text_to_text_on_an_encoder_decoder(strategy, t5_model, mnli_dir, t
     )
 
 
-@pytest.mark.parametrize("strategy", ["all", "lora"])
-def test_classify_on_a_decoder(strategy, chat_model, tmp_path):
+@pytest.mark.parametrize("method", ["all", "lora"])
+def test_classify_on_a_decoder(method, chat_model, tmp_path):
     rows = [
         {"text": f"the number {i} is {'even' if i % 2 == 0 else 'odd'}", "label": ["even", "odd"][i % 2]}
         for i in range(40)
@@ -203,7 +203,7 @@ def test_classify_on_a_decoder(strategy, chat_model, tmp_path):
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--text-fields",
             "text",
             "--batch-size",
@@ -215,8 +215,8 @@ def test_classify_on_a_decoder(strategy, chat_model, tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_image_classify_on_a_vision_encoder(strategy, vit_model, tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_image_classify_on_a_vision_encoder(method, vit_model, tmp_path):
     run, npz = vit_model
     assert_resumes_exactly(
         "finetune",
@@ -227,7 +227,7 @@ def test_image_classify_on_a_vision_encoder(strategy, vit_model, tmp_path):
             "--data",
             npz,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             8,
             "--set",
@@ -237,8 +237,8 @@ def test_image_classify_on_a_vision_encoder(strategy, vit_model, tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["all", "lora", "ia3", "bitfit"])
-def test_sft_on_a_decoder(strategy, chat_model, tmp_path):
+@pytest.mark.parametrize("method", ["all", "lora", "ia3", "bitfit"])
+def test_sft_on_a_decoder(method, chat_model, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     assert_resumes_exactly(
         "finetune",
@@ -249,7 +249,7 @@ def test_sft_on_a_decoder(strategy, chat_model, tmp_path):
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             4,
             "--set",
@@ -261,8 +261,8 @@ def test_sft_on_a_decoder(strategy, chat_model, tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["all", "lora"])
-def test_sft_on_an_encoder_decoder(strategy, t5_model, tmp_path):
+@pytest.mark.parametrize("method", ["all", "lora"])
+def test_sft_on_an_encoder_decoder(method, t5_model, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     assert_resumes_exactly(
         "finetune",
@@ -273,7 +273,7 @@ def test_sft_on_an_encoder_decoder(strategy, t5_model, tmp_path):
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             4,
             "--set",
@@ -313,9 +313,9 @@ def test_gsm8k_on_a_decoder(chat_model, shared_data, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "strategy,reference", [("lora", "base"), ("ia3", "base"), ("all", "copy"), ("lora", "precompute")]
+    "method,reference", [("lora", "base"), ("ia3", "base"), ("all", "copy"), ("lora", "precompute")]
 )
-def test_dpo_on_a_decoder(strategy, reference, chat_model, tmp_path):
+def test_dpo_on_a_decoder(method, reference, chat_model, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
     assert_resumes_exactly(
         "finetune",
@@ -326,7 +326,7 @@ def test_dpo_on_a_decoder(strategy, reference, chat_model, tmp_path):
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--batch-size",
             4,
             "--lr",
@@ -340,8 +340,8 @@ def test_dpo_on_a_decoder(strategy, reference, chat_model, tmp_path):
     )
 
 
-@pytest.mark.parametrize("strategy", ["all", "lora", "qlora", "ia3", "bitfit"])
-def test_grpo_on_a_decoder(strategy, chat_model, tmp_path):
+@pytest.mark.parametrize("method", ["all", "lora", "qlora", "ia3", "bitfit"])
+def test_grpo_on_a_decoder(method, chat_model, tmp_path):
     """Sampling included: the resumed run draws the same prompts and samples the same completions. With a
     KL term against the reference (copy for all and bitfit, the base with adapters off otherwise)."""
     from .test_grpo import PROMPTS
@@ -351,7 +351,7 @@ def test_grpo_on_a_decoder(strategy, chat_model, tmp_path):
     assert_resumes_exactly(
         "finetune",
         [
-            "grpo", "--from", chat_model, "--data", data, "--reward", f"{tmp_path}/r.py:n", "--train", strategy,
+            "grpo", "--from", chat_model, "--data", data, "--reward", f"{tmp_path}/r.py:n", "--train", method,
             "--batch-size", 2, "--lr", 1e-3, "--set", "grpo.num_generations=4", "--set", "grpo.max_completion_length=8",
             "--set", "grpo.beta=0.05", "--set", "grpo.eval_prompts=2", "--set", "data.val_fraction=0.125",
         ],

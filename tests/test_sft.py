@@ -419,10 +419,10 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
         assert not (tmp_path / "run").exists()
 
 
-def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_model):
+def test_every_method_trains_and_saves_only_what_it_trained(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(12))
-    for strategy in ("lora", "ia3", "bitfit"):
-        out = tmp_path / strategy
+    for method in ("lora", "ia3", "bitfit"):
+        out = tmp_path / method
         result = invoke(
             "finetune",
             "sft",
@@ -431,7 +431,7 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
             "--data",
             data,
             "--train",
-            strategy,
+            method,
             "--steps",
             2,
             "--batch-size",
@@ -442,15 +442,15 @@ def test_every_strategy_trains_and_saves_only_what_it_trained(tmp_path, chat_mod
             "--set",
             "sft.generate_limit=0",
         )
-        assert result.exit_code == 0, (strategy, result.output)
+        assert result.exit_code == 0, (method, result.output)
         record = json.loads((out / "run.json").read_text())["parameters"]
-        assert 0 < record["trained"] < record["total"] / 10, (strategy, record)
+        assert 0 < record["trained"] < record["total"] / 10, (method, record)
         weights = next((out / "checkpoints").glob("step-*/model.safetensors"))
-        assert weights.stat().st_size < 200_000, (strategy, weights.stat().st_size)  # the subset, not the model
+        assert weights.stat().st_size < 200_000, (method, weights.stat().st_size)  # the subset, not the model
 
 
 @pytest.mark.slow
-def test_compare_puts_the_untrained_model_beside_the_strategies(tmp_path, chat_model):
+def test_compare_puts_the_untrained_model_beside_the_methods(tmp_path, chat_model):
     data = write_jsonl(tmp_path / "rows.jsonl", rows(20))
     result = invoke(
         "compare",

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,9 @@ from torch import Tensor, nn
 from .errors import UserError
 from .models import nf4
 from .models.blocks import MLP, Attention, linear
-from .recipe import AdapterConfig
+
+if TYPE_CHECKING:  # the recipe reads this table (methods' defaults): adapters does not import it back
+    from .recipe import AdapterConfig
 
 
 def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
@@ -161,57 +166,124 @@ class IA3Linear(nn.Module):
         return self.base
 
 
-SWITCHABLE = ("lora", "qlora", "ia3")  # methods whose adapters switch off to leave the base model (disabled)
-QUANTIZED_BASE = ("qlora",)  # methods that hold a pretrained base in NF4, frozen
+@dataclass(frozen=True)
+class Method:
+    """One finetuning method (finetune.train, --train): how it is applied to a model and what the rest
+    of tfcli asks of it, so that no module outside this table compares a method's name (torchtune's
+    peft utilities: an adapter module, the parameters it trains, switching it off). A new method, or a
+    new kind of adapter, is one record here."""
+
+    name: str
+    apply: Callable[[nn.Module, AdapterConfig], int]  # swap adapters in, freeze the rest; -> linears adapted
+    backbone_trains: bool = True  # False: the model is frozen and only the task's head trains (a linear probe)
+    whole: bool = False  # every weight trains: a run saves its whole model (else only what it trains)
+    switchable: bool = False  # its adapters switch off to give the base back (a DPO/GRPO `base` reference)
+    quantized: bool = False  # the block linears are held frozen in 4-bit NF4: needs a pretrained base
+    peft: bool = False  # export --peft writes its adapters as a PEFT LoRA
+    flops: float = 4.0  # a step's FLOPs per token in forward passes: 6 with every weight's gradient, 2 for a head
+    defaults_from: str = ""  # the recipe's `methods` entry it takes when it has none of its own
+    memory_hint: str = "--train qlora"  # what a run that does not fit train.memory_limit may try
 
 
-def check_base(method: str, pretrained: bool) -> None:
+def _full(model: nn.Module, cfg: AdapterConfig) -> int:
+    return 0
+
+
+def _frozen(model: nn.Module, cfg: AdapterConfig) -> int:
+    model.requires_grad_(False)
+    return 0
+
+
+def _norms_and_biases(model: nn.Module, cfg: AdapterConfig) -> int:
+    model.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            m.requires_grad_(True)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.requires_grad_(True)
+    return 0
+
+
+def _adapted(wrap: Callable[[nn.Module, list, frozenset, AdapterConfig], nn.Module | None], quantize: bool = False):
+    """A method that swaps `wrap(linear, parts, part names, cfg)` (None: leave it) into the block linears,
+    each first frozen in NF4 when `quantize`; the rest of the model frozen."""
+
+    def apply(model: nn.Module, cfg: AdapterConfig) -> int:
+        model.requires_grad_(False)
+        count = 0
+        for name, module in list(model.named_modules()):
+            parts = linear_parts(model, name, module) if isinstance(module, nn.Linear) else None
+            if parts is None:
+                continue
+            if quantize and nf4.quantizable(module):
+                module = nf4.NF4Linear(module)  # every block linear frozen in NF4, adapted or not
+                _replace(model, name, module)
+            adapter = wrap(module, parts, frozenset(p for p, _ in parts), cfg)
+            if adapter is not None:
+                _replace(model, name, adapter)
+                count += 1
+        if not count:
+            raise UserError(f"no {', '.join(cfg.targets)} projections in this model to adapt")
+        return count
+
+    return apply
+
+
+def _lora(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:
+    return LoRALinear(linear, parts, cfg.targets, cfg) if names & set(cfg.targets) else None
+
+
+def _ia3(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:
+    if names & {"k", "v"} or names == {"down"}:
+        return IA3Linear(linear, parts, on_input=names == {"down"})
+    return None
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("all", _full, whole=True, flops=6.0, memory_hint="--train lora or qlora, or optim.name adamw8bit"),
+        Method("head", _frozen, backbone_trains=False, flops=2.0),
+        Method("lora", _adapted(_lora), switchable=True, peft=True),
+        Method(
+            "qlora",
+            _adapted(_lora, quantize=True),
+            switchable=True,
+            quantized=True,
+            peft=True,
+            defaults_from="lora",
+            memory_hint="a larger train.memory_limit",
+        ),
+        Method("ia3", _adapted(_ia3), switchable=True),
+        Method("bitfit", _norms_and_biases),
+    )
+}
+
+
+def method(name: str) -> Method:
+    """The record of finetune.train `name` (the recipe has already checked it is one)."""
+    return METHODS[name]
+
+
+def check_base(name: str, pretrained: bool) -> None:
     """QLoRA freezes a pretrained base in 4-bit NF4 and trains adapters on it: on a fresh model the base
     is random weights that never train (and a fresh run saves its whole model, which NF4 cannot be)."""
-    if method in QUANTIZED_BASE and not pretrained:
+    if method(name).quantized and not pretrained:
         raise UserError(
-            f"--train {method} freezes a pretrained model in 4-bit NF4 and trains LoRA adapters on it: give "
+            f"--train {name} freezes a pretrained model in 4-bit NF4 and trains LoRA adapters on it: give "
             f"--from MODEL (on a fresh model the frozen base would be random weights), or --train lora or all"
         )
 
 
-def apply(model: nn.Module, method: str, cfg: AdapterConfig | None) -> int:
-    """Swap adapters into the model's block linears (lora, ia3) and freeze what the method does not
-    train; return how many linears were adapted. The caller keeps the task's heads trainable."""
-    if method == "all":
-        return 0
-    model.requires_grad_(False)
-    if method == "head":
-        return 0
-    if method == "bitfit":
-        for m in model.modules():
-            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-                m.requires_grad_(True)
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.requires_grad_(True)
-        return 0
-    cfg = cfg or AdapterConfig()
-    count = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        parts = linear_parts(model, name, module)
-        if parts is None:
-            continue
-        names = {p for p, _ in parts}
-        if method == "qlora" and nf4.quantizable(module):
-            module = nf4.NF4Linear(module)  # every block linear frozen in NF4, adapted or not
-            _replace(model, name, module)
-        if method in ("lora", "qlora") and names & set(cfg.targets):
-            _replace(model, name, LoRALinear(module, parts, cfg.targets, cfg))
-            count += 1
-        elif method == "ia3" and (names & {"k", "v"} or names == {"down"}):
-            _replace(model, name, IA3Linear(module, parts, on_input=names == {"down"}))
-            count += 1
-    if not count:
-        raise UserError(f"--train {method}: no {', '.join(cfg.targets)} projections in this model to adapt")
-    return count
+def apply(model: nn.Module, name: str, cfg: AdapterConfig) -> int:
+    """Apply finetune.train `name` to the model with the recipe's adapter settings: adapters swapped into
+    its block linears (lora, qlora, ia3) and what the method does not train frozen; return how many
+    linears were adapted. The caller keeps the task's heads trainable."""
+    try:
+        return method(name).apply(model, cfg)
+    except UserError as e:
+        raise UserError(f"--train {name}: {e}") from None
 
 
 @contextlib.contextmanager

@@ -267,7 +267,7 @@ def refuse_what_cannot_fit(source: str | None, recipe: Recipe, plugin: Plugin, r
     if limit <= 0:
         return
     floor = memory.floor_figures(backbones.meta_model(source, recipe, plugin), recipe, plugin.frozen_copies(recipe))
-    memory.refuse_beyond(memory.per_process(floor, rt.strategy.name, rt.world_size), limit, recipe)
+    memory.refuse_beyond(memory.per_process(floor, rt.strategy, rt.world_size), limit, recipe)
 
 
 def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
@@ -349,7 +349,7 @@ def recipe_with(recipe: Recipe, section: str, **values) -> Recipe:
 def saves_partial(recipe: Recipe, source: str | None) -> bool:
     """A finetuning run that trains part of a model it read from somewhere saves only that part (and
     the heads); loading it reads the base again (small checkpoints, as PEFT's)."""
-    return recipe.finetune is not None and recipe.finetune.train != "all" and bool(source)
+    return recipe.finetune is not None and not adapters.method(recipe.finetune.train).whole and bool(source)
 
 
 def resume_point(run: Path | None) -> Path | None:
@@ -608,7 +608,7 @@ def evaluate_pretrained(
 def as_plugin(recipe: Recipe, kind: str, key: str, settings: dict[str, Any]) -> Recipe:
     """The run's recipe, seen by plug-in `key` with `settings` over its section (its own when it is
     the run's plug-in; defaults otherwise)."""
-    raw = recipes.to_dict(recipe, strategies=False)
+    raw = recipes.to_dict(recipe, methods=False)
     if key != recipe.plugin:
         for k in (recipe.kind, recipe.plugin, "finetune"):
             raw.pop(k, None)

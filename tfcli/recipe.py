@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from . import registry
+from .adapters import METHODS as RECORDS
 from .errors import UserError
 from .models import FAMILIES
 
@@ -285,9 +286,9 @@ class Recipe:
     finetune: FinetuneConfig | None = None  # task recipes only
     adapter: AdapterConfig | None = None  # task recipes only
     settings: Any = None  # the plug-in's own section, written under its key (e.g. `mlm:`)
-    # task recipes: per finetune.train, the fields it changes (`lora: {optim.lr: 1.0e-3, ...}`), applied
-    # when the recipe is read unless an override sets them; a run's saved config.yaml has them applied
-    strategies: dict = field(default_factory=dict)
+    # task recipes: per finetuning method (finetune.train), the fields it changes (`lora: {optim.lr: 1.0e-3,
+    # ...}`), applied when the recipe is read unless an override sets them; a run's config.yaml has them applied
+    methods: dict = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -410,28 +411,31 @@ def from_dict(raw: dict, overrides: dict[str, Any] | None = None) -> Recipe:
     raw = _deepcopy(raw)
     for key, value in (overrides or {}).items():
         _set_path(raw, key, value)
-    for key, value in strategy_defaults(raw, set(overrides or {})).items():
+    for key, value in method_defaults(raw, set(overrides or {})).items():
         _set_path(raw, key, value)
     return _build_recipe(_anchor_paths(raw, Path.cwd()))
 
 
-STRATEGIES = typing.get_args(typing.get_type_hints(FinetuneConfig)["train"])
+METHODS = typing.get_args(typing.get_type_hints(FinetuneConfig)["train"])  # adapters.METHODS' names
 
 
-def strategy_defaults(raw: dict, overridden: set[str]) -> dict[str, Any]:
-    """The fields the recipe's `strategies` entry for its finetune.train sets, but for those an
-    override names (peft and litgpt ship per-method defaults: a LoRA wants another learning rate than
-    full finetuning)."""
-    table = raw.get("strategies") or {}
+def method_defaults(raw: dict, overridden: set[str]) -> dict[str, Any]:
+    """The fields the recipe's `methods` entry for its finetune.train sets, but for those an override
+    names (peft and litgpt ship per-method defaults: a LoRA wants another learning rate than full
+    finetuning). A recipe written before 0.3 calls the table `strategies`."""
+    if "strategies" in raw:
+        raw["methods"] = raw.pop("strategies")
+    table = raw.get("methods") or {}
     if not isinstance(table, dict):
-        raise RecipeError(f"strategies: expected a mapping of {', '.join(STRATEGIES)} to fields")
+        raise RecipeError(f"methods: expected a mapping of {', '.join(METHODS)} to fields")
     for name, fields in table.items():
-        if name not in STRATEGIES:
-            raise RecipeError(f"strategies.{name}: unknown strategy (one of {', '.join(STRATEGIES)})")
+        if name not in METHODS:
+            raise RecipeError(f"methods.{name}: unknown finetuning method (one of {', '.join(METHODS)})")
         if not isinstance(fields, dict):
-            raise RecipeError(f"strategies.{name}: expected a mapping of fields, e.g. {{optim.lr: 1.0e-3}}")
+            raise RecipeError(f"methods.{name}: expected a mapping of fields, e.g. {{optim.lr: 1.0e-3}}")
     train = (raw.get("finetune") or {}).get("train", "all")
-    fields = table.get(train) or (table.get("lora") if train == "qlora" else None) or {}  # QLoRA: LoRA's, unless named
+    fallback = RECORDS[train].defaults_from if train in RECORDS else ""  # QLoRA: LoRA's, unless named
+    fields = table.get(train) or (table.get(fallback) if fallback else None) or {}
     return {k: v for k, v in fields.items() if k not in overridden}
 
 
@@ -449,9 +453,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def to_dict(recipe: Recipe, strategies: bool = True) -> dict:
+def to_dict(recipe: Recipe, methods: bool = True) -> dict:
     """Plain data for YAML, in reading order; the plug-in section under its key (and, unless
-    strategies=False, as for a run's config.yaml where they are applied, the strategies table)."""
+    methods=False, as for a run's config.yaml where they are applied, the methods table)."""
     out = {
         "name": recipe.name,
         recipe.kind: recipe.plugin,
@@ -465,8 +469,8 @@ def to_dict(recipe: Recipe, strategies: bool = True) -> dict:
         out["finetune"] = _plain(recipe.finetune)
         out["adapter"] = _plain(recipe.adapter or AdapterConfig())
     out.update(optim=_plain(recipe.optim), schedule=_plain(recipe.schedule), train=_plain(recipe.train))
-    if strategies and recipe.strategies:
-        out["strategies"] = recipe.strategies
+    if methods and recipe.methods:
+        out["methods"] = recipe.methods
     return out
 
 
@@ -512,13 +516,13 @@ def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
 
-    a, b = flat(to_dict(before, strategies=False)), flat(to_dict(after, strategies=False))
+    a, b = flat(to_dict(before, methods=False)), flat(to_dict(after, methods=False))
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def save(recipe: Recipe, path: Path) -> None:
-    """A run's resolved recipe (its strategy's fields applied, the table left out)."""
-    path.write_text(yaml.safe_dump(to_dict(recipe, strategies=False), sort_keys=False))
+    """A run's resolved recipe (its method's fields applied, the table left out)."""
+    path.write_text(yaml.safe_dump(to_dict(recipe, methods=False), sort_keys=False))
 
 
 def load_resolved(path: Path) -> Recipe:
@@ -554,9 +558,7 @@ def _build_recipe(raw: dict) -> Recipe:
         cls = registry.plugin_class(kind, key)
     except UserError as e:
         raise RecipeError(f"{kind}: {e}") from None
-    allowed = (
-        set(COMMON) | ({"finetune", "adapter", "strategies"} if task else set()) | ({key} if cls.Config else set())
-    )
+    allowed = set(COMMON) | ({"finetune", "adapter", "methods"} if task else set()) | ({key} if cls.Config else set())
     for k in raw:
         if k not in allowed:
             raise RecipeError(f"{k}: unknown key (allowed: {', '.join(sorted(allowed))})")
@@ -565,9 +567,9 @@ def _build_recipe(raw: dict) -> Recipe:
     kwargs = {
         f.name: _coerce(typing.get_type_hints(Recipe)[f.name], raw[f.name], f.name)
         for f in dataclasses.fields(Recipe)
-        if f.name in raw and f.name not in ("model", "finetune", "adapter", "strategies")
+        if f.name in raw and f.name not in ("model", "finetune", "adapter", "methods")
     }
-    kwargs["strategies"] = {k: dict(v or {}) for k, v in (raw.get("strategies") or {}).items()}
+    kwargs["methods"] = {k: dict(v or {}) for k, v in (raw.get("methods") or {}).items()}
     kwargs["model"] = _build_model(raw["model"], "model")
     if task:
         kwargs["finetune"] = _build(FinetuneConfig, raw.get("finetune", {}), "finetune")

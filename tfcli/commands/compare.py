@@ -1,12 +1,12 @@
 """`tfcli compare`: the question tfcli exists for, as one command. A grid of backbones x training
-strategies (x tasks) is finetuned cell by cell to the same budget, each cell in its own process and
+approaches (x tasks) is finetuned cell by cell to the same budget, each cell in its own process and
 run directory (OUT/cells/<cell>); then one table (accuracy per split beside the majority class,
 trained parameters, peak memory, training time, examples/s) is printed and written as Markdown and
 CSV, with a chart of accuracy against trained parameters (one colour per family).
 
     tfcli compare --from runs/bert,runs/gpt,hf-minilm --train all,head,lora --task mnli --budget 10m --out study/
 
-A strategy is what `finetune --train` takes (all, head, lora, ia3, bitfit), `+head` for a classifier
+An approach is what `finetune --train` takes (all, head, lora, ia3, bitfit), `+head` for a classifier
 head on pooled features instead of the label word as text (`lora+head`), `:POOLING` for how the
 head pools (`head:mean`, `lora+head:last`), or `Kshot` for prompting with K solved examples and no
 training at all (`0shot,4shot,8shot`: `tfcli eval --few-shot K`). Every cell's process is timed by
@@ -31,11 +31,12 @@ from pathlib import Path
 
 import yaml
 
+from ..adapters import METHODS, method
 from ..errors import UserError
 
-STRATEGIES = ("all", "head", "lora", "qlora", "ia3", "bitfit")
+METHOD_NAMES = tuple(METHODS)
 POOLINGS = ("cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first")
-_STRATEGY = re.compile(
+_APPROACH = re.compile(
     r"^(?:(?P<shots>\d+)-?shots?|(?P<train>[a-z0-9]+)(?P<head>\+head)?(?::(?P<pooling>[a-z0-9-]+))?)$"
 )
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|ex|examples?|m|min|minutes?|h|hours?|epochs?)\s*$")
@@ -83,7 +84,7 @@ def parse_budget(text: str) -> Budget:
 
 
 @dataclass(frozen=True)
-class Strategy:
+class Approach:
     """One column of the grid: finetuning with `train` (a classifier head when `classifier`, pooled by
     `pooling`), or, when shots >= 0, k-shot prompting with nothing trained."""
 
@@ -102,25 +103,28 @@ class Strategy:
         return self.spec.replace("+", "-").replace(":", "-")
 
     def flags(self) -> list[str]:
-        """The finetune flags that make this strategy (for a training cell)."""
+        """The finetune flags that make this approach (for a training cell)."""
         out = ["--train", self.train]
         if self.classifier:
             out += ["--head", "classifier"]  # a frozen GPT or T5 has no text head to train alone
         return out + (["--pooling", self.pooling] if self.pooling else [])
 
 
-def parse_strategy(text: str) -> Strategy:
+def parse_approach(text: str) -> Approach:
     """'lora' | 'lora+head' | 'head:mean' | 'lora+head:last' | '4shot'."""
-    m = _STRATEGY.match(text.strip())
-    known = f"{', '.join(STRATEGIES)}; X+head, X:POOLING, Kshot"
-    if not m or (m["train"] and m["train"] not in STRATEGIES):
-        raise UserError(f"compare: unknown strategy {text!r} (known: {known})")
+    m = _APPROACH.match(text.strip())
+    known = f"{', '.join(METHOD_NAMES)}; X+head, X:POOLING, Kshot"
+    if not m or (m["train"] and m["train"] not in METHOD_NAMES):
+        raise UserError(f"compare: unknown approach {text!r} (known: {known})")
     if m["shots"] is not None:
-        return Strategy(text, shots=int(m["shots"]))
+        return Approach(text, shots=int(m["shots"]))
     if m["pooling"] and m["pooling"] not in POOLINGS:
-        raise UserError(f"compare: strategy {text!r}: unknown pooling {m['pooling']!r} (known: {', '.join(POOLINGS)})")
-    return Strategy(
-        text, train=m["train"], classifier=bool(m["head"]) or m["train"] == "head", pooling=m["pooling"] or ""
+        raise UserError(f"compare: approach {text!r}: unknown pooling {m['pooling']!r} (known: {', '.join(POOLINGS)})")
+    return Approach(
+        text,
+        train=m["train"],
+        classifier=bool(m["head"]) or not method(m["train"]).backbone_trains,
+        pooling=m["pooling"] or "",
     )
 
 
@@ -128,40 +132,40 @@ def parse_strategy(text: str) -> Strategy:
 class Cell:
     task: str
     backbone: str
-    train: str  # the strategy as written
+    train: str  # the approach as written
     name: str
     sets: tuple[str, ...] = ()  # this cell's values of the grid's varied settings ("dpo.beta=0.3")
 
     @property
-    def strategy(self) -> Strategy:
-        return parse_strategy(self.train)
+    def approach(self) -> Approach:
+        return parse_approach(self.train)
 
 
 @dataclass
 class Grid:
-    """The study: tasks x backbones x strategies, with what every cell shares."""
+    """The study: tasks x backbones x approaches, with what every cell shares."""
 
     tasks: list[str]
     backbones: list[str]
-    strategies: list[str]
+    approaches: list[str]
     budget: Budget
     data: str | None = None
-    lr: dict[str, float] = field(default_factory=dict)  # strategy -> learning rate (else the recipe's)
+    lr: dict[str, float] = field(default_factory=dict)  # approach -> learning rate (else the recipe's)
     sets: list[str] = field(default_factory=list)  # key=value overrides for every cell
     report_limit: int = 0  # every cell scored on a balanced sample of N examples of each split (0: all)
     vary: dict[str, list[str]] = field(default_factory=dict)  # key -> values: one more grid dimension each
 
     def cells(self) -> list[Cell]:
-        """Tasks x models x strategies x every combination of the varied settings (a prompting cell
+        """Tasks x models x approaches x every combination of the varied settings (a prompting cell
         trains nothing, so it is not repeated for them)."""
         slugs = unique_slugs(self.backbones)
         combos = [tuple(f"{k}={v}" for k, v in zip(self.vary, values)) for values in product(*self.vary.values())]
         out = []
         for t in self.tasks:
             for b in self.backbones:
-                for s in self.strategies:
-                    base = f"{t}-{slugs[b]}-{parse_strategy(s).slug}"
-                    for sets in [()] if parse_strategy(s).prompting else combos:
+                for s in self.approaches:
+                    base = f"{t}-{slugs[b]}-{parse_approach(s).slug}"
+                    for sets in [()] if parse_approach(s).prompting else combos:
                         suffix = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in (x.split("=", 1) for x in sets))
                         out.append(Cell(t, b, s, base + suffix, sets))
         return out
@@ -197,7 +201,7 @@ def parse_vary(items: list[str]) -> dict[str, list[str]]:
 
 
 def parse_lr(text: str | None) -> dict[str, float]:
-    """'all=5e-5,lora=5e-4' -> {strategy: lr} (a strategy as written in --train, or its base: lora
+    """'all=5e-5,lora=5e-4' -> {approach: lr} (an approach as written in --train, or its base: lora
     also sets lora+head's)."""
     out = {}
     for item in split_list(text):
@@ -205,7 +209,7 @@ def parse_lr(text: str | None) -> dict[str, float]:
         try:
             out[name.strip()] = float(value)
         except ValueError:
-            raise UserError(f"--lr {item!r}: give strategy=rate, e.g. all=5e-5,lora=5e-4") from None
+            raise UserError(f"--lr {item!r}: give approach=rate, e.g. all=5e-5,lora=5e-4") from None
     return out
 
 
@@ -213,7 +217,7 @@ def load_grid(
     path: Path | None,
     tasks: str | None,
     backbones: str | None,
-    strategies: str | None,
+    approaches: str | None,
     budget: str | None,
     data: str | None,
     lr: str | None,
@@ -245,7 +249,7 @@ def load_grid(
     grid = Grid(
         tasks=listed(tasks, "tasks", "task"),
         backbones=listed(backbones, "from"),
-        strategies=listed(strategies, "train") or ["all"],
+        approaches=listed(approaches, "train") or ["all"],
         budget=parse_budget(budget or spec.get("budget") or "1epoch"),
         data=data or spec.get("data"),
         lr={**{k: float(v) for k, v in (spec.get("lr") or {}).items()}, **parse_lr(lr)},
@@ -311,8 +315,8 @@ def check(grid: Grid) -> None:
     for t in grid.tasks:
         if t not in registry.TASKS and t not in PRESETS:
             raise UserError(f"compare: unknown task {t!r} (known: {', '.join(sorted([*registry.TASKS, *PRESETS]))})")
-    for s in grid.strategies + list(grid.lr):
-        parse_strategy(s)
+    for s in grid.approaches + list(grid.lr):
+        parse_approach(s)
     if grid.report_limit < 0:
         raise UserError(f"compare: --report-limit {grid.report_limit}: give N >= 0 (0: every example)")
 
@@ -390,8 +394,8 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
     """The tfcli command of one cell: `finetune` (a new run, or the resumption of an interrupted
     one), or `eval --few-shot K` for a prompting cell. Every cell is scored on the same held-out rows
     with the same settings of the task."""
-    strategy, out = cell.strategy, run_dir.parent.parent
-    if strategy.prompting:
+    approach, out = cell.approach, run_dir.parent.parent
+    if approach.prompting:
         cmd = [
             sys.executable,
             "-m",
@@ -402,7 +406,7 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
             "--checkpoint",
             cell.backbone,
             "--few-shot",
-            str(strategy.shots),
+            str(approach.shots),
             "--limit",
             str(grid.report_limit),
             "--out",
@@ -414,10 +418,10 @@ def cell_command(cell: Cell, grid: Grid, run_dir: Path) -> list[str]:
     base = [sys.executable, "-m", "tfcli", "finetune", cell.task, "--quiet"]
     if (run_dir / "config.yaml").is_file():
         return base + ["--resume", str(run_dir), *code_sets(cell, grid)]
-    cmd = base + ["--from", cell.backbone, *strategy.flags(), "--out", str(run_dir), *grid.budget.flags()]
+    cmd = base + ["--from", cell.backbone, *approach.flags(), "--out", str(run_dir), *grid.budget.flags()]
     if grid.data:
         cmd += ["--data", grid.data]
-    lr = grid.lr.get(cell.train, grid.lr.get(strategy.train))
+    lr = grid.lr.get(cell.train, grid.lr.get(approach.train))
     if lr is not None:
         cmd += ["--lr", str(lr)]
     for s in [f"finetune.report_limit={grid.report_limit}"] * bool(grid.report_limit) + grid.sets + list(cell.sets):
@@ -437,7 +441,7 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
             {
                 "tasks": grid.tasks,
                 "from": grid.backbones,
-                "train": grid.strategies,
+                "train": grid.approaches,
                 "budget": str(grid.budget),
                 "data": grid.data,
                 "lr": grid.lr,
@@ -460,7 +464,7 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
             continue
         cmd = cell_command(cell, grid, run_dir)
         started = time.time()
-        if cell.strategy.prompting:
+        if cell.approach.prompting:
             run_dir.mkdir(parents=True, exist_ok=True)
         with phase(f"cell {i}/{len(cells)}: {cell.name}"), open(out / "logs" / f"{cell.name}.log", "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")
@@ -532,7 +536,7 @@ def collect(cell: Cell, out: Path) -> dict:
     scores = split_scores(report)
     splits = list(scores)
     row["status"] = "done"
-    row.update(prompting_row(cell, report, splits, usage) if cell.strategy.prompting else training_row(run))
+    row.update(prompting_row(cell, report, splits, usage) if cell.approach.prompting else training_row(run))
     for split, (_, value) in scores.items():
         row[f"{split}_acc"] = round(value, 4)
         if "loss" in report[split]:  # a generative task's held-out reply loss (sft)
@@ -660,7 +664,7 @@ def params_text(r: dict) -> str:
 
 def chart(rows: list[dict], out: Path) -> Path | None:
     """Accuracy on the first evaluation split against trained parameters (log scale): one colour per
-    family, one marker per strategy, the majority class as a dashed line."""
+    family, one marker per approach, the majority class as a dashed line."""
     from ..engine.plots import figure, save_figure
 
     done = [r for r in rows if r.get("status") == "done" and r.get("trained_params")]
@@ -695,8 +699,8 @@ def chart(rows: list[dict], out: Path) -> Path | None:
         )
     for family, colour in colours.items():
         ax.scatter([], [], color=colour, label=family)
-    for strategy in dict.fromkeys(r["train"] for r in done):
-        ax.scatter([], [], color="0.3", marker=marker(strategy), label=strategy)
+    for approach in dict.fromkeys(r["train"] for r in done):
+        ax.scatter([], [], color="0.3", marker=marker(approach), label=approach)
     ax.set_xscale("log")
     ax.set_xlabel("trained parameters")
     ax.set_ylabel(f"{acc[:-4]} accuracy (%)")
@@ -706,11 +710,11 @@ def chart(rows: list[dict], out: Path) -> Path | None:
 
 
 def marker(spec: str) -> str:
-    """One marker per training strategy; a classifier head on an adapter is filled differently."""
-    strategy = parse_strategy(spec)
+    """One marker per training approach; a classifier head on an adapter is filled differently."""
+    approach = parse_approach(spec)
     return (
-        dict(zip(STRATEGIES, "osDP^v")).get(strategy.train, "o")
-        if not (strategy.classifier and strategy.train != "head")
+        dict(zip(METHOD_NAMES, "osDP^v")).get(approach.train, "o")
+        if not (approach.classifier and method(approach.train).backbone_trains)
         else "P"
     )
 

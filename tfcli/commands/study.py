@@ -20,7 +20,7 @@ def compare(
     ),
     train: str | None = typer.Option(
         None,
-        help="Strategies, comma-separated: all, head, lora, ia3, bitfit; X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all].",
+        help="The approaches, comma-separated: a finetuning method (all, head, lora, qlora, ia3, bitfit); X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all].",
     ),
     budget: str | None = typer.Option(
         None,
@@ -28,7 +28,7 @@ def compare(
     ),
     data: str | None = typer.Option(None, help="Task data for every cell [default: each recipe's]."),
     lr: str | None = typer.Option(
-        None, help="Learning rate per strategy, e.g. all=5e-5,lora=5e-4 [default: the recipe's]."
+        None, help="Learning rate per approach, e.g. all=5e-5,lora=5e-4 [default: the recipe's]."
     ),
     grid: Path | None = typer.Option(
         None, help="A YAML file with tasks, from, train, budget, data, lr and set; flags win."
@@ -46,7 +46,7 @@ def compare(
     ),
     quiet: bool = QUIET,
 ):
-    """Finetune (or prompt) every model with every strategy to the same budget and tabulate the results."""
+    """Finetune (or prompt) every model in every approach to the same budget and tabulate the results."""
     from ..display import configure, console
     from . import compare as study
 
@@ -56,7 +56,7 @@ def compare(
         varied = "".join(f" x {len(v)} {k}" for k, v in spec.vary.items())
         console.print(
             f"{len(spec.cells())} cells ({len(spec.tasks)} task(s) x {len(spec.backbones)} model(s) x "
-            f"{len(spec.strategies)} strategies{varied}), {spec.budget} each, in {out}"
+            f"{len(spec.approaches)} approaches{varied}), {spec.budget} each, in {out}"
         )
     rows = study.run_grid(spec, out, quiet)
     md, csv_path = study.write_tables(rows, out)

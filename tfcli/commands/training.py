@@ -256,13 +256,11 @@ def finetune(
     rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if resume_dir is None and not quiet:
         given = {recipes.parse_override(s)[0] for s in sets} | {k for k, v in shortcuts.items() if v is not None}
-        applied = recipes.strategy_defaults(
-            {"strategies": rec.strategies, "finetune": {"train": rec.finetune.train}}, given
-        )
+        applied = recipes.method_defaults({"methods": rec.methods, "finetune": {"train": rec.finetune.train}}, given)
         if applied:
             note(
                 f"--train {rec.finetune.train} uses its defaults "
                 + ", ".join(f"{k}={v}" for k, v in applied.items())
-                + f" (the recipe's strategies.{rec.finetune.train}; a flag or --set wins)"
+                + f" (the recipe's methods.{rec.finetune.train}; a flag or --set wins)"
             )
     return run_training(rec, from_, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets))

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..adapters import method
 from ..errors import UserError
 from ..models import TEXT_FAMILIES, build_model, transformer_blocks
 from ..models.nf4 import NF4Linear
@@ -383,16 +384,15 @@ def blocks_of(cfg, blocks: int) -> int:
         return len(transformer_blocks(build_model(probe_config(cfg, blocks))))
 
 
-def per_process(figures: Figures, strategy: str, processes: int) -> Figures:
-    """One process's share: FSDP shards weights and optimizer states (and frozen models, as the run
-    wraps them); DDP holds everything whole, plus its gradient buckets (counted with the step)."""
-    if strategy != "fsdp" or processes <= 1:
-        return figures
+def per_process(figures: Figures, strategy, processes: int) -> Figures:
+    """One process's share, as the run's distributed strategy (runtime.Strategy) holds it: FSDP shards
+    weights and optimizer states (and frozen models, as the run wraps them); DDP holds everything whole,
+    plus its gradient buckets (counted with the step, Strategy.gradient_copies)."""
     return dataclasses.replace(
         figures,
-        weights=figures.weights / processes,
-        frozen=figures.frozen / processes,
-        optimizer=figures.optimizer / processes,
+        weights=strategy.held(figures.weights, processes),
+        frozen=strategy.held(figures.frozen, processes),
+        optimizer=strategy.held(figures.optimizer, processes),
     )
 
 
@@ -454,10 +454,10 @@ def floor_figures(model: nn.Module, recipe, frozen_copies: int = 0) -> Figures:
     reference model) and, when every weight trains, their gradients (counted as the step's) and
     optimizer states. Adapters, heads and activations are left out: a floor, for refusing a run
     before its weights and data are read."""
-    train = trained_part(recipe)
+    train = method(trained_part(recipe))
     quantized = {id(p) for b in transformer_blocks(model) for p in b.parameters() if p.dim() == 2}
-    weights = sum(p.numel() * (0.5 if train == "qlora" and id(p) in quantized else 4.0) for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters()) if train == "all" else 0
+    weights = sum(p.numel() * (0.5 if train.quantized and id(p) in quantized else 4.0) for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters()) if train.whole else 0
     return Figures(
         weights=weights,
         frozen=weights * frozen_copies,
@@ -478,9 +478,8 @@ def refuse_beyond(floor: Figures, limit: float, recipe) -> None:
     if floor.step:
         parts += [f"their gradients ({gb(floor.step)})", f"optimizer states ({gb(floor.optimizer)})"]
     held = "its weights" if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    hints = {"all": "--train lora or qlora, or optim.name adamw8bit", "qlora": "a larger train.memory_limit"}
-    hint = hints.get(train, "--train qlora")
-    if floor.frozen and train != "all":
+    hint = method(train).memory_hint
+    if floor.frozen and not method(train).whole:
         hint = f"{recipe.plugin}.reference base (the model with its adapters off: no copy), or {hint}"
     raise UserError(
         f"this run does not fit train.memory_limit {gb(limit)}: before any activation, {held} take "
@@ -614,9 +613,8 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
         figures, grads = measured(checkpointing, micro)
         other = measured(not checkpointing, micro)[0].step if both else float("nan")
         process = runtime if on_gpu else max(runtime, after_probes())
-        if rt.strategy.name == "ddp":  # DDP's buckets hold a second copy of the gradients
-            figures = dataclasses.replace(figures, step=figures.step + grads)
-        figures = per_process(figures, rt.strategy.name, rt.world_size)
+        extra = (rt.strategy.gradient_copies - 1) * grads  # DDP's buckets: a second copy of the gradients
+        figures = per_process(dataclasses.replace(figures, step=figures.step + extra), rt.strategy, rt.world_size)
         restored = process + held + figures.optimizer + restoring if restoring else 0.0
         return Plan(
             figures=figures,

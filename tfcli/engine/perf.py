@@ -73,8 +73,10 @@ def training_flops_multiplier(train: str) -> float:
     """FLOPs per parameter and token of one training step by what trains (finetune.train): 6 when
     every weight learns (forward 2, input gradients 2, weight gradients 2); 4 when the weights are
     frozen but gradients flow back through them (lora, ia3, bitfit: their own parameters are few);
-    2 when only a head on top learns (the backbone runs forward only)."""
-    return {"all": 6.0, "head": 2.0}.get(train, 4.0)
+    2 when only a head on top learns (the backbone runs forward only): the method's own record."""
+    from ..adapters import method
+
+    return method(train).flops
 
 
 def mfu(achieved_flops: float, peak: float) -> float | None:

@@ -41,9 +41,20 @@ def options(full: bool, **settings):
 
 
 class Strategy:
-    """One process: the module as it is."""
+    """One process: the module as it is. A distributed strategy (DDP, FSDP) answers for itself what the
+    rest of tfcli asks of it (how checkpoints are written, what one process holds for the memory plan,
+    whether processes must run forward passes together), as torchtitan's ParallelDims does: nobody
+    compares its name."""
 
-    name = "none"
+    name = "none"  # as train.strategy names it (shown, never compared)
+    multiprocess = False  # runs under torchrun, in a process group
+    sharded = False  # each process holds a share of the weights and optimizer states: checkpoints are shards
+    lockstep = False  # every forward pass is a collective: processes generate until all their rows stop
+    gradient_copies = 1  # copies of the gradients a step holds (DDP's buckets hold a second)
+
+    def held(self, nbytes: float, processes: int) -> float:
+        """What one process holds of `nbytes` of weights, frozen models or optimizer states."""
+        return nbytes
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         return module
@@ -84,6 +95,8 @@ class DDPStrategy(Strategy):
     """DistributedDataParallel: a full replica per process, gradients all-reduced each step."""
 
     name = "ddp"
+    multiprocess = True
+    gradient_copies = 2
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         # a QLoRA base's NF4 weights stay out of DDP's broadcast from rank 0, which changed them on the
@@ -107,6 +120,12 @@ class FSDPStrategy(Strategy):
     (engine/shards.py); a whole checkpoint (from one process or DDP) is read by every rank."""
 
     name = "fsdp"
+    multiprocess = True
+    sharded = True
+    lockstep = True
+
+    def held(self, nbytes: float, processes: int) -> float:
+        return nbytes / max(processes, 1)
 
     def wrap(self, module: nn.Module, precision: str = "fp32") -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -386,12 +405,13 @@ def setup_runtime(
     name = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
     if name == "none" and world > 1:
         raise UserError(f"train.strategy none runs one process, but torchrun started {world}; use ddp, fsdp or auto")
-    if name in ("ddp", "fsdp") and "MASTER_ADDR" not in os.environ:
+    strategy_class = STRATEGIES[name]
+    if strategy_class.multiprocess and "MASTER_ADDR" not in os.environ:
         raise UserError(
             f"train.strategy {name} runs under torchrun (torchrun --nproc-per-node N -m tfcli ...); "
             "to continue in one process, add --set train.strategy=auto"
         )
-    if (world > 1 or name in ("ddp", "fsdp")) and not dist.is_initialized():
+    if (world > 1 or strategy_class.multiprocess) and not dist.is_initialized():
         dist.init_process_group(
             "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=collective_timeout_min)
         )
@@ -401,7 +421,7 @@ def setup_runtime(
         dev,
         rank,
         world,
-        STRATEGIES[name](),
+        strategy_class(),
         threads=count,
         collective_timeout_min=collective_timeout_min,
         threads_why=why,

@@ -118,7 +118,7 @@ class Trainer:
         # wrapped before the optimizer is built: FSDP replaces the parameters with their shards
         self.wrapped = rt.strategy.wrap(module, self.tc.precision)
         prepare_frozen(job.frozen, rt)
-        if recipe.optim.name != "adamw" and rt.strategy.name == "fsdp":
+        if recipe.optim.name != "adamw" and rt.strategy.sharded:
             optimizers.for_unequal_shares(module, rt.world_size)
         self.opt = build_optimizer(module, recipe)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
@@ -388,7 +388,7 @@ class Trainer:
 
     def _save(self, is_best: bool) -> None:
         self.doing = f"the checkpoint at step {self.step}"
-        if self.rt.strategy.name == "fsdp":  # each process writes its shards; nothing is gathered
+        if self.rt.strategy.sharded:  # each process writes its shards; nothing is gathered
             if self.rt.is_main:
                 checkpoint.staging(self.run_dir, self.step)
             self.rt.barrier()

@@ -60,7 +60,7 @@ def export(backbone, recipe, rules, base: str, out: Path) -> None:
 def _adapters(backbone, recipe, rules, out: Path):
     """The run's PEFT tensors and target modules; a one-line refusal for a run that has none."""
     ft = recipe.finetune if recipe is not None else None
-    if ft is None or ft.train not in ("lora", "qlora"):
+    if ft is None or not adapters.method(ft.train).peft:
         raise UserError(
             f"export --peft writes LoRA adapters; this run trained {ft.train if ft else 'from scratch'} "
             f"(export --hf writes the whole model)"

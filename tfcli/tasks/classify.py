@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..adapters import method
 from ..data.labelled import TextSpec, balanced_sample, load_splits
 from ..data.sampler import sequential_batches
 from ..display import console, phase
@@ -170,7 +171,12 @@ class Classify(ClassificationTask):
         last-layer features (there is no head to train alone in text-to-text), with the family's pooling."""
         recipe = super().resolve(recipe, backbone)
         ft = recipe.finetune
-        if ft is not None and ft.train == "head" and ft.head == "auto" and reads_as(recipe, backbone) == "text":
+        if (
+            ft is not None
+            and not method(ft.train).backbone_trains
+            and ft.head == "auto"
+            and reads_as(recipe, backbone) == "text"
+        ):
             if self.rt.is_main and not self.quiet:
                 console.print(
                     f"[yellow]note:[/] --train head on a {backbone.family}: a classifier on its frozen "
@@ -227,7 +233,7 @@ class Classify(ClassificationTask):
         ft = recipe.finetune or FinetuneConfig()
         if reads_as(recipe, backbone) == "classifier":
             check_pooling(backbone.cfg, resolve_pooling(backbone.family, ft.pooling))
-        elif ft.train == "head" or ft.pooling != "auto" or ft.head_lr:
+        elif not method(ft.train).backbone_trains or ft.pooling != "auto" or ft.head_lr:
             raise UserError(
                 f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (finetune.head "
                 f"text): there is no head to pool for or train alone; use --head classifier, or --train "

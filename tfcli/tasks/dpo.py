@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import adapters
+from ..adapters import method
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
 from ..data.labelled import TextSpec
@@ -188,7 +189,7 @@ class DPO(Plugin):
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
             raise UserError(
                 "dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)"
             )
@@ -321,7 +322,7 @@ class DPO(Plugin):
         """What an evaluation compares the model with: --reference, else the run's: its adapters off
         when it trained adapters, else the model it started from."""
         cfg = recipe.settings
-        if reference is None and recipe.finetune.train in adapters.SWITCHABLE and backbone.recipe is not None:
+        if reference is None and adapters.method(recipe.finetune.train).switchable and backbone.recipe is not None:
             return Preference(cfg, "base", {})
         source = reference or (
             recorded(run_dir_of(Path(backbone.checkpoint))).get("from") if backbone.recipe is not None else None

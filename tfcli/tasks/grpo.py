@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..adapters import method
 from ..data import IGNORE
 from ..data.chat import ChatTemplate, check_messages, stop_ids
 from ..data.labelled import TextSpec, raw_splits
@@ -490,7 +491,7 @@ class GRPO(Plugin):
 
     def agreed(self, mine: bool) -> bool:
         """Whether every process's rows have stopped: FSDP's processes run every forward pass together."""
-        if self.rt.strategy.name != "fsdp" or not self.rt.distributed:
+        if not self.rt.strategy.lockstep or not self.rt.distributed:
             return mine
         return self.rt.mean({"done": float(mine)})["done"] >= 1.0
 
@@ -564,7 +565,7 @@ class GRPO(Plugin):
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
             raise UserError(
                 "grpo trains the model's completions: there is no classifier head (--train all, lora, qlora, ia3 or bitfit)"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..adapters import method
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
 from ..data.images import ImageSet, load_images
 from ..data.labelled import balanced_sample
@@ -123,4 +124,4 @@ class ImageClassify(ClassificationTask):
 
     def title(self, recipe, backbone) -> str:
         ft = recipe.finetune
-        return f"image classification ({'linear probe' if ft.train == 'head' else 'full finetuning'}, {ft.pooling} pooling)"
+        return f"image classification ({'linear probe' if not method(ft.train).backbone_trains else 'full finetuning'}, {ft.pooling} pooling)"

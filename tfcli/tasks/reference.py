@@ -18,9 +18,10 @@ from ..errors import UserError
 def reference_mode(recipe) -> str:
     """<task>.reference, with auto resolved: the adapter-free base where there are adapters."""
     mode, train = recipe.settings.reference, recipe.finetune.train
+    switchable = adapters.method(train).switchable
     if mode == "auto":
-        return "base" if train in adapters.SWITCHABLE else "copy"
-    if mode == "base" and train not in adapters.SWITCHABLE:
+        return "base" if switchable else "copy"
+    if mode == "base" and not switchable:
         raise UserError(
             f"{recipe.plugin}.reference base is the model with its adapters switched off; --train {train} changes "
             f"the base weights themselves (use copy, or --train lora)"

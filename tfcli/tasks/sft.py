@@ -23,6 +23,7 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
+from ..adapters import method
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import Examples, Fields, require_targets
 from ..data.labelled import TextSpec, raw_splits
@@ -129,7 +130,7 @@ class SFT(Plugin):
     def check(self, recipe, backbone) -> None:
         """What SFT cannot do, refused before the data is read."""
         ft, cfg = recipe.finetune, recipe.settings
-        if ft.train == "head" or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
             raise UserError(
                 "sft trains the model to write replies: there is no classifier head or pooling "
                 "(--train all, lora, ia3 or bitfit)"
