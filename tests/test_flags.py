@@ -41,7 +41,9 @@ def test_a_flags_help_is_its_fields_comment():
         f = flags.field(path)
         if path not in ("data.source", "train.steps"):  # the command's own words lead those
             assert " ".join(f.comment.split())[1:30] in text, path
-        assert f"the recipe's {path}" in text, path
+        section, name = path.split(".")
+        shared = section in registry.TASKS and len(flags.tasks_with(name)) > 1  # the chosen task's field
+        assert f"the recipe's {f'<task>.{name}' if shared else path}" in text, path
 
 
 def test_a_flag_reaches_its_field_and_a_tasks_flag_belongs_to_that_task(tmp_path):
@@ -56,3 +58,38 @@ def test_a_flag_reaches_its_field_and_a_tasks_flag_belongs_to_that_task(tmp_path
 def test_an_unknown_field_is_refused_when_the_command_is_built():
     with pytest.raises(KeyError, match="train.nope"):
         flags.recipe_flags("train.nope", after="x")(lambda x=None, shortcuts=None: None)
+
+
+def test_every_option_of_every_command_has_help():
+    """Walks the typer app: every option and argument of every command says what it is."""
+    import typer.main
+
+    from tfcli.cli import app
+
+    def commands(group, prefix=""):
+        for name, command in getattr(group, "commands", {}).items():
+            yield from (
+                commands(command, f"{prefix}{name} ") if hasattr(command, "commands") else [(prefix + name, command)]
+            )
+
+    missing = [
+        f"{name}: {param.name}"
+        for name, command in commands(typer.main.get_command(app))
+        for param in command.params
+        if not (getattr(param, "help", "") or "").strip() and param.name not in ("help",)
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo", "grpo"])
+def test_shared_task_flags_bind_to_the_chosen_tasks_config(task, tmp_path):
+    """--chat-template, --prompt-field and --system set the chosen task's own field (dpo.chat_template
+    was refused as 'an option of finetune sft')."""
+    result = invoke(
+        "finetune", task, "--chat-template", "chatml", "--prompt-field", "question", "--system", "Be brief.",
+        "--data", tmp_path / "none.jsonl", "--dry-run",
+    )  # fmt: skip
+    assert "is an option of" not in result.output, result.output
+    assert "none.jsonl" in result.output  # it got as far as reading the data
+    refused = invoke("finetune", "dpo", "--pack", "--data", tmp_path / "none.jsonl")
+    assert refused.exit_code == 2 and "--pack is an option of finetune sft (this is dpo)" in refused.output

@@ -67,11 +67,24 @@ class TokenizerConfig:
     """bpe/wordpiece/unigram: trained on the training text; char: one id per character;
     file: load `path` (tokenizer.json, or a directory with vocab.json+merges.txt or vocab.txt)."""
 
-    kind: Literal["bpe", "char", "wordpiece", "unigram", "file"] = "bpe"
-    vocab_size: int = 8192
-    path: str = field(default="", metadata=PATH)
-    lowercase: bool = False
-    train_chars: int = 5_000_000  # characters of training text used to learn the vocabulary
+    kind: Literal["bpe", "char", "wordpiece", "unigram", "file"] = field(
+        default="bpe",
+        metadata={
+            "help": "bpe, wordpiece, unigram: a vocabulary learned from the training text; char: one id per character; file: tokenizer.path"
+        },
+    )
+    vocab_size: int = field(default=8192, metadata={"help": "the learned vocabulary's size (0: the tokenizer's own)"})
+    path: str = field(
+        default="",
+        metadata={
+            "help": "tokenizer.kind file: a tokenizer.json, or a directory with vocab.json and merges.txt or vocab.txt",
+            "path": "path",
+        },
+    )
+    lowercase: bool = field(default=False, metadata={"help": "lowercase the text before tokenizing (uncased BERT)"})
+    train_chars: int = field(
+        default=5_000_000, metadata={"help": "characters of training text used to learn the vocabulary"}
+    )
 
     def __post_init__(self):
         require(self.vocab_size >= 0, "tokenizer.vocab_size", ">= 0", self.vocab_size)
@@ -83,17 +96,34 @@ class TokenizerConfig:
 class DataConfig:
     """source: 'builtin', a file/glob/directory (comma-separated for several), or 'hf:name[:config]'."""
 
-    # builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]
-    source: str = field(default="builtin", metadata=PATH)
-    text_field: str = "text"
-    val_fraction: float = 0.1  # the last fraction of the token stream (or a seeded share of rows) is held out
-    val_source: str = field(default="", metadata=PATH)  # optional separate held-out data instead of val_fraction
-    seq_len: int = 256  # tokens per example (finetuning: the longest input)
-    sampling: Literal["blocks", "windows"] = "blocks"  # shuffled non-overlapping blocks | random windows
-    document_mask: bool = False  # packed blocks: attend within a document only, positions restart per document
-    workers: int = 0  # tokenizing processes (0: one per core, at most 8)
-    streaming: bool = False  # read the documents as a stream (no store), shuffled through a buffer
-    shuffle_buffer: int = 10_000  # examples in the streaming shuffle buffer
+    source: str = field(
+        default="builtin",
+        metadata={
+            "help": "builtin, builtin:NAME, files/globs/dirs (comma-separated), a token store, or hf:name[:config]",
+            "path": "path",
+        },
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "the column holding the text in JSON Lines, CSV and parquet files"}
+    )
+    val_fraction: float = field(
+        default=0.1, metadata={"help": "the last fraction of the token stream (or a seeded share of rows) is held out"}
+    )
+    val_source: str = field(
+        default="", metadata={"help": "optional separate held-out data instead of val_fraction", "path": "path"}
+    )
+    seq_len: int = field(default=256, metadata={"help": "tokens per example (finetuning: the longest input)"})
+    sampling: Literal["blocks", "windows"] = field(
+        default="blocks", metadata={"help": "shuffled non-overlapping blocks | random windows"}
+    )
+    document_mask: bool = field(
+        default=False, metadata={"help": "packed blocks: attend within a document only, positions restart per document"}
+    )
+    workers: int = field(default=0, metadata={"help": "tokenizing processes (0: one per core, at most 8)"})
+    streaming: bool = field(
+        default=False, metadata={"help": "read the documents as a stream (no store), shuffled through a buffer"}
+    )
+    shuffle_buffer: int = field(default=10_000, metadata={"help": "examples in the streaming shuffle buffer"})
 
     def __post_init__(self):
         require(0 <= self.val_fraction < 1, "data.val_fraction", "in [0, 1)", self.val_fraction)
@@ -104,13 +134,18 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    # adamw (fused, fp32 moments) | adamw8bit | adamw4bit (torchao: the moments in 8 or 4 bits, a quarter or
-    # an eighth of the memory; tensors under 4,096 elements stay fp32)
-    name: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
-    lr: float = 3e-4  # the peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # applied to matrices only, never to biases, norms or 1-D parameters
+    name: Literal["adamw", "adamw8bit", "adamw4bit"] = field(
+        default="adamw",
+        metadata={
+            "help": "adamw (fused, fp32 moments) | adamw8bit | adamw4bit (torchao: the moments in 8 or 4 bits, a quarter or an eighth of the memory; tensors under 4,096 elements stay fp32)"
+        },
+    )
+    lr: float = field(default=3e-4, metadata={"help": "the peak learning rate"})
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "AdamW's two moment decay rates"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
+    weight_decay: float = field(
+        default=0.1, metadata={"help": "applied to matrices only, never to biases, norms or 1-D parameters"}
+    )
 
     def __post_init__(self):
         require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a positive number", self.lr)
@@ -121,9 +156,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    warmup_steps: int = 100
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr: float = 0.0
+    warmup_steps: int = field(default=100, metadata={"help": "optimizer steps of linear warmup to optim.lr"})
+    decay: Literal["cosine", "linear", "constant"] = field(
+        default="cosine", metadata={"help": "after warmup: cosine or linear down to schedule.min_lr, or constant"}
+    )
+    min_lr: float = field(default=0.0, metadata={"help": "the learning rate the decay ends at"})
 
     def __post_init__(self):
         require(self.warmup_steps >= 0, "schedule.warmup_steps", ">= 0", self.warmup_steps)
@@ -132,46 +169,137 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000  # optimizer steps
-    batch_size: int = 16  # per-process batch size; the global batch is batch_size x grad_accum x processes
-    grad_accum: int = 1
-    clip_grad: float = 1.0  # 0 disables clipping
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPUs that have it, else fp32
-    seed: int = 1337
-    log_interval: int = 10
-    eval_interval: int = 250
-    eval_batches: int = 20
-    ckpt_interval: int = 500
-    keep_checkpoints: int = 2
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch CPU threads; 0: the cores this process may use, shared by the processes on this node
-    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"  # auto: DDP under torchrun, else none; fsdp: FSDP2
-    # recompute each block's activations in the backward pass: none | blocks | auto (the memory plan
-    # decides: on when the step's activations would outweigh the weights, frozen models and optimizer
-    # states and pass 1 GB, or when the run fits train.memory_limit only with it)
-    activation_checkpointing: Literal["none", "blocks", "auto"] = "auto"
-    micro_batch_size: int = (
-        0  # rows per forward and backward, accumulated to batch_size (0: batch_size, or what memory_limit needs)
+    steps: int = field(default=1000, metadata={"resumable": True, "help": "optimizer steps"})
+    batch_size: int = field(
+        default=16,
+        metadata={
+            "resumable": True,
+            "help": "per-process batch size; the global batch is batch_size x grad_accum x processes",
+        },
     )
-    memory_limit: str = "auto"  # what one process may hold: auto (90% of the device's), 0 (no limit), or a size (4GB)
-    prefetch: int = 2  # batches built ahead in a background thread (0: on the main thread, between steps)
-    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of model + loss; auto: on CUDA only
-    # repeatable kernels (torch.use_deterministic_algorithms): a GPU run the same to the bit every time,
-    # and resumed bit for bit (CUDA's repeatable kernels can be slower; the CPU's repeat anyway)
-    deterministic: bool = False
-    skip_nonfinite: int = 0  # batches with a non-finite loss or gradient skipped before the run stops
-    loggers: tuple[str, ...] = ()  # besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)
-    max_time: float = 0.0  # minutes of training (0: none); past it the run evaluates, checkpoints and stops
-    collective_timeout: float = 10.0  # minutes a collective (torchrun) may wait before the run stops with an error
-    # benchmarks scored at every evaluation of a decoder or encoder-decoder, name[:N] (N questions; a
-    # benchmark with subjects spreads them over its subjects), logged as val_<name>_acc and _acc_norm
-    eval_tasks: tuple[str, ...] = ()
-    # the directory of their files, or one holding each benchmark's directory
-    eval_tasks_data: str = field(default="", metadata=PATH)
-    eval_tasks_few_shot: int = 0  # solved examples before each question (from the benchmark's few-shot split)
-    # the logged metric that picks the best checkpoint, e.g. val_piqa_acc_norm (a loss or perplexity: the
-    # lowest; any other: the highest); "": the task's own (a classifier's accuracy, DPO's reward accuracy)
-    select_by: str = ""
+    grad_accum: int = field(
+        default=1, metadata={"resumable": True, "help": "micro-steps accumulated into one optimizer step"}
+    )
+    clip_grad: float = field(default=1.0, metadata={"help": "0 disables clipping"})
+    precision: Literal["auto", "fp32", "bf16"] = field(
+        default="auto", metadata={"resumable": True, "help": "auto: bf16 autocast on GPUs that have it, else fp32"}
+    )
+    seed: int = field(
+        default=1337, metadata={"help": "the seed of every random choice: initialisation, data order, masks, sampling"}
+    )
+    log_interval: int = field(default=10, metadata={"resumable": True, "help": "optimizer steps between log lines"})
+    eval_interval: int = field(
+        default=250, metadata={"resumable": True, "help": "optimizer steps between held-out evaluations"}
+    )
+    eval_batches: int = field(
+        default=20, metadata={"resumable": True, "help": "held-out batches each evaluation reads"}
+    )
+    ckpt_interval: int = field(default=500, metadata={"resumable": True, "help": "optimizer steps between checkpoints"})
+    keep_checkpoints: int = field(
+        default=2, metadata={"resumable": True, "help": "checkpoints kept (the best one besides)"}
+    )
+    device: str = field(default="auto", metadata={"resumable": True, "help": "auto | cpu | cuda | cuda:N"})
+    threads: int = field(
+        default=0,
+        metadata={
+            "resumable": True,
+            "help": "torch CPU threads; 0: the cores this process may use, shared by the processes on this node",
+        },
+    )
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = field(
+        default="auto", metadata={"resumable": True, "help": "auto: DDP under torchrun, else none; fsdp: FSDP2"}
+    )
+    activation_checkpointing: Literal["none", "blocks", "auto"] = field(
+        default="auto",
+        metadata={
+            "resumable": True,
+            "help": "recompute each block's activations in the backward pass: none | blocks | auto (the memory plan decides: on when the step's activations would outweigh the weights, frozen models and optimizer states and pass 1 GB, or when the run fits train.memory_limit only with it)",
+        },
+    )
+    micro_batch_size: int = field(
+        default=0,
+        metadata={
+            "resumable": True,
+            "help": "rows per forward and backward, accumulated to batch_size (0: batch_size, or what memory_limit needs)",
+        },
+    )
+    memory_limit: str = field(
+        default="auto",
+        metadata={
+            "resumable": True,
+            "help": "what one process may hold: auto (90% of the device's), 0 (no limit), or a size (4GB)",
+        },
+    )
+    prefetch: int = field(
+        default=2,
+        metadata={
+            "resumable": True,
+            "help": "batches built ahead in a background thread (0: on the main thread, between steps)",
+        },
+    )
+    compile: Literal["auto", "on", "off"] = field(
+        default="auto", metadata={"resumable": True, "help": "torch.compile of model + loss; auto: on CUDA only"}
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "resumable": True,
+            "help": "repeatable kernels (torch.use_deterministic_algorithms): a GPU run the same to the bit every time, and resumed bit for bit (CUDA's repeatable kernels can be slower; the CPU's repeat anyway)",
+        },
+    )
+    skip_nonfinite: int = field(
+        default=0,
+        metadata={"resumable": True, "help": "batches with a non-finite loss or gradient skipped before the run stops"},
+    )
+    loggers: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "resumable": True,
+            "help": "besides metrics.jsonl: csv, tensorboard, wandb (W&B offline unless WANDB_MODE)",
+        },
+    )
+    max_time: float = field(
+        default=0.0,
+        metadata={
+            "resumable": True,
+            "help": "minutes of training (0: none); past it the run evaluates, checkpoints and stops",
+        },
+    )
+    collective_timeout: float = field(
+        default=10.0,
+        metadata={
+            "resumable": True,
+            "help": "minutes a collective (torchrun) may wait before the run stops with an error",
+        },
+    )
+    eval_tasks: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "resumable": True,
+            "help": "benchmarks scored at every evaluation of a decoder or encoder-decoder, name[:N] (N questions; a benchmark with subjects spreads them over its subjects), logged as val_<name>_acc and _acc_norm",
+        },
+    )
+    eval_tasks_data: str = field(
+        default="",
+        metadata={
+            "resumable": True,
+            "help": "the directory of their files, or one holding each benchmark's directory",
+            "path": "path",
+        },
+    )
+    eval_tasks_few_shot: int = field(
+        default=0,
+        metadata={
+            "resumable": True,
+            "help": "solved examples before each question (from the benchmark's few-shot split)",
+        },
+    )
+    select_by: str = field(
+        default="",
+        metadata={
+            "help": "the logged metric that picks the best checkpoint, e.g. val_piqa_acc_norm (a loss or perplexity: the lowest; any other: the highest); \"\": the task's own (a classifier's accuracy, DPO's reward accuracy)"
+        },
+    )
 
     def __post_init__(self):
         require(self.steps >= 0, "train.steps", ">= 1 (0: a task's finetune.epochs decides)", self.steps)
@@ -224,22 +352,51 @@ class TrainConfig:
 class FinetuneConfig:
     """What a task trains and for how long (task recipes only)."""
 
-    # what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit
-    train: Literal["all", "head", "lora", "qlora", "ia3", "bitfit"] = "all"
-    # classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on
-    # encoders, the label word as text on T5 and GPT
-    head: Literal["auto", "classifier", "text"] = "auto"
-    # the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)
-    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = (
-        "auto"
+    train: Literal["all", "head", "lora", "qlora", "ia3", "bitfit"] = field(
+        default="all",
+        metadata={
+            "help": "what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit"
+        },
     )
-    head_lr: float = 0.0  # learning rate of the head (0: optim.lr)
-    epochs: float = 0.0  # epochs over the training examples (> 0: train.steps is derived from them)
-    warmup_fraction: float = 0.0  # > 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)
-    limit: int = 0  # use only the first N training examples (0 = all)
-    eval_limit: int = 0  # evaluate during training on a balanced sample of N examples of each split (0 = all)
-    report_limit: int = 0  # the final report (eval.json) on a balanced sample of N examples of each split (0 = all)
-    layer: int = -1  # the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)
+    head: Literal["auto", "classifier", "text"] = field(
+        default="auto",
+        metadata={
+            "help": "classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on encoders, the label word as text on T5 and GPT"
+        },
+    )
+    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = (
+        field(
+            default="auto",
+            metadata={"help": "the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)"},
+        )
+    )
+    head_lr: float = field(default=0.0, metadata={"help": "learning rate of the head (0: optim.lr)"})
+    epochs: float = field(
+        default=0.0,
+        metadata={
+            "resumable": True,
+            "help": "epochs over the training examples (> 0: train.steps is derived from them)",
+        },
+    )
+    warmup_fraction: float = field(
+        default=0.0, metadata={"help": "> 0: schedule.warmup_steps becomes this share of the steps (BERT: 0.1)"}
+    )
+    limit: int = field(default=0, metadata={"help": "use only the first N training examples (0 = all)"})
+    eval_limit: int = field(
+        default=0,
+        metadata={
+            "resumable": True,
+            "help": "evaluate during training on a balanced sample of N examples of each split (0 = all)",
+        },
+    )
+    report_limit: int = field(
+        default=0,
+        metadata={"help": "the final report (eval.json) on a balanced sample of N examples of each split (0 = all)"},
+    )
+    layer: int = field(
+        default=-1,
+        metadata={"help": "the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)"},
+    )
 
     def __post_init__(self):
         require(self.layer >= -1, "finetune.layer", ">= -1 (-1: the last block)", self.layer)
@@ -255,10 +412,14 @@ PARTS = ("q", "k", "v", "o", "up", "gate", "down")  # the linears of the shared 
 class AdapterConfig:
     """Parameter-efficient finetuning (task recipes; used by finetune.train lora and ia3)."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0  # as PEFT; > 0 keeps a dropped-out copy of every adapted input for backward
-    targets: tuple[str, ...] = ("q", "v")  # lora's; ia3 scales k, v and the MLP's inner activations
+    rank: int = field(default=8, metadata={"help": "LoRA's rank r"})
+    alpha: float = field(default=16.0, metadata={"help": "LoRA's alpha: the update is scaled by alpha / rank"})
+    dropout: float = field(
+        default=0.0, metadata={"help": "as PEFT; > 0 keeps a dropped-out copy of every adapted input for backward"}
+    )
+    targets: tuple[str, ...] = field(
+        default=("q", "v"), metadata={"help": "lora's; ia3 scales k, v and the MLP's inner activations"}
+    )
 
     def __post_init__(self):
         require(self.rank >= 1, "adapter.rank", ">= 1", self.rank)
@@ -474,37 +635,17 @@ def to_dict(recipe: Recipe, methods: bool = True) -> dict:
     return out
 
 
-# what a resumed run may change: how long it trains and how it runs, never what it has trained with
-RESUMABLE_CHANGES = {
-    f"train.{k}"
-    for k in (
-        "steps",
-        "batch_size",
-        "log_interval",
-        "eval_interval",
-        "eval_batches",
-        "ckpt_interval",
-        "keep_checkpoints",
-        "device",
-        "threads",
-        "strategy",
-        "prefetch",
-        "compile",
-        "deterministic",
-        "skip_nonfinite",
-        "loggers",
-        "max_time",
-        "collective_timeout",
-        "precision",
-        "activation_checkpointing",
-        "micro_batch_size",
-        "memory_limit",
-        "grad_accum",
-        "eval_tasks",
-        "eval_tasks_data",
-        "eval_tasks_few_shot",
-    )
-} | {"finetune.epochs", "finetune.eval_limit", "grpo.eval_prompts", "grpo.generate_batch", "grpo.show"}
+def resumable(recipe: Recipe) -> set[str]:
+    """The fields a resumed run may change: how long it trains and how it runs, never what it has
+    trained with (each says so itself: metadata {"resumable": True})."""
+    sections = {"train": recipe.train, "finetune": recipe.finetune, recipe.plugin: recipe.settings}
+    return {
+        f"{name}.{f.name}"
+        for name, section in sections.items()
+        if dataclasses.is_dataclass(section)
+        for f in dataclasses.fields(section)
+        if f.metadata.get("resumable")
+    }
 
 
 def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:

@@ -157,8 +157,8 @@ def training_recipe(
 def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run: str) -> None:
     """A resumed run continues what it saved (optimizer state, schedule, data order, model): an
     override of those would be written to config.yaml without being what ran. Only how long and how
-    it runs may change (recipes.RESUMABLE_CHANGES)."""
-    wrong = [c for c in recipes.changes(saved, asked) if c[0] not in recipes.RESUMABLE_CHANGES]
+    it runs may change (recipes.resumable: the fields that say so)."""
+    wrong = [c for c in recipes.changes(saved, asked) if c[0] not in recipes.resumable(saved)]
     if wrong:
         field, old, new = wrong[0]
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""

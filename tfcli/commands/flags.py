@@ -1,6 +1,6 @@
 """Command-line shortcut flags derived from the recipe's fields: `--steps` is `train.steps`, its type
-the field's and its help the field's own comment in its dataclass (tfcli/recipe.py, or a plug-in's
-Config), so a flag and its field cannot drift apart.
+the field's and its help the field's own `metadata={"help": ...}` in its dataclass (tfcli/recipe.py, or
+a plug-in's Config, as TRL's configs carry theirs), so a flag and its field cannot drift apart.
 
 The dataclasses are read from their source files, not imported: importing the recipe imports torch,
 and `--help` must answer at once.
@@ -86,31 +86,56 @@ def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
 
 @functools.cache
 def field(path: str) -> Field:
-    """A recipe field's type and its comment: the one after it on its line, else the lines just above it."""
+    """A recipe field's type and its help, from `field(..., metadata={"help": ...})` in its dataclass."""
     section, name = path.split(".")
-    lines, cls = _section_class(section)
+    _, cls = _section_class(section)
     node = next((n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id == name), None)
     if node is None:
         raise KeyError(f"{path}: no such recipe field")
-    comment = lines[node.end_lineno - 1].partition("  # ")[2].strip()
-    above, n = [], node.lineno - 2
-    while not comment and n >= 0 and lines[n].strip().startswith("#"):
-        above.insert(0, lines[n].strip().lstrip("#").strip())
-        n -= 1
-    return Field(path, ast.unparse(node.annotation), comment or " ".join(above))
+    return Field(path, ast.unparse(node.annotation), _help(node))
+
+
+def _help(node: ast.AnnAssign) -> str:
+    """The "help" of a field's metadata, read from the source ("" when it has none)."""
+    call = node.value
+    metadata = next((k.value for k in getattr(call, "keywords", ()) if k.arg == "metadata"), None)
+    if not isinstance(metadata, ast.Dict):
+        return ""
+    for key, value in zip(metadata.keys, metadata.values):
+        if isinstance(key, ast.Constant) and key.value == "help":
+            return ast.literal_eval(value)
+    return ""
+
+
+@functools.cache
+def tasks_with(name: str) -> list[str]:
+    """The tasks whose recipe section has a field `name` (a shared flag binds to the chosen one's)."""
+    out = []
+    for task in registry.TASKS:
+        try:
+            _, cls = _section_class(task)
+        except StopIteration:  # a task without a Config
+            continue
+        if any(isinstance(n, ast.AnnAssign) and n.target.id == name for n in cls.body):
+            out.append(task)
+    return out
 
 
 def help_text(f: Field, lead: str = "") -> str:
-    """The flag's help: `lead` (what the command adds) or the field's comment, its choices, the field."""
+    """The flag's help: `lead` (what the command adds) or the field's help, its choices, the field (of
+    the chosen task, where several tasks have it)."""
     text = lead or f.comment
     choices = " | ".join(f.choices)
     if choices and not all(c in text for c in f.choices):
         text = f"{choices}: {text}" if text else choices
-    if f.section not in RECIPE_SECTIONS:  # a plug-in's own setting: say whose
-        text = f"{f.section}: {text}"
+    path = f.path
+    if f.section not in RECIPE_SECTIONS:  # a plug-in's own setting: say whose (every task that has it)
+        tasks = tasks_with(f.path.split(".")[1]) or [f.section]
+        text = f"{', '.join(tasks)}: {text}"
+        path = f"<task>.{f.path.split('.')[1]}" if len(tasks) > 1 else f.path
     elif text and not text.startswith(tuple(f.choices)):
         text = text[0].upper() + text[1:]
-    return f"{text.rstrip('.')} [default: the recipe's {f.path}]."
+    return f"{text.rstrip('.')} [default: the recipe's {path}]."
 
 
 def recipe_flags(*specs: str, after: str, leads: dict[str, str] | None = None):

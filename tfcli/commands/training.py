@@ -188,10 +188,43 @@ FINETUNE_FLAGS = (
     "sft.prompt_field",
     "sft.response_field",
     "sft.chat_template",
+    "sft.system",
     "sft.train_on",
     "sft.pack",
     "grpo.reward",
 )
+
+
+def bound_to_task(shortcuts: dict, key: str, task: str) -> dict:
+    """A task's flags (--text-fields, --pack, --chat-template, ...) set the chosen task's field of that
+    name: --chat-template is sft.chat_template for sft and dpo.chat_template for dpo; a flag the chosen
+    task has no field for is one line naming the tasks it is for."""
+    import dataclasses
+
+    config = registry.plugin_class("task", key).Config
+    own = {f.name for f in dataclasses.fields(config)} if config else set()
+    out = {}
+    for path, value in shortcuts.items():
+        section, _, name = path.partition(".")
+        if section not in registry.TASKS or section == key:
+            out[path] = value
+        elif value is None:
+            continue
+        elif name in own:
+            out[f"{key}.{name}"] = value
+        else:
+            users = [t for t in registry.TASKS if name in _field_names(t)]
+            raise UserError(
+                f"--{name.replace('_', '-')} is an option of finetune {' and '.join(users)} (this is {task})"
+            )
+    return out
+
+
+def _field_names(task: str) -> set[str]:
+    import dataclasses
+
+    config = registry.plugin_class("task", task).Config
+    return {f.name for f in dataclasses.fields(config)} if config else set()
 
 
 @recipe_flags(
@@ -238,10 +271,7 @@ def finetune(
     key, settings, defaults = task_target(task) if task is not None else (run_task(Path(resume)), {}, {})
     family = family_of(from_)
     default = defaults.get(family or "", next(iter(defaults.values()), ""))
-    for path, value in shortcuts.items():  # a task's own flags (--text-fields, --pack, ...) belong to that task
-        section, _, name = path.partition(".")
-        if value is not None and section in registry.TASKS and section != key:
-            raise UserError(f"--{name.replace('_', '-')} is an option of finetune {section} (this is {task or key})")
+    shortcuts = bound_to_task(shortcuts, key, task or key)
     if shortcuts["train.steps"] is not None and shortcuts["finetune.epochs"] is None:
         shortcuts = {**shortcuts, "finetune.epochs": 0.0}  # --steps wins over the recipe's epochs
     shortcuts = {

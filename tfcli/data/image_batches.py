@@ -6,7 +6,7 @@ example's own random stream, so a resumed run sees exactly the crops it would ha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,12 +23,20 @@ class ImageConfig:
     """How images become pixels (the `mae:` and `image-classify:` recipe sections). Pixels are
     scaled to [0, 1], then (x - mean) / std per channel; the size is model.image_size."""
 
-    augment: bool = True  # random resized crop + horizontal flip on training images
-    crop_scale: tuple[float, float] = (0.2, 1.0)  # area fraction of the random crop (MAE: 0.2-1)
-    crop_ratio: tuple[float, float] = (0.75, 1.3333333)  # aspect ratio range of the crop
-    hflip: bool = True
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    augment: bool = field(default=True, metadata={"help": "random resized crop + horizontal flip on training images"})
+    crop_scale: tuple[float, float] = field(
+        default=(0.2, 1.0), metadata={"help": "area fraction of the random crop (MAE: 0.2-1)"}
+    )
+    crop_ratio: tuple[float, float] = field(
+        default=(0.75, 1.3333333), metadata={"help": "aspect ratio range of the crop"}
+    )
+    hflip: bool = field(default=True, metadata={"help": "flip training images left to right at random"})
+    mean: tuple[float, float, float] = field(
+        default=(0.485, 0.456, 0.406), metadata={"help": "per-channel mean images are normalised by"}
+    )
+    std: tuple[float, float, float] = field(
+        default=(0.229, 0.224, 0.225), metadata={"help": "per-channel standard deviation images are normalised by"}
+    )
 
     def __post_init__(self):
         lo, hi = self.crop_scale

@@ -11,7 +11,7 @@ discriminator is the model (`--from` a run finetunes it as any BERT); the genera
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -30,12 +30,16 @@ from .mlm_nsp import MaskedLM, MLMHead
 class ElectraConfig:
     """The `electra:` recipe section."""
 
-    generator_size: float = 0.25  # generator width (d_model, d_ff, heads) as a share of the discriminator's
-    generator_layers: int = 0  # 0: as many layers as the discriminator
-    disc_weight: float = 50.0  # the discriminator loss's weight (the paper's lambda)
-    temperature: float = 1.0  # of the generator's sampling
-    mask_prob: float = 0.15
-    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
+    generator_size: float = field(
+        default=0.25, metadata={"help": "generator width (d_model, d_ff, heads) as a share of the discriminator's"}
+    )
+    generator_layers: int = field(default=0, metadata={"help": "0: as many layers as the discriminator"})
+    disc_weight: float = field(default=50.0, metadata={"help": "the discriminator loss's weight (the paper's lambda)"})
+    temperature: float = field(default=1.0, metadata={"help": "of the generator's sampling"})
+    mask_prob: float = field(default=0.15, metadata={"help": "the share of tokens the generator replaces"})
+    documents: Literal["rows", "paragraphs"] = field(
+        default="rows", metadata={"help": "a document is a data row, or each blank-line paragraph"}
+    )
 
     def __post_init__(self):
         require(0 < self.generator_size <= 1, "electra.generator_size", "in (0, 1]", self.generator_size)

@@ -12,7 +12,7 @@ The palette is fitted once on a seeded sample of the training pixels and kept in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +43,14 @@ from .objective import Objective
 class IGPTConfig:
     """The `igpt:` recipe section."""
 
-    image_size: int = 16  # images are cut to their central square and resized to this side
-    palette: int = 512  # colours of the k-means palette (the paper's 9-bit palette)
-    kmeans_pixels: int = 200_000  # training pixels (a seeded sample) the palette is fitted on
-    kmeans_iters: int = 20
+    image_size: int = field(
+        default=16, metadata={"help": "images are cut to their central square and resized to this side"}
+    )
+    palette: int = field(default=512, metadata={"help": "colours of the k-means palette (the paper's 9-bit palette)"})
+    kmeans_pixels: int = field(
+        default=200_000, metadata={"help": "training pixels (a seeded sample) the palette is fitted on"}
+    )
+    kmeans_iters: int = field(default=20, metadata={"help": "k-means iterations that learn the colour palette"})
 
     def __post_init__(self):
         require(2 <= self.image_size <= 64, "igpt.image_size", "in [2, 64]", self.image_size)

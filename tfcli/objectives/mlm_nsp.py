@@ -8,7 +8,7 @@ projection + cross-entropy), not at all T positions as in transformers' BertForP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -33,10 +33,18 @@ SPECIAL_TOKENS = list(Bert.special_tokens)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 class MLMConfig:
     """BERT's masked-LM objective (`mlm:` in a recipe): masking and how segments are built."""
 
-    nsp: bool = True  # false: RoBERTa-style full segments, no next-sentence prediction
-    mask_prob: float = 0.15  # share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept
-    short_seq_prob: float = 0.1  # pairs made shorter than data.seq_len on purpose, as in BERT
-    documents: Literal["rows", "paragraphs"] = "rows"  # a document is a data row, or each blank-line paragraph
+    nsp: bool = field(
+        default=True, metadata={"help": "false: RoBERTa-style full segments, no next-sentence prediction"}
+    )
+    mask_prob: float = field(
+        default=0.15, metadata={"help": "share of non-special tokens chosen; of those 80% [MASK], 10% random, 10% kept"}
+    )
+    short_seq_prob: float = field(
+        default=0.1, metadata={"help": "pairs made shorter than data.seq_len on purpose, as in BERT"}
+    )
+    documents: Literal["rows", "paragraphs"] = field(
+        default="rows", metadata={"help": "a document is a data row, or each blank-line paragraph"}
+    )
 
     def __post_init__(self):
         require(0 < self.mask_prob < 1, "mlm.mask_prob", "in (0, 1)", self.mask_prob)

@@ -11,7 +11,7 @@ un-finetuned one can be prompted with k solved examples (`tfcli eval mnli --few-
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,13 +38,25 @@ from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 class ClassifyConfig:
     """The `classify:` recipe section. Fields left empty come from the preset."""
 
-    preset: str = ""  # e.g. "mnli": its data source, text fields and labels
-    text_fields: tuple[str, ...] = ()  # the column(s) holding the text: one, or two for a pair (e.g. title,body)
-    label_field: str = ""  # the column holding the label ("": the preset's, else label)
-    labels: tuple[str, ...] = ()  # label names in id order ("" = the preset's, else the training data's, sorted)
-    # zero-shot cloze (eval --cloze, BERT): the texts as {field}s around one [MASK]; "" = PET's pattern
-    cloze_template: str = ""
-    cloze_words: tuple[str, ...] = ()  # one word per label, in id order ("" = the preset's)
+    preset: str = field(default="", metadata={"help": 'e.g. "mnli": its data source, text fields and labels'})
+    text_fields: tuple[str, ...] = field(
+        default=(), metadata={"help": "the column(s) holding the text: one, or two for a pair (e.g. title,body)"}
+    )
+    label_field: str = field(
+        default="", metadata={"help": 'the column holding the label ("": the preset\'s, else label)'}
+    )
+    labels: tuple[str, ...] = field(
+        default=(), metadata={"help": "label names in id order (\"\" = the preset's, else the training data's, sorted)"}
+    )
+    cloze_template: str = field(
+        default="",
+        metadata={
+            "help": 'zero-shot cloze (eval --cloze, BERT): the texts as {field}s around one [MASK]; "" = PET\'s pattern'
+        },
+    )
+    cloze_words: tuple[str, ...] = field(
+        default=(), metadata={"help": 'one word per label, in id order ("" = the preset\'s)'}
+    )
 
     def __post_init__(self):
         if self.preset and self.preset not in presets_of("classify"):

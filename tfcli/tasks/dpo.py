@@ -45,7 +45,7 @@ from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import sequence_logprobs
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import PATH, require
+from ..recipe import require
 from .reference import reference_mode, reference_of, starting_model
 from .reply_batches import PairBatches, pair_count, shared_length
 from .sft import count_tokens, read_splits, summary_line, template_for
@@ -57,17 +57,29 @@ REFERENCE_FILE = "reference_logps.json"
 class DPOConfig:
     """The `dpo:` recipe section."""
 
-    beta: float = 0.1
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    label_smoothing: float = 0.0  # conservative DPO: the share of preference labels taken as flipped
-    reference: Literal["auto", "copy", "base", "precompute"] = "auto"  # auto: base for lora/qlora/ia3, else copy
-    share_prompt: bool = True  # a row per pair, its prompt read once for both replies (False: a row per reply)
-    prompt_field: str = "prompt"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-    system: str = ""  # a system message before every prompt
-    # as sft.chat_template: "" the model's own, none, a shipped name or a .jinja file
-    chat_template: str = field(default="", metadata=PATH)
+    beta: float = field(default=0.1, metadata={"help": "how far the model may move from the reference (higher: less)"})
+    loss: Literal["sigmoid", "ipo"] = field(default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo"})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "conservative DPO: the share of preference labels taken as flipped"}
+    )
+    reference: Literal["auto", "copy", "base", "precompute"] = field(
+        default="auto", metadata={"help": "auto: base for lora/qlora/ia3, else copy"}
+    )
+    share_prompt: bool = field(
+        default=True,
+        metadata={"help": "a row per pair, its prompt read once for both replies (False: a row per reply)"},
+    )
+    prompt_field: str = field(default="prompt", metadata={"help": "the column holding the prompt"})
+    chosen_field: str = field(default="chosen", metadata={"help": "the column holding the preferred reply"})
+    rejected_field: str = field(default="rejected", metadata={"help": "the column holding the other reply"})
+    system: str = field(default="", metadata={"help": "a system message before every prompt"})
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": 'as sft.chat_template: "" the model\'s own, none, a shipped name or a .jinja file',
+            "path": "path",
+        },
+    )
 
     def __post_init__(self):
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)

@@ -50,7 +50,7 @@ from ..generate import generate_batch
 from ..models import kinds
 from ..objectives.losses import token_logprobs
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import CODE, PATH, require
+from ..recipe import require
 from . import rewards as rewarding
 from .presets import PRESETS
 from .reference import reference_mode, reference_of, starting_model
@@ -63,32 +63,76 @@ EPS = 1e-4  # TRL's: advantages are divided by std + EPS
 class GRPOConfig:
     """The `grpo:` recipe section (TRL's GRPOConfig names, and its defaults where a CPU allows them)."""
 
-    # --reward: final-number, exact, contains, regex:P, length:N, file.py:fn; weights as :W
-    reward: str = field(default="", metadata=CODE)
-    preset: str = ""  # gsm8k: GSM8K's fields and splits, and final-number as the default reward
-    prompt_field: str = ""  # the column holding the prompt text ("": the preset's, else prompt)
-    answer_field: str = ""  # what final-number, exact and contains compare with ("": the preset's, else answer)
-    messages_field: str = "messages"  # a row's conversation so far (ending with the user's turn)
-    system: str = ""  # a system message before every prompt
-    # "": the model's own (none: the prompt text as it is) | none | chatml | FILE.jinja
-    chat_template: str = field(default="", metadata=PATH)
-    num_generations: int = 8  # G: completions sampled per prompt
-    max_completion_length: int = 256  # tokens (TRL: 512)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: all
-    beta: float = 0.0  # the KL term's weight (0: no reference model)
-    reference: Literal["auto", "copy", "base"] = "auto"  # with beta > 0; auto: base for lora/qlora/ia3, else copy
-    use_bias_correction_kl: bool = True  # the KL term times the ratio (TRL's default, DeepSeek-V3.2)
-    epsilon: float = 0.2  # clipping of the ratio, below
-    epsilon_high: float = 0.0  # and above (0: epsilon; DAPO: 0.28)
-    num_iterations: int = 1  # steps trained on each rollout (mu; > 1 makes the ratio and its clipping matter)
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
-    mask_truncated_completions: bool = False  # completions cut at the length limit are left out of the loss
-    eval_prompts: int = 64  # held-out prompts answered (greedy) at each evaluation
-    generate_batch: int = 64  # rows generated together at an evaluation
-    show: int = 2  # completions printed at each evaluation
+    reward: str = field(
+        default="",
+        metadata={
+            "help": "--reward: final-number, exact, contains, regex:P, length:N, file.py:fn; weights as :W",
+            "path": "code",
+        },
+    )
+    preset: str = field(
+        default="", metadata={"help": "gsm8k: GSM8K's fields and splits, and final-number as the default reward"}
+    )
+    prompt_field: str = field(
+        default="", metadata={"help": 'the column holding the prompt text ("": the preset\'s, else prompt)'}
+    )
+    answer_field: str = field(
+        default="",
+        metadata={"help": 'what final-number, exact and contains compare with ("": the preset\'s, else answer)'},
+    )
+    messages_field: str = field(
+        default="messages", metadata={"help": "a row's conversation so far (ending with the user's turn)"}
+    )
+    system: str = field(default="", metadata={"help": "a system message before every prompt"})
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": '"": the model\'s own (none: the prompt text as it is) | none | chatml | FILE.jinja',
+            "path": "path",
+        },
+    )
+    num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt"})
+    max_completion_length: int = field(default=256, metadata={"help": "tokens (TRL: 512)"})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature of the completions (log-probabilities are of logits / temperature)"},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of the completions (1: off)"})
+    top_k: int = field(default=0, metadata={"help": "0: all"})
+    beta: float = field(default=0.0, metadata={"help": "the KL term's weight (0: no reference model)"})
+    reference: Literal["auto", "copy", "base"] = field(
+        default="auto", metadata={"help": "with beta > 0; auto: base for lora/qlora/ia3, else copy"}
+    )
+    use_bias_correction_kl: bool = field(
+        default=True, metadata={"help": "the KL term times the ratio (TRL's default, DeepSeek-V3.2)"}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "clipping of the ratio, below"})
+    epsilon_high: float = field(default=0.0, metadata={"help": "and above (0: epsilon; DAPO: 0.28)"})
+    num_iterations: int = field(
+        default=1, metadata={"help": "steps trained on each rollout (mu; > 1 makes the ratio and its clipping matter)"}
+    )
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        default="group",
+        metadata={
+            "help": "advantages over the group's reward deviation (group), the batch's (batch), or unscaled (none)"
+        },
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = field(
+        default="dapo",
+        metadata={
+            "help": "grpo: each completion's mean then their mean; dapo: the mean over every completion token; dr_grpo: over completions x max_completion_length"
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "completions cut at the length limit are left out of the loss"}
+    )
+    eval_prompts: int = field(
+        default=64, metadata={"resumable": True, "help": "held-out prompts answered (greedy) at each evaluation"}
+    )
+    generate_batch: int = field(
+        default=64, metadata={"resumable": True, "help": "rows generated together at an evaluation"}
+    )
+    show: int = field(default=2, metadata={"resumable": True, "help": "completions printed at each evaluation"})
 
     def __post_init__(self):
         require(

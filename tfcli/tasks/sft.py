@@ -37,7 +37,7 @@ from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import with_perplexity
 from ..plugin import EvalOptions, Job, Plugin
-from ..recipe import PATH, require
+from ..recipe import require
 from . import answers
 from .presets import presets_of
 from .reply_batches import reply_format
@@ -47,24 +47,46 @@ from .reply_batches import reply_format
 class SFTConfig:
     """The `sft:` recipe section. Fields left empty come from the preset, then the defaults."""
 
-    preset: str = ""  # gsm8k: GSM8K's fields, splits and scoring
-    format: Literal["auto", "prompt", "messages", "text"] = "auto"  # auto: by the fields each row has
-    prompt_field: str = ""  # the column holding the prompt ("": the preset's, else prompt)
-    response_field: str = ""  # the column holding the reply ("": the preset's, else completion)
-    messages_field: str = "messages"
-    text_field: str = "text"
-    system: str = ""  # a system message before every prompt/reply row
-    # a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none ("": the model's
-    # own, none when it has none)
-    chat_template: str = field(default="", metadata=PATH)
-    # which tokens are learned: assistant (every reply), all (every token), last (the last reply)
-    train_on: Literal["assistant", "all", "last"] = "assistant"
-    pack: bool = False  # several examples per row, each attending only to itself
-    metric: Literal["", "exact", "contains", "final-number"] = ""  # "" = the preset's, else exact
-    max_new_tokens: int = 256  # generated replies (eval sft and the final report)
-    temperature: float = 0.0  # 0: greedy
-    generate_limit: int = 50  # the final report generates replies for the first N held-out examples
-    generate_batch: int = 32  # replies generated together (decoding reads every weight once per step for all)
+    preset: str = field(default="", metadata={"help": "gsm8k: GSM8K's fields, splits and scoring"})
+    format: Literal["auto", "prompt", "messages", "text"] = field(
+        default="auto", metadata={"help": "auto: by the fields each row has"}
+    )
+    prompt_field: str = field(
+        default="", metadata={"help": 'the column holding the prompt ("": the preset\'s, else prompt)'}
+    )
+    response_field: str = field(
+        default="", metadata={"help": 'the column holding the reply ("": the preset\'s, else completion)'}
+    )
+    messages_field: str = field(
+        default="messages", metadata={"help": "the column holding a conversation (a list of role/content messages)"}
+    )
+    text_field: str = field(default="text", metadata={"help": "the column holding plain text (every token trained)"})
+    system: str = field(default="", metadata={"help": "a system message before every prompt/reply row"})
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": 'a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none ("": the model\'s own, none when it has none)',
+            "path": "path",
+        },
+    )
+    train_on: Literal["assistant", "all", "last"] = field(
+        default="assistant",
+        metadata={
+            "help": "which tokens are learned: assistant (every reply), all (every token), last (the last reply)"
+        },
+    )
+    pack: bool = field(default=False, metadata={"help": "several examples per row, each attending only to itself"})
+    metric: Literal["", "exact", "contains", "final-number"] = field(
+        default="", metadata={"help": '"" = the preset\'s, else exact'}
+    )
+    max_new_tokens: int = field(default=256, metadata={"help": "generated replies (eval sft and the final report)"})
+    temperature: float = field(default=0.0, metadata={"help": "0: greedy"})
+    generate_limit: int = field(
+        default=50, metadata={"help": "the final report generates replies for the first N held-out examples"}
+    )
+    generate_batch: int = field(
+        default=32, metadata={"help": "replies generated together (decoding reads every weight once per step for all)"}
+    )
 
     def __post_init__(self):
         require(
