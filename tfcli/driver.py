@@ -118,6 +118,8 @@ def nothing_held_out(plugin: Plugin) -> str:
 def started(req: RunRequest) -> Runtime:
     """The run's runtime, the display set for it, and the recipe's precision resolved on its device."""
     rt = runtime_for(req)
+    if rt.device.type == "cpu":  # before anything is read: reading a model leaves the heap it grew
+        memory.follow_the_plan(limited=False)
     display.configure(rt.is_main and not req.quiet)
     req.recipe = recipe_with(req.recipe, "train", precision=resolve_precision(req.recipe.train.precision, rt.device))
     return rt
