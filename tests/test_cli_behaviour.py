@@ -42,13 +42,13 @@ def test_each_method_reads_its_own_defaults_and_the_command_line_wins(tmp_path):
     from tfcli import recipe as recipes
 
     lora = recipes.load("mnli-minilm", {"finetune.train": "lora"})
-    assert lora.optim.lr == 1e-3 and lora.finetune.pooling == "mean"
+    assert lora.optim.lr == 1e-3 and lora.settings.pooling == "mean"
     assert set(lora.adapter.targets) >= {"q", "k", "v", "o", "up", "down"}
     assert recipes.load("mnli-minilm", {"finetune.train": "lora", "optim.lr": 5e-4}).optim.lr == 5e-4
     assert recipes.load("mnli-minilm", {"finetune.train": "bitfit"}).optim.lr == 1e-2
     full = recipes.load("mnli-minilm")
-    assert full.optim.lr == 1e-4 and full.finetune.pooling == "cls" and full.adapter.targets == ("q", "v")
-    assert recipes.load("mnli-gpt-mini", {"finetune.train": "lora"}).finetune.pooling == "auto"  # a GPT's own
+    assert full.optim.lr == 1e-4 and full.settings.pooling == "cls" and full.adapter.targets == ("q", "v")
+    assert recipes.load("mnli-gpt-mini", {"finetune.train": "lora"}).settings.pooling == "auto"  # a GPT's own
     recipes.save(lora, tmp_path / "config.yaml")  # a run's recipe: applied, without the table
     assert "methods" not in (tmp_path / "config.yaml").read_text()
     assert recipes.load(str(tmp_path / "config.yaml"), {"finetune.train": "lora"}).optim.lr == 1e-3
@@ -79,8 +79,8 @@ def test_train_head_on_a_decoder_trains_a_classifier_on_its_frozen_features(tmp_
     )
     assert result.exit_code == 0, result.output
     assert "--train head on a gpt: a classifier on its frozen last-layer features" in " ".join(result.output.split())
-    saved = yaml.safe_load((tmp_path / "probe" / "config.yaml").read_text())["finetune"]
-    assert saved["head"] == "classifier" and saved["train"] == "head"
+    saved = yaml.safe_load((tmp_path / "probe" / "config.yaml").read_text())
+    assert saved["classify"]["head"] == "classifier" and saved["finetune"]["train"] == "head"
     parameters = json.loads((tmp_path / "probe" / "run.json").read_text())["parameters"]
     assert parameters["trained"] == 3 * 32 + 3  # the classifier alone
 

@@ -207,7 +207,7 @@ def test_a_decoder_grid_prompts_and_trains_a_head_on_adapters(mnli_dir, tmp_path
     assert prompt["scored"] == lora["scored"] == "8"  # the same balanced 4 of each of the 2 splits
     assert all(float(r["cpu_s"]) > 0 and float(r["peak_mem_mb"]) > 100 for r in (prompt, lora))
     config = yaml.safe_load((out / "cells" / lora["cell"] / "config.yaml").read_text())
-    assert (config["finetune"]["head"], config["finetune"]["pooling"], config["finetune"]["train"]) == (
+    assert (config["classify"]["head"], config["classify"]["pooling"], config["finetune"]["train"]) == (
         "classifier",
         "mean",
         "lora",

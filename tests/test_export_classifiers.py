@@ -115,7 +115,7 @@ def test_a_classifier_export_loads_with_its_logits_or_is_refused(family, pooling
     with torch.no_grad():
         ours = head(features(model, batch, pooling))
     backbone = Backbone(model, tok, heads={f"classifier.{k}": v for k, v in head.state_dict().items()}, labels=LABELS)
-    recipe = SimpleNamespace(finetune=SimpleNamespace(pooling=pooling), settings=None)
+    recipe = SimpleNamespace(finetune=SimpleNamespace(), settings=SimpleNamespace(pooling=pooling))
     out = tmp_path / "hf"
     exportable = (family, pooling) in {
         ("bert", "cls"),

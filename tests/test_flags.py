@@ -52,7 +52,7 @@ def test_a_flag_reaches_its_field_and_a_tasks_flag_belongs_to_that_task(tmp_path
     result = invoke("finetune", "sft", "--text-fields", "a", "--data", "x.jsonl")
     assert result.exit_code == 2 and "--text-fields is an option of finetune classify (this is sft)" in result.output
     result = invoke("finetune", "mnli", "--layer", "-5", "--out", tmp_path / "r")
-    assert result.exit_code == 2 and "finetune.layer" in result.output and not (tmp_path / "r").exists()
+    assert result.exit_code == 2 and "classify.layer" in result.output and not (tmp_path / "r").exists()
 
 
 def test_an_unknown_field_is_refused_when_the_command_is_built():

@@ -137,7 +137,7 @@ def test_parameters_that_never_get_a_gradient_do_not_stop_a_resume(hf_bert, mnli
             "--batch-size",
             4,
             "--set",
-            "finetune.layer=1",
+            "classify.layer=1",
             "--set",
             "finetune.eval_limit=4",
         ],

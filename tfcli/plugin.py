@@ -99,6 +99,10 @@ class Job:
     reuse: int = 1
     # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
     plan_batch: Callable[[Batch], Batch] | None = None
+    head_lr: float = 0.0  # the heads' learning rate (a classifier's head_lr; 0: optim.lr)
+    blocks_read: int = (
+        1  # the deepest block the loss reads features of, counted from the top (the memory plan's probes keep it)
+    )
     # whether the task has held-out examples to evaluate on; False (every held-out row skipped): the
     # driver says so before step 1, and the run keeps no best checkpoint and writes no final report
     held_out: bool = True

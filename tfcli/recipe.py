@@ -358,19 +358,6 @@ class FinetuneConfig:
             "help": "what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit"
         },
     )
-    head: Literal["auto", "classifier", "text"] = field(
-        default="auto",
-        metadata={
-            "help": "classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on encoders, the label word as text on T5 and GPT"
-        },
-    )
-    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = (
-        field(
-            default="auto",
-            metadata={"help": "the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)"},
-        )
-    )
-    head_lr: float = field(default=0.0, metadata={"help": "learning rate of the head (0: optim.lr)"})
     epochs: float = field(
         default=0.0,
         metadata={
@@ -393,14 +380,9 @@ class FinetuneConfig:
         default=0,
         metadata={"help": "the final report (eval.json) on a balanced sample of N examples of each split (0 = all)"},
     )
-    layer: int = field(
-        default=-1,
-        metadata={"help": "the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)"},
-    )
 
     def __post_init__(self):
-        require(self.layer >= -1, "finetune.layer", ">= -1 (-1: the last block)", self.layer)
-        for name in ("head_lr", "epochs", "limit", "eval_limit", "report_limit"):
+        for name in ("epochs", "limit", "eval_limit", "report_limit"):
             require(getattr(self, name) >= 0, f"finetune.{name}", ">= 0", getattr(self, name))
         require(0 <= self.warmup_fraction < 1, "finetune.warmup_fraction", "in [0, 1)", self.warmup_fraction)
 
@@ -569,15 +551,49 @@ def _anchor(part: str, base: Path) -> str:
 def from_dict(raw: dict, overrides: dict[str, Any] | None = None) -> Recipe:
     """A recipe from plain data with dotted-path overrides; relative paths that exist from the working
     directory are made absolute (a run records where its files are, and is read from anywhere)."""
-    raw = _deepcopy(raw)
+    raw = _head_fields_moved(_deepcopy(raw))
+    task = raw.get("task") if isinstance(raw.get("task"), str) else ""
     for key, value in (overrides or {}).items():
-        _set_path(raw, key, value)
-    for key, value in method_defaults(raw, set(overrides or {})).items():
+        _set_path(raw, _moved_path(key, task), value)
+    for key, value in method_defaults(raw, {_moved_path(k, task) for k in overrides or {}}).items():
         _set_path(raw, key, value)
     return _build_recipe(_anchor_paths(raw, Path.cwd()))
 
 
 METHODS = typing.get_args(typing.get_type_hints(FinetuneConfig)["train"])  # adapters.METHODS' names
+
+
+HEAD_FIELDS = ("head", "pooling", "head_lr", "layer")  # finetune.* before 0.3; now the classification tasks'
+
+
+def _moved_path(path: str, task: str) -> str:
+    """finetune.pooling (a recipe, an override or a methods entry of before 0.3) -> <task>.pooling."""
+    section, _, name = path.partition(".")
+    return f"{task}.{name}" if task and section == "finetune" and name in HEAD_FIELDS else path
+
+
+def _head_fields_moved(raw: dict) -> dict:
+    """A task recipe's classifier settings, which finetune: held before 0.3, moved to the task's section
+    (classify, image-classify); a generative task's are dropped when they are the defaults it ignored."""
+    task, ft = raw.get("task"), raw.get("finetune")
+    if not isinstance(task, str) or not isinstance(ft, dict):
+        return raw
+    moved = {k: ft.pop(k) for k in HEAD_FIELDS if k in ft}
+    config = registry.plugin_class("task", task).Config if task in registry.TASKS else None
+    fields = {f.name for f in dataclasses.fields(config)} if config else set()
+    defaults = {"head": "auto", "pooling": "auto", "head_lr": 0.0, "layer": -1}
+    for name, value in moved.items():
+        if name in fields:
+            raw.setdefault(task, {}).setdefault(name, value)
+        elif value != defaults[name]:
+            raise RecipeError(f"finetune.{name}: {task} has no classifier head (it is a setting of classify)")
+    table = raw.get("methods", raw.get("strategies"))
+    if isinstance(table, dict):
+        for entry in table.values():
+            if isinstance(entry, dict):
+                for key in [k for k in entry if _moved_path(k, task) != k]:
+                    entry[_moved_path(key, task)] = entry.pop(key)
+    return raw
 
 
 def method_defaults(raw: dict, overridden: set[str]) -> dict[str, Any]:

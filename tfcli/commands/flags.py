@@ -67,8 +67,8 @@ def _class(tree: ast.Module, name: str) -> ast.ClassDef:
     return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
 
 
-def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
-    """(the module's source lines, the dataclass) of a recipe section or a plug-in's Config."""
+def _section_class(section: str) -> tuple[str, ast.ClassDef]:
+    """(its module, the dataclass) of a recipe section or a plug-in's Config."""
     if section in RECIPE_SECTIONS:
         module, name = "tfcli.recipe", RECIPE_SECTIONS[section]
     else:
@@ -80,16 +80,38 @@ def _section_class(section: str) -> tuple[list[str], ast.ClassDef]:
             if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "Config"
         )
         name = config.value.id
-    path = _path(module)
-    return path.read_text().splitlines(), _class(ast.parse(path.read_text()), name)
+    return module, _class(_source(module), name)
+
+
+def _fields(module: str, cls: ast.ClassDef) -> list[ast.AnnAssign]:
+    """A dataclass's fields as written, its bases' first (followed through the module's imports: the
+    classify section extends the classification tasks' HeadSettings)."""
+    tree, out = _source(module), []
+    imported = {
+        alias.asname or alias.name: _resolve(module, node)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level
+        for alias in node.names
+    }
+    for base in cls.bases:
+        name = getattr(base, "id", "")
+        where = module if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body) else imported.get(name)
+        if where:
+            out += _fields(where, _class(_source(where), name))
+    return out + [n for n in cls.body if isinstance(n, ast.AnnAssign)]
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The module a relative `from ... import` in `module` names."""
+    package = module.split(".")[: -node.level]
+    return ".".join(package + ([node.module] if node.module else []))
 
 
 @functools.cache
 def field(path: str) -> Field:
     """A recipe field's type and its help, from `field(..., metadata={"help": ...})` in its dataclass."""
     section, name = path.split(".")
-    _, cls = _section_class(section)
-    node = next((n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id == name), None)
+    node = next((n for n in _fields(*_section_class(section)) if n.target.id == name), None)
     if node is None:
         raise KeyError(f"{path}: no such recipe field")
     return Field(path, ast.unparse(node.annotation), _help(node))
@@ -113,10 +135,10 @@ def tasks_with(name: str) -> list[str]:
     out = []
     for task in registry.TASKS:
         try:
-            _, cls = _section_class(task)
+            fields = _fields(*_section_class(task))
         except StopIteration:  # a task without a Config
             continue
-        if any(isinstance(n, ast.AnnAssign) and n.target.id == name for n in cls.body):
+        if any(n.target.id == name for n in fields):
             out.append(task)
     return out
 

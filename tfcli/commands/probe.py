@@ -156,8 +156,8 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
         )
     overrides = {
         **{f"{key}.{k}": v for k, v in settings.items()},
-        "finetune.head": "classifier",
-        "finetune.pooling": {"mean": "mean", "last": "last", "cls": "cls"}.get(req.pooling, req.pooling),
+        f"{key}.head": "classifier",
+        f"{key}.pooling": {"mean": "mean", "last": "last", "cls": "cls"}.get(req.pooling, req.pooling),
         **req.sets,
     }
     plugin = make_plugin("task", key, rt, quiet=True)

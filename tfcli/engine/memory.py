@@ -602,10 +602,10 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
                     make_trained=make_trained,
                     frozen=job.frozen,
                     batch=(job.plan_batch or (lambda b: b))(first_batch(job.train, rows, t.seed, length, rt.device)),
-                    optimizer=lambda m: build_optimizer(m, recipe),
+                    optimizer=lambda m: build_optimizer(m, recipe, job.head_lr),
                     device=rt.device,
                     autocast=lambda: autocast_context(t.precision, rt.device),
-                    min_blocks=blocks_read(ft),
+                    min_blocks=job.blocks_read,
                 )
                 cache[ckpt, rows] = plan_step(step, ckpt)
             return cache[ckpt, rows]
@@ -632,13 +632,6 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
         )
 
     return plans, capacity
-
-
-def blocks_read(ft) -> int:
-    """The blocks a finetuning run's features need (finetune.layer, the last-four poolings)."""
-    if ft is None:
-        return 1
-    return max(1, ft.layer, 4 if ft.pooling.startswith("last4") else 1)
 
 
 def limit_of(setting: str, capacity: float) -> float:

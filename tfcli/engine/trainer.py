@@ -59,11 +59,11 @@ def decay_groups(module: nn.Module, weight_decay: float, lr: float) -> list[dict
     ]
 
 
-def build_optimizer(module: ObjectiveModule, recipe) -> torch.optim.Optimizer:
+def build_optimizer(module: ObjectiveModule, recipe, head_lr: float = 0.0) -> torch.optim.Optimizer:
     """AdamW (optim.name: fused, or torchao's 8/4-bit) over what trains (adapters.apply froze the rest),
-    weight decay on matrices only; a task's head at finetune.head_lr (0: optim.lr)."""
-    o, ft = recipe.optim, recipe.finetune
-    head_lr = ft.head_lr if ft is not None and ft.head_lr > 0 else o.lr
+    weight decay on matrices only; a task's head at its own rate (Job.head_lr; 0: optim.lr)."""
+    o = recipe.optim
+    head_lr = head_lr or o.lr
     groups = decay_groups(module.heads, o.weight_decay, head_lr) + decay_groups(module.model, o.weight_decay, o.lr)
     return optimizers.build([g for g in groups if g["params"]], o)
 
@@ -120,7 +120,7 @@ class Trainer:
         prepare_frozen(job.frozen, rt)
         if recipe.optim.name != "adamw" and rt.strategy.sharded:
             optimizers.for_unequal_shares(module, rt.world_size)
-        self.opt = build_optimizer(module, recipe)
+        self.opt = build_optimizer(module, recipe, job.head_lr)
         self.forward = compiled(self.wrapped, self.tc.compile, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_multiplier(s, recipe.schedule, self.tc.steps, recipe.optim.lr)

@@ -114,7 +114,7 @@ def export(backbone, recipe) -> Export:
         config.update(
             num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)}
         )
-        pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "cls"
+        pooling = getattr(recipe.settings if recipe is not None else None, "pooling", "cls")
         if pooling == "mean":
             return _sentence_transformers(backbone, config_to_hf(cfg), labels)
         if pooling not in ("cls", "auto"):

@@ -106,7 +106,7 @@ def _sequence_classifier(backbone, recipe, config: dict, pad: int):
     W d = b (least squares; exact while the labels are fewer than the width), so the logits match."""
     import torch
 
-    pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "last"
+    pooling = getattr(recipe.settings if recipe is not None else None, "pooling", "last")
     if pooling not in ("last", "auto"):
         refuse_classifier("gpt", pooling, "finetune with --pooling last (GPT2ForSequenceClassification) to export")
     w, b = backbone.heads["classifier.weight"].float(), backbone.heads["classifier.bias"].float()  # (n, D), (n,)

@@ -192,7 +192,7 @@ def export(backbone, recipe) -> Export:
     if "classifier.weight" in backbone.heads:
         refuse_classifier(
             "llama",
-            recipe.finetune.pooling if recipe is not None and recipe.finetune else "last",
+            getattr(recipe.settings if recipe is not None else None, "pooling", "last"),
             "transformers' LlamaForSequenceClassification scores without a bias, which tfcli's "
             "classifier has; finetune with --head text to export a causal LM",
         )

@@ -129,7 +129,7 @@ def export(backbone, recipe) -> Export:
     """T5ForConditionalGeneration: a pretrained or text-to-text run (a classifier on T5 features has no
     transformers class: T5ForSequenceClassification pools the decoder's end-of-text through a dense layer)."""
     if "classifier.weight" in backbone.heads:
-        pooling = recipe.finetune.pooling if recipe is not None and recipe.finetune is not None else "encoder-mean"
+        pooling = getattr(recipe.settings if recipe is not None else None, "pooling", "encoder-mean")
         refuse_classifier("t5", pooling, "finetune with --head text (T5ForConditionalGeneration) to export")
     tok = backbone.tokenizer
     if tok is None:  # a model without its tokenizer: T5's own ids

@@ -164,7 +164,7 @@ def export(backbone, recipe) -> Export:
     if "classifier.weight" in heads:
         labels = list(backbone.labels) or [str(i) for i in range(heads["classifier.weight"].shape[0])]
         label_maps = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
-        if recipe is not None and recipe.finetune is not None and recipe.finetune.pooling == "mean":
+        if getattr(recipe.settings if recipe is not None else None, "pooling", "") == "mean":
             return _dinov2(backbone, recipe, label_maps)
         config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **_common(cfg), **label_maps}
     else:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -24,7 +24,42 @@ from ..engine.runtime import autocast_context, to_device
 from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..plugin import Batch, EvalOptions, Job, Plugin
+from ..recipe import require
 from .classification_report import metrics, tables
+
+
+def blocks_read(head: HeadSettings) -> int:
+    """The blocks a classifier's features need (its layer, the last-four poolings): what the memory
+    plan's probes keep."""
+    return max(1, head.layer, 4 if head.pooling.startswith("last4") else 1)
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """How a classification task's head reads the model and trains (the classify and image-classify
+    sections extend it); the generative tasks have no head, so their sections do not."""
+
+    head: Literal["auto", "classifier", "text"] = field(
+        default="auto",
+        metadata={
+            "help": "classifier: on pooled features, or text: the label word as text (T5, GPT); auto: a classifier on encoders, the label word as text on T5 and GPT"
+        },
+    )
+    pooling: Literal["auto", "cls", "mean", "last", "last4-sum", "last4-concat", "encoder-mean", "decoder-first"] = (
+        field(
+            default="auto",
+            metadata={"help": "the features a classifier reads; auto: cls (BERT, ViT), last (GPT), encoder-mean (T5)"},
+        )
+    )
+    head_lr: float = field(default=0.0, metadata={"help": "learning rate of the head (0: optim.lr)"})
+    layer: int = field(
+        default=-1,
+        metadata={"help": "the depth a classifier reads: -1 the last block; n the n-th block (0: the embeddings)"},
+    )
+
+    def __post_init__(self):
+        require(self.layer >= -1, "layer", ">= -1 (-1: the last block)", self.layer)
+        require(self.head_lr >= 0, "head_lr", ">= 0", self.head_lr)
 
 
 @dataclass
@@ -144,6 +179,8 @@ class ClassificationTask(Plugin):
             labels=data.labels,
             files=head.files,
             unread=head.unread(backbone.model),
+            head_lr=recipe.settings.head_lr,
+            blocks_read=blocks_read(recipe.settings),
         )
 
     def score(self, recipe, backbone, options: EvalOptions) -> dict[str, dict]:

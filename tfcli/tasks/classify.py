@@ -27,7 +27,7 @@ from ..models.bert import build_heads, special_ids
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
 from . import cloze, prompts
-from .classification import ClassificationTask, Head, TaskData, with_data
+from .classification import ClassificationTask, Head, HeadSettings, TaskData, with_data
 from .cloze import ClozeHead
 from .heads import ClassifierHead, ExampleSource, check_pooling, resolve_pooling
 from .presets import presets_of
@@ -35,8 +35,9 @@ from .text_to_text import T5_PROMPT_TOKENS, TextHead, fit_input
 
 
 @dataclass(frozen=True)
-class ClassifyConfig:
-    """The `classify:` recipe section. Fields left empty come from the preset."""
+class ClassifyConfig(HeadSettings):
+    """The `classify:` recipe section: the head's settings, and the data's. Fields left empty come from
+    the preset."""
 
     preset: str = field(default="", metadata={"help": 'e.g. "mnli": its data source, text fields and labels'})
     text_fields: tuple[str, ...] = field(
@@ -59,6 +60,7 @@ class ClassifyConfig:
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if self.preset and self.preset not in presets_of("classify"):
             raise ValueError(
                 f"classify.preset: unknown preset {self.preset!r} (known: {', '.join(sorted(presets_of('classify')))})"
@@ -104,9 +106,9 @@ def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int
 
 
 def reads_as(recipe, backbone) -> str:
-    """classifier or text: finetune.head, where auto is a classifier for a text encoder (BERT) and text
+    """classifier or text: classify.head, where auto is a classifier for a text encoder (BERT) and text
     for the models that generate (decoders, encoder-decoders)."""
-    head = (recipe.finetune or FinetuneConfig()).head
+    head = recipe.settings.head
     encoder = backbone.model.kind == kinds.TEXT_ENCODER
     if head == "auto":
         return "classifier" if encoder else "text"
@@ -182,19 +184,19 @@ class Classify(ClassificationTask):
         """`--train head` on a model that reads the task as text means a classifier on its frozen
         last-layer features (there is no head to train alone in text-to-text), with the family's pooling."""
         recipe = super().resolve(recipe, backbone)
-        ft = recipe.finetune
+        ft, cfg = recipe.finetune, recipe.settings
         if (
             ft is not None
             and not method(ft.train).backbone_trains
-            and ft.head == "auto"
+            and cfg.head == "auto"
             and reads_as(recipe, backbone) == "text"
         ):
             if self.rt.is_main and not self.quiet:
                 console.print(
                     f"[yellow]note:[/] --train head on a {backbone.family}: a classifier on its frozen "
-                    f"last-layer features (finetune.head classifier, pooling {ft.pooling})"
+                    f"last-layer features (classify.head classifier, pooling {cfg.pooling})"
                 )
-            recipe = replace(recipe, finetune=replace(ft, head="classifier"))
+            recipe = replace(recipe, settings=replace(cfg, head="classifier"))
         return recipe
 
     def tokenizer_texts(self, recipe) -> Iterator[str]:
@@ -242,12 +244,12 @@ class Classify(ClassificationTask):
         if options is not None and options.cloze:
             self.cloze_family(backbone)
             return
-        ft = recipe.finetune or FinetuneConfig()
+        ft, cfg = recipe.finetune or FinetuneConfig(), recipe.settings
         if reads_as(recipe, backbone) == "classifier":
-            check_pooling(backbone.cfg, resolve_pooling(backbone.family, ft.pooling))
-        elif not method(ft.train).backbone_trains or ft.pooling != "auto" or ft.head_lr:
+            check_pooling(backbone.cfg, resolve_pooling(backbone.family, cfg.pooling))
+        elif not method(ft.train).backbone_trains or cfg.pooling != "auto" or cfg.head_lr:
             raise UserError(
-                f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (finetune.head "
+                f"the {backbone.family} reads {text_spec(recipe.settings).name} as text (classify.head "
                 f"text): there is no head to pool for or train alone; use --head classifier, or --train "
                 f"all, lora, ia3 or bitfit"
             )
@@ -286,9 +288,9 @@ class Classify(ClassificationTask):
 
         sample = encode_rows(data.train[:2000]) if data.train else []
         mean_len = float(np.mean([len(e[0]) for e in sample])) if sample else float(max_length)
-        ft = recipe.finetune or FinetuneConfig()
+        head = recipe.settings
         return ClassifierHead(
-            cfg, ft.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout, layer=ft.layer
+            cfg, head.pooling, len(data.labels), make_source, mean_len, dropout=cfg.dropout, layer=head.layer
         )
 
     def cloze(self, recipe, backbone, data: TaskData) -> ClozeHead:

@@ -201,7 +201,7 @@ class DPO(Plugin):
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains:
             raise UserError(
                 "dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)"
             )

@@ -609,7 +609,7 @@ class GRPO(Plugin):
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains:
             raise UserError(
                 "grpo trains the model's completions: there is no classifier head (--train all, lora, qlora, ia3 or bitfit)"
             )

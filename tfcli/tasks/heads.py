@@ -47,7 +47,7 @@ def features(model: nn.Module, batch: Batch, pooling: str, layer: int = -1) -> T
         return model.features(batch, pooling)
     layers = model.layer_features(batch, pooling)
     if layer >= len(layers):
-        raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {len(layers) - 1}")
+        raise UserError(f"--layer {layer}: this model has depths 0 (the embeddings) to {len(layers) - 1}")
     return layers[layer]
 
 
@@ -89,7 +89,7 @@ class ClassifierHead(Head):
         pooling = resolve_pooling(cfg.family, pooling)
         check_pooling(cfg, pooling)
         if layer > cfg.n_layer:
-            raise UserError(f"finetune.layer {layer}: this model has depths 0 (the embeddings) to {cfg.n_layer}")
+            raise UserError(f"--layer {layer}: this model has depths 0 (the embeddings) to {cfg.n_layer}")
         self.item_name, self.layer = item_name, layer
         self.pooling, self.dropout, self.make_source, self.tokens_per_item = (
             pooling,

@@ -6,7 +6,7 @@ fresh initialisation (the baseline a probe on a pretrained encoder must beat).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..adapters import method
@@ -18,15 +18,24 @@ from ..errors import UserError
 from ..models import kinds
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
-from .classification import ClassificationTask, TaskData
+from .classification import ClassificationTask, HeadSettings, TaskData
 from .heads import ClassifierHead
+
+
+@dataclass(frozen=True)
+class ImageClassifyConfig(ImageConfig, HeadSettings):
+    """The `image-classify:` recipe section: how images become pixels, and the head's settings."""
+
+    def __post_init__(self):
+        ImageConfig.__post_init__(self)
+        HeadSettings.__post_init__(self)
 
 
 class ImageClassify(ClassificationTask):
     key = "image-classify"
     model_kinds = (kinds.VISION_ENCODER, kinds.DECODER)  # a decoder: an ImageGPT run, reading colours
     recipe_pattern = "{family}-tiny-image-classify"
-    Config = ImageConfig
+    Config = ImageClassifyConfig
     describe = "image classification"
 
     def load(
@@ -69,27 +78,27 @@ class ImageClassify(ClassificationTask):
         return images.take(balanced_sample(images.labels, n, seed))
 
     def head(self, recipe, backbone, data: TaskData, options: EvalOptions | None = None) -> ClassifierHead:
-        cfg, settings, ft = backbone.cfg, recipe.settings, recipe.finetune or FinetuneConfig()
+        cfg, settings = backbone.cfg, recipe.settings
         if backbone.model.kind == kinds.DECODER:
-            return self.colour_head(backbone, data, ft)
+            return self.colour_head(backbone, data, settings)
 
         def make_source(images: ImageSet, train: bool) -> ImageSource:
             return ImageSource(images, ImageTransform.from_config(settings, cfg.image_size, train))
 
         return ClassifierHead(
             cfg,
-            ft.pooling,
+            settings.pooling,
             len(data.labels),
             make_source,
             cfg.n_patches + 1,
             init_std=0.01,
             item_name="img",
-            layer=ft.layer,
+            layer=settings.layer,
         )
 
-    def colour_head(self, backbone, data: TaskData, ft: FinetuneConfig) -> ClassifierHead:
+    def colour_head(self, backbone, data: TaskData, settings: HeadSettings) -> ClassifierHead:
         """An ImageGPT run's classifier: the images in the run's palette, features average-pooled from
-        finetune.layer (the paper's best features sit in the middle layers)."""
+        image-classify.layer (the paper's best features sit in the middle layers)."""
         from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
         from ..engine.checkpoint import run_dir_of
 
@@ -103,13 +112,13 @@ class ImageClassify(ClassificationTask):
 
         head = ClassifierHead(
             backbone.cfg,
-            ft.pooling,
+            settings.pooling,
             len(data.labels),
             make_source,
             side * side + 1,
             init_std=0.01,
             item_name="img",
-            layer=ft.layer,
+            layer=settings.layer,
         )
         head.files = palette_file(palette, side)  # the classifier's run reads its images the same way
         return head
@@ -118,10 +127,10 @@ class ImageClassify(ClassificationTask):
         """The encoder's own shape, and a pretrained run's normalisation (its pixels' statistics)."""
         recipe = super().resolve(recipe, backbone)
         pretrained = backbone.recipe.settings if backbone.recipe is not None else None
-        if isinstance(pretrained, ImageConfig):
+        if isinstance(pretrained, ImageConfig):  # an MAE run's section (or an image classifier's)
             recipe = replace(recipe, settings=replace(recipe.settings, mean=pretrained.mean, std=pretrained.std))
         return recipe
 
     def title(self, recipe, backbone) -> str:
-        ft = recipe.finetune
-        return f"image classification ({'linear probe' if not method(ft.train).backbone_trains else 'full finetuning'}, {ft.pooling} pooling)"
+        probe = not method(recipe.finetune.train).backbone_trains
+        return f"image classification ({'linear probe' if probe else 'full finetuning'}, {recipe.settings.pooling} pooling)"

@@ -152,7 +152,7 @@ class SFT(Plugin):
     def check(self, recipe, backbone) -> None:
         """What SFT cannot do, refused before the data is read."""
         ft, cfg = recipe.finetune, recipe.settings
-        if not method(ft.train).backbone_trains or ft.head == "classifier" or ft.pooling != "auto":
+        if not method(ft.train).backbone_trains:
             raise UserError(
                 "sft trains the model to write replies: there is no classifier head or pooling "
                 "(--train all, lora, ia3 or bitfit)"
