@@ -361,11 +361,11 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
     cases = [
         (
             ["--data", write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q", "good": "x", "rejected": "y"}] * 4)],
-            "no usable pair (3 no 'chosen')",
+            "no usable pairs (3 no 'chosen')",
         ),
         (
             ["--data", write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "x"}] * 4)],
-            "no usable pair (3 identical replies)",
+            "no usable pairs (3 identical replies)",
         ),
         (["--data", good, "--set", "dpo.beta=0"], "dpo.beta must be > 0"),
         (["--data", good, "--train", "all", "--set", "dpo.reference=base"], "dpo.reference base"),

@@ -424,4 +424,4 @@ def test_a_reward_that_fails_on_the_first_rows_stops_before_training(tmp_path, c
 
 def test_eval_names_the_settings_it_takes(chat_model):
     result = invoke("eval", "grpo", "--checkpoint", chat_model, "--set", "data.seq_len=128")
-    assert result.exit_code == 2 and "grpo.<field> with a field of reward, preset" in result.output, result.output
+    assert result.exit_code == 2 and "grpo.<field> with a field of preset, prompt_field" in result.output, result.output

@@ -91,23 +91,34 @@ class Job:
     # parameters of the model the loss never reads (a BERT pooler that mean pooling does not call): the
     # driver freezes them, so that no strategy trains, counts or expects optimizer state for them
     unread: tuple = ()
-    # on-policy training (GRPO): rollout(module, batches) -> (batches, metrics) turns one step's drawn
-    # batches (prompts) into what the loss reads (sampled completions, their rewards and advantages),
-    # with the model as it is now and without gradients; the same rollouts train `reuse` steps in a row
-    # (a checkpoint between them keeps them, so a resumed run trains on the same ones)
-    rollout: Callable[[nn.Module, list], tuple[list, dict[str, Tensor]]] | None = None
-    reuse: int = 1
-    # what the memory plan runs the loss on in place of a drawn batch (a rollout's shapes, nothing sampled)
+    # what the memory plan runs the loss on in place of a drawn batch (a rollout's, DPO's longest pair)
     plan_batch: Callable[[Batch], Batch] | None = None
     head_lr: float = 0.0  # the heads' learning rate (a classifier's head_lr; 0: optim.lr)
-    blocks_read: int = (
-        1  # the deepest block the loss reads features of, counted from the top (the memory plan's probes keep it)
-    )
+    # the deepest block the loss reads features of (a classifier's layer): the memory plan's probes keep it
+    blocks_read: int = 1
     # whether the task has held-out examples to evaluate on; False (every held-out row skipped): the
     # driver says so before step 1, and the run keeps no best checkpoint and writes no final report
     held_out: bool = True
-    curve: str = "loss"  # the metric the run's curves.png draws (GRPO: its reward, sampled and held-out)
-    shown: tuple[str, ...] = ()  # the task's metrics its log line shows (empty: all); metrics.jsonl keeps every one
+    online: OnPolicy | None = None  # a task that samples its own training data (GRPO)
+
+    @property
+    def curve(self) -> str:
+        """The metric the run's curves.png draws."""
+        return self.online.curve if self.online else "loss"
+
+
+@dataclass
+class OnPolicy:
+    """What a task that samples its own training data asks of the trainer (GRPO): `rollout(module,
+    batches) -> (batches, metrics)` turns one step's drawn batches (prompts) into what the loss reads
+    (sampled completions, their rewards and advantages), with the model as it is now and without
+    gradients; the same rollouts train `reuse` steps in a row (a checkpoint between them keeps them, so
+    a resumed run trains on the same ones)."""
+
+    rollout: Callable[[nn.Module, list], tuple[list, dict[str, Tensor]]]
+    reuse: int = 1
+    curve: str = "reward"  # the metric its curves.png draws (sampled and held-out)
+    shown: tuple[str, ...] = ()  # the metrics its log line shows (metrics.jsonl keeps every one)
 
 
 class Plugin:

@@ -380,13 +380,12 @@ def held_out_count(cell: Cell, grid: Grid, out: Path) -> int:
     held = held_out_file(cell, grid, out)
     if held is not None:
         return len(Path(held).read_text().splitlines())
+    from .. import registry
     from ..data.labelled import raw_splits
-    from ..tasks.sft import data_spec
 
     recipe = cell_recipe(cell, grid)
-    splits = raw_splits(
-        data_spec(recipe.settings), grid.data, "", recipe.data.val_fraction, recipe.train.seed, need_train=False
-    )
+    spec = registry.plugin_class("task", recipe.plugin).data_spec(recipe.settings)
+    splits = raw_splits(spec, grid.data, "", recipe.data.val_fraction, recipe.train.seed, need_train=False)
     return max((len(rows) for rows, *_ in list(splits.values())[1:]), default=0)
 
 

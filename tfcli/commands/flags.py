@@ -54,9 +54,10 @@ PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _path(module: str) -> Path:
-    """A tfcli module's source file, found without importing it (not even through importlib's find_spec,
-    which loads a module that cli.py made lazy)."""
-    return PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    """A tfcli module's source file (a package's __init__.py), found without importing it (not even
+    through importlib's find_spec, which loads a module that cli.py made lazy)."""
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def _source(module: str) -> ast.Module:
@@ -67,19 +68,31 @@ def _class(tree: ast.Module, name: str) -> ast.ClassDef:
     return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
 
 
+def _defining(module: str, name: str) -> str:
+    """The module that defines class `name` as `module` sees it: itself, or where it imports it from."""
+    tree = _source(module)
+    if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body):
+        return module
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level and any((a.asname or a.name) == name for a in node.names):
+            return _defining(_resolve(module, node), name)
+    raise StopIteration(f"{module} has no class {name}")
+
+
 def _section_class(section: str) -> tuple[str, ast.ClassDef]:
     """(its module, the dataclass) of a recipe section or a plug-in's Config."""
     if section in RECIPE_SECTIONS:
         module, name = "tfcli.recipe", RECIPE_SECTIONS[section]
     else:
         where, plugin = (registry.TASKS.get(section) or registry.OBJECTIVES[section]).split(":")
-        module = f"tfcli.{'tasks' if section in registry.TASKS else 'objectives'}.{where}"
+        module = _defining(f"tfcli.{'tasks' if section in registry.TASKS else 'objectives'}.{where}", plugin)
         config = next(
             n
             for n in _class(_source(module), plugin).body
             if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "Config"
         )
         name = config.value.id
+        module = _defining(module, name)
     return module, _class(_source(module), name)
 
 
@@ -102,8 +115,9 @@ def _fields(module: str, cls: ast.ClassDef) -> list[ast.AnnAssign]:
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
-    """The module a relative `from ... import` in `module` names."""
-    package = module.split(".")[: -node.level]
+    """The module a relative `from ... import` in `module` names (a package's __init__ is its own base)."""
+    parts = module.split(".")
+    package = parts[: len(parts) - node.level + (1 if _path(module).name == "__init__.py" else 0)]
     return ".".join(package + ([node.module] if node.module else []))
 
 
@@ -111,7 +125,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 def field(path: str) -> Field:
     """A recipe field's type and its help, from `field(..., metadata={"help": ...})` in its dataclass."""
     section, name = path.split(".")
-    node = next((n for n in _fields(*_section_class(section)) if n.target.id == name), None)
+    node = next((n for n in reversed(_fields(*_section_class(section))) if n.target.id == name), None)
     if node is None:
         raise KeyError(f"{path}: no such recipe field")
     return Field(path, ast.unparse(node.annotation), _help(node))

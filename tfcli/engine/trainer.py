@@ -128,7 +128,7 @@ class Trainer:
         self.sampler, self.batches = self._data(job, rt)
         self.micro_batches = self.tc.grad_accum * len(micro_slices(self.tc.batch_size, self.tc.micro_batch_size))
         self.step, self.best, self.skipped = 0, None, 0
-        self.rollouts: tuple[list, dict] | None = None  # on-policy batches and metrics, for job.reuse steps
+        self.rollouts: tuple[list, dict] | None = None  # on-policy batches and metrics, for job.online.reuse steps
         self.elapsed_before, self.started = (
             0.0,
             time.perf_counter(),
@@ -280,14 +280,14 @@ class Trainer:
 
     def _step_batches(self) -> tuple[list[Batch], dict[str, Tensor]]:
         """The step's micro-batches as drawn, or (on-policy tasks) the rollouts made from them: sampled
-        afresh every job.reuse steps, the same ones in between."""
+        afresh every job.online.reuse steps, the same ones in between."""
         drawn = lambda: [to_device(self.batches.next_batch(), self.rt.device) for _ in range(self.micro_batches)]
-        if self.job.rollout is None:
+        if self.job.online is None:
             return drawn(), {}
-        if self.rollouts is None or self.step % self.job.reuse == 0:
+        if self.rollouts is None or self.step % self.job.online.reuse == 0:
             self.doing = f"sampling completions for step {self.step + 1}"
             with torch.no_grad():
-                self.rollouts = self.job.rollout(self.module, drawn())
+                self.rollouts = self.job.online.rollout(self.module, drawn())
             self.doing = f"training step {self.step + 1}"
         return self.rollouts
 
@@ -350,7 +350,8 @@ class Trainer:
             "elapsed_s": round(self.elapsed(), 2),
         }
         self._write(record)
-        shown = {k: v for k, v in record.items() if not self.job.shown or k in self.job.shown or k not in metrics}
+        only = self.job.online.shown if self.job.online else ()
+        shown = {k: v for k, v in record.items() if not only or k in only or k not in metrics}
         display.update(self.step, shown, eta_s=(self.tc.steps - self.step) * seconds / max(window.steps, 1))
         self.last.update(metrics)
 
@@ -420,7 +421,7 @@ class Trainer:
                 "elapsed_s": self.elapsed(),
                 "skipped": self.skipped,
                 "window": self.window.state(),
-                "rollouts": self.rollouts if self.step % self.job.reuse else None,
+                "rollouts": self.rollouts if self.job.online and self.step % self.job.online.reuse else None,
             }
             meta = {
                 self.recipe.kind: self.recipe.plugin,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -29,10 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import adapters
-from ..adapters import method
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
-from ..data.labelled import TextSpec
 from ..data.preferences import PairBuilder, PairFields, Pairs
 from ..data.sampler import sequential_batches
 from ..display import console, phase
@@ -44,18 +42,20 @@ from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import sequence_logprobs
-from ..plugin import EvalOptions, Job, Plugin
+from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .reference import reference_mode, reference_of, starting_model
-from .reply_batches import PairBatches, pair_count, shared_length
-from .sft import count_tokens, read_splits, summary_line, template_for
+from .replies import ReplyConfig, ReplyTask
+from .reply_batches import PairBatches, count_tokens, pair_count, shared_length
 
 REFERENCE_FILE = "reference_logps.json"
 
 
 @dataclass(frozen=True)
-class DPOConfig:
-    """The `dpo:` recipe section."""
+class DPOConfig(ReplyConfig):
+    """The `dpo:` recipe section (a reply task's fields, and these)."""
+
+    presets: ClassVar[bool] = False  # no preset of pairs yet
 
     beta: float = field(default=0.1, metadata={"help": "how far the model may move from the reference (higher: less)"})
     loss: Literal["sigmoid", "ipo"] = field(default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo"})
@@ -69,19 +69,11 @@ class DPOConfig:
         default=True,
         metadata={"help": "a row per pair, its prompt read once for both replies (False: a row per reply)"},
     )
-    prompt_field: str = field(default="prompt", metadata={"help": "the column holding the prompt"})
     chosen_field: str = field(default="chosen", metadata={"help": "the column holding the preferred reply"})
     rejected_field: str = field(default="rejected", metadata={"help": "the column holding the other reply"})
-    system: str = field(default="", metadata={"help": "a system message before every prompt"})
-    chat_template: str = field(
-        default="",
-        metadata={
-            "help": 'as sft.chat_template: "" the model\'s own, none, a shipped name or a .jinja file',
-            "path": "path",
-        },
-    )
 
     def __post_init__(self):
+        super().__post_init__()
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)
         require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)", self.label_smoothing)
 
@@ -169,9 +161,9 @@ def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device,
     return torch.cat(out) if out else torch.zeros(0, 2)
 
 
-class DPO(Plugin):
+class DPO(ReplyTask):
     key = "dpo"
-    kind = "task"
+    noun = "pairs"
     model_kinds = (kinds.DECODER,)
     recipe_pattern = "dpo-{family}-mini"
     Config = DPOConfig
@@ -182,35 +174,27 @@ class DPO(Plugin):
     ) -> dict[str, Pairs]:
         """Every split's pairs (the training split first), each split's skipped rows named (say)."""
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
-        examples = DecoderExamples(backbone.tokenizer, template_for(cfg.chat_template, backbone), "last", length)
-        build = PairBuilder(examples, PairFields(cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.system))
-        describe = lambda split, built, where: summary_line(
-            f"dpo {split}", len(built.pairs), "pairs", built.skipped, where
-        )
-        return read_splits(
-            recipe,
-            TextSpec("dpo", ()),
-            build,
-            data,
-            need_train,
-            describe if say and self.rt.is_main and not self.quiet else None,
-        )
+        examples = DecoderExamples(backbone.tokenizer, self.template(recipe, backbone), "last", length)
+        fields = PairFields(cfg.prompt_column, cfg.chosen_field, cfg.rejected_field, cfg.system)
+        return self.read(recipe, PairBuilder(examples, fields), data, need_train, say)
+
+    @staticmethod
+    def items(built: Pairs) -> list:
+        return built.pairs
+
+    def text_columns(self, cfg: DPOConfig) -> tuple[str, ...]:
+        return (cfg.prompt_column, cfg.chosen_field, cfg.rejected_field)
 
     def frozen_copies(self, recipe) -> int:
         return int(reference_mode(recipe) == "copy")
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        if not method(ft.train).backbone_trains:
-            raise UserError(
-                "dpo trains the model's replies: there is no classifier head (--train all, lora, ia3 or bitfit)"
-            )
+        self.check(recipe, backbone)
         mode = reference_mode(recipe)
         splits = self.pairs(recipe, backbone)
         (train_split, train), *held_out = splits.items()
-        if not train.pairs:
-            reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.most_common(3)) or "no rows"
-            raise UserError(f"dpo {train_split}: no usable pair ({reasons})")
+        self.usable(train_split, train)
         held_split, held = next(((s, p.pairs) for s, p in held_out if p.pairs), ("", []))
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
@@ -221,7 +205,7 @@ class DPO(Plugin):
         full = backbone.model.flops_per_token(int(np.mean([p.length for p in train.pairs[:500]])))
         extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
         val = PairBatches(held, pad, refs.get("held_out"), cfg.share_prompt) if held else None
-        self.trained = (held_split, loss, val)  # what the final report measures against, as training did
+        self.held = (held_split, loss, val)  # what the final report measures against, as training did
         return Job(
             heads=nn.ModuleDict(),
             loss=loss,
@@ -260,7 +244,7 @@ class DPO(Plugin):
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
         """The best checkpoint's metrics on all the held-out pairs, against the reference training used
         (its frozen copy, the base, or the precomputed log-probabilities): printed, and eval.json."""
-        split, loss, val = self.trained
+        split, loss, val = self.held
         backbone = from_run(run_dir, device=str(self.rt.device))
         from torch.distributed.tensor import DTensor  # here: the import costs every process ~0.5 s
 
@@ -270,25 +254,14 @@ class DPO(Plugin):
             loss = Preference(loss.cfg, "copy", {"reference": reference})
         results = {split: measure(recipe, backbone.model, loss, val, split, self.rt.device)}
         self.say(results)
-        (Path(run_dir) / "eval.json").write_text(
-            json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1)
-        )
+        self.write_report(run_dir, backbone.checkpoint, results)
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
         """`tfcli eval dpo`: reward accuracy, margins and log-probabilities on the held-out pairs (the
         first --limit N of each split) against --reference (default: the run's own reference)."""
         results = self.score(recipe, backbone, options.data, options.reference, options.limit)
-        run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
-        out = options.report_path(
-            run
-            / (
-                "eval-dpo"
-                + (f"-{Path(options.data).stem}" if options.data else "")
-                + (f"-limit{options.limit}" if options.limit else "")
-                + ".json"
-            )
-        )
+        out, _ = self.evaluation_files(backbone, options)
         out.write_text(
             json.dumps(
                 {
@@ -307,9 +280,7 @@ class DPO(Plugin):
         self, recipe, backbone, data: str | None, reference: str | None, limit: int, say: bool = True
     ) -> dict[str, dict]:
         splits = self.pairs(recipe, backbone, data, need_train=False, say=say)
-        held = {s: p.pairs[: limit or None] for i, (s, p) in enumerate(splits.items()) if i > 0 and p.pairs}
-        if not held:
-            raise UserError("dpo: no held-out pairs to evaluate on (give --data with pairs to hold out)")
+        held = {s: p.pairs[: limit or None] for s, p in self.held_out(splits).items()}
         loss, device = self.eval_reference(recipe, backbone, reference), next(backbone.model.parameters()).device
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         results = {}
@@ -343,13 +314,6 @@ class DPO(Plugin):
             raise UserError("eval dpo: name the reference model (--reference MODEL)")
         device = next(backbone.model.parameters()).device
         return Preference(cfg, "copy", {"reference": for_inference(Path(source), device=str(device)).model})
-
-    def hints(self, run_dir) -> list[str]:
-        return [
-            f"evaluate it:  tfcli eval --checkpoint {run_dir}",
-            f"chat with it: tfcli chat --checkpoint {run_dir}",
-            f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
-        ]
 
 
 def measure(recipe, model: nn.Module, loss: Preference, pairs: PairBatches, split: str, device) -> dict[str, float]:

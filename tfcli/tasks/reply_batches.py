@@ -246,3 +246,8 @@ SEQ2SEQ_REPLIES = ReplyFormat(True, seq2seq_loss, seq2seq_targets)
 
 def reply_format(model) -> ReplyFormat:
     return SEQ2SEQ_REPLIES if kinds.is_seq2seq(model) else DECODER_REPLIES
+
+
+def count_tokens(batch: dict) -> int:
+    """The tokens a batch reads: the (padded) decoder sequence, or an encoder-decoder's both sides."""
+    return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))

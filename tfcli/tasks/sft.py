@@ -23,10 +23,8 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from ..adapters import method
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import Examples, Fields, require_targets
-from ..data.labelled import TextSpec, raw_splits
 from ..data.sampler import sequential_batches
 from ..display import console, counted, phase
 from ..engine.backbone import from_run
@@ -36,39 +34,26 @@ from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..models import kinds
 from ..objectives.losses import with_perplexity
-from ..plugin import EvalOptions, Job, Plugin
+from ..plugin import EvalOptions, Job
 from ..recipe import require
 from . import answers
-from .presets import presets_of
-from .reply_batches import reply_format
+from .replies import ReplyConfig, ReplyTask, report_rows
+from .reply_batches import count_tokens, reply_format
 
 
 @dataclass(frozen=True)
-class SFTConfig:
-    """The `sft:` recipe section. Fields left empty come from the preset, then the defaults."""
+class SFTConfig(ReplyConfig):
+    """The `sft:` recipe section (a reply task's fields, and these). Fields left empty come from the
+    preset, then the defaults."""
 
     preset: str = field(default="", metadata={"help": "gsm8k: GSM8K's fields, splits and scoring"})
     format: Literal["auto", "prompt", "messages", "text"] = field(
         default="auto", metadata={"help": "auto: by the fields each row has"}
     )
-    prompt_field: str = field(
-        default="", metadata={"help": 'the column holding the prompt ("": the preset\'s, else prompt)'}
-    )
     response_field: str = field(
         default="", metadata={"help": 'the column holding the reply ("": the preset\'s, else completion)'}
     )
-    messages_field: str = field(
-        default="messages", metadata={"help": "the column holding a conversation (a list of role/content messages)"}
-    )
     text_field: str = field(default="text", metadata={"help": "the column holding plain text (every token trained)"})
-    system: str = field(default="", metadata={"help": "a system message before every prompt/reply row"})
-    chat_template: str = field(
-        default="",
-        metadata={
-            "help": 'a chat template tfcli ships (chatml, llama-3-instruct, ...), a .jinja file, or none ("": the model\'s own, none when it has none)',
-            "path": "path",
-        },
-    )
     train_on: Literal["assistant", "all", "last"] = field(
         default="assistant",
         metadata={
@@ -89,12 +74,7 @@ class SFTConfig:
     )
 
     def __post_init__(self):
-        require(
-            not self.preset or self.preset in presets_of("sft"),
-            "sft.preset",
-            f"one of {', '.join(presets_of('sft'))}",
-            self.preset,
-        )
+        super().__post_init__()
         require(self.max_new_tokens >= 1, "sft.max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.temperature >= 0, "sft.temperature", ">= 0 (0: greedy)", self.temperature)
         require(self.generate_limit >= 0, "sft.generate_limit", ">= 0", self.generate_limit)
@@ -102,9 +82,9 @@ class SFTConfig:
 
 
 def fields(cfg: SFTConfig) -> Fields:
-    p = presets_of("sft").get(cfg.preset)
+    p = cfg.reply_preset
     return Fields(
-        prompt=cfg.prompt_field or (p.prompt_field if p else "prompt"),
+        prompt=cfg.prompt_column,
         response=cfg.response_field or (p.response_field if p else "completion"),
         messages=cfg.messages_field,
         text=cfg.text_field,
@@ -113,58 +93,32 @@ def fields(cfg: SFTConfig) -> Fields:
 
 
 def metric(cfg: SFTConfig) -> str:
-    p = presets_of("sft").get(cfg.preset)
+    p = cfg.reply_preset
     return cfg.metric or (p.metric if p else "exact")
 
 
-def data_spec(cfg: SFTConfig) -> TextSpec:
-    """Where the splits are: the preset's (GSM8K: train and test), else train and a held-out dev."""
-    p = presets_of("sft").get(cfg.preset)
-    if p is None:
-        return TextSpec("sft", ())
-    return TextSpec(cfg.preset, (), splits=p.splits, hub=p.hub, hub_splits=p.hub_splits)
-
-
-class SFT(Plugin):
+class SFT(ReplyTask):
     key = "sft"
-    kind = "task"
     model_kinds = (kinds.DECODER, kinds.ENCODER_DECODER)
     recipe_pattern = "sft-{family}-mini"
     Config = SFTConfig
     describe = "supervised finetuning"
+    eval_limit_hint = 50
     plain_text = False  # set by setup: every training row is plain text (every token trained)
 
-    def tokenizer_texts(self, recipe):
-        """A fresh model's tokenizer learns from the training rows' texts."""
-        cfg, d = recipe.settings, recipe.data
-        rows = next(
-            iter(raw_splits(data_spec(cfg), d.source, d.val_source, d.val_fraction, recipe.train.seed).values())
-        )[0]
+    def text_columns(self, cfg: SFTConfig) -> tuple[str, ...]:
         f = fields(cfg)
-        for row in rows:
-            yield from (row[k] for k in (f.prompt, f.response, f.text) if isinstance(row.get(k), str))
-            yield from (
-                m["content"]
-                for m in row.get(f.messages) or []
-                if isinstance(m, dict) and isinstance(m.get("content"), str)
-            )
+        return (f.prompt, f.response, f.text)
 
     def check(self, recipe, backbone) -> None:
         """What SFT cannot do, refused before the data is read."""
-        ft, cfg = recipe.finetune, recipe.settings
-        if not method(ft.train).backbone_trains:
-            raise UserError(
-                "sft trains the model to write replies: there is no classifier head or pooling "
-                "(--train all, lora, ia3 or bitfit)"
-            )
+        super().check(recipe, backbone)
+        cfg = recipe.settings
         if reply_format(backbone.model).seq2seq and (cfg.pack or cfg.chat_template not in ("", "none")):
             raise UserError(
                 f"a {backbone.family} reads the prompt with its encoder: sft.pack and sft.chat_template "
                 f"are for decoders"
             )
-
-    def template(self, recipe, backbone) -> ChatTemplate | None:
-        return template_for(recipe.settings.chat_template, backbone)
 
     def builder(self, recipe, backbone, template: ChatTemplate | None):
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
@@ -176,15 +130,15 @@ class SFT(Plugin):
         self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
     ) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
-        build = self.builder(recipe, backbone, self.template(recipe, backbone))
-        return read_splits(
-            recipe,
-            data_spec(recipe.settings),
-            build,
-            data,
-            need_train,
-            (summary if need_train else questions_summary) if say and self.rt.is_main and not self.quiet else None,
-        )
+        return self.read(recipe, self.builder(recipe, backbone, self.template(recipe, backbone)), data, need_train, say)
+
+    def split_line(self, split: str, built, where: str, training: bool) -> str:
+        """A split's line; a training run's says the share of its tokens that trains."""
+        line = super().split_line(split, built, where, training)
+        if not training:
+            return line
+        share = built.trained_tokens / max(1, built.tokens)
+        return line + f"; {built.trained_tokens:,} of {built.tokens:,} tokens trained ({100 * share:.1f}%)"
 
     def setup(self, recipe, backbone) -> Job:
         self.check(recipe, backbone)
@@ -238,9 +192,7 @@ class SFT(Plugin):
             Path(run_dir) / "predictions.jsonl",
             say=False,
         )
-        (Path(run_dir) / "eval.json").write_text(
-            json.dumps({"checkpoint": str(backbone.checkpoint), **results}, indent=1)
-        )
+        self.write_report(run_dir, backbone.checkpoint, results)
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
@@ -251,17 +203,7 @@ class SFT(Plugin):
                 "eval sft scores generated replies on a data split (--data FILE, --limit N); "
                 "to answer one prompt use tfcli generate --chat"
             )
-        run = Path(backbone.checkpoint).parent.parent if backbone.recipe is not None else None
-        name = (
-            "eval-sft"
-            + (f"-{Path(options.data).stem}" if options.data else "")
-            + (f"-limit{options.limit}" if options.limit else "")
-        )
-        out = options.report_path((run or Path(".")) / f"{name}.json")
-        stem = (
-            out.stem.replace("eval-", "predictions-", 1) if out.stem.startswith("eval-") else f"{out.stem}-predictions"
-        )
-        predictions = out.with_name(f"{stem}.jsonl")
+        out, predictions = self.evaluation_files(backbone, options, "predictions")
         results = self.score(recipe, backbone, options.data, options.limit or None, options.limit or None, predictions)
         out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
         console.print(f"report: {out}\npredictions: {predictions}")
@@ -280,9 +222,7 @@ class SFT(Plugin):
         """Per held-out split: the reply loss and perplexity of its first n_loss examples and the scores
         of replies generated for its first n_generated (None: all of them; 0: none)."""
         splits = self.examples(recipe, backbone, data, need_train=False, say=say)
-        held_out = {s: e for i, (s, e) in enumerate(splits.items()) if i > 0 and e.examples}
-        if not held_out:
-            raise UserError("sft: no held-out examples to evaluate on (give --data with a dev or test split)")
+        held_out = self.held_out(splits)
         cfg, model = recipe.settings, backbone.model.eval()
         pad = type(model).pad_id(backbone.tokenizer)
         loss, weight = reply_format(model).loss, reply_format(model).loss_weight
@@ -344,85 +284,6 @@ class SFT(Plugin):
         return f"sft ({recipe.settings.preset or 'own data'}, train_on {train_on}" + (
             ", packed)" if recipe.settings.pack else ")"
         )
-
-    def hints(self, run_dir) -> list[str]:
-        return [
-            f"evaluate it:  tfcli eval --checkpoint {run_dir} --limit 50",
-            f"chat with it: tfcli chat --checkpoint {run_dir}",
-            f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
-        ]
-
-
-REPORT_FLOOR = 32  # the fewest held-out examples a proportionate final report scores
-
-
-def report_rows(recipe) -> int:
-    """How many examples of each held-out split the final report scores: finetune.report_limit, or (0)
-    as many as the run trained on (steps x batch x accumulation), at least REPORT_FLOOR: a two-step
-    run is not followed by minutes of evaluation over a whole test set."""
-    t = recipe.train
-    return recipe.finetune.report_limit or max(REPORT_FLOOR, t.steps * t.batch_size * t.grad_accum)
-
-
-def read_splits(recipe, spec: TextSpec, build, data: str | None, need_train: bool, describe=None) -> dict:
-    """Every split's rows (the recipe's data, or `data`) through `build` (.build_all), the training split
-    first: its first finetune.limit rows, or none for an evaluation, whose --data FILE is evaluated
-    whole. describe(split, built, where), when given, is the line printed for each split."""
-    d, ft = recipe.data, recipe.finetune
-    held_out_file = data if data and not need_train and Path(data).is_file() else ""
-    with phase(f"reading {spec.name} data"):
-        raw = raw_splits(
-            spec,
-            data or d.source,
-            held_out_file or ("" if data else d.val_source),
-            d.val_fraction,
-            recipe.train.seed,
-            need_train,
-        )
-    out = {}
-    for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
-        rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
-        out[split] = build.build_all(rows)
-        out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
-        if describe is not None and (rows or need_train):
-            console.print(describe(split, out[split], where))
-    return out
-
-
-def template_for(name: str, backbone) -> ChatTemplate | None:
-    """The template examples are rendered in: `name` (a shipped template or a file), else the model's
-    own, else none (name "none", a model without one, an encoder-decoder)."""
-    tok = backbone.tokenizer
-    if reply_format(backbone.model).seq2seq or name == "none":
-        return None
-    if name:
-        return ChatTemplate.load(name)
-    return ChatTemplate(tok.chat_template, "the model's chat template") if tok.chat_template else None
-
-
-def count_tokens(batch: dict) -> int:
-    """The tokens a batch reads: the (padded) decoder sequence, or an encoder-decoder's both sides."""
-    return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
-
-
-def summary_line(label: str, count: int, noun: str, skipped, where: str) -> str:
-    """'<label>: N <noun> from <where>, K rows skipped (k1 reason1, ...)'."""
-    total = sum(skipped.values())
-    why = "" if not total else " (" + ", ".join(f"{n:,} {reason}" for reason, n in skipped.most_common()) + ")"
-    return f"{label}: {count:,} {noun} from {where}, {total:,} rows skipped{why}"
-
-
-def summary(split: str, examples: Examples, where: str) -> str:
-    share = examples.trained_tokens / max(1, examples.tokens)
-    return (
-        summary_line(f"sft {split}", len(examples.examples), "examples", examples.skipped, where)
-        + f"; {examples.trained_tokens:,} of {examples.tokens:,} tokens trained ({100 * share:.1f}%)"
-    )
-
-
-def questions_summary(split: str, examples: Examples, where: str) -> str:
-    """An evaluation's line: its questions (nothing is trained)."""
-    return summary_line(f"sft {split}", len(examples.examples), "questions", examples.skipped, where)
 
 
 def preview(tok, example, colour: bool | None = None) -> Text:
