@@ -37,7 +37,7 @@ from .errors import UserError
 from .hf import hub
 from .models.nf4 import NF4Linear
 from .plugin import Backbone, EvalOptions, Job, Plugin
-from .recipe import Recipe
+from .recipe import AdapterConfig, Recipe
 
 
 @dataclass
@@ -187,7 +187,7 @@ def fit_memory(
     before the run directory exists). A resumed run (`resumed`: its checkpoint) keeps what it chose when
     it started, and its plan counts reading that checkpoint."""
     t = recipe.train
-    if rt.device.type == "cpu" and not dry_run:  # before the probes: their activations must not stay resident
+    if rt.device.type == "cpu" and not dry_run:  # before the probes: training's setting, a limit's or glibc's ceiling
         memory.follow_the_plan(limited=bool(memory.parse_limit(t.memory_limit)))
     restoring = checkpoint.tensor_file_bytes(resumed) if resumed is not None else 0.0
     plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run, restoring)
@@ -248,11 +248,13 @@ def starting_model(
     """(where the weights come from, the backbone): --from (a hub id resolved), or the resumed run's
     own record of it; the backbone read from there, or from the checkpoint being resumed (shapes_only:
     on the meta device, for a memory plan)."""
+    source: str | None
     if req.source:
         source = str(hub.resolve(req.source))
     else:
         source = backbones.recorded(req.resume).get("from") if req.resume else None
     if ckpt:
+        assert req.resume is not None  # a checkpoint is only read for a resumed run
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
     if req.recipe.finetune is not None:
         adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
@@ -276,7 +278,7 @@ def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
     """The model (with what finetune.train trains: adapters.apply) and the Job's heads behind one
     forward; what the loss never reads (Job.unread) is frozen."""
     if recipe.finetune is not None:
-        adapters.apply(model, recipe.finetune.train, recipe.adapter)
+        adapters.apply(model, recipe.finetune.train, recipe.adapter or AdapterConfig())
     for p in job.unread:
         p.requires_grad_(False)
     return ObjectiveModule(model, job.heads, job.loss)

@@ -203,7 +203,7 @@ class Plugin:
 class Backbone:
     """A model with its tokenizer, and where it came from."""
 
-    model: nn.Module
+    model: Any  # an nn.Module of a tfcli family (models.kinds: what each kind offers)
     tokenizer: Any  # TextTokenizer, or None for image models
     source: str = "scratch"  # "scratch", a tfcli run or checkpoint, or a Hugging Face directory
     heads: dict[str, Tensor] = field(default_factory=dict)  # head weights that came with it (no "heads." prefix)

@@ -552,7 +552,7 @@ def from_dict(raw: dict, overrides: dict[str, Any] | None = None) -> Recipe:
     """A recipe from plain data with dotted-path overrides; relative paths that exist from the working
     directory are made absolute (a run records where its files are, and is read from anywhere)."""
     raw = _head_fields_moved(_deepcopy(raw))
-    task = raw.get("task") if isinstance(raw.get("task"), str) else ""
+    task: str = raw["task"] if isinstance(raw.get("task"), str) else ""
     for key, value in (overrides or {}).items():
         _set_path(raw, _moved_path(key, task), value)
     for key, value in method_defaults(raw, {_moved_path(k, task) for k in overrides or {}}).items():
@@ -668,7 +668,7 @@ def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
     """(dotted field, old value, new value) for every field that differs."""
 
     def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
+        out: dict[str, Any] = {}
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out

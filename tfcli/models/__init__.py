@@ -6,6 +6,8 @@ tokens, poolings and pad rule: see kinds.py) and one line in FAMILIES.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import kinds
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
@@ -13,7 +15,7 @@ from .llama import Llama, LlamaConfig
 from .t5 import T5, T5Config
 from .vit import ViT, ViTConfig
 
-FAMILIES: dict[str, tuple[type, type]] = {
+FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "gpt": (GPTConfig, GPT),
     "llama": (LlamaConfig, Llama),
     "t5": (T5Config, T5),
@@ -22,7 +24,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
 }
 
 
-def model_class(family: str) -> type:
+def model_class(family: str) -> type[Any]:
     return FAMILIES[family][1]
 
 
