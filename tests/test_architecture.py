@@ -410,3 +410,23 @@ def test_the_plugin_contract_type_checks():
         pytest.skip("mypy is not installed (pip install -e '.[dev]')")
     done = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_only_model_source_works_out_what_a_path_is():
+    """A model source is resolved once (engine/model_source.py: a run, a checkpoint, a transformers
+    directory, a GGUF file, a hub id); the driver, the commands and the loaders take its answer."""
+    import re
+
+    pattern = re.compile(
+        r"\b(is_run|looks_like_run|is_gguf|looks_like_hub_id|family_of|read_source_config)\(|"
+        r"suffix\.lower\(\)\s*==\s*(gguf\.)?SUFFIX|snapshot_download\(|/ (checkpoint\.)?CHECKPOINTS\)\.is_dir\(\)"
+    )
+    allowed = {"engine/model_source.py", "hf/hub.py"}  # the resolver, and the hub download it calls
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if str(path.relative_to(PACKAGE)) not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, "\n".join(offenders)

@@ -1,4 +1,4 @@
-"""Finetuning from a finetuning run (issue 36): `--from` an adapter run is its base with the adapters
+"""Finetuning from a finetuning run: `--from` an adapter run is its base with the adapters
 merged (SFT -> DPO with new adapters over the merged SFT model, whose reference is that model; SFT ->
 full finetuning), said in one note line; a run that fails before its first checkpoint leaves no
 directory; and every method that creates parameters (adapters, heads) creates the same ones in two
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tfcli import adapters
+from tfcli.engine import model_source
 from tfcli.engine.backbone import from_run
 from tfcli.errors import UserError
 
@@ -72,7 +73,7 @@ def test_an_adapter_run_as_from_is_its_base_with_the_adapters_merged(sft_lora):
     )
     rt = setup_runtime("cpu")
     plugin = make_plugin("task", "sft", rt, quiet=True)
-    merged = load(str(sft_lora), recipes.load_resolved(sft_lora / "config.yaml"), plugin, rt).model
+    merged = load(model_source.resolve(sft_lora), recipes.load_resolved(sft_lora / "config.yaml"), plugin, rt).model
     assert not any(isinstance(m, (adapters.LoRALinear, adapters.IA3Linear)) for m in merged.modules())
     assert torch.allclose(logits_of(merged.eval()), logits_of(adapted), atol=1e-5)
 

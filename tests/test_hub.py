@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from tfcli.engine import model_source
 from tfcli.errors import UserError
-from tfcli.hf import hub
 
 from .conftest import invoke
 
@@ -29,14 +29,14 @@ def hf_cache(tmp_path, monkeypatch, hf_bert):
 
 
 def test_a_hub_id_resolves_from_the_cache_offline(hf_cache):
-    assert hub.resolve("acme/tiny-bert") == hf_cache
+    assert model_source.resolve("acme/tiny-bert").path == hf_cache
 
 
 def test_an_uncached_hub_id_offline_is_one_line_naming_the_cache(hf_cache):
     with pytest.raises(
         UserError, match=r"--from acme/absent: not a local path, and not in the Hugging Face cache .*hub"
     ):
-        hub.resolve("acme/absent")
+        model_source.resolve("acme/absent")
 
 
 def test_an_unreachable_hub_is_one_line(hf_cache, monkeypatch):
@@ -44,13 +44,13 @@ def test_an_unreachable_hub_is_one_line(hf_cache, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(UserError, match="the hub did not give it"):
-        hub.resolve("acme/absent")
+        model_source.resolve("acme/absent")
 
 
-def test_local_paths_win_and_missing_ones_are_named(tmp_path):
-    assert hub.resolve(str(tmp_path)) == tmp_path
+def test_local_paths_win_and_missing_ones_are_named(tmp_path, hf_bert):
+    assert model_source.resolve(str(hf_bert)).path == hf_bert
     with pytest.raises(UserError, match="not found"):
-        hub.resolve(str(tmp_path / "nothing" / "here"))
+        model_source.resolve(str(tmp_path / "nothing" / "here"))
 
 
 def test_finetune_from_a_cached_hub_id(hf_cache, mnli_dir, tmp_path):

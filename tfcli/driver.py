@@ -29,12 +29,12 @@ from . import recipe as recipes
 from .bench import in_training
 from .display import console
 from .engine import backbone as backbones
-from .engine import checkpoint, memory
+from .engine import checkpoint, memory, model_source
+from .engine.model_source import ModelSource
 from .engine.perf import peak_memory_mb
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
 from .errors import UserError
-from .hf import hub
 from .models.nf4 import NF4Linear
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import AdapterConfig, Recipe
@@ -45,7 +45,7 @@ class RunRequest:
     """What a training command asks for."""
 
     recipe: Recipe
-    source: str | None = None  # --from: a tfcli run or a Hugging Face directory
+    source: ModelSource | None = None  # --from, resolved (engine.model_source.resolve)
     out: Path | None = None
     resume: Path | None = None  # a run directory to continue
     quiet: bool = False
@@ -152,7 +152,7 @@ def dry_run(req: RunRequest) -> memory.Plan:
         teardown(rt)
     if rt.is_main:
         model = (
-            f"{Path(source).name} (recipe {recipe.name})"
+            f"{source.path.name} (recipe {recipe.name})"
             if source
             else f"a new {recipe.model.family} (recipe {recipe.name})"
         )
@@ -162,15 +162,13 @@ def dry_run(req: RunRequest) -> memory.Plan:
     return plan
 
 
-def reading_copies(source: str | None, ckpt: Path | None) -> float:
+def reading_copies(source: ModelSource | None, ckpt: Path | None) -> float:
     """How many copies of its fp32 weights a run holds while reading them (a dry run's estimate)."""
-    from .hf import gguf
-
     if ckpt is not None:
         return memory.READ_COPIES["other"]
     if source is None:
         return 0.0  # a fresh model is not read from a file
-    return memory.READ_COPIES["gguf" if gguf.is_gguf(source) else "other"]
+    return memory.READ_COPIES["gguf" if source.is_gguf else "other"]
 
 
 def fit_memory(
@@ -244,25 +242,23 @@ def check_streaming(recipe: Recipe, plugin: Plugin) -> None:
 
 def starting_model(
     req: RunRequest, plugin: Plugin, rt: Runtime, ckpt: Path | None, shapes_only: bool = False
-) -> tuple[str | None, Backbone]:
+) -> tuple[ModelSource | None, Backbone]:
     """(where the weights come from, the backbone): --from (a hub id resolved), or the resumed run's
     own record of it; the backbone read from there, or from the checkpoint being resumed (shapes_only:
     on the meta device, for a memory plan)."""
-    source: str | None
-    if req.source:
-        source = str(hub.resolve(req.source))
-    else:
-        source = backbones.recorded(req.resume).get("from") if req.resume else None
+    recorded = backbones.recorded(req.resume).get("from") if req.resume else None
     if ckpt:
         assert req.resume is not None  # a checkpoint is only read for a resumed run
+        source = model_source.recorded(recorded)  # a base that moved: the checkpoint says what it needs
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
+    source = req.source or (model_source.resolve(recorded) if recorded else None)
     if req.recipe.finetune is not None:
         adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
     refuse_what_cannot_fit(source, req.recipe, plugin, rt)  # a dry run too: the same refusal, at the same point
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
 
 
-def refuse_what_cannot_fit(source: str | None, recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
+def refuse_what_cannot_fit(source: ModelSource | None, recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
     """Before the weights or the data are read: a run whose weights, frozen reference copy, gradients
     and optimizer states alone pass train.memory_limit stops in one line (a model too large for the
     machine is refused, not killed while it is read; the full plan, which needs a batch of the data,
@@ -350,7 +346,7 @@ def recipe_with(recipe: Recipe, section: str, **values) -> Recipe:
     return recipes.replace(recipe, **{section: recipes.replace(getattr(recipe, section), **values)})
 
 
-def saves_partial(recipe: Recipe, source: str | None) -> bool:
+def saves_partial(recipe: Recipe, source: ModelSource | None) -> bool:
     """A finetuning run that trains part of a model it read from somewhere saves only that part (and
     the heads); loading it reads the base again (small checkpoints, as PEFT's)."""
     return recipe.finetune is not None and not adapters.method(recipe.finetune.train).whole and bool(source)
@@ -430,7 +426,7 @@ def write_run_files(
     rt: Runtime,
     backbone: Backbone,
     job: Job,
-    source: str | None,
+    source: ModelSource | None,
     parameters: dict[str, int],
     plan: memory.Plan,
 ) -> None:
@@ -446,7 +442,7 @@ def write_run_files(
             (run_dir / name).write_text(data)
 
 
-def run_record(run_dir: Path, source: str | None, backbone: Backbone, rt: Runtime) -> dict:
+def run_record(run_dir: Path, source: ModelSource | None, backbone: Backbone, rt: Runtime) -> dict:
     """The provenance of a run: its --from (absolute, and the checkpoint read when it is a tfcli
     run), command lines (one per session), versions, device."""
     import sys
@@ -459,7 +455,7 @@ def run_record(run_dir: Path, source: str | None, backbone: Backbone, rt: Runtim
     if "from" in previous:  # a resumed run keeps where it came from
         origin = {k: previous[k] for k in ("from", "from_checkpoint") if k in previous}
     else:
-        origin = {"from": str(Path(source).resolve()) if source else None}
+        origin = {"from": str(source.path.resolve()) if source else None}
         if backbone.checkpoint is not None:
             origin["from_checkpoint"] = str(Path(backbone.checkpoint).resolve())
     return {
@@ -560,10 +556,10 @@ def evaluate(
     (`default_recipes`), e.g. zero-shot cloze of a BERT or k-shot prompting of a GPT-2."""
     rt = setup_runtime(options.device)
     display.configure(not options.quiet)
-    path = hub.resolve(str(path), "--checkpoint")
-    if not backbones.is_run(path) and not backbones.looks_like_run(path):
-        return evaluate_pretrained(path, key, settings, options, default_recipes or {}, rt)
-    backbone = backbones.from_run(path, device=str(rt.device))
+    source = model_source.resolve(path, "--checkpoint")
+    if not source.is_run:
+        return evaluate_pretrained(source, key, settings, options, default_recipes or {}, rt)
+    backbone = backbones.from_run(source.path, device=str(rt.device))
     recipe = backbone.recipe
     key = key or recipe.plugin
     kind = "objective" if key in registry.OBJECTIVES else "task"
@@ -580,7 +576,7 @@ def evaluate(
 
 
 def evaluate_pretrained(
-    path: Path,
+    source: ModelSource,
     key: str | None,
     settings: dict[str, Any],
     options: EvalOptions,
@@ -588,13 +584,11 @@ def evaluate_pretrained(
     rt: Runtime,
 ) -> dict[str, Any]:
     """A Hugging Face model evaluated as task KEY, with the task's recipe for its family."""
-    family = backbones.family_of(str(path))
-    if family is None:
-        raise backbones.unknown_source("--checkpoint", path)
+    family = source.family
     if key is None or key in registry.OBJECTIVES:
         raise UserError(
-            f"--checkpoint {path} is a Hugging Face model: name the task to evaluate it on "
-            f"(e.g. tfcli eval mnli --checkpoint {path} --cloze)"
+            f"--checkpoint {source} is a Hugging Face model: name the task to evaluate it on "
+            f"(e.g. tfcli eval mnli --checkpoint {source} --cloze)"
         )
     if family not in default_recipes:
         raise UserError(f"{key} has no recipe for a {family!r} model")
@@ -603,9 +597,9 @@ def evaluate_pretrained(
     recipe = recipes.from_dict({**raw, key: {**(raw.get(key) or {}), **settings}})
     if options.precision:
         recipe = recipe_with(recipe, "train", precision=options.precision)
-    backbone = backbones.from_hf(path, plugin.special_tokens(family))
+    backbone = backbones.from_hf(source, plugin.special_tokens(family))
     backbone.model.to(rt.device).eval()
-    backbone.checkpoint = path
+    backbone.checkpoint = source.path
     return plugin.evaluate(plugin.resolve(recipe, backbone), backbone, options)
 
 

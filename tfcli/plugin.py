@@ -211,6 +211,7 @@ class Backbone:
     checkpoint: Path | None = None  # the checkpoint it was read from
     labels: tuple[str, ...] = ()  # a classifier's class names, in id order
     resumed: bool = False  # a run being resumed: the model's weights come from its checkpoint, after setup
+    run_dir: Path | None = None  # the tfcli run it was read from (its files: tokenizer, palette, run.json)
 
     @property
     def cfg(self):

@@ -149,11 +149,11 @@ def _score(model, reqs, pad: int, batch_size: int, auto: bool, advance, per_choi
 
 
 def _default_out(req: BenchRequest) -> Path:
-    from ..engine.backbone import is_run
-    from ..engine.checkpoint import run_dir_of
+    from ..engine import model_source
 
     name = f"eval-{'-'.join(Path(n).stem for n in req.names)}{f'-{req.few_shot}shot' if req.few_shot else ''}.json"
-    return run_dir_of(Path(req.checkpoint)) / name if is_run(Path(req.checkpoint)) else Path(name)
+    source = model_source.local(req.checkpoint)
+    return source.run_dir / name if source is not None and source.run_dir is not None else Path(name)
 
 
 def show(results: dict, names: list[str]) -> None:

@@ -9,11 +9,15 @@ import functools
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from typer._click import exceptions as click_errors  # typer vendors click
 
 from ..errors import Interrupted, UserError
+
+if TYPE_CHECKING:
+    from ..engine.model_source import ModelSource
 
 
 def _lazy(name: str):
@@ -54,6 +58,7 @@ DRY_RUN = typer.Option(
     "--dry-run",
     help="Print the run's memory plan (weights, gradients, optimizer, activations, against the device) and stop; nothing is trained or written.",
 )
+
 CHECKPOINT = typer.Option(None, help="Run or checkpoint directory [default: the newest run under runs/, named].")
 
 
@@ -206,7 +211,7 @@ def check_device(device: str | None) -> None:
 
 def run_training(
     rec: recipes.Recipe,
-    source: str | None,
+    source: ModelSource | None,
     out: Path | None,
     resume: Path | None,
     quiet: bool,

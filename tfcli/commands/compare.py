@@ -325,12 +325,11 @@ def cell_recipe(cell: Cell, grid: Grid):
     """The recipe a training cell of this task and model starts from: the task's default for the
     model's family, with the grid's settings."""
     from .. import recipe as recipes
-    from ..engine.backbone import family_of
-    from ..hf.hub import resolve
+    from ..engine import model_source
     from ..tasks.presets import task_target
 
     key, settings, defaults = task_target(cell.task)
-    family = family_of(str(resolve(cell.backbone, "--from")))
+    family = model_source.resolve(cell.backbone).family
     if family not in defaults:
         raise UserError(f"compare: {cell.task} has no recipe for {cell.backbone} (a {family!r} model)")
     overrides = dict(recipes.parse_override(s) for s in grid.sets)
@@ -572,12 +571,12 @@ def training_row(run: Path) -> dict:
 
 def prompting_row(cell: Cell, report: dict, splits: list[str], usage: dict) -> dict:
     """A k-shot cell trains nothing: its speed is examples scored per second of the whole command."""
-    from ..engine.backbone import family_of
+    from ..engine import model_source
 
     scored = sum(report[s].get("n", 0) for s in splits)
     wall = usage.get("wall_s")
     return {
-        "family": family_of(cell.backbone) or "",
+        "family": model_source.resolve(cell.backbone).family,  # it was just evaluated: it resolves
         "steps": 0,
         "trained_params": 0,
         "train_s": None,

@@ -138,22 +138,19 @@ def extract(req: ProbeRequest, source: str) -> dict[str, tuple[np.ndarray, np.nd
     from ..data.sampler import sequential_batches
     from ..display import phase
     from ..driver import make_plugin
-    from ..engine.backbone import family_of, for_inference, unknown_source
+    from ..engine import model_source
+    from ..engine.backbone import for_inference
     from ..engine.runtime import setup_runtime
     from ..tasks.presets import task_target
 
     key, settings, defaults = task_target(req.task)
-    family = family_of(str(source)) if Path(source).exists() else None
+    found = model_source.resolve(source)
     rt = setup_runtime("auto")
-    backbone = for_inference(Path(source), device=str(rt.device))
-    family = family or backbone.family
+    family = found.family
     plugin_families = make_plugin("task", key, rt, quiet=True).families
     if family not in plugin_families:
-        raise (
-            unknown_source("--from", source)
-            if family is None
-            else UserError(f"probe {req.task}: it reads {' or '.join(plugin_families)} models, not a {family!r}")
-        )
+        raise UserError(f"probe {req.task}: it reads {' or '.join(plugin_families)} models, not a {family!r}")
+    backbone = for_inference(found, device=str(rt.device))
     overrides = {
         **{f"{key}.{k}": v for k, v in settings.items()},
         f"{key}.head": "classifier",

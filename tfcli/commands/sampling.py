@@ -96,13 +96,12 @@ def generate(
                 f"--images needs an igpt run (tfcli pretrain --objective igpt); {backbone.checkpoint} "
                 f"holds a text model"
             )
-        from ..engine.checkpoint import run_dir_of
         from ..objectives.igpt import sample_grid
 
         path = sample_grid(
             backbone,
             images or 8,
-            out or run_dir_of(Path(backbone.checkpoint)) / "samples.png",
+            out or backbone.run_dir / "samples.png",
             0.0 if greedy else temperature,
             top_k,
             seed or 0,

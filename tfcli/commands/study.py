@@ -107,6 +107,6 @@ def probe(
 
 
 def resolve_hub(source: str) -> Path:
-    from ..hf.hub import resolve
+    from ..engine import model_source
 
-    return resolve(source.strip())
+    return model_source.resolve(source.strip()).path

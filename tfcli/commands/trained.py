@@ -185,7 +185,8 @@ def export(
 ):
     """Export a run (its best checkpoint, else its latest) as a directory transformers can load, or a GGUF file."""
     from ..display import console
-    from ..engine.backbone import for_inference, from_run, is_run, looks_like_run
+    from ..engine import model_source
+    from ..engine.backbone import for_inference
     from ..hf import convert, interop
     from ..hf.gguf import WRITE_TYPES
 
@@ -202,14 +203,15 @@ def export(
         convert.check_writable(hf)
     source = newest(checkpoint)
     # a run (its best checkpoint), or what eval and generate read: a Hugging Face directory, a GGUF, a hub id
-    backbone = from_run(source) if is_run(source) or looks_like_run(source) else for_inference(source)
+    backbone = for_inference(source)
     if peft is not None:  # first: the adapters unmerged (the other exports merge them into the model)
         from ..engine.backbone import recorded
-        from ..engine.checkpoint import run_dir_of
 
-        record = recorded(run_dir_of(backbone.checkpoint))
+        record = recorded(backbone.run_dir)
         base = record.get("from_checkpoint") or record.get("from") or "(the run's base model)"
-        loads_with = interop.export_peft(backbone, backbone.recipe, base, peft, lambda: for_inference(base))
+        base_source = model_source.recorded(base)
+        loadable = base_source is None or base_source.transformers_can_name  # else written beside the adapters
+        loads_with = interop.export_peft(backbone, backbone.recipe, base, peft, lambda: for_inference(base), loadable)
         console.print(f"wrote LoRA adapters to {peft}\nload them with:  {loads_with}", soft_wrap=True)
     if hf is not None:
         arch, loads_with = interop.export(backbone, backbone.recipe, hf)

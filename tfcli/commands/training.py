@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -25,6 +26,9 @@ from .common import (
     user_errors,
 )
 from .flags import recipe_flags
+
+if TYPE_CHECKING:
+    from ..engine.model_source import ModelSource
 
 
 @recipe_flags(
@@ -64,9 +68,9 @@ def pretrain(
 ):
     """Pretrain a model with an objective (GPT next-token, BERT MLM+NSP, T5 span corruption, ViT MAE,
     ELECTRA), from scratch or (--from) continuing a pretrained model's weights."""
-    from_ = continued_from(from_, resume)
-    if from_ is not None and objective is None and recipe is None:
-        objective = family_objective(from_)
+    source = continued_from(from_, resume)
+    if source is not None and objective is None and recipe is None:
+        objective = registry.objective_for(source.family)  # the objective the family pretrains with
     default = registry.plugin_class("objective", objective or "clm").default_recipe()
     shortcuts = {
         **shortcuts,
@@ -80,28 +84,18 @@ def pretrain(
         if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
         rec = recipes.replace(rec, settings=recipes.replace(rec.settings, nsp=False))
-    return run_training(rec, from_, out, resume_dir, quiet, dry_run)
+    return run_training(rec, source, out, resume_dir, quiet, dry_run)
 
 
-def continued_from(source: str | None, resume: str | None) -> str | None:
+def continued_from(source: str | None, resume: str | None) -> ModelSource | None:
     """--from of `pretrain`: a local path, or a hub id resolved to its snapshot."""
     if source is None:
         return None
     if resume is not None:
         raise UserError("--from starts a new run from those weights; --resume continues a run (give one)")
-    from ..hf.hub import resolve
+    from ..engine import model_source
 
-    return str(resolve(source))
-
-
-def family_objective(source: str) -> str:
-    """The objective a model family pretrains with (next-token for a GPT, MLM for a BERT, ...)."""
-    from ..engine.backbone import family_of, unknown_source
-
-    family = family_of(source)
-    if family is None:
-        raise unknown_source("--from", source)
-    return registry.objective_for(family)
+    return model_source.resolve(source)
 
 
 @user_errors
@@ -262,14 +256,13 @@ def finetune(
     shortcuts: dict | None = None,
 ):
     """Finetune a pretrained model on a task."""
-    from ..engine.backbone import family_of
-    from ..hf.hub import resolve
+    from ..engine import model_source
 
-    from_ = str(resolve(from_)) if from_ else None  # a hub id: its snapshot in the Hugging Face cache
+    source = model_source.resolve(from_) if from_ else None  # a hub id: its snapshot in the Hugging Face cache
     if task is None and resume in (None, "auto"):
         raise UserError("name the task to finetune on (e.g. tfcli finetune mnli --from RUN), or give --resume RUN")
     key, settings, defaults = task_target(task) if task is not None else (run_task(Path(resume)), {}, {})
-    family = family_of(from_)
+    family = source.family if source else None
     default = defaults.get(family or "", next(iter(defaults.values()), ""))
     shortcuts = bound_to_task(shortcuts, key, task or key)
     if shortcuts["train.steps"] is not None and shortcuts["finetune.epochs"] is None:
@@ -293,4 +286,4 @@ def finetune(
                 + ", ".join(f"{k}={v}" for k, v in applied.items())
                 + f" (the recipe's methods.{rec.finetune.train}; a flag or --set wins)"
             )
-    return run_training(rec, from_, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets))
+    return run_training(rec, source, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets))

@@ -21,10 +21,11 @@ from ..data.store import is_store
 from ..data.tokenizers import TOKENIZER_FILE, TextTokenizer, build_tokenizer, load_tokenizer_files
 from ..display import console, phase
 from ..errors import UserError
-from ..hf import convert, gguf, interop
+from ..hf import gguf, interop
 from ..models import TEXT_FAMILIES, build_model, model_class
 from ..plugin import Backbone
-from . import checkpoint
+from . import checkpoint, model_source
+from .model_source import ModelSource
 from .runtime import Runtime
 
 LABELS_FILE = "labels.json"  # a classifier run's class names, in id order
@@ -46,54 +47,20 @@ def base_model(run_dir: Path, recipe):
     """The model a run that saves only what it trained (LoRA, IA3, BitFit, head) started from: its
     --from model, read again from where run.json says, as PEFT adapters load onto their base."""
     record = recorded(run_dir)
-    source = record.get("from_checkpoint") or record.get("from")
-    if not source or not Path(source).exists():
+    named = record.get("from_checkpoint") or record.get("from")
+    source = model_source.recorded(named)
+    if source is None:
         raise UserError(
-            f"{run_dir} holds only the weights it trained; its base model {source or '(unrecorded)'} is not found"
+            f"{run_dir} holds only the weights it trained; its base model {named or '(unrecorded)'} is not found"
         )
-    if is_run(Path(source)):
-        model = adapters.merge(from_run(Path(source)).model)  # a base that was itself adapted
+    if source.is_run:
+        model = adapters.merge(from_run(source.path).model)  # a base that was itself adapted
     else:
-        cfg, state = interop.read_pretrained(Path(source))
-        model = load_hf_weights(build_model(cfg), state, Path(source))
+        cfg, state = interop.read_pretrained(source.path, source.is_gguf)
+        model = load_hf_weights(build_model(cfg), state, source.path)
     if model.cfg != recipe.model:
-        raise UserError(f"{run_dir}: its base model {source} is no longer the model the run trained on")
+        raise UserError(f"{run_dir}: its base model {named} is no longer the model the run trained on")
     return model.train()
-
-
-def is_run(path: Path) -> bool:
-    """Whether `path` is a tfcli run directory or one of its checkpoints."""
-    path = Path(path)
-    return (checkpoint.run_dir_of(path) / "config.yaml").is_file() and (
-        (path / checkpoint.CHECKPOINTS).is_dir() or checkpoint.has_weights(path)
-    )
-
-
-def looks_like_run(path: Path) -> bool:
-    """A tfcli run or checkpoint, whole or not (it has checkpoints/, or is a checkpoint): read as one,
-    so that what is wrong with it is named."""
-    path = Path(path)
-    return (
-        (path / checkpoint.CHECKPOINTS).is_dir() or checkpoint.has_weights(path) and (path / checkpoint.META).is_file()
-    )
-
-
-def unknown_source(flag: str, path) -> UserError:
-    return UserError(
-        f"{flag} {path}: neither a tfcli run nor a Hugging Face model directory (config.json) or GGUF file"
-    )
-
-
-def family_of(path: str | None) -> str | None:
-    """The model family a --from path holds (a tfcli run or a Hugging Face directory), if it is one."""
-    if not path or not Path(path).exists():
-        return None
-    path = Path(path)
-    if is_run(path):
-        return recipes.load_resolved(checkpoint.run_dir_of(path) / "config.yaml").model.family
-    if (path / convert.CONFIG).is_file() or gguf.is_gguf(path):
-        return interop.family_of_config(interop.read_source_config(path), path)
-    return None
 
 
 def from_run(path: Path, which: str = "best", device: str = "cpu") -> Backbone:
@@ -122,38 +89,34 @@ def from_run(path: Path, which: str = "best", device: str = "cpu") -> Backbone:
     heads = {k[len("heads.") :]: v for k, v in weights.items() if k.startswith("heads.")}
     tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
     labels = tuple(json.loads((run / LABELS_FILE).read_text())) if (run / LABELS_FILE).is_file() else ()
-    return Backbone(model.to(device).eval(), tok, str(path), heads, recipe, ckpt, labels)
+    return Backbone(model.to(device).eval(), tok, str(path), heads, recipe, ckpt, labels, run_dir=run)
 
 
-def for_inference(path: Path, device: str = "cpu") -> Backbone:
-    """What `--checkpoint` names, in eval mode on `device`: a tfcli run or checkpoint, a local Hugging
-    Face directory, or a hub id in the local cache (generate and eval take the same things)."""
-    from ..hf import hub
-
-    path = hub.resolve(str(path), "--checkpoint")
-    if is_run(path) or looks_like_run(path):
-        return from_run(path, device=device)
-    family = family_of(str(path))
-    if family is None:
-        raise unknown_source("--checkpoint", path)
-    backbone = from_hf(path, list(model_class(family).special_tokens))
+def for_inference(named: str | Path | ModelSource, device: str = "cpu") -> Backbone:
+    """What `--checkpoint` names, in eval mode on `device`: a tfcli run or checkpoint (its best), a
+    Hugging Face directory or GGUF file, or a hub id (generate, eval and export take the same things)."""
+    source = named if isinstance(named, ModelSource) else model_source.resolve(named, "--checkpoint")
+    if source.is_run:
+        return from_run(source.path, device=device)
+    backbone = from_hf(source, list(model_class(source.family).special_tokens))
     backbone.model.to(device).eval()
-    backbone.checkpoint = path
+    backbone.checkpoint = source.path
     return backbone
 
 
-def from_hf(path: Path, specials: list[str], shapes_only: bool = False) -> Backbone:
-    """A local Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer;
+def from_hf(named: Path | ModelSource, specials: list[str], shapes_only: bool = False) -> Backbone:
+    """A Hugging Face directory or GGUF file -> model (all its weights), head weights and tokenizer;
     shapes_only: the model on the meta device, no weight read (a memory plan)."""
-    with phase(f"reading {path}"):
-        cfg, state = interop.read_pretrained(Path(path), shapes_only)
-    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, path)
+    source = named if isinstance(named, ModelSource) else model_source.resolve(named, "--from")
+    with phase(f"reading {source.path}"):
+        cfg, state = interop.read_pretrained(source.path, source.is_gguf, shapes_only)
+    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, source.path)
     heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
-    if gguf.is_gguf(path):
-        tok = gguf.read_tokenizer(Path(path))
+    if source.is_gguf:
+        tok = gguf.read_tokenizer(source.path)
     else:
-        tok = load_tokenizer_files(str(path), specials) if cfg.family in TEXT_FAMILIES else None
-    return Backbone(model, tok, str(path), heads)
+        tok = load_tokenizer_files(str(source.path), specials) if cfg.family in TEXT_FAMILIES else None
+    return Backbone(model, tok, str(source.path), heads)
 
 
 def load_hf_weights(model, state: dict, path: Path):
@@ -193,14 +156,9 @@ def for_resume(run_dir: Path, recipe, ckpt: Path, shapes_only: bool = False) -> 
     return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 
-def check_family(source: str | None, recipe, plugin) -> str:
-    """The source's family, checked: it exists and holds a model the plug-in trains (nothing read but
-    its config)."""
-    if source is not None and not Path(source).exists():
-        raise UserError(f"--from {source}: not found")
-    family = recipe.model.family if source is None else family_of(source)
-    if family is None:
-        raise unknown_source("--from", source)
+def check_family(source: ModelSource | None, recipe, plugin) -> str:
+    """The source's family, checked: it holds a model the plug-in trains (nothing read but its config)."""
+    family = recipe.model.family if source is None else source.family
     if family not in plugin.families:
         where = f"--from {source}" if source else f"recipe {recipe.name!r}"
         raise UserError(
@@ -210,7 +168,7 @@ def check_family(source: str | None, recipe, plugin) -> str:
     return family
 
 
-def meta_model(source: str | None, recipe, plugin):
+def meta_model(source: ModelSource | None, recipe, plugin):
     """The model a run starts from, on the meta device, from configs alone: no weight, tokenizer or
     data read (a fresh model whose vocabulary its tokenizer decides is counted without one). A GGUF's
     parsed header is cached, so the run's own read does not parse it again."""
@@ -218,30 +176,30 @@ def meta_model(source: str | None, recipe, plugin):
     if source is None:
         cfg = plugin.model_shape(recipe)
         return on_meta(cfg if getattr(cfg, "vocab_size", 1) > 0 else recipes.replace(cfg, vocab_size=1))
-    if is_run(Path(source)):
+    if source.is_run:
         return run_on_meta(source)[1]
-    return on_meta(interop.read_pretrained(Path(source), shapes_only=True)[0])
+    return on_meta(interop.read_pretrained(source.path, source.is_gguf, shapes_only=True)[0])
 
 
-def run_on_meta(source: str) -> tuple[Path, nn.Module]:
+def run_on_meta(source: ModelSource) -> tuple[Path, nn.Module]:
     """(the run directory of --from RUN's best checkpoint, its model on the meta device)."""
-    run = checkpoint.run_dir_of(checkpoint.find(Path(source), "best"))
+    run = checkpoint.run_dir_of(checkpoint.find(source.path, "best"))
     return run, on_meta(recipes.load_resolved(run / "config.yaml").model)
 
 
-def load(source: str | None, recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
+def load(source: ModelSource | None, recipe, plugin, rt: Runtime, shapes_only: bool = False) -> Backbone:
     """The backbone a training run starts from: `source` (--from) or a fresh model. The family is
     checked against the plug-in before anything is built or trained. shapes_only: the model on the
     meta device, no weight read or initialised (a memory plan)."""
     family = check_family(source, recipe, plugin)
     if source is None:
         return fresh(recipe, plugin, rt, shapes_only)
-    if is_run(Path(source)) and shapes_only:
+    if source.is_run and shapes_only:
         run, model = run_on_meta(source)
         tok = TextTokenizer.from_run(run) if (run / TOKENIZER_FILE).is_file() else None
         return Backbone(model, tok, str(source))
-    if is_run(Path(source)):
-        backbone = from_run(Path(source))
+    if source.is_run:
+        backbone = from_run(source.path)
         merged = merge_adapters(backbone.model)
         if merged and rt.is_main and not plugin.quiet:
             console.print(
@@ -250,7 +208,7 @@ def load(source: str | None, recipe, plugin, rt: Runtime, shapes_only: bool = Fa
             )
         backbone.model.train().requires_grad_(True)  # what this run trains is its own strategy's to choose
         return backbone
-    return from_hf(Path(source), plugin.special_tokens(family), shapes_only)
+    return from_hf(source, plugin.special_tokens(family), shapes_only)
 
 
 def merge_adapters(model) -> str:

@@ -51,13 +51,9 @@ BYTE_LEVEL_SPLITS["llama3"] = BYTE_LEVEL_SPLITS["llama-v3"] = BYTE_LEVEL_SPLITS[
 WRITE_TYPES = ("f32", "f16", "q8_0")
 
 
-def is_gguf(path) -> bool:
-    return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
-
-
 def _opened(path: Path) -> tuple[Any, dict[str, Any]]:
     """(gguf's reader, the metadata) of a file, parsed once however often a command asks (the family,
-    the weights, the tokenizer): parsing SmolLM2's header takes 1.7 s. Keyed by size and mtime, so a
+    the weights, the tokenizer): parsing a header takes seconds. Keyed by size and mtime, so a
     rewritten file is read again."""
     stat = Path(path).stat()
     return _open_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)

@@ -7,7 +7,6 @@ tokenizer files are fetched (never code: tfcli runs none of it).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from ..errors import UserError
@@ -29,20 +28,11 @@ FILES = [
     "1_Pooling/config.json",
 ]
 LEGACY = ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def looks_like_hub_id(source: str) -> bool:
-    """'gpt2' or 'google-t5/t5-small' (one optional owner), and not a path that exists."""
-    return bool(_HUB_ID.match(source)) and not Path(source).exists() and ".." not in source
-
-
-def resolve(source: str, flag: str = "--from") -> Path:
-    """A local path as it is; a hub id -> its snapshot directory (cache first, then the hub)."""
-    if Path(source).exists() or not looks_like_hub_id(source):
-        if not Path(source).exists():
-            raise UserError(f"{flag} {source}: not found")
-        return Path(source)
+def snapshot(source: str, flag: str = "--from") -> Path:
+    """A hub id (engine.model_source decides that it is one) -> its snapshot directory: the cache
+    first, then the hub."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     try:
         from huggingface_hub import constants, snapshot_download

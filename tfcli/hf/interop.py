@@ -29,15 +29,11 @@ def family_of_config(raw: dict, where: Path) -> str:
     raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
 
 
-def read_source_config(path: Path) -> dict:
-    """config.json of a transformers directory, or the same read from a GGUF file's metadata."""
-    return gguf.read_config(Path(path)) if gguf.is_gguf(path) else read_config(path)
-
-
-def read_pretrained(path: Path, shapes_only: bool = False):
-    """A local transformers directory or a GGUF file -> (tfcli model config, state dict with model.* and
-    heads.* names); shapes_only: the state as meta tensors, no weight read (a memory plan)."""
-    raw, state = gguf.read(Path(path), shapes_only) if gguf.is_gguf(path) else (read_config(path), None)
+def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = False):
+    """A local transformers directory or a GGUF file (`from_gguf`, as engine.model_source found it) ->
+    (tfcli model config, state dict with model.* and heads.* names); shapes_only: the state as meta
+    tensors, no weight read (a memory plan)."""
+    raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
     module = FAMILIES[family_of_config(raw, path)]
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
@@ -103,17 +99,16 @@ def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     return spec.config["model_type"]
 
 
-def export_peft(backbone, recipe, base: str, out: Path, read_base=None) -> str:
+def export_peft(backbone, recipe, base: str, out: Path, read_base=None, base_loadable: bool = True) -> str:
     """Write a LoRA run's adapters, unmerged, as a PEFT directory over `base`; return how to load it.
-    A base transformers cannot name in adapter_config.json (a GGUF file, a tfcli run) is first written
-    as a transformers directory beside the adapters (OUT-base, `read_base()` reading it), and the
-    adapters name that: peft's AutoPeftModel then loads the pair by itself."""
+    A base transformers cannot name in adapter_config.json (not `base_loadable`: a GGUF file, a tfcli
+    run) is first written as a transformers directory beside the adapters (OUT-base, `read_base()`
+    reading it), and the adapters name that: peft's AutoPeftModel then loads the pair by itself."""
     module = family_module(backbone, "export --peft")
     auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(
         backbone.model.kind, "AutoModel"
     )
-    loadable = not gguf.is_gguf(base) and ((Path(base) / "config.json").is_file() or not Path(base).exists())
-    if not loadable:  # a GGUF or a tfcli run: its transformers export, beside the adapters
+    if not base_loadable:  # a GGUF or a tfcli run: its transformers export, beside the adapters
         check_writable(Path(f"{out}-base"))
         peft.check(backbone, recipe, module.rules(backbone.cfg), Path(out))
         base_backbone = read_base()

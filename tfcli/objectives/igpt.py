@@ -135,10 +135,9 @@ def sample_grid(backbone, n: int, out: Path, temperature: float, top_k: int, see
     model, and the original; under them n unconditional samples. Written as a PNG."""
     from PIL import Image
 
-    from ..engine.checkpoint import run_dir_of
     from ..generate import generate_batch
 
-    run, recipe = run_dir_of(Path(backbone.checkpoint)), backbone.recipe
+    run, recipe = backbone.run_dir, backbone.recipe
     palette, side = read_palette(run)
     start, half = start_id(palette), (side // 2) * side
     tokens = held_out_tokens(recipe, palette, side, n, seed)

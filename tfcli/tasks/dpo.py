@@ -35,7 +35,6 @@ from ..data.preferences import PairBuilder, PairFields, Pairs
 from ..data.sampler import sequential_batches
 from ..display import console, phase
 from ..engine.backbone import base_model, for_inference, from_run, recorded
-from ..engine.checkpoint import run_dir_of
 from ..engine.evaluate import held_out_metrics
 from ..engine.perf import training_flops_multiplier
 from ..engine.trainer import ObjectiveModule
@@ -246,7 +245,8 @@ class DPO(ReplyTask):
         (its frozen copy, the base, or the precomputed log-probabilities): printed, and eval.json."""
         split, loss, val = self.held
         backbone = from_run(run_dir, device=str(self.rt.device))
-        from torch.distributed.tensor import DTensor  # here: the import costs every process ~0.5 s
+        # imported here: every process would pay for the import at start
+        from torch.distributed.tensor import DTensor
 
         if loss.mode == "copy" and any(isinstance(p, DTensor) for p in loss.frozen["reference"].parameters()):
             # an FSDP run's reference is sharded over processes that have finished: read it whole again
@@ -307,13 +307,11 @@ class DPO(ReplyTask):
         cfg = recipe.settings
         if reference is None and adapters.method(recipe.finetune.train).switchable and backbone.recipe is not None:
             return Preference(cfg, "base", {})
-        source = reference or (
-            recorded(run_dir_of(Path(backbone.checkpoint))).get("from") if backbone.recipe is not None else None
-        )
+        source = reference or recorded(backbone.run_dir).get("from")
         if not source:
             raise UserError("eval dpo: name the reference model (--reference MODEL)")
         device = next(backbone.model.parameters()).device
-        return Preference(cfg, "copy", {"reference": for_inference(Path(source), device=str(device)).model})
+        return Preference(cfg, "copy", {"reference": for_inference(source, device=str(device)).model})
 
 
 def measure(recipe, model: nn.Module, loss: Preference, pairs: PairBatches, split: str, device) -> dict[str, float]:

@@ -7,7 +7,6 @@ fresh initialisation (the baseline a probe on a pretrained encoder must beat).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from ..adapters import method
 from ..data.image_batches import ImageConfig, ImageSource, ImageTransform, check_images
@@ -64,10 +63,9 @@ class ImageClassify(ClassificationTask):
         """A decoder reads images only as an ImageGPT run's colours: a text model is refused before the
         images are read."""
         from ..data.palette import PALETTE_FILE
-        from ..engine.checkpoint import run_dir_of
 
         if backbone.model.kind == kinds.DECODER and (
-            backbone.checkpoint is None or not (run_dir_of(Path(backbone.checkpoint)) / PALETTE_FILE).is_file()
+            backbone.run_dir is None or not (backbone.run_dir / PALETTE_FILE).is_file()
         ):
             raise UserError(
                 f"image-classify reads a decoder only from an igpt run (tfcli pretrain --objective igpt); "
@@ -100,10 +98,9 @@ class ImageClassify(ClassificationTask):
         """An ImageGPT run's classifier: the images in the run's palette, features average-pooled from
         image-classify.layer (the paper's best features sit in the middle layers)."""
         from ..data.palette import PaletteSource, palette_file, palette_tokens, read_palette, start_id
-        from ..engine.checkpoint import run_dir_of
 
         self.check(None, backbone)
-        palette, side = read_palette(run_dir_of(backbone.checkpoint))
+        palette, side = read_palette(backbone.run_dir)
 
         def make_source(images: ImageSet, train: bool) -> PaletteSource:
             return PaletteSource(

@@ -16,7 +16,6 @@ from ..adapters import method
 from ..data.chat import ChatTemplate
 from ..data.labelled import TextSpec, raw_splits
 from ..display import console, phase
-from ..engine.checkpoint import run_dir_of
 from ..errors import UserError
 from ..plugin import EvalOptions, Plugin
 from ..recipe import require
@@ -200,7 +199,7 @@ class ReplyTask(Plugin):
         """Where `tfcli eval <task>` writes: --out, else eval-<task>[-<data>][-limit<N>].json beside the
         run (the working directory for a model that is not a run), and the file of each question's
         answer beside it (`detail`: predictions, samples; none without)."""
-        run = run_dir_of(Path(backbone.checkpoint)) if backbone.recipe is not None else Path(".")
+        run = backbone.run_dir or Path(".")
         name = (
             f"eval-{self.key}"
             + (f"-{Path(options.data).stem}" if options.data else "")
