@@ -1,4 +1,4 @@
-"""The memory plan (issue 39): tensors counted as they live, the probes' extrapolation equal to the
+"""The memory plan: tensors counted as they live, the probes' extrapolation equal to the
 full model's own count, --dry-run (no weight read, nothing written), train.memory_limit choosing
 recomputation and micro-batches (the same losses), and one-line errors."""
 
@@ -657,3 +657,27 @@ def test_a_tfcli_process_puts_large_cpu_tensors_on_huge_pages_unless_told_not_to
     assert seen["default"][0] == "1" and seen["default"][1] >= 32 * 1024  # most of the 64 MB tensor
     if "[madvise]" in mode.read_text():  # only what asks for huge pages gets them
         assert seen["0"] == ("0", 0) or seen["0"][1] < seen["default"][1] // 4
+
+
+def test_training_blocks_give_the_heaps_free_pages_back_and_evaluation_does_not(monkeypatch):
+    """memory.trim_after_each_block: malloc_trim after every block's forward while training (the holes
+    glibc's heap keeps between activations are what put a CPU run's peak above its plan); nothing in
+    eval mode, where decoding calls each block once a token."""
+    from tfcli.models import build_model, transformer_blocks
+    from tfcli.models.gpt import GPTConfig
+
+    calls = []
+
+    class FakeLibc:
+        def malloc_trim(self, pad):
+            calls.append(pad)
+            return 1
+
+    monkeypatch.setattr(memory, "_libc", lambda: FakeLibc())
+    model = build_model(GPTConfig(vocab_size=64, n_layer=3, n_head=2, d_model=16, max_seq_len=8))
+    memory.trim_after_each_block(model)
+    ids = torch.randint(0, 64, (2, 8))
+    model.train()(ids)
+    assert calls == [0] * len(transformer_blocks(model)) == [0, 0, 0]
+    model.eval()(ids)
+    assert len(calls) == 3

@@ -84,7 +84,7 @@ def train(req: RunRequest) -> tuple[Path, list[str]]:
         if ckpt is not None:
             recipe = keep_global_batch(recipe, ckpt, rt)
         recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, measured_so_far(rt), resumed=ckpt)
-        module = trained_module(recipe, job, backbone.model)
+        module = trained_module(recipe, job, backbone.model, rt)
         trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
         if ckpt is not None:
             trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
@@ -270,13 +270,16 @@ def refuse_what_cannot_fit(source: ModelSource | None, recipe: Recipe, plugin: P
     memory.refuse_beyond(memory.per_process(floor, rt.strategy, rt.world_size), limit, recipe)
 
 
-def trained_module(recipe: Recipe, job: Job, model) -> ObjectiveModule:
+def trained_module(recipe: Recipe, job: Job, model, rt: Runtime) -> ObjectiveModule:
     """The model (with what finetune.train trains: adapters.apply) and the Job's heads behind one
-    forward; what the loss never reads (Job.unread) is frozen."""
+    forward; what the loss never reads (Job.unread) is frozen. On the CPU each block gives the heap's
+    free pages back as it trains (memory.trim_after_each_block: the peak stays at the plan's)."""
     if recipe.finetune is not None:
         adapters.apply(model, recipe.finetune.train, recipe.adapter or AdapterConfig())
     for p in job.unread:
         p.requires_grad_(False)
+    if rt.device.type == "cpu" and recipe.train.compile != "on":  # a compiled graph would break at each hook
+        memory.trim_after_each_block(model)
     return ObjectiveModule(model, job.heads, job.loss)
 
 

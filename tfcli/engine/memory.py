@@ -503,15 +503,41 @@ def recompute_pays(plan: Plan) -> bool:
 # --- a run's plan ---------------------------------------------------------------------------------
 
 
-def returned_to_os() -> None:
-    """Give freed heap memory back to the system (glibc), so that resident memory is what is held."""
+def _libc():
+    """The C library, or None where it cannot be loaded."""
     import ctypes
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def returned_to_os() -> None:
+    """Give freed heap memory back to the system (glibc), so that resident memory is what is held."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def trim_after_each_block(model: nn.Module) -> None:
+    """While training on the CPU, give the heap's free pages back after every transformer block's forward
+    (recomputed forwards in the backward pass too). Below the mmap threshold, activations come from
+    glibc's heap, and the holes they leave between differently sized blocks stay resident: the peak
+    then runs well above the tensors the plan counts. malloc_trim returns the holes as the step goes,
+    at no measured cost (docs/results/measured.md); in eval mode nothing is done, so decoding, which
+    calls every block once a token, does not pay for it."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return
+
+    def trim(block: nn.Module, args, output) -> None:
+        if block.training:
+            libc.malloc_trim(0)
+
+    for block in transformer_blocks(model):
+        block.register_forward_hook(trim)
 
 
 MMAP_THRESHOLD = 1 << 20  # with a memory limit on the CPU: blocks from 1 MB up are mapped and unmapped
@@ -520,21 +546,17 @@ DEFAULT_MMAP_THRESHOLD = 32 << 20  # without one: glibc's own ceiling, fixed fro
 
 def follow_the_plan(limited: bool = True) -> bool:
     """Make resident memory on the CPU follow the tensors the plan counts. glibc raises its mmap
-    threshold (to 32 MB) after the first large block is freed and its trim threshold with it (to 64
-    MB), and from then on serves activations from a heap that keeps what is freed resident: SmolLM2 LoRA
-    SFT with recomputation (8 x 512) held 3.04 GB for a 1.92 GB plan. A threshold set once stops both:
-    at 32 MB (the default here; glibc's own ceiling) the heap's top is given back as it frees, 2.22 GB
-    at the same speed; with train.memory_limit set (`limited`), 1 MB maps and unmaps every large block,
-    1.82 GB, at the cost of the kernel zeroing fresh pages (18% a step there, up to 43% for full SFT),
-    so only when a limit asks for it. Returns whether the allocator took the setting (glibc only)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD if limited else DEFAULT_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
+    threshold (to 32 MB) after the first large block is freed and its trim threshold with it, and from
+    then on serves activations from a heap that keeps what is freed resident. A threshold set once, at
+    the start, stops both: at 32 MB (the default; glibc's own ceiling) the heap's top is given back as
+    it frees, and trim_after_each_block returns its holes; with train.memory_limit set (`limited`), 1 MB
+    maps and unmaps every large block, closest to the plan, at the cost of the kernel zeroing fresh
+    pages every step, so only when a limit asks for it (figures: docs/results/measured.md). Returns
+    whether the allocator took the setting (glibc only)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
+    return bool(libc.mallopt(-3, MMAP_THRESHOLD if limited else DEFAULT_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
 
 
 def first_batch(source, rows: int, seed: int, length: int, device: torch.device) -> dict:
@@ -550,8 +572,8 @@ def first_batch(source, rows: int, seed: int, length: int, device: torch.device)
 
 
 # a dry run's estimate of reading the weights, in copies of their fp32 bytes held at once: the file's
-# tensors and the model they are loaded into; a GGUF is dequantized through numpy first (SmolLM2's
-# Q4_1 file: 1.31 GB above the process for 0.50 GB of fp32 weights, measured)
+# tensors and the model they are loaded into; a GGUF is dequantized through numpy first (the factor
+# was measured on SmolLM2's Q4_1 file: docs/results/measured.md)
 READ_COPIES = {"gguf": 2.6, "other": 2.0}
 
 
