@@ -1,6 +1,6 @@
-"""What a new user met on the command line (issue 22): resume overrides, dev-only evaluation data,
-`--train head` on decoders, the newest run that can generate, few-shot that does not fit, checks
-before data is read, warmup longer than the run, capped lists in errors."""
+"""The command line as a new user meets it: resume overrides, dev-only evaluation data, `--train head`
+on decoders, the newest run that can generate, few-shot that does not fit, warmup longer than the
+run, capped lists in errors."""
 
 from __future__ import annotations
 
@@ -106,58 +106,6 @@ def test_eval_reads_a_directory_of_evaluation_files_alone(hf_bert, mnli_dir, tmp
     assert "train" not in result.output
 
 
-def test_continued_pretraining_starts_from_the_weights_it_is_given(tmp_path, small_text, hf_bert, hf_bert_mlm):
-    """pretrain --from: a GPT run continues next-token training where it stopped (the objective
-    follows the family); a BERT without an MLM head gets fresh heads, named in one line."""
-    source = gpt_run(tmp_path, small_text, "source", steps=30, ckpt_interval=30, eval_interval=30)
-    ended = [m["loss"] for m in read_metrics(source) if m.get("split") == "train"][-1]
-    result = invoke(
-        "pretrain",
-        "--from",
-        source,
-        "--data",
-        small_text,
-        "--steps",
-        1,
-        "--out",
-        tmp_path / "more",
-        "--set",
-        "schedule.warmup_steps=0",
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "train.log_interval=1",
-    )
-    assert result.exit_code == 0, result.output
-    first = [m["loss"] for m in read_metrics(tmp_path / "more") if m.get("split") == "train"][0]
-    assert abs(first - ended) < 0.3 and first < 3.7, (first, ended)  # a fresh model starts near ln(65) = 4.2
-    assert json.loads((tmp_path / "more" / "run.json").read_text())["from"] == str(source.resolve())
-    text = tmp_path / "paragraphs.txt"
-    text.write_text("\n\n".join(small_text.read_text()[i : i + 400] for i in range(0, 20_000, 400)))
-    for model, missing in ((hf_bert, "mlm and nsp heads"), (hf_bert_mlm, "nsp head")):
-        result = invoke(
-            "pretrain",
-            "--objective",
-            "mlm",
-            "--from",
-            model,
-            "--data",
-            text,
-            "--steps",
-            1,
-            "--batch-size",
-            4,
-            "--out",
-            tmp_path / model.name,
-            "--set",
-            "data.seq_len=64",
-        )
-        assert result.exit_code == 0, result.output
-        assert f"has no weights for the objective's {missing}; initialised as a new run's" in " ".join(
-            result.output.split()
-        )
-
-
 def test_a_warmup_longer_than_the_run_is_clipped_with_a_note(tmp_path, small_text):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(
@@ -209,62 +157,6 @@ def test_few_shot_scoring_where_no_example_fits_is_an_error_not_zero_shot(tmp_pa
     assert line.startswith("error: --few-shot 4: no solved example fits beside the questions in this model's"), line
     zero = invoke("eval", "mnli", "--checkpoint", run, "--data", mnli_dir, "--few-shot", 0, "--limit", 3)
     assert zero.exit_code == 0, zero.output
-
-
-def test_a_request_the_model_cannot_serve_is_refused_before_any_data_is_read(tmp_path, small_text, mnli_dir, hf_bert):
-    from .conftest import pretrained_run
-
-    gpt = pretrained_run(
-        tmp_path,
-        small_text,
-        "clm",
-        {"family": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "max_seq_len": 48},
-    )
-    for args, message in (
-        (["eval", "mnli", "--checkpoint", gpt, "--cloze", "--data", mnli_dir], "--cloze reads a BERT's masked-LM head"),
-        (
-            [
-                "finetune",
-                "mnli",
-                "--from",
-                hf_bert,
-                "--data",
-                mnli_dir,
-                "--head",
-                "text",
-                "--steps",
-                1,
-                "--out",
-                tmp_path / "x",
-            ],
-            "a BERT cannot answer as text",
-        ),
-        (
-            [
-                "finetune",
-                "mnli",
-                "--from",
-                gpt,
-                "--data",
-                mnli_dir,
-                "--head",
-                "classifier",
-                "--pooling",
-                "cls",
-                "--steps",
-                1,
-                "--out",
-                tmp_path / "y",
-            ],
-            "--pooling cls: a gpt classifier pools",
-        ),
-    ):
-        result = invoke(*args)
-        assert result.exit_code == 2, result.output
-        assert result.output.strip().splitlines() == [
-            next(l for l in result.output.splitlines() if l.startswith("error:"))
-        ]
-        assert message in result.output and "rows" not in result.output, result.output
 
 
 def test_flops_count_what_runs_and_mfu_is_never_a_pinned_cap():
@@ -390,38 +282,6 @@ def test_threads_are_this_process_share_of_the_cores_nobody_else_uses(monkeypatc
     monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 0.0)
     again = invoke("pretrain", "--resume", tmp_path / "run", "--steps", 3)
     assert "1 CPU thread (as the run trained with)" in " ".join(again.output.split()), again.output
-
-
-def test_generate_takes_a_hugging_face_directory_as_eval_does(tmp_path, small_text):
-    """`generate --checkpoint` reads what `eval --checkpoint` reads: a run's export generates the same
-    greedy text as the run."""
-    run = gpt_run(tmp_path, small_text)
-    assert invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf").exit_code == 0
-    texts = [
-        invoke("generate", "--checkpoint", where, "--prompt", "ROMEO:", "--max-new-tokens", 12, "--greedy")
-        for where in (run, tmp_path / "hf")
-    ]
-    assert all(t.exit_code == 0 for t in texts), [t.output for t in texts]
-    assert texts[0].output.strip().splitlines()[-1] == texts[1].output.strip().splitlines()[-1]
-    missing = invoke("generate", "--checkpoint", tmp_path / "nothing-here", "--prompt", "x")
-    assert missing.exit_code == 2 and missing.output.startswith("error:")
-
-
-def test_two_runs_of_a_recipe_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
-    """runs/<recipe>-<time> is to the second: a second run started within it (two commands in a script)
-    took the first one's directory and failed on its files."""
-    import time
-
-    from tfcli import recipe as recipes
-    from tfcli.driver import new_run_dir
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")
-    rec = recipes.load("gpt-mini")
-    first = new_run_dir(rec, None)
-    (first / "checkpoints").mkdir(parents=True)
-    second = new_run_dir(rec, None)
-    assert second != first and not second.exists() and second.name.startswith(first.name)
 
 
 def test_tfcli_starts_without_importing_torchs_compiler_or_its_distributed_checkpoint():

@@ -61,8 +61,8 @@ def test_missing_text_field_names_the_columns(tmp_path):
 @pytest.mark.slow
 def test_hub_dataset_offline_is_a_clear_error(monkeypatch):
     """datasets and huggingface_hub read HF_HUB_OFFLINE when first imported: in a process where another
-    test imported them, setting it later changed nothing and the load waited ~23 s on the unreachable
-    hub's retries (measured) before the same error. Their constants are set too."""
+    test imported them, setting it later changes nothing and the load waits on the unreachable hub's
+    retries before the same error. Their constants are set too."""
     import datasets
     import huggingface_hub
 

@@ -1,4 +1,4 @@
-"""DPO (issue 26) on tiny random models: on a fixed batch tfcli's loss, every metric and the gradients
+"""DPO on tiny random models: on a fixed batch tfcli's loss, every metric and the gradients
 equal TRL's DPOTrainer's (same weights, same pairs; sigmoid and IPO); the three reference modes give
 the same loss on LoRA; HH dialogues and TRL's formats become pairs; the CLI trains, evaluates and
 resumes (precomputed reference read back); bad input is one line with nothing created."""

@@ -1,4 +1,4 @@
-"""GRPO (issue 40) on tiny random models: given the same prompts, completions and rewards, tfcli's loss,
+"""GRPO on tiny random models: given the same prompts, completions and rewards, tfcli's loss,
 TRL's metrics and every gradient equal TRL's GRPOTrainer's (each loss_type, beta 0 and > 0, and a second
 iteration on the same rollout, where the ratio is clipped); rewards parse, score and fail in one line;
 the CLI trains, evaluates, resumes bit for bit; bad input is one line with nothing created."""

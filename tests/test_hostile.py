@@ -1,4 +1,4 @@
-"""Hostile and broken inputs (tests/hostile/, issue 57): a run directory that names a reward file, damaged
+"""Hostile and broken inputs (tests/hostile/): a run directory that names a reward file, damaged
 shards, broken benchmark files, runs that cannot evaluate, bad settings. Each is one line and exit code
 2 before any compute is spent, leaves nothing behind, and runs no code the command line did not name."""
 

@@ -1,4 +1,4 @@
-"""ImageGPT (issue 27): a k-means palette that round-trips real images within a stated error, next-colour
+"""ImageGPT: a k-means palette that round-trips real images within a stated error, next-colour
 pretraining whose loss falls and whose palette a resumed run reads back, half-images completed as a PNG
 grid, and classifiers and probes of any layer of an igpt run."""
 

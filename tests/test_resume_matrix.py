@@ -1,4 +1,4 @@
-"""Every run resumes bit for bit, whatever its task and method (issue 36): every task (mnli, classify,
+"""Every run resumes bit for bit, whatever its task and method: every task (mnli, classify,
 image-classify, sft, gsm8k, dpo) x every method it takes x one family per model kind, and every
 pretraining objective, is run for 3 steps with a checkpoint at step 2, cut back to that checkpoint and
 resumed; the resumed run logs the uninterrupted run's losses exactly. Resuming must not depend on

@@ -1,4 +1,4 @@
-"""Supervised finetuning (issue 25) on tiny random models: the trained tokens are exactly each reply and
+"""Supervised finetuning on tiny random models: the trained tokens are exactly each reply and
 its end token on every shipped template (against transformers' own renderings), packing gives every
 example its own loss, grad_accum=4 gives the gradient of one batch four times the size, the whole path
 finetune sft -> eval sft -> export --hf -> chat runs, resume is bit for bit, T5 and GPT work, and bad

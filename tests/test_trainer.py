@@ -1,4 +1,4 @@
-"""The trainer: learning, exact resume, accumulation, schedule, checkpoints a crash cannot corrupt."""
+"""engine/trainer.py: learning, exact resume, accumulation, the schedule, batches built ahead, time limits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 from tfcli.engine import checkpoint
 from tfcli.engine.trainer import _Window, lr_multiplier
-from tfcli.errors import UserError
 from tfcli.recipe import ScheduleConfig
 
 from .conftest import DEVICE, read_metrics, tiny_bert_recipe, tiny_gpt_recipe, train_losses
@@ -102,56 +101,6 @@ def test_compiled_and_eager_losses_agree(tmp_path, small_text):
     assert all(abs(losses["on"][s] - losses["off"][s]) < close for s in losses["off"]), losses
 
 
-def recording(read, seen: list):
-    """setup_runtime that appends read() (a torch setting) to `seen` once the run's runtime is set up."""
-    from tfcli.engine import runtime
-
-    def setup(*args, **kwargs):
-        rt = runtime.setup_runtime(*args, **kwargs)
-        seen.append(read())
-        return rt
-
-    return setup
-
-
-@pytest.mark.parametrize("make", [tiny_gpt_recipe, tiny_bert_recipe], ids=["clm", "mlm"])
-def test_a_deterministic_run_trains_as_the_default_does_on_the_cpu_and_leaves_torch_as_it_was(
-    tmp_path, small_text, make
-):
-    """train.deterministic turns on torch's repeatable kernels for the run (what a GPU needs to repeat a
-    run or resume it bit for bit; the CPU's kernels repeat anyway, so the losses are the default's),
-    and the process's setting is restored after it (runs inside a longer process: compare, tests)."""
-    seen = []
-    losses = {}
-    for on in (False, True):
-        raw = make(small_text)
-        raw["train"].update(steps=6, log_interval=1, deterministic=on, device="cpu")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("tfcli.driver.setup_runtime", recording(torch.are_deterministic_algorithms_enabled, seen))
-            losses[on] = train_losses(pretrain(recipes.from_dict(raw), out=tmp_path / f"d{on}"))
-    assert seen == [False, True] and not torch.are_deterministic_algorithms_enabled()
-    assert len(losses[True]) == 6 and losses[True] == losses[False]
-
-
-def test_a_run_inside_a_longer_process_gives_torchs_thread_count_back(tmp_path, small_text):
-    """train.threads sets torch's CPU threads for the run; the process that goes on after it (tests, a
-    notebook) gets its own count back, whether the run trained or was refused. Left behind, a count
-    above the process's cores made every later small op wait on threads with no core: the suite's
-    greedy-generation tests, pinned to one core after an image-classify run at train.threads=2, took
-    16 s instead of 0.15 s (measured)."""
-    before = torch.get_num_threads()
-    seen = []
-    raw = tiny_gpt_recipe(small_text)
-    raw["train"].update(steps=2, threads=before + 1, device="cpu")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tfcli.driver.setup_runtime", recording(torch.get_num_threads, seen))
-        pretrain(recipes.from_dict(raw), out=tmp_path / "run")
-        raw["train"]["strategy"] = "ddp"  # refused: it needs torchrun
-        with pytest.raises(UserError, match="runs under torchrun"):
-            pretrain(recipes.from_dict(raw), out=tmp_path / "refused")
-    assert seen == [before + 1] and torch.get_num_threads() == before
-
-
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, small_text):
     """On the CPU in fp32, where only the summation order differs (a GPU's bf16 rounds each micro-batch)."""
     big = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 6, "batch_size": 8, "device": "cpu"}))
@@ -171,30 +120,6 @@ def test_schedule_warms_up_then_decays_to_the_minimum():
     assert m[100] == pytest.approx(0.1)  # min_lr / lr
     linear = ScheduleConfig(warmup_steps=0, decay="linear", min_lr=0.0)
     assert lr_multiplier(50, linear, total=100, base_lr=1.0) == pytest.approx(0.5)
-
-
-def test_an_interrupted_checkpoint_write_never_becomes_latest(tmp_path, small_text, monkeypatch):
-    rec = recipes.from_dict(tiny_gpt_recipe(small_text, train={"steps": 20, "ckpt_interval": 10}))
-    calls = {"n": 0}
-    original = checkpoint.save_file
-
-    def failing_save(tensors, path):
-        calls["n"] += path.endswith(checkpoint.WEIGHTS)
-        if calls["n"] == 2 and path.endswith(
-            checkpoint.WEIGHTS
-        ):  # the second checkpoint dies halfway through its weights
-            with open(path, "wb") as f:
-                f.write(b"partial")
-            raise OSError("disk full")
-        return original(tensors, path)
-
-    monkeypatch.setattr(checkpoint, "save_file", failing_save)
-    with pytest.raises(
-        UserError, match=r"could not write checkpoint step-0000020 .*disk full.*latest is still step-0000010"
-    ):
-        pretrain(rec, out=tmp_path / "run", quiet=True)
-    assert checkpoint.find(tmp_path / "run").name == "step-0000010"
-    assert not (tmp_path / "run" / "checkpoints" / "step-0000020").exists()
 
 
 def test_a_time_limit_stops_the_run_evaluated_and_checkpointed(tmp_path, small_text):

@@ -1,4 +1,4 @@
-"""Messages that help (issue 36): each names the problem and what to do, in one line with exit code 2;
+"""Messages that help: each names the problem and what to do, in one line with exit code 2;
 `tfcli --help` answers without importing torch; `finetune --help` names every task."""
 
 from __future__ import annotations

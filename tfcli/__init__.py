@@ -5,8 +5,7 @@ import os
 # CPU tensors of 2 MB and more on transparent huge pages: PyTorch's own switch, read once at its first
 # allocation, so it is set here, before any tfcli module imports torch (THP_MEM_ALLOC_ENABLE=0 keeps the
 # allocator as it comes). glibc's heap keeps freed activations resident between differently sized
-# ones; on huge pages SmolLM2's peaks fell 11-19% (full SFT with recomputation 4.31-4.47 -> 3.77-3.85 GB,
-# LoRA SFT 5.48 -> 4.54 GB, LoRA DPO 15.0 -> 12.2 GB) at about the same speed (docs/guides/memory.md).
+# ones; on huge pages the peaks fall at about the same speed (figures: docs/guides/memory.md).
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.2.0"

@@ -50,11 +50,10 @@ class ColumnSplitHead:
     A batch-1 decoding step is a matrix-vector product over the whole vocabulary, bound by reading
     the weight. MKL reads the (V, D) weight row by row at half the speed of the (D, V) layout, and
     on one thread only. Cut into column blocks, the (D, V) head becomes a batched product that torch
-    spreads over its threads (blocks.product_by_slices): a 50,257 x 256 head took 3.1 ms a token as
-    (V, D), 1.6 ms as (D, V), 0.86 ms as two (D, V/2) blocks on 2 cores. (A Python thread per block
-    was faster alone, but its product ran beside torch's own spinning OpenMP workers and the whole
-    step got slower.) The block linears slice their (out, in) weights as views instead (blocks.linear,
-    2.18 against 3.63 ms on SmolLM2's head): a copy of every weight would double the model's memory."""
+    spreads over its threads (blocks.product_by_slices); the figures are in docs/results/measured.md.
+    (A Python thread per block was faster alone, but its product ran beside torch's own spinning
+    OpenMP workers and the whole step got slower.) The block linears slice their (out, in) weights as
+    views instead (blocks.linear): a copy of every weight would double the model's memory."""
 
     def __init__(self, weight: Tensor, parts: int):
         v, d = weight.shape

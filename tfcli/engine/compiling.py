@@ -1,5 +1,5 @@
-"""What runs outside torch.compile's graphs. torch.compiler.disable imports torch's compiler (~1.3 s
-at the start of every tfcli process) where it decorates; most processes never compile (train.compile
+"""What runs outside torch.compile's graphs. torch.compiler.disable imports torch's compiler (more
+than a second at the start of every tfcli process) where it decorates; most processes never compile (train.compile
 auto is off on the CPU). `eager` marks a function now and disables it for dynamo only when a run
 compiles (trainer.compiled calls keep_out_of_compiled_graphs just before torch.compile)."""
 

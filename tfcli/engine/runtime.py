@@ -29,7 +29,7 @@ from ..errors import UserError
 
 def state_dicts():
     """torch.distributed.checkpoint's state-dict functions, imported when a checkpoint is first saved
-    or loaded (the import costs ~0.6 s, which a command that saves nothing should not pay)."""
+    or loaded (a command that saves nothing should not pay for the import)."""
     from torch.distributed.checkpoint import state_dict
 
     return state_dict

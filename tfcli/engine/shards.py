@@ -35,7 +35,7 @@ ONE_PROCESS = ".*assuming the intent is to (load|save) in a single process.*"  #
 
 
 def _dcp():
-    """torch.distributed.checkpoint, imported when shards are first written or read (~0.6 s)."""
+    """torch.distributed.checkpoint, imported when shards are first written or read (the import is slow)."""
     import torch.distributed.checkpoint as dcp
 
     return dcp

@@ -105,8 +105,8 @@ SLICED_MIN_WEIGHT = 1 << 17  # elements; a smaller weight is read faster whole t
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), which on a multi-threaded CPU with few rows of x (decoding: one
     position per sequence) computes the product as a batch of row slices of the weight, one per
-    torch thread. MKL runs such a product as a matrix-vector product on one thread only: SmolLM2's
-    block weights read at 16 GB/s, as slices 29 GB/s on 2 cores (a 1.45x faster decoding step). The
+    torch thread. MKL runs such a product as a matrix-vector product on one thread only, and the
+    slices read the weights nearly twice as fast on 2 cores (docs/results/measured.md). The
     slices are views: nothing is copied. Beyond FEW_ROWS rows MKL's own threading is faster, and
     below SLICED_MIN_WEIGHT elements one thread is. Under torch.compile it is F.linear: asking for the
     thread count would break the graph at every linear."""

@@ -27,8 +27,8 @@ _cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk used, then
 def _chunk_probs(h: Tensor, weight: Tensor, rows: int) -> Tensor:
     """softmax(h @ weight.T) in fp32, (c, V). On the CPU every chunk of every call is written into one
     reused buffer of `rows` x V, softmaxed in place: the allocator hands out a fresh 100+ MB tensor as
-    new pages from the OS, and faulting them in cost as much as the softmax itself (a 830 x 32,128
-    chunk: 126 ms fresh, 84 ms reused, 2 threads). CUDA's caching allocator reuses memory already.
+    new pages from the OS, and faulting them in costs about half as much as the softmax itself
+    (docs/results/measured.md). CUDA's caching allocator reuses memory already.
     The buffer stays allocated for the process's life, once it has trained or evaluated."""
     c, v = h.size(0), weight.size(0)
     if h.device.type != "cpu" or h.dtype != torch.float32 or weight.dtype != torch.float32:
