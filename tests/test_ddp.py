@@ -352,6 +352,7 @@ def test_grpo_samples_each_process_share_and_trains_under_two_processes(tmp_path
     held = [m for m in read_metrics(tmp_path / "two") if m["split"] == "val"]
     assert len(held) == 2 and all("reward" in m for m in held)
     resumed = ["finetune", "--resume", tmp_path / "two", "--steps", 6, "--quiet", "--set", "train.strategy=auto"]
+    resumed += ["--reward", f"{tmp_path}/r.py:n"]  # a recorded file reward is imported only when named
     run_tfcli(resumed, nproc=1)
     assert max(m["step"] for m in read_metrics(tmp_path / "two")) == 6
 

@@ -19,6 +19,7 @@ from tfcli.data.conversations import DecoderExamples
 from tfcli.data.preferences import PairBuilder, dialogue
 from tfcli.data.sampler import Draw
 from tfcli.driver import RunRequest, train
+from tfcli.engine import model_source
 from tfcli.engine.runtime import to_device
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
@@ -334,7 +335,9 @@ def test_a_precomputed_reference_is_written_once_and_read_back_on_resume(tmp_pat
     raw["finetune"].update(train="lora", epochs=0.0)
     raw["train"].update(steps=6, batch_size=4, ckpt_interval=3, eval_interval=3, log_interval=1, device="cpu")
     raw["optim"].update(lr=1e-2)
-    first = train(RunRequest(recipes.from_dict(raw), source=str(chat_model), out=tmp_path / "a", quiet=True))[0]
+    first = train(
+        RunRequest(recipes.from_dict(raw), source=model_source.resolve(chat_model), out=tmp_path / "a", quiet=True)
+    )[0]
     saved = json.loads((first / "reference_logps.json").read_text())
     assert len(saved["train"]) + len(saved["held_out"]) == 24
     crashed = tmp_path / "b"

@@ -271,7 +271,8 @@ def test_chat_keeps_the_conversation_and_starts_over_on_reset(chat_gguf):
         input="hello\nhow are you\n/reset\nhello\n/exit\nnever read\n",
     )
     assert result.exit_code == 0, result.output
-    first, second, third = result.output.splitlines()[:3]
+    first, second, reset, third = result.output.splitlines()[:4]
+    assert reset == "[conversation reset]"
     assert third == first  # after /reset the same question gets the same greedy answer
     backbone = for_inference(chat_gguf)
     template = ChatTemplate(backbone.tokenizer.chat_template)

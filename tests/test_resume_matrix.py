@@ -46,13 +46,13 @@ def cut_and_resume(command: str, whole, tmp_path, *resume_args):
     return train_losses(cut)
 
 
-def assert_resumes_exactly(command: str, args: list, tmp_path):
+def assert_resumes_exactly(command: str, args: list, tmp_path, resume_args: tuple = ()):
     whole = tmp_path / "whole"
     result = invoke(command, *args, "--steps", 3, "--out", whole, "--quiet", *EVERY_STEP)
     assert result.exit_code == 0, result.output
     expected = train_losses(whole)
     assert sorted(expected) == [1, 2, 3]
-    assert cut_and_resume(command, whole, tmp_path) == expected
+    assert cut_and_resume(command, whole, tmp_path, *resume_args) == expected
 
 
 # --- the models, one per kind ---------------------------------------------------------------------
@@ -356,6 +356,7 @@ def test_grpo_on_a_decoder(method, chat_model, tmp_path):
             "--set", "grpo.beta=0.05", "--set", "grpo.eval_prompts=2", "--set", "data.val_fraction=0.125",
         ],
         tmp_path,
+        resume_args=("--reward", f"{tmp_path}/r.py:n"),  # a recorded file reward is imported only when named
     )  # fmt: skip
 
 

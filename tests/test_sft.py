@@ -17,6 +17,7 @@ from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate, shipped_templates
 from tfcli.data.conversations import DecoderExamples, Fields
 from tfcli.driver import RunRequest, train
+from tfcli.engine import model_source
 from tfcli.tasks import answers
 from tfcli.tasks.reply_batches import PackedReplies, decoder_loss, decoder_rows, decoder_targets, pack
 
@@ -291,7 +292,9 @@ def test_an_sft_run_resumes_bit_for_bit_packed(tmp_path, chat_model):
         steps=6, batch_size=2, ckpt_interval=3, eval_interval=3, log_interval=1, device="cpu", eval_batches=1
     )
     raw["finetune"].update(epochs=0.0)
-    first = train(RunRequest(recipes.from_dict(raw), source=str(chat_model), out=tmp_path / "a", quiet=True))[0]
+    first = train(
+        RunRequest(recipes.from_dict(raw), source=model_source.resolve(chat_model), out=tmp_path / "a", quiet=True)
+    )[0]
     shutil.copytree(first, tmp_path / "b")
     crashed = tmp_path / "b"
     shutil.rmtree(crashed / "checkpoints" / "step-0000006")
