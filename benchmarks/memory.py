@@ -21,6 +21,8 @@ Long rows are built from ../shared/data/text so that every batch is as long as t
 
   python -m benchmarks memory
   BENCH_MEMORY=llama-mini,fit python -m benchmarks memory     # some
+  BENCH_MEMORY=defaults python -m benchmarks memory           # the plan at a user's defaults (issue 57):
+      no memory limit, recomputation as planned; low-bit (QLoRA, 8-bit AdamW) and a resumed run included
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
         "smollm2-qlora": [*sft, "--train", "qlora"],
+        "smollm2-full-8bit": [*sft, "--train", "all", "--set", "optim.name=adamw8bit"],
         "dpo-copy": [*dpo, "--set", "dpo.reference=copy"],
         "dpo-base": [*dpo, "--set", "dpo.reference=base"],
         "llama-mini": ["pretrain", "--recipe", "llama-mini"],
+        "gpt-mini": ["pretrain", "--recipe", "gpt-mini"],
         "minilm-mnli": [*mnli, str(data / "mnli")],
         "minilm-mnli-real": [*mnli, str(MNLI)],
     }
@@ -184,6 +188,61 @@ def accuracy(names: list[str]) -> list[dict]:
     return rows
 
 
+DEFAULTS = "smollm2-full,smollm2-lora,smollm2-qlora,smollm2-full-8bit,llama-mini,gpt-mini,gpt-mini-resumed"
+
+
+def at_defaults(names: list[str]) -> list[dict]:
+    """The plan a run makes for itself against its peak, at the defaults a user runs (no
+    train.memory_limit, recomputation as the plan chooses; issue 57): each configuration trained for
+    STEPS steps in a fresh process; `NAME-resumed`: trained with a checkpoint at STEPS, then resumed for
+    STEPS more in another, the peak being the resumed steps'."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        known = configurations(Path(tmp))
+        for name in names:
+            base = name.removesuffix("-resumed")
+            args = [*known[base], *_pairs(COMMON, known[base][0] == "pretrain")]
+            out = Path(tmp) / name
+            if name == base:
+                run = trained(args, out)
+            else:
+                trained([*args, "--set", f"train.ckpt_interval={STEPS}"], out)
+                run = resumed(out, known[base][0], 2 * STEPS)
+            row = {
+                "config": name,
+                "planned_gb": run["plan"]["peak"] / 2**30,
+                "measured_gb": run["peak"] / 2**30,
+                "error": run["plan"]["peak"] / run["peak"] - 1,
+                "checkpointing": run["plan"]["checkpointing"],
+                "micro_batch": run["plan"]["micro_batch"],
+            }
+            rows.append(row)
+            print(
+                f"memory at defaults {name}: planned {row['planned_gb']:.2f} GB, measured {row['measured_gb']:.2f} GB "
+                f"({100 * row['error']:+.1f}%), recomputation {row['checkpointing']}",
+                flush=True,
+            )
+    return rows
+
+
+def resumed(run_dir: Path, command: str, steps: int) -> dict:
+    """`tfcli COMMAND --resume RUN --steps STEPS` in a fresh process -> the resumed steps' peak, its plan."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfcli", command, "--resume", str(run_dir), "--steps", str(steps), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"tfcli {command} --resume: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = [m for m in metrics if m["split"] == "train" and m["step"] > steps // 2]
+    return {
+        "peak": max(m["peak_mem_mb"] for m in later) * 2**20,
+        "plan": json.loads((run_dir / "run.json").read_text())["memory_plan"],
+    }
+
+
 def fit() -> dict:
     """SmolLM2 full SFT at batch 8 x 512 with and without train.memory_limit=4GB; LoRA DPO (8 pairs x
     512) at the recipe's own settings (recomputation auto, memory_limit auto)."""
@@ -221,6 +280,8 @@ def main() -> None:
     out = {"steps": STEPS, "accuracy": accuracy(names)}
     if "fit" in names:
         out["fit"] = fit()
+    if "defaults" in names:
+        out["defaults"] = at_defaults(os.environ.get("BENCH_MEMORY_DEFAULTS", DEFAULTS).split(","))
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
         f.write(json.dumps({"benchmark": "memory", **out}) + "\n")
