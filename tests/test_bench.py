@@ -202,7 +202,7 @@ def test_an_encoder_is_refused_in_one_line(piqa_dir, tmp_path):
     bert = tmp_path / "bert"
     transformers.BertModel(
         transformers.BertConfig(
-            vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+            vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
         )
     ).save_pretrained(bert)
     tok = load_tokenizer_files("builtin:bert-base-uncased", [])

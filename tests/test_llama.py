@@ -189,7 +189,7 @@ def test_grouped_query_attention_is_checked():
     with pytest.raises(ValueError, match="multiple of model.n_kv_head"):
         LlamaConfig(n_head=4, n_kv_head=3, vocab_size=10)
     with pytest.raises(ValueError, match="rope_type"):
-        LlamaConfig(vocab_size=10, rope=LlamaConfig().rope.__class__(type="longrope"))
+        LlamaConfig(vocab_size=10, rope=LlamaConfig().rope.__class__(type="su"))
 
 
 def test_ia3_scales_the_narrower_keys_and_values_and_merges_exactly(pair):

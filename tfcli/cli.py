@@ -39,6 +39,7 @@ app.command(context_settings=TRAINING)(study.probe)
 app.command()(listing.runs)
 app.command()(listing.plot)
 app.command()(listing.upgrade)
+app.command()(listing.models)
 recipes_app.callback(invoke_without_command=True)(listing.recipes_list)
 recipes_app.command("show")(listing.recipes_show)
 

@@ -126,6 +126,9 @@ def generate_tokens(
         pending = ids if previous is None else previous  # tokens the cache has not seen
         if previous is not None:
             ids = torch.cat([ids, previous], dim=1)
+        if caches is not None and stale(model, caches[0].length, ids.size(1)):
+            caches = model.new_caches(ctx)
+            pending = ids
         if caches is not None and caches[0].length + pending.size(1) <= ctx:
             hidden = model(pending, caches)
         else:
@@ -144,6 +147,14 @@ def generate_tokens(
         device=prompt.device,
         stop_ids=stop_ids,
     )
+
+
+def stale(model: nn.Module, cached: int, total: int) -> bool:
+    """Whether a decoder's cache of `cached` positions no longer holds what a pass over all `total`
+    would compute, so the sequence is read again whole (a model whose rotary frequencies switch with
+    the sequence's length says so: LongRoPE, as transformers' Phi-3 recomputes its cache)."""
+    ask = getattr(model, "cache_stale", None)
+    return bool(ask and ask(cached, total))
 
 
 @torch.no_grad()
@@ -236,8 +247,12 @@ def generate_batch(
         first = model(ids, caches, key_mask=mask)
 
         def step(tokens: Tensor) -> Tensor:
-            nonlocal mask
+            nonlocal mask, ids, caches
             mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=1)
+            ids = torch.cat([ids, tokens], dim=1)  # (B, L + 1)
+            if stale(model, caches[0].length, ids.size(1)):  # all of it again, into a fresh cache
+                caches = model.new_caches(width + steps)
+                return model(ids, caches, key_mask=mask)[:, -1:]
             return model(tokens, caches, key_mask=mask)
 
     return _rows_until_stop(

@@ -88,3 +88,33 @@ def recipes_show(name: str = typer.Argument(..., help="Recipe name or path.")):
     import yaml
 
     typer.echo(yaml.safe_dump(recipes.to_dict(recipes.load(name)), sort_keys=False), nl=False)
+
+
+@user_errors
+def models():
+    """List the model families tfcli builds natively: the Hugging Face architectures each reads and
+    writes, what it pretrains with, the tasks that train it, GGUF in and out."""
+    import torch  # noqa: F401  (loaded before tfcli's own modules: see commands/common.py's lazy recipe module)
+    from rich.table import Column, Table
+
+    from .. import adapters, registry
+    from ..display import console
+    from ..hf import gguf
+    from ..hf.interop import TABLES
+    from ..models import FAMILIES, kind_of
+
+    def plugins(kind: str, family: str) -> str:
+        keys = [k for k in registry.known(kind) if family in registry.plugin_class(kind, k).families]
+        return ", ".join(keys) or "-"
+
+    table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")
+    for family in FAMILIES:
+        types = [t for module, f in TABLES.items() if f == family for t in module.MODEL_TYPES]
+        read = [t + (" +gguf" if t in gguf.ARCHITECTURES else "") for t in types] or ["-"]
+        table.add_row(family, kind_of(family), ", ".join(read), plugins("objective", family), plugins("task", family))
+    console.print(table)
+    console.print(
+        f"Every task trains with --train {' | '.join(adapters.METHODS)} where its kind allows. +gguf: "
+        "GGUF files read and written (llama.cpp's architecture of that name). Other transformers "
+        "architectures are refused in one line: the generic transformers path is not built yet."
+    )

@@ -110,12 +110,17 @@ def from_hf(named: Path | ModelSource, specials: list[str], shapes_only: bool = 
     source = named if isinstance(named, ModelSource) else model_source.resolve(named, "--from")
     with phase(f"reading {source.path}"):
         cfg, state = interop.read_pretrained(source.path, source.is_gguf, shapes_only)
-    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, source.path)
-    heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
     if source.is_gguf:
         tok = gguf.read_tokenizer(source.path)
     else:
         tok = load_tokenizer_files(str(source.path), specials) if cfg.family in TEXT_FAMILIES else None
+    if tok is not None and tok.vocab_size > cfg.vocab_size:  # its ids past the embedding would crash a lookup
+        raise UserError(
+            f"{source.path}: its tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
+            f"({cfg.vocab_size}); the tokenizer is not this model's"
+        )
+    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, source.path)
+    heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
     return Backbone(model, tok, str(source.path), heads)
 
 

@@ -241,6 +241,8 @@ def tensor_bytes(*modules: nn.Module) -> float:
 
 def probe_config(cfg, blocks: int):
     """The model config with `blocks` blocks in each of its stacks (encoder, decoder)."""
+    if hasattr(cfg, "with_layers"):  # a config with per-layer settings cuts them too
+        return cfg.with_layers(blocks)
     changes = {f: blocks for f in DEPTH_FIELDS if getattr(cfg, f, 0)}
     return dataclasses.replace(cfg, **changes)
 

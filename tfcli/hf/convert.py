@@ -38,12 +38,20 @@ class Rule:
     transpose: bool = False  # transformers' Conv1D stores (in, out) (GPT-2)
     optional: bool = False  # present only in some checkpoints (pretraining heads, a pooler)
     widths: tuple[int, ...] = ()  # rows of each of `theirs` when unequal (grouped-query q / k / v)
+    part: tuple[int, int] = (0, 1)  # (i, n): ours is the i-th of n equal row blocks of theirs (Phi-3's gate_up_proj)
+    offset: float = 0.0  # ours = theirs + offset (Gemma stores its norms' weights as w, scaling by 1 + w)
 
 
 def rule(
-    ours: str, *theirs: str, transpose: bool = False, optional: bool = False, widths: tuple[int, ...] = ()
+    ours: str,
+    *theirs: str,
+    transpose: bool = False,
+    optional: bool = False,
+    widths: tuple[int, ...] = (),
+    part: tuple[int, int] = (0, 1),
+    offset: float = 0.0,
 ) -> Rule:
-    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths))
+    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -92,23 +100,33 @@ def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
                 continue
             raise UserError(f"not a matching checkpoint: weight {r.theirs[present.index(False)]!r} is missing")
         t = torch.cat([state[n] for n in r.theirs], dim=0) if len(r.theirs) > 1 else state[r.theirs[0]]
+        if r.part[1] > 1:
+            t = t.chunk(r.part[1], dim=0)[r.part[0]]
+        if r.offset:
+            t = t + r.offset
         out[r.ours] = t.t().contiguous() if r.transpose else t
     return out
 
 
 def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
-    """tfcli state dict -> transformers state dict: the inverse of to_tfcli (fused weights split)."""
-    out = {}
+    """tfcli state dict -> transformers state dict: the inverse of to_tfcli (fused weights split, the
+    parts of one of theirs joined)."""
+    out, pieces = {}, {}
     for r in rules:
         if r.ours not in state:
             if r.optional:
                 continue
             raise KeyError(r.ours)
         t = state[r.ours].t() if r.transpose else state[r.ours]
+        if r.offset:
+            t = t - r.offset
+        if r.part[1] > 1:
+            pieces.setdefault(r.theirs[0], [None] * r.part[1])[r.part[0]] = t
+            continue
         parts = t.split(list(r.widths), dim=0) if r.widths else t.chunk(len(r.theirs), dim=0)
         for name, part in zip(r.theirs, parts):
             out[name] = part
-    return out
+    return {**out, **{name: torch.cat(parts, dim=0) for name, parts in pieces.items()}}
 
 
 # --- directories --------------------------------------------------------------------------------

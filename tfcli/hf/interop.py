@@ -13,20 +13,27 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gguf, gpt2, llama, peft, t5, vit
+from . import bert, gemma, gguf, gpt2, granite, llama, olmo2, peft, phi3, smollm3, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
-FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its table module
+FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its default table
+# every table module and the tfcli family its model types build: the llama family's switches take several
+TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
+TABLES |= {smollm3: "llama", bert: "bert", t5: "t5", vit: "vit"}
+
+
+def table_of_type(model_type: str | None, where: Path):
+    """The table module that reads a transformers model_type, or one line naming those tfcli reads."""
+    for module in TABLES:
+        if model_type in module.MODEL_TYPES:
+            return module
+    known = ", ".join(t for m in TABLES for t in m.MODEL_TYPES)
+    raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
 
 
 def family_of_config(raw: dict, where: Path) -> str:
     """The tfcli family of a transformers config.json (by its model_type)."""
-    model_type = raw.get("model_type")
-    for family, module in FAMILIES.items():
-        if model_type in module.MODEL_TYPES:
-            return family
-    known = ", ".join(t for m in FAMILIES.values() for t in m.MODEL_TYPES)
-    raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
+    return TABLES[table_of_type(raw.get("model_type"), where)]
 
 
 def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = False):
@@ -34,7 +41,7 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     (tfcli model config, state dict with model.* and heads.* names); shapes_only: the state as meta
     tensors, no weight read (a memory plan)."""
     raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
-    module = FAMILIES[family_of_config(raw, path)]
+    module = table_of_type(raw.get("model_type"), path)
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
         cfg = module.config_from_hf(raw, state)
@@ -54,11 +61,13 @@ def tfcli_state(backbone) -> dict[str, Tensor]:
 
 
 def family_module(backbone, what: str):
-    """The family's table module, or one line saying `what` is not available for it."""
+    """The table module of the architecture a backbone exports as (a llama-family model's
+    hf_model_type), or one line saying `what` is not available for it."""
     module = FAMILIES.get(backbone.family)
     if module is None:
         raise UserError(f"{what} is not available for {backbone.family!r} models")
-    return module
+    model_type = getattr(backbone.cfg, "hf_model_type", None)
+    return table_of_type(model_type, Path(".")) if model_type else module
 
 
 def merged_export(backbone, recipe, what: str):

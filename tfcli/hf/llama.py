@@ -1,4 +1,6 @@
-"""Llama, Qwen2, Mistral and Qwen3 <-> transformers' *ForCausalLM: the weight table and config map.
+"""Llama, Qwen2, Mistral and Qwen3 <-> transformers' *ForCausalLM: the weight table and config map,
+and the parts the other llama-family tables (gemma.py, olmo2.py, phi3.py, granite.py, smollm3.py)
+build theirs from.
 
 transformers' separate q/k/v projections become tfcli's fused qkv of unequal widths (grouped-query
 attention); its rotary layout (halves rotated, `rotate_half`) is tfcli's, so no rows are permuted.
@@ -8,7 +10,7 @@ Llama's attention_bias), per-head q/k norms (Qwen3), a sliding window (Mistral).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from ..data.special_tokens import config_text
 from ..errors import UserError
@@ -23,23 +25,16 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_LAYER = [
-    ("norm_attn", "input_layernorm"),
-    ("norm_mlp", "post_attention_layernorm"),
-    ("mlp.gate", "mlp.gate_proj"),
-    ("mlp.up", "mlp.up_proj"),
-    ("mlp.down", "mlp.down_proj"),
-    ("attn.out", "self_attn.o_proj"),
-]
+_LAYER = [("mlp.down", "mlp.down_proj"), ("attn.out", "self_attn.o_proj")]
 
 
-def config_from_hf(raw: dict, state=None) -> LlamaConfig:
-    model_type = raw["model_type"]
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UserError(f"unsupported {model_type} activation {raw['hidden_act']!r} (tfcli's llama family is SwiGLU)")
+def common_config(raw: dict, tie_default: bool = False, activation: str = "silu") -> dict:
+    """The LlamaConfig fields every llama-family config.json names the same way."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or activation
+    if ACTIVATIONS.get(act) != activation:
+        raise UserError(f"unsupported {raw['model_type']} activation {act!r} (tfcli reads {activation} here)")
     n_head = raw["num_attention_heads"]
-    both = bool(raw.get("attention_bias", False))  # Llama, Qwen3: on q, k, v and o alike
-    return LlamaConfig(
+    return dict(
         n_layer=raw["num_hidden_layers"],
         n_head=n_head,
         n_kv_head=raw.get("num_key_value_heads") or n_head,
@@ -50,21 +45,47 @@ def config_from_hf(raw: dict, state=None) -> LlamaConfig:
         vocab_size=raw["vocab_size"],
         dropout=raw.get("attention_dropout", 0.0),
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", tie_default)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        rope=_rope(raw),
+        hf_model_type=raw["model_type"],
+        activation=activation,
+    )
+
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # transformers' -> tfcli's
+
+
+def config_from_hf(raw: dict, state=None) -> LlamaConfig:
+    model_type = raw["model_type"]
+    both = bool(raw.get("attention_bias", False))  # Llama, Qwen3: on q, k, v and o alike
+    return LlamaConfig(
+        **common_config(raw),
         qkv_bias=model_type == "qwen2" or both,
         out_bias=both,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         sliding_window=_window(raw),
-        rope=_rope(raw),
-        hf_model_type=model_type,
     )
+
+
+def rope_parameters(raw: dict, kind: str = "") -> dict:
+    """A config's rope settings: transformers 5's `rope_parameters` (per layer type where the model has
+    several: `kind`), or the older `rope_theta` + `rope_scaling`."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if kind and isinstance(params.get(kind), dict):
+        params = params[kind]
+    return dict(params)
 
 
 def _rope(raw: dict) -> RopeScaling:
     """Dynamic NTK scaling grows theta past max_position_embeddings: kept as the rope's own trained
     length, so that raising tfcli's model.max_seq_len (the context) is what lets it grow."""
-    rope = rope_scaling_of(raw.get("rope_theta") or 10000.0, raw.get("rope_parameters") or raw.get("rope_scaling"))
+    params = rope_parameters(raw, "full_attention")
+    if "original_max_position_embeddings" not in params and raw.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3
+    if params.get("rope_type", params.get("type")) == "longrope" and not params.get("factor"):
+        params["factor"] = raw["max_position_embeddings"] / params["original_max_position_embeddings"]
+    rope = rope_scaling_of(raw.get("rope_theta") or 10000.0, params)
     return replace(rope, original_max=raw["max_position_embeddings"]) if rope.type == "dynamic" else rope
 
 
@@ -101,6 +122,36 @@ def _cannot_express(cfg: LlamaConfig, model_type: str) -> str:
     return ""
 
 
+# the switches beyond Llama's, Qwen's and Mistral's, and who holds them
+SWITCHES = (
+    "activation",
+    "norms",
+    "qk_norm_whole",
+    "layer_types",
+    "local_rope_theta",
+    "nope_layers",
+    "partial_rotary",
+    "embed_scale",
+    "residual_scale",
+    "attn_scale",
+    "logit_scale",
+    "attn_softcap",
+    "logit_softcap",
+)
+
+
+def refuse_switches(cfg: LlamaConfig, architecture: str, held: tuple[str, ...] = ()) -> None:
+    """One line when the model sets a switch `architecture` cannot hold (only those in `held` may differ
+    from Llama's)."""
+    default = {f.name: f.default for f in fields(LlamaConfig) if f.name in SWITCHES}
+    set_here = [name for name in SWITCHES if name not in held and getattr(cfg, name) != default[name]]
+    if set_here:
+        raise UserError(
+            f"this llama-family model sets model.{set_here[0]}, which transformers' {architecture} cannot "
+            f"hold; set model.hf_model_type to the architecture it came from"
+        )
+
+
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
     reason = _cannot_express(cfg, model_type)
@@ -109,9 +160,27 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
             f"this llama-family model has {reason}, which transformers' {ARCHITECTURES[model_type]} "
             f"cannot hold; set model.hf_model_type to one that can (llama, qwen2, mistral, qwen3)"
         )
+    refuse_switches(cfg, ARCHITECTURES[model_type])
+    out = common_to_hf(cfg, ARCHITECTURES[model_type])
+    if model_type in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.out_bias
+    if model_type == "llama":
+        out["mlp_bias"] = cfg.mlp_bias
+    if model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window or None
+    if model_type in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
+
+
+def common_to_hf(cfg: LlamaConfig, architecture: str) -> dict:
+    """The config.json entries every llama-family architecture names the same way."""
     out = {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
+        "architectures": [architecture],
+        "model_type": cfg.hf_model_type,
+        "bos_token_id": None,  # the tokenizer's, if the run has one (export); never the architecture's defaults
+        "eos_token_id": None,
+        "pad_token_id": None,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -119,7 +188,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": next(k for k, v in ACTIVATIONS.items() if v == cfg.activation),
         "max_position_embeddings": _trained_length(cfg),
         "rms_norm_eps": cfg.layer_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
@@ -129,14 +198,6 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
     }
     if cfg.rope.type != "default":
         out["rope_scaling"] = _rope_to_hf(cfg.rope)
-    if model_type in ("llama", "qwen3"):
-        out["attention_bias"] = cfg.out_bias
-    if model_type == "llama":
-        out["mlp_bias"] = cfg.mlp_bias
-    if model_type == "mistral":
-        out["sliding_window"] = cfg.sliding_window or None
-    if model_type in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=False, sliding_window=None)
     return out
 
 
@@ -153,29 +214,54 @@ def _rope_to_hf(r: RopeScaling) -> dict:
         out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
     if r.type == "yarn":
         out.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
-        if r.attention_factor:
-            out["attention_factor"] = r.attention_factor
+    if r.type == "longrope":
+        out.update(short_factor=list(r.short_factor), long_factor=list(r.long_factor))
+    if r.attention_factor and r.type in ("yarn", "longrope"):
+        out["attention_factor"] = r.attention_factor
     return out
 
 
-def rules(cfg: LlamaConfig) -> list[Rule]:
-    out = [rule("model.wte.weight", "model.embed_tokens.weight"), rule("model.ln_f.weight", "model.norm.weight")]
+# each block's norms, by where they are (LlamaConfig.norms): tfcli's name -> transformers'
+NORMS = {
+    "pre": (("norm_attn", "input_layernorm"), ("norm_mlp", "post_attention_layernorm")),
+    "post": (("post_attn", "post_attention_layernorm"), ("post_mlp", "post_feedforward_layernorm")),
+    "both": (
+        ("norm_attn", "input_layernorm"),
+        ("post_attn", "post_attention_layernorm"),
+        ("norm_mlp", "pre_feedforward_layernorm"),
+        ("post_mlp", "post_feedforward_layernorm"),
+    ),
+}
+
+
+def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False) -> list[Rule]:
+    """The weight table. norm_offset: what transformers' norm weights lack of tfcli's (Gemma's 1 + w);
+    fused: q/k/v and gate/up in one transformers projection each (Phi-3)."""
+    norm = lambda ours, theirs: rule(ours, theirs, offset=norm_offset)  # noqa: E731
+    out = [rule("model.wte.weight", "model.embed_tokens.weight"), norm("model.ln_f.weight", "model.norm.weight")]
     if not cfg.tie_word_embeddings:
         out.append(rule("model.lm_head.weight", "lm_head.weight"))
     widths = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim)
     for i in range(cfg.n_layer):
         ours, theirs = f"model.blocks.{i}", f"model.layers.{i}"
-        qkv = [f"{theirs}.self_attn.{p}_proj" for p in "qkv"]
-        out.append(rule(f"{ours}.attn.qkv.weight", *(f"{n}.weight" for n in qkv), widths=widths))
+        qkv = [f"{theirs}.self_attn.qkv_proj"] if fused else [f"{theirs}.self_attn.{p}_proj" for p in "qkv"]
+        split = () if fused else widths
+        out.append(rule(f"{ours}.attn.qkv.weight", *(f"{n}.weight" for n in qkv), widths=split))
         if cfg.qkv_bias:
-            out.append(rule(f"{ours}.attn.qkv.bias", *(f"{n}.bias" for n in qkv), widths=widths))
+            out.append(rule(f"{ours}.attn.qkv.bias", *(f"{n}.bias" for n in qkv), widths=split))
+        out += [norm(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in NORMS[cfg.norms]]
+        if fused:
+            gate_up = f"{theirs}.mlp.gate_up_proj.weight"
+            out += [rule(f"{ours}.mlp.{p}.weight", gate_up, part=(j, 2)) for j, p in enumerate(("gate", "up"))]
+        else:
+            out += [rule(f"{ours}.mlp.{p}.weight", f"{theirs}.mlp.{p}_proj.weight") for p in ("gate", "up")]
         out += [rule(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in _LAYER]
         out += [rule(f"{ours}.attn.out.bias", f"{theirs}.self_attn.o_proj.bias")] if cfg.out_bias else []
         out += [
             rule(f"{ours}.mlp.{p}.bias", f"{theirs}.mlp.{p}_proj.bias") for p in ("gate", "up", "down") if cfg.mlp_bias
         ]
         out += [
-            rule(f"{ours}.attn.{n}.weight", f"{theirs}.self_attn.{n}.weight")
+            norm(f"{ours}.attn.{n}.weight", f"{theirs}.self_attn.{n}.weight")
             for n in ("q_norm", "k_norm")
             if cfg.qk_norm
         ]
@@ -187,8 +273,9 @@ def normalize(state: dict) -> dict:
     return {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()}
 
 
-def export(backbone, recipe) -> Export:
-    """*ForCausalLM of the architecture the model came from (a pretrained, text-to-text or SFT run)."""
+def export(backbone, recipe, to_hf=config_to_hf) -> Export:
+    """*ForCausalLM of the architecture the model came from (a pretrained, text-to-text or SFT run);
+    `to_hf`: that architecture's config map."""
     if "classifier.weight" in backbone.heads:
         refuse_classifier(
             "llama",
@@ -196,7 +283,7 @@ def export(backbone, recipe) -> Export:
             "transformers' LlamaForSequenceClassification scores without a bias, which tfcli's "
             "classifier has; finetune with --head text to export a causal LM",
         )
-    config, tok = config_to_hf(backbone.cfg), backbone.tokenizer
+    config, tok = to_hf(backbone.cfg), backbone.tokenizer
     files = {}
     if tok is not None:
         ids = {
@@ -205,7 +292,8 @@ def export(backbone, recipe) -> Export:
             if text
         }
         config.update({k: v for k, v in ids.items() if v is not None})
-        config.setdefault("eos_token_id", tok.eos_id)
+        if config["eos_token_id"] is None:
+            config["eos_token_id"] = tok.eos_id
         files["tokenizer_config.json"] = config_text(
             tok.specials,
             tok.chat_template,

@@ -29,7 +29,7 @@ def adapter_tensors(model, rules) -> tuple[dict[str, Tensor], set[str]]:
         if not isinstance(module, adapters.LoRALinear):
             continue
         rule = by_ours.get(f"model.{name}.weight")
-        if rule is None or len(rule.theirs) != len(module.parts):
+        if rule is None or len(rule.theirs) != len(module.parts) or rule.part[1] > 1:
             raise UserError(
                 f"export --peft: tfcli's {name} holds {', '.join(module.parts)} in one transformers module "
                 f"here, which a PEFT LoRA of rank r cannot hold; export --hf writes the merged model"

@@ -152,9 +152,15 @@ class Attention(nn.Module):
       attention holds them in one fused `qkv` linear of unequal parts, `layout` names their widths
       (what adapters and the Hugging Face converter split by);
     - optional biases on q/k/v (`bias`) and on the output (`out_bias`, default: as `bias`);
-    - optional per-head norms of q and k (`qk_norm`: a factory of a norm over head_dim, Qwen3);
-    - rotary positions: forward(rope=(cos, sin)) rotates q and k (models/rotary.py makes them);
-    - an optional sliding window: a query sees at most the last `window` keys, itself included.
+    - optional norms of q and k (`qk_norm`: a factory of a norm), per head over head_dim (Qwen3,
+      Gemma 3) or, with `qk_norm_whole`, over the whole projection before it is split into heads
+      (OLMo 2);
+    - rotary positions: forward(rope=(cos, sin)) rotates q and k (models/rotary.py makes them), all
+      of each head or, when cos is narrower than a head, its first dimensions only (Phi's partial
+      rotary);
+    - an optional sliding window: a query sees at most the last `window` keys, itself included;
+    - optional soft-capping of the scores, cap * tanh(scores / cap) (Gemma 2): SDPA cannot, so those
+      layers compute the scores themselves.
 
     `mask` is boolean (True = may attend) or additive float (T5's position bias), broadcastable
     to (B, nh, Tq, Tk). `causal` masks future keys. `scale=None` is 1/sqrt(head_dim).
@@ -173,7 +179,9 @@ class Attention(nn.Module):
         cross: bool = False,
         scale: float | None = None,
         qk_norm: Callable[[int], nn.Module] | None = None,
+        qk_norm_whole: bool = False,
         window: int = 0,
+        softcap: float = 0.0,
     ):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
@@ -182,15 +190,16 @@ class Attention(nn.Module):
         self.head_dim = head_dim or d_model // n_head
         self.inner = n_head * self.head_dim  # query (and output) width
         self.kv_inner = self.n_kv_head * self.head_dim  # key and value width each
-        self.cross, self.scale, self.dropout, self.window = cross, scale, dropout, window
+        self.cross, self.scale, self.dropout, self.window, self.softcap = cross, scale, dropout, window, softcap
         if cross:
             self.q = Linear(d_model, self.inner, bias=bias)
             self.kv = Linear(d_model, 2 * self.kv_inner, bias=bias)
         else:
             self.qkv = Linear(d_model, self.inner + 2 * self.kv_inner, bias=bias)
         self.out = Linear(self.inner, d_model, bias=bias if out_bias is None else out_bias)
-        self.q_norm = qk_norm(self.head_dim) if qk_norm else None
-        self.k_norm = qk_norm(self.head_dim) if qk_norm else None
+        self.qk_norm_whole = qk_norm_whole
+        self.q_norm = qk_norm(self.inner if qk_norm_whole else self.head_dim) if qk_norm else None
+        self.k_norm = qk_norm(self.kv_inner if qk_norm_whole else self.head_dim) if qk_norm else None
 
     def layout(self, leaf: str) -> tuple[tuple[str, int], ...]:
         """The parts a projection holds and their widths, in output order ('qkv' -> q, k, v)."""
@@ -214,11 +223,13 @@ class Attention(nn.Module):
                 cache.k, cache.v, cache.length = k, v, k.size(2)
             return q, k, v
         q, k, v = self.qkv(x).split((self.inner, self.kv_inner, self.kv_inner), dim=-1)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self._heads(q, self.n_head), self._heads(k, self.n_kv_head), self._heads(v, self.n_kv_head)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            q, k = _rotate(q, rope), _rotate(k, rope)
         if rope is not None and self.q_norm is None:
             # q and k are new tensors now; the values, a view, would keep the whole fused projection
             # (q's and k's columns too) alive for backward: their own copy keeps a fifth of it (SmolLM2).
@@ -249,17 +260,43 @@ class Attention(nn.Module):
             elif T > 1 or self.window:
                 allowed = causal_mask(T, t_key, x.device, self.window)
                 mask = allowed if mask is None else _combine(mask, allowed)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.scale,
-            enable_gqa=self.n_kv_head != self.n_head,
-        )  # (B, nh, T, hs)
+        if self.softcap:
+            if is_causal:
+                mask = causal_mask(T, t_key, x.device)
+            y = self._capped_attention(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=is_causal,
+                scale=self.scale,
+                enable_gqa=self.n_kv_head != self.n_head,
+            )  # (B, nh, T, hs)
         return self.out(y.transpose(1, 2).reshape(B, T, self.inner))
+
+    def _capped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention with soft-capped scores: softmax(cap * tanh(q k^T scale / cap) + mask) v."""
+        groups = self.n_head // self.n_kv_head
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, Tk, hs)
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        scores = torch.tanh(q @ k.transpose(-2, -1) * scale / self.softcap) * self.softcap  # (B, nh, T, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        weights = F.dropout(scores.softmax(-1, dtype=torch.float32).to(q.dtype), self.dropout, self.training)
+        return weights @ v  # (B, nh, T, hs)
+
+
+def _rotate(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotary positions on the first cos.size(-1) dimensions of each head (B, n, T, hs): all of them,
+    or a part (partial rotary), the rest passed through."""
+    width = rope[0].size(-1)
+    if width == x.size(-1):
+        return rotate(x, *rope)
+    return torch.cat((rotate(x[..., :width], *rope), x[..., width:]), dim=-1)
 
 
 def decoder_positions(
@@ -404,33 +441,41 @@ def make_norm(kind: str, d: int, eps: float, bias: bool = True) -> nn.Module:
 class Block(nn.Module):
     """Residual block: self-attention, optional cross-attention, MLP.
 
-    prenorm=True (GPT, T5, ViT): x + f(norm(x)). prenorm=False (BERT): norm(x + f(x)).
+    prenorm=True (GPT, T5, ViT, Llama): x + f(norm(x)); with post norms also on f's output,
+    x + post(f(norm(x))) (Gemma's sandwich), and with no pre norm x + post(f(x)) (OLMo 2); the branch
+    scaled by `residual_scale` before it is added (Granite). prenorm=False (BERT): norm(x + f(x)).
     """
 
     def __init__(
         self,
         attn: Attention,
         mlp: MLP,
-        norm_attn: nn.Module,
-        norm_mlp: nn.Module,
+        norm_attn: nn.Module | None,
+        norm_mlp: nn.Module | None,
         *,
         cross_attn: Attention | None = None,
         norm_cross: nn.Module | None = None,
         prenorm: bool = True,
         dropout: float = 0.0,
+        post_attn: nn.Module | None = None,
+        post_mlp: nn.Module | None = None,
+        residual_scale: float = 1.0,
     ):
         super().__init__()
         self.attn, self.mlp = attn, mlp
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
+        self.post_attn, self.post_mlp = post_attn, post_mlp
         self.cross_attn, self.norm_cross = cross_attn, norm_cross
-        self.prenorm = prenorm
+        self.prenorm, self.residual_scale = prenorm, residual_scale
         self.drop = nn.Dropout(dropout)
         self.checkpointing = False  # recompute activations in the backward pass (train.activation_checkpointing)
 
-    def _residual(self, x: Tensor, norm: nn.Module, f) -> Tensor:
-        if self.prenorm:
-            return x + self.drop(f(norm(x)))
-        return norm(x + self.drop(f(x)))
+    def _residual(self, x: Tensor, norm: nn.Module | None, f, post: nn.Module | None = None) -> Tensor:
+        if not self.prenorm:
+            return norm(x + self.drop(f(x)))
+        h = f(norm(x) if norm is not None else x)  # (B, T, D)
+        h = self.drop(post(h) if post is not None else h)
+        return x + h if self.residual_scale == 1.0 else x + h * self.residual_scale
 
     def forward(
         self,
@@ -469,12 +514,13 @@ class Block(nn.Module):
         cross_cache: KVCache | None,
         rope: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
-        x = self._residual(x, self.norm_attn, lambda h: self.attn(h, mask=mask, causal=causal, cache=cache, rope=rope))
+        attend = lambda h: self.attn(h, mask=mask, causal=causal, cache=cache, rope=rope)  # noqa: E731
+        x = self._residual(x, self.norm_attn, attend, self.post_attn)
         if self.cross_attn is not None:
             x = self._residual(
                 x, self.norm_cross, lambda h: self.cross_attn(h, context=context, mask=context_mask, cache=cross_cache)
             )
-        return self._residual(x, self.norm_mlp, self.mlp)
+        return self._residual(x, self.norm_mlp, self.mlp, self.post_mlp)
 
 
 def through_blocks(

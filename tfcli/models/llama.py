@@ -1,12 +1,19 @@
-"""Llama-shaped decoder (Llama 2/3, Qwen2/2.5/3, Mistral, SmolLM, TinyLlama): RMSNorm, SwiGLU,
-rotary positions, grouped-query attention, tied or untied LM head; qkv (and output) biases, per-head
-q/k norms and a sliding window where an architecture has them. Built from the shared parts only.
+"""Llama-shaped decoder (Llama 2/3, Qwen2/2.5/3, Mistral, SmolLM 1-3, TinyLlama, Gemma 2/3, Phi-3/4,
+OLMo 2, Granite): RMSNorm, a gated MLP, rotary positions, grouped-query attention, tied or untied LM
+head; and the switches by which these architectures differ from Llama, each off by default: qkv (and
+output) biases, q/k norms (per head or over the projection), norms after attention and the MLP as well
+as or instead of before, a sliding window in every or some layers (with its own rotary base), layers
+without rotary positions, partial rotary, soft-capped scores and logits, and the multipliers of the
+embedding, the residual branches, the attention scores and the logits. Built from the shared parts
+only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from .blocks import (
@@ -50,6 +57,20 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head
     sliding_window: int = 0  # Mistral: a token attends to the last N positions (0: all)
     hf_model_type: str = "llama"  # the Hugging Face architecture it came from / exports as
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # the MLP's gate (Gemma: GeGLU with tanh-GELU)
+    norms: Literal["pre", "post", "both"] = "pre"  # before each branch (Llama), after it (OLMo 2), both (Gemma)
+    qk_norm_whole: bool = False  # OLMo 2: the q/k norms over the whole projection, not per head
+    layer_types: tuple[str, ...] = ()  # per layer "sliding" or "full" (Gemma); (): every layer slides when
+    # sliding_window is set
+    local_rope_theta: float = 0.0  # Gemma 3: the sliding layers' rotary base (0: the rope's)
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers without rotary positions
+    partial_rotary: float = 1.0  # Phi: the fraction of each head that is rotated
+    embed_scale: float = 1.0  # the embedding's multiplier (Gemma: sqrt(d_model); Granite)
+    residual_scale: float = 1.0  # Granite: each branch's multiplier before the residual sum
+    attn_scale: float = 0.0  # the scores' multiplier (0: 1/sqrt(head_dim); Gemma's query_pre_attn_scalar; Granite)
+    logit_scale: float = 1.0  # Granite: the logits' multiplier (1 / logits_scaling)
+    attn_softcap: float = 0.0  # Gemma 2: scores capped to cap * tanh(score / cap) (0: none)
+    logit_softcap: float = 0.0  # Gemma 2: the same for the logits
 
     def __post_init__(self):
         check_config(self)
@@ -70,7 +91,34 @@ class LlamaConfig:
             object.__setattr__(self, "d_ff", -(-(8 * self.d_model // 3) // 64) * 64)
         if self.sliding_window < 0:
             raise ValueError(f"model.sliding_window must be >= 0, got {self.sliding_window}")
+        if self.layer_types and (len(self.layer_types) != self.n_layer or set(self.layer_types) - {"sliding", "full"}):
+            raise ValueError(f"model.layer_types must name 'sliding' or 'full' for each of the {self.n_layer} layers")
+        if any(not 0 <= i < self.n_layer for i in self.nope_layers):
+            raise ValueError(f"model.nope_layers must be layer numbers below {self.n_layer}")
+        if not 0 < self.partial_rotary <= 1 or int(self.head_dim * self.partial_rotary) % 2:
+            raise ValueError("model.partial_rotary must be in (0, 1] and rotate an even part of each head")
+        if min(self.attn_softcap, self.logit_softcap, self.attn_scale, self.local_rope_theta) < 0:
+            raise ValueError("model.attn_softcap, logit_softcap, attn_scale and local_rope_theta must be >= 0")
         check_rope(self.rope)
+
+    def with_layers(self, n: int) -> LlamaConfig:
+        """This model's first n layers (the memory plan probes one and two blocks)."""
+        return replace(
+            self,
+            n_layer=n,
+            layer_types=self.layer_types[:n],
+            nope_layers=tuple(i for i in self.nope_layers if i < n),
+        )
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of one layer (0: it sees every earlier position)."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding" else 0
+        return self.sliding_window
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary)
 
 
 class Llama(nn.Module):
@@ -92,8 +140,14 @@ class Llama(nn.Module):
             raise ValueError("model.vocab_size must be set (it is filled in from the tokenizer)")
         self.cfg = cfg
         rms = lambda d: make_norm("rmsnorm", d, cfg.layer_norm_eps)  # noqa: E731
+        before, after = cfg.norms in ("pre", "both"), cfg.norms in ("post", "both")
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_seq_len)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope, cfg.max_seq_len)
+        local = any(cfg.window_of(i) for i in range(cfg.n_layer)) and cfg.local_rope_theta
+        # Gemma 3's sliding layers turn by their own base, without the global layers' scaling
+        self.local_rotary = (
+            Rotary(cfg.rotary_dim, RopeScaling(cfg.local_rope_theta), cfg.max_seq_len) if local else None
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(
@@ -106,23 +160,45 @@ class Llama(nn.Module):
                     out_bias=cfg.out_bias,
                     dropout=cfg.dropout,
                     qk_norm=rms if cfg.qk_norm else None,
-                    window=cfg.sliding_window,
+                    qk_norm_whole=cfg.qk_norm_whole,
+                    window=cfg.window_of(i),
+                    scale=cfg.attn_scale or None,
+                    softcap=cfg.attn_softcap,
                 ),
-                MLP(cfg.d_model, cfg.d_ff, activation="silu", bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout),
-                rms(cfg.d_model),
-                rms(cfg.d_model),
+                MLP(
+                    cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout
+                ),
+                rms(cfg.d_model) if before else None,
+                rms(cfg.d_model) if before else None,
                 prenorm=True,
                 dropout=cfg.dropout,
+                post_attn=rms(cfg.d_model) if after else None,
+                post_mlp=rms(cfg.d_model) if after else None,
+                residual_scale=cfg.residual_scale,
             )
-            for _ in range(cfg.n_layer)
+            for i in range(cfg.n_layer)
         )
         self.ln_f = rms(cfg.d_model)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_normal_(self)
 
     @property
+    def logit_scale(self) -> float:  # what the fused losses read (objectives.losses.lm_head)
+        return self.cfg.logit_scale
+
+    @property
+    def logit_softcap(self) -> float:
+        return self.cfg.logit_softcap
+
+    @property
     def lm_head_weight(self) -> Tensor:
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def cache_stale(self, cached: int, total: int) -> bool:
+        """LongRoPE turns by other frequencies once a sequence outgrows the pretrained context: a cache
+        filled before that no longer holds this pass's keys (generate reads the sequence again)."""
+        rope = self.cfg.rope
+        return rope.type == "longrope" and cached <= rope.original_max < total
 
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
@@ -138,10 +214,17 @@ class Llama(nn.Module):
     ):
         """input_ids (B, T) -> hidden states (B, T, D); the arguments mean what they mean for GPT
         (blocks.decoder_positions): caches, every layer's output, packed documents, left padding."""
-        pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
-        rope = self.rotary(pos if pos.dim() == 2 else pos[None])  # each (B or 1, T, hs)
-        x = self.drop(self.wte(input_ids))  # (B, T, D)
-        call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=rope)
+        cfg = self.cfg
+        pos, mask = decoder_positions(input_ids, caches, cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
+        pos = pos if pos.dim() == 2 else pos[None]  # (B or 1, T)
+        rope = self.rotary(pos)  # each (B or 1, T, rotary_dim)
+        local_rope = self.local_rotary(pos) if self.local_rotary is not None else rope
+        ropes = [None if i in cfg.nope_layers else local_rope if cfg.window_of(i) else rope for i in range(cfg.n_layer)]
+        x = self.wte(input_ids)  # (B, T, D)
+        if cfg.embed_scale != 1.0:  # Gemma rounds sqrt(d_model) to the weights' precision first
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        x = self.drop(x)
+        call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=ropes[i])
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
@@ -150,5 +233,10 @@ class Llama(nn.Module):
         return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.n_head * self.cfg.head_dim)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """(B, T, D) -> (B, T, vocab)."""
-        return hidden @ self.lm_head_weight.t()
+        """(B, T, D) -> (B, T, vocab), scaled (Granite) and soft-capped (Gemma 2) where the model is."""
+        out = hidden @ self.lm_head_weight.t()
+        if self.cfg.logit_scale != 1.0:
+            out = out * self.cfg.logit_scale
+        if self.cfg.logit_softcap:
+            out = torch.tanh(out / self.cfg.logit_softcap) * self.cfg.logit_softcap
+        return out

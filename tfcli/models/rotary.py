@@ -9,6 +9,8 @@ exactly, so that a Llama, Qwen or Mistral directory computes the same logits her
   dynamic   NTK-aware: theta grows once a sequence outruns the context the model was trained on
   llama3    Llama 3.1's smooth per-band interpolation (low_freq_factor, high_freq_factor)
   yarn      YaRN: interpolation blended with extrapolation per band, cos/sin scaled by mscale
+  longrope  LongRoPE (Phi-3/4): a factor per frequency, the short set within the pretrained context and
+            the long set past it, cos/sin scaled by sqrt(1 + ln(factor) / ln(pretrained context))
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn
     attention_factor: float = 0.0  # yarn: cos/sin scale (0: from factor)
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] = ()  # longrope: within the pretrained context, one per frequency
+    long_factor: tuple[float, ...] = ()  # longrope: past it
 
 
 def check_rope(scaling: RopeScaling) -> None:
@@ -43,6 +47,8 @@ def check_rope(scaling: RopeScaling) -> None:
         raise ValueError(f"model.rope_type {scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     if scaling.theta <= 0 or scaling.factor <= 0:
         raise ValueError("model.rope_theta and model.rope_factor must be > 0")
+    if scaling.type == "longrope" and not (scaling.short_factor and scaling.long_factor and scaling.original_max):
+        raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
 
 
 def base_frequencies(dim: int, theta: float) -> Tensor:
@@ -64,7 +70,22 @@ def frequencies(dim: int, s: RopeScaling, context: int, seq_len: int = 0) -> tup
         return _llama3(base_frequencies(dim, s.theta), s, s.original_max or context), 1.0
     if s.type == "yarn":
         return _yarn(dim, s, s.original_max or context)
+    if s.type == "longrope":
+        return _longrope(dim, s, seq_len)
     return base_frequencies(dim, s.theta), 1.0
+
+
+def _longrope(dim: int, s: RopeScaling, seq_len: int) -> tuple[Tensor, float]:
+    """LongRoPE: base frequencies each divided by its own factor, the long set once a sequence
+    outruns the pretrained context (s.original_max), the short set before."""
+    factors = s.long_factor if seq_len > s.original_max else s.short_factor
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for {dim // 2} rotary frequencies")
+    scale = s.attention_factor or (
+        math.sqrt(1 + math.log(s.factor) / math.log(s.original_max)) if s.factor > 1 else 1.0
+    )
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * s.theta**shape), scale
 
 
 def _llama3(inv_freq: Tensor, s: RopeScaling, old_context: int) -> Tensor:
@@ -111,7 +132,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq
-        if self.scaling.type == "dynamic":
+        if self.scaling.type in ("dynamic", "longrope"):
             longest = int(positions.max()) + 1
             if longest > (self.scaling.original_max or self.context):
                 inv_freq = frequencies(self.head_dim, self.scaling, self.context, longest)[0].to(inv_freq.device)
@@ -140,4 +161,6 @@ def rope_scaling_of(theta: float, params: dict | None) -> RopeScaling:
         beta_slow=float(p.get("beta_slow") or 1.0),
         attention_factor=float(p.get("attention_factor") or 0.0),
         truncate=bool(p.get("truncate", True)),
+        short_factor=tuple(float(f) for f in p.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in p.get("long_factor") or ()),
     )

@@ -40,7 +40,7 @@ from ..engine.perf import training_flops_multiplier
 from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..models import kinds
-from ..objectives.losses import sequence_logprobs
+from ..objectives.losses import lm_head, sequence_logprobs
 from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .reference import reference_mode, reference_of, starting_model
@@ -81,7 +81,8 @@ def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
     the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply."""
     hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
-    return torch.cat([sequence_logprobs(hidden, model.lm_head_weight, t) for t in reply_targets(batch)])
+    head = lm_head(model, hidden)
+    return torch.cat([sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in reply_targets(batch)])
 
 
 def reply_targets(batch: dict[str, Tensor]) -> list[Tensor]:

@@ -22,7 +22,7 @@ from ..data import IGNORE
 from ..data.conversations import DecoderExamples, Example, Seq2SeqExample, Seq2SeqExamples
 from ..data.sampler import Draw, Source
 from ..models import kinds
-from ..objectives.losses import linear_cross_entropy, seq2seq_loss, shift_right
+from ..objectives.losses import linear_cross_entropy, lm_head, seq2seq_loss, shift_right
 
 
 def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -32,7 +32,10 @@ def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor
     hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
     targets = batch["targets"]  # (B, T), IGNORE where nothing is learned
     valid = targets != IGNORE
-    value, correct = linear_cross_entropy(hidden[valid], model.lm_head_weight, targets[valid], with_accuracy=True)
+    head = lm_head(model, hidden[valid])
+    value, correct = linear_cross_entropy(
+        head.hidden, head.weight, targets[valid], with_accuracy=True, softcap=head.softcap
+    )
     return value, {"loss": value.detach(), "token_acc": correct.float() / valid.sum().clamp(min=1)}
 
 

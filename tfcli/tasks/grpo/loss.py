@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ...data import IGNORE
-from ...objectives.losses import token_logprobs
+from ...objectives.losses import lm_head, token_logprobs
 from .config import EPS, GRPOConfig
 
 
@@ -96,7 +96,8 @@ class GRPOLoss:
 def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], temperature: float) -> Tensor:
     """(R, T) log pi of each completion token (of logits / temperature), 0 elsewhere."""
     hidden = model(batch["input_ids"])  # (R, T, D)
-    return token_logprobs(hidden / temperature, model.lm_head_weight, batch["targets"])
+    head = lm_head(model, hidden)
+    return token_logprobs(head.hidden, head.weight, batch["targets"], head.softcap, temperature)
 
 
 def rows_of(prompts: list[list[int]], completions: list[list[int]], masked: list[bool], pad: int) -> dict[str, Tensor]:
