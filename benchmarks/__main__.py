@@ -21,6 +21,7 @@ ALL = [
     "busy",
     "generation",
     "smollm2",
+    "families",
     "sft",
     "dpo",
     "grpo",

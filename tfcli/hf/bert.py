@@ -74,18 +74,25 @@ def config_to_hf(cfg: BertConfig) -> dict:
     }
 
 
-def rules(cfg: BertConfig) -> list[Rule]:
-    out = [rule(f"model.{ours}", f"bert.{theirs}") for ours, theirs in _EMBED]
+def encoder_rules(cfg: BertConfig, prefix: str) -> list[Rule]:
+    """The encoder's table under transformers' `prefix` (bert, roberta): embeddings and blocks."""
+    out = [rule(f"model.{ours}", f"{prefix}.{theirs}") for ours, theirs in _EMBED]
     for w in ("weight", "bias"):
-        out.append(rule(f"model.pooler.{w}", f"bert.pooler.dense.{w}", optional=True))
         for i in range(cfg.n_layer):
-            p = f"bert.encoder.layer.{i}."
+            p = f"{prefix}.encoder.layer.{i}."
             out.append(
                 rule(
                     f"model.blocks.{i}.attn.qkv.{w}", *(f"{p}attention.self.{n}.{w}" for n in ("query", "key", "value"))
                 )
             )
             out += [rule(f"model.blocks.{i}.{ours}.{w}", f"{p}{theirs}.{w}") for ours, theirs in _LAYER]
+    return out
+
+
+def rules(cfg: BertConfig) -> list[Rule]:
+    out = encoder_rules(cfg, "bert")
+    for w in ("weight", "bias"):
+        out.append(rule(f"model.pooler.{w}", f"bert.pooler.dense.{w}", optional=True))
         out += [rule(f"heads.{ours}.{w}", f"{theirs}.{w}", optional=True) for ours, theirs in _HEADS]
     out.append(rule("heads.mlm.bias", "cls.predictions.bias", optional=True))
     return out

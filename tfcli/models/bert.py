@@ -44,6 +44,8 @@ class BertConfig:
     dropout: float = 0.1  # hidden and attention-probability dropout, as in BERT
     layer_norm_eps: float = 1e-12
     activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+    position_offset: int = 0  # RoBERTa: positions count from pad id + 1 (2), so max_seq_len - 2 tokens fit
+    hf_model_type: str = "bert"  # the Hugging Face architecture it came from / exports as (bert, roberta, ...)
 
     def __post_init__(self):
         check_config(self)
@@ -51,8 +53,15 @@ class BertConfig:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if self.type_vocab_size < 1:
             raise ValueError("model.type_vocab_size must be at least 1")
+        if not 0 <= self.position_offset < self.max_seq_len:
+            raise ValueError("model.position_offset must be in [0, model.max_seq_len)")
         if not self.d_ff:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+    @property
+    def context(self) -> int:
+        """The longest input, in tokens (RoBERTa's first positions are taken by its offset)."""
+        return self.max_seq_len - self.position_offset
 
 
 def encoder_blocks(cfg: BertConfig) -> nn.ModuleList:
@@ -88,7 +97,8 @@ class Bert(nn.Module):
 
     @staticmethod
     def pad_id(tokenizer) -> int:
-        return tokenizer.token_id("[PAD]") or 0
+        """[PAD], or RoBERTa's <pad>."""
+        return next((i for i in map(tokenizer.token_id, ("[PAD]", "<pad>")) if i is not None), 0)
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
@@ -110,10 +120,12 @@ class Bert(nn.Module):
 
     def embed(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T), token_type_ids (B, T) of 0/1 -> normalised embeddings (B, T, D)."""
-        T = input_ids.size(1)
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.max_seq_len} positions")
-        x = self.wte(input_ids) + self.wpe(torch.arange(T, device=input_ids.device))  # (B, T, D)
+        T, offset = input_ids.size(1), self.cfg.position_offset
+        if T + offset > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than the model's {self.cfg.max_seq_len - offset} positions"
+            )
+        x = self.wte(input_ids) + self.wpe(torch.arange(offset, offset + T, device=input_ids.device))  # (B, T, D)
         x = x + (self.wse(token_type_ids) if token_type_ids is not None else self.wse.weight[0])
         return self.drop(self.ln_emb(x))
 
@@ -177,10 +189,19 @@ def build_heads(cfg, nsp: bool = True) -> nn.ModuleDict:
     return heads
 
 
+BERT_SPECIALS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+ROBERTA_SPECIALS = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+
+
 def special_ids(tokenizer) -> dict[str, int]:
-    names = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
-    out = {k: tokenizer.token_id(v) for k, v in names.items()}
-    missing = [names[k] for k, v in out.items() if v is None]
-    if missing:
-        raise UserError(f"the tokenizer lacks {', '.join(missing)}, which BERT needs (a BERT WordPiece vocabulary)")
-    return out
+    """The ids of the encoder's special tokens: BERT's WordPiece [CLS] ... [SEP], or RoBERTa's byte-level
+    <s> ... </s> (which also separates a pair with two </s>: `pair_sep`)."""
+    for names, pair in ((BERT_SPECIALS, 1), (ROBERTA_SPECIALS, 2)):
+        out = {k: tokenizer.token_id(v) for k, v in names.items()}
+        if all(v is not None for v in out.values()):
+            return {**out, "pair_sep": pair}
+    missing = [v for k, v in BERT_SPECIALS.items() if tokenizer.token_id(v) is None]
+    raise UserError(
+        f"the tokenizer lacks {', '.join(missing)}, which BERT needs (a BERT WordPiece vocabulary, or "
+        f"RoBERTa's <s> </s> <pad> <unk> <mask>)"
+    )

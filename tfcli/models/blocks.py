@@ -255,10 +255,11 @@ class Attention(nn.Module):
         t_key = k.size(2)
         is_causal = False
         if causal:
-            if mask is None and t_key == T and not self.window:
+            window = self.window if self.window and t_key > self.window else 0  # a window longer than the keys is moot
+            if mask is None and t_key == T and not window:
                 is_causal = True  # fast path: SDPA builds the triangle itself
-            elif T > 1 or self.window:
-                allowed = causal_mask(T, t_key, x.device, self.window)
+            elif T > 1 or window:
+                allowed = causal_mask(T, t_key, x.device, window)
                 mask = allowed if mask is None else _combine(mask, allowed)
         if self.softcap:
             if is_causal:

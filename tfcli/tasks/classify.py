@@ -97,10 +97,12 @@ def encode(tokenizer, rows: list, max_length: int) -> list[tuple[np.ndarray, int
     out = []
     for k, (_, label) in enumerate(rows):
         parts = [list(e[k]) for e in encoded]  # one or two token lists
-        while sum(map(len, parts)) > max_length - 1 - len(parts):
+        while sum(map(len, parts)) > max_length - 1 - len(parts) - (ids["pair_sep"] - 1) * (len(parts) - 1):
             longest = max(range(len(parts)), key=lambda i: len(parts[i]))
             parts[longest].pop()
-        seq = [ids["cls"]] + [t for p in parts for t in (*p, ids["sep"])]
+        seq = [ids["cls"], *parts[0], ids["sep"]]  # RoBERTa: <s> a </s></s> b </s>
+        for p in parts[1:]:
+            seq += [ids["sep"]] * (ids["pair_sep"] - 1) + [*p, ids["sep"]]
         out.append((np.array(seq, dtype=np.int64), len(parts[0]) + 2, label))
     return out
 
@@ -275,7 +277,7 @@ class Classify(ClassificationTask):
         """A linear classifier on pooled features, for any family: BERT reads [CLS] a [SEP] b [SEP], a
         GPT or T5 the task's text ("mnli premise: ... hypothesis: ...")."""
         cfg, tok, spec = backbone.cfg, backbone.tokenizer, text_spec(recipe.settings)
-        max_length = min(recipe.data.seq_len, getattr(cfg, "max_seq_len", recipe.data.seq_len))
+        max_length = min(recipe.data.seq_len, getattr(cfg, "context", getattr(cfg, "max_seq_len", recipe.data.seq_len)))
         if backbone.model.kind == kinds.TEXT_ENCODER:
             pad = special_ids(tok)["pad"]
             encode_rows, batch = (lambda rows: encode(tok, rows, max_length)), (lambda ex: collate(ex, pad))
@@ -304,7 +306,7 @@ class Classify(ClassificationTask):
         pieces = cloze.parse_template(
             settings.cloze_template or cloze.default_template(spec.text_fields), spec.text_fields
         )
-        ids, max_length = special_ids(tok), min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        ids, max_length = special_ids(tok), min(recipe.data.seq_len, backbone.cfg.context)
         mlm = build_heads(backbone.cfg, nsp=False) if "mlm.bias" in backbone.heads else None
         if mlm is None and not self.quiet:
             console.print(

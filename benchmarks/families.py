@@ -1,0 +1,144 @@
+"""The llama family's newer architectures (issue 59) against transformers (and peft) at real shapes,
+random weights: the same weights read by both sides from one transformers directory, the same batch,
+the same threads, fp32, each contender in a fresh process of its own.
+
+  gemma3    Gemma-3-270M's shape (18 layers, d 640, 4 heads of 256, 1 key/value head, GeGLU 2048,
+            sliding window 512 in five of six layers, vocabulary 262,144)
+  phi3      Phi-3-mini's shape (d 3072, 32 heads of 96, partial rotary off, MLP 8192, vocabulary
+            32,064) cut to 2 layers, so that a full step (weights, gradients, AdamW) fits this machine
+
+Each: a full training step (AdamW, fused) and a LoRA step (rank 8 on q, k, v, o, gate, up, down;
+peft's LoraConfig the same; Phi-3's fused qkv_proj and gate_up_proj adapted whole on peft's side,
+which is the same number of adapted outputs), batch BENCH_FAMILIES_BATCH (2) x 256 tokens.
+Target: tfcli >= 1.3x transformers' tokens/s.
+
+    python -m benchmarks families
+    BENCH_FAMILIES=phi3 python -m benchmarks families
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import Contenders, isolated, report, train_step
+
+BATCH, SEQ = int(os.environ.get("BENCH_FAMILIES_BATCH", 2)), 256
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+HF_TARGETS = {
+    "gemma3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+SHAPES = {
+    "gemma3": dict(
+        model_type="gemma3_text",
+        vocab_size=262144,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    ),
+}
+DIRECTORY = Path(os.environ.get("BENCH_FAMILIES_DIR", Path(tempfile.gettempdir()) / "tfcli-bench-families"))
+
+
+def directory(name: str) -> Path:
+    """The random model of `name` as a transformers directory (written once, then reused)."""
+    import transformers
+
+    path = DIRECTORY / name
+    if not (path / "config.json").is_file():
+        shape = dict(SHAPES[name])
+        config = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape, pad_token_id=0)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    block = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": block[:, :-1], "targets": block[:, 1:]}
+
+
+def _ours_step(name: str, lora: bool):
+    from tfcli import adapters
+    from tfcli.engine.backbone import for_inference
+    from tfcli.objectives.next_token import loss
+    from tfcli.recipe import AdapterConfig
+
+    model = for_inference(directory(name)).model.train()
+    b = batch(model.cfg.vocab_size)
+    model.requires_grad_(True)
+    if lora:
+        adapters.apply(model, "lora", AdapterConfig(rank=8, alpha=16, dropout=0.0, targets=TARGETS))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return train_step(lambda: loss(model, None, b)[0], torch.optim.AdamW(params, lr=1e-4, fused=True))
+
+
+def _their_step(name: str, lora: bool):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory(name)).train()
+    b = batch(model.config.vocab_size)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=HF_TARGETS[name])
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    return train_step(
+        lambda: model(input_ids=b["input_ids"], labels=b["input_ids"]).loss,
+        torch.optim.AdamW(params, lr=1e-4, fused=True),
+    )
+
+
+def contenders(name: str, lora: bool) -> Contenders:
+    return {"tfcli": lambda: _ours_step(name, lora), "transformers": lambda: _their_step(name, lora)}
+
+
+def gemma3_full() -> Contenders:
+    return contenders("gemma3", False)
+
+
+def gemma3_lora() -> Contenders:
+    return contenders("gemma3", True)
+
+
+def phi3_full() -> Contenders:
+    return contenders("phi3", False)
+
+
+def phi3_lora() -> Contenders:
+    return contenders("phi3", True)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    for name in os.environ.get("BENCH_FAMILIES", "gemma3,phi3").split(","):
+        directory(name)
+        for mode in ("full", "lora"):
+            seconds = isolated(f"families:{name}_{mode}", ["tfcli", "transformers"], warmup=1, steps=3, repeats=1)
+            report(f"{name} {mode} train step (b{BATCH} x {SEQ}, fp32)", "tok", BATCH * SEQ, seconds, target=1.3)
+
+
+if __name__ == "__main__":
+    main()
