@@ -80,11 +80,14 @@ def batch(vocab: int) -> dict[str, torch.Tensor]:
 
 def _ours_step(name: str, lora: bool):
     from tfcli import adapters
-    from tfcli.engine.backbone import for_inference
+    from tfcli.engine.backbone import load_hf_weights
+    from tfcli.hf.interop import read_pretrained
+    from tfcli.models import build_model
     from tfcli.objectives.next_token import loss
     from tfcli.recipe import AdapterConfig
 
-    model = for_inference(directory(name)).model.train()
+    cfg, state = read_pretrained(directory(name))  # a directory without a tokenizer: the model alone
+    model = load_hf_weights(build_model(cfg), state, directory(name)).train()
     b = batch(model.cfg.vocab_size)
     model.requires_grad_(True)
     if lora:

@@ -23,6 +23,7 @@ from tfcli.models import FAMILIES, model_class
 from tfcli.models.bert import Bert, BertConfig
 from tfcli.models.gpt import GPT, GPTConfig
 from tfcli.models.llama import Llama, LlamaConfig
+from tfcli.models.modernbert import ModernBert, ModernBertConfig
 from tfcli.models.t5 import T5, T5Config
 from tfcli.models.vit import ViT, ViTConfig
 from tfcli.plugin import Backbone
@@ -50,6 +51,8 @@ def tiny(family: str):
         return Llama(LlamaConfig(n_layer=4, n_head=2, n_kv_head=1, d_model=32, d_ff=64, max_seq_len=32, vocab_size=120))
     if family == "t5":
         return T5(T5Config(n_layer=2, n_decoder_layer=2, n_head=2, d_model=32, d_ff=64, vocab_size=120))
+    if family == "modernbert":
+        return ModernBert(ModernBertConfig(n_layer=3, n_head=2, d_model=32, d_ff=48, vocab_size=120, local_window=4))
     return ViT(ViTConfig(image_size=16, patch_size=4, n_layer=2, n_head=2, d_model=32, d_ff=64))
 
 
@@ -78,7 +81,7 @@ def theirs(family: str, arch: str, out, batch) -> torch.Tensor:
     inputs = {
         k: batch[k]
         for k in ("input_ids", "attention_mask", "token_type_ids")
-        if family == "bert" or k != "token_type_ids"
+        if family == "bert" or k != "token_type_ids"  # token types: BERT's alone
     }
     if arch != "BertModel":
         return model(**inputs).logits
@@ -120,6 +123,7 @@ def test_a_classifier_export_loads_with_its_logits_or_is_refused(family, pooling
     exportable = (family, pooling) in {
         ("bert", "cls"),
         ("bert", "mean"),
+        ("modernbert", "cls"),
         ("gpt", "last"),
         ("vit", "cls"),
         ("vit", "mean"),

@@ -467,8 +467,11 @@ def available() -> list[str]:
 
 
 def shipped_recipes(pattern: str, families: tuple[str, ...]) -> dict[str, str]:
-    """family -> the shipped recipe `pattern` names for it ("{family}-mini"), for those that exist."""
-    names = {f: pattern.format(family=f) for f in families} if pattern else {}
+    """family -> the shipped recipe `pattern` names for it ("{family}-mini"), for those that exist; a
+    pattern that names no family ("electra-mini") is the first family's."""
+    names = {f: pattern.format(family=f) for f in families} if "{family}" in pattern else {}
+    if pattern and not names and families:
+        names = {families[0]: pattern}
     return {f: n for f, n in names.items() if (RECIPES_DIR / f"{n}.yaml").is_file()}
 
 

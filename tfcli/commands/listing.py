@@ -104,7 +104,10 @@ def models():
     from ..models import FAMILIES, kind_of
 
     def plugins(kind: str, family: str) -> str:
-        keys = [k for k in registry.known(kind) if family in registry.plugin_class(kind, k).families]
+        """The tasks that train a family's model (given with --from); the objectives with a recipe for it
+        (pretraining builds the model from a recipe)."""
+        classes = {k: registry.plugin_class(kind, k) for k in registry.known(kind)}
+        keys = [k for k, c in classes.items() if family in (c.recipes if kind == "objective" else c.families)]
         return ", ".join(keys) or "-"
 
     table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")

@@ -13,13 +13,20 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gemma, gguf, gpt2, granite, llama, olmo2, peft, phi3, roberta, smollm3, t5, vit
+from . import bert, gemma, gguf, gpt2, granite, llama, modernbert, olmo2, peft, phi3, roberta, smollm3, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
-FAMILIES = {"gpt": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}  # tfcli family -> its default table
+FAMILIES = {
+    "gpt": gpt2,
+    "llama": llama,
+    "bert": bert,
+    "modernbert": modernbert,
+    "t5": t5,
+    "vit": vit,
+}  # tfcli family -> its default table
 # every table module and the tfcli family its model types build: the llama family's switches take several
 TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
-TABLES |= {smollm3: "llama", bert: "bert", roberta: "bert", t5: "t5", vit: "vit"}
+TABLES |= {smollm3: "llama", bert: "bert", roberta: "bert", modernbert: "modernbert", t5: "t5", vit: "vit"}
 
 
 def table_of_type(model_type: str | None, where: Path):

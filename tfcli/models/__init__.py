@@ -12,6 +12,7 @@ from . import kinds
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .modernbert import ModernBert, ModernBertConfig
 from .t5 import T5, T5Config
 from .vit import ViT, ViTConfig
 
@@ -20,6 +21,7 @@ FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "llama": (LlamaConfig, Llama),
     "t5": (T5Config, T5),
     "bert": (BertConfig, Bert),
+    "modernbert": (ModernBertConfig, ModernBert),
     "vit": (ViTConfig, ViT),
 }
 

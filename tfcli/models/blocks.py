@@ -158,7 +158,8 @@ class Attention(nn.Module):
     - rotary positions: forward(rope=(cos, sin)) rotates q and k (models/rotary.py makes them), all
       of each head or, when cos is narrower than a head, its first dimensions only (Phi's partial
       rotary);
-    - an optional sliding window: a query sees at most the last `window` keys, itself included;
+    - an optional sliding window: a causal query sees at most the last `window` keys, itself
+      included; a bidirectional one the `window` keys on either side (ModernBERT's local layers);
     - optional soft-capping of the scores, cap * tanh(scores / cap) (Gemma 2): SDPA cannot, so those
       layers compute the scores themselves.
 
@@ -261,6 +262,10 @@ class Attention(nn.Module):
             elif T > 1 or window:
                 allowed = causal_mask(T, t_key, x.device, window)
                 mask = allowed if mask is None else _combine(mask, allowed)
+        elif self.window and t_key > self.window + 1:  # bidirectional: `window` keys on either side
+            offset = torch.arange(t_key, device=x.device) - torch.arange(t_key - T, t_key, device=x.device)[:, None]
+            allowed = offset.abs() <= self.window  # (T, Tk)
+            mask = allowed if mask is None else _combine(mask, allowed)
         if self.softcap:
             if is_causal:
                 mask = causal_mask(T, t_key, x.device)

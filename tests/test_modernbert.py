@@ -1,0 +1,144 @@
+"""ModernBERT against transformers on the same weights (a tiny random config transformers writes, fp32):
+the encoder's hidden states on right-padded rows, with local attention narrower than the rows, a
+[CLS] classification step's loss and every gradient, and the export reloaded by transformers with the
+same logits; what tfcli does not implement refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tfcli.errors import UserError  # noqa: E402
+from tfcli.hf import convert  # noqa: E402
+from tfcli.hf import interop as hf  # noqa: E402
+from tfcli.models import build_model  # noqa: E402
+from tfcli.plugin import Backbone  # noqa: E402
+
+from .test_llama import spread_  # noqa: E402
+
+SHAPE = dict(
+    vocab_size=80, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+    max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=3, pad_token_id=0,
+    bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None, classifier_dropout=0.0,
+    norm_bias=True,
+)  # fmt: skip
+IDS = torch.randint(3, 80, (3, 12), generator=torch.Generator().manual_seed(2))
+MASK = torch.ones_like(IDS)
+MASK[1, 8:], MASK[2, 5:] = 0, 0  # right padding
+IDS = IDS.masked_fill(MASK == 0, 0)
+
+
+def saved(path, **extra):
+    config = transformers.ModernBertConfig(**{**SHAPE, **extra})
+    torch.manual_seed(0)
+    model = transformers.ModernBertForSequenceClassification(config).eval()
+    spread_(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(0.4)
+    model.save_pretrained(path)
+    return model
+
+
+def read(path):
+    cfg, state = hf.read_pretrained(path)
+    model = build_model(cfg).eval()
+    missing, _ = model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")}, strict=False)
+    assert not missing
+    return cfg, model, {k[6:]: v for k, v in state.items() if k.startswith("heads.")}
+
+
+def test_the_encoder_and_its_classifier_match_transformers(tmp_path):
+    theirs = saved(tmp_path / "m", num_labels=3)
+    cfg, ours, heads = read(tmp_path / "m")
+    assert cfg.layer_types == ("full", "sliding", "sliding") and cfg.local_window == 4
+    classifier = torch.nn.Linear(32, 3)
+    classifier.load_state_dict({k[len("classifier.") :]: v for k, v in heads.items()})
+    with torch.no_grad():
+        out = theirs(IDS, attention_mask=MASK, output_hidden_states=True)
+        hidden = ours(IDS, None, MASK)
+        real = MASK.bool()
+        assert (hidden[real] - theirs.model(IDS, attention_mask=MASK).last_hidden_state[real]).abs().max() < 1e-4
+        assert (classifier(ours.pool(hidden)) - out.logits).abs().max() < 1e-4
+        narrow = ours(IDS[:, :12], None, MASK)  # the local layers matter: widening them changes the output
+        ours.blocks[1].attn.window = ours.blocks[2].attn.window = 64
+        assert (ours(IDS[:, :12], None, MASK) - narrow).abs().max() > 1e-3
+
+
+def test_a_classification_step_gives_transformers_loss_and_gradients(tmp_path):
+    theirs = saved(tmp_path / "m", num_labels=3).train()
+    cfg, ours, heads = read(tmp_path / "m")
+    ours.train()
+    classifier = torch.nn.Linear(32, 3)
+    classifier.load_state_dict({k[len("classifier.") :]: v for k, v in heads.items()})
+    labels = torch.tensor([0, 2, 1])
+    want = theirs(IDS, attention_mask=MASK, labels=labels).loss
+    want.backward()
+    got = torch.nn.functional.cross_entropy(classifier(ours.pool(ours(IDS, None, MASK))), labels)
+    got.backward()
+    assert abs(got.item() - want.item()) < 1e-5
+    grads = {f"model.{n}": p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    grads |= {f"heads.classifier.{n}": p.grad for n, p in classifier.named_parameters()}
+    named = convert.to_hf(grads, hf.modernbert.rules(cfg))
+    reference = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
+    assert named.keys() == reference.keys()
+    assert max((named[n] - reference[n]).abs().max().item() for n in named) < 1e-5
+
+
+def test_a_classifier_exports_as_modernbert_for_sequence_classification(tmp_path):
+    theirs = saved(tmp_path / "m", num_labels=3)
+    cfg, ours, heads = read(tmp_path / "m")
+    backbone = Backbone(model=ours, tokenizer=None, source="test", heads=heads, labels=("a", "b", "c"))
+    arch, _ = hf.export(backbone, None, tmp_path / "out")
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    assert arch == "ModernBertForSequenceClassification" and reloaded.config.id2label[2] == "c"
+    with torch.no_grad():
+        assert (reloaded(IDS, attention_mask=MASK).logits - theirs(IDS, attention_mask=MASK).logits).abs().max() < 1e-4
+
+
+def test_an_unknown_rope_type_is_refused_in_one_line(tmp_path):
+    saved(tmp_path / "m", num_labels=3)
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw["rope_parameters"]["full_attention"]["rope_type"] = "ntk-by-parts"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="rope_type 'ntk-by-parts' is not supported"):
+        hf.read_pretrained(tmp_path / "m")
+
+
+@pytest.mark.slow  # whole suite only: the parity tests above exercise the modules
+@pytest.mark.parametrize("method", ["all", "lora"])
+def test_mnli_trains_resumes_bit_for_bit_and_exports(method, mnli_dir, tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_resume_matrix import assert_resumes_exactly
+
+    tok = load_tokenizer_files("builtin:bert-base-uncased", [])
+    saved(tmp_path / "model", num_labels=3, vocab_size=tok.vocab_size)
+    tok.tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    args = [
+        "mnli",
+        "--from",
+        tmp_path / "model",
+        "--data",
+        mnli_dir,
+        "--train",
+        method,
+        "--batch-size",
+        4,
+        "--pooling",
+        "cls",
+    ]
+    args += ["--set", "finetune.eval_limit=8", "--set", "data.seq_len=32"]
+    assert_resumes_exactly("finetune", args, tmp_path)
+    out = tmp_path / "out"
+    from .conftest import invoke
+
+    exported = invoke("export", "--checkpoint", tmp_path / "whole", "--hf", out)
+    assert exported.exit_code == 0, exported.output
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert reloaded.config.model_type == "modernbert" and reloaded.config.num_labels == 3
