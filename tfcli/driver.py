@@ -186,7 +186,8 @@ def fit_memory(
     it started, and its plan counts reading that checkpoint."""
     t = recipe.train
     if rt.device.type == "cpu" and not dry_run:  # before the probes: training's setting, a limit's or glibc's ceiling
-        memory.follow_the_plan(limited=bool(memory.parse_limit(t.memory_limit)))
+        quantized = recipe.finetune is not None and adapters.method(recipe.finetune.train).quantized
+        memory.follow_the_plan(limited=bool(memory.parse_limit(t.memory_limit)) or quantized)
     restoring = checkpoint.tensor_file_bytes(resumed) if resumed is not None else 0.0
     plans, capacity = memory.planner(recipe, job, model, rt, reading, dry_run, restoring)
     limit = 0.0 if resumed else memory.limit_of(t.memory_limit, capacity)

@@ -107,8 +107,8 @@ def models():
         """The tasks that train a family's model (given with --from); the objectives with a recipe for it
         (pretraining builds the model from a recipe)."""
         classes = {k: registry.plugin_class(kind, k) for k in registry.known(kind)}
-        keys = [k for k, c in classes.items() if family in (c.recipes if kind == "objective" else c.families)]
-        return ", ".join(keys) or "-"
+        takes = {k: c.recipes if kind == "objective" else c.families for k, c in classes.items()}
+        return ", ".join(k for k, of in takes.items() if family in of) or "-"
 
     table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")
     for family in FAMILIES:

@@ -553,8 +553,9 @@ def follow_the_plan(limited: bool = True) -> bool:
     the start, stops both: at 32 MB (the default; glibc's own ceiling) the heap's top is given back as
     it frees, and trim_after_each_block returns its holes; with train.memory_limit set (`limited`), 1 MB
     maps and unmaps every large block, closest to the plan, at the cost of the kernel zeroing fresh
-    pages every step, so only when a limit asks for it (figures: docs/results/measured.md). Returns
-    whether the allocator took the setting (glibc only)."""
+    pages every step, so only when a limit asks for it, or when a 4-bit base is dequantized on every
+    use (QLoRA: temporaries of every linear's size, which a heap keeps apart). Figures:
+    docs/results/measured.md. Returns whether the allocator took the setting (glibc only)."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
