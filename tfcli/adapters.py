@@ -43,6 +43,9 @@ def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> tuple[tuple[
     """The parts a block's linear holds and their widths, in output order (None for a linear outside
     the blocks): an attention's layout (grouped-query attention's k and v narrower than q), or the
     MLP's one part."""
+    ask = getattr(model, "linear_parts", None)  # a model that names its linears itself (models/generic.py)
+    if ask is not None:
+        return ask(name, module)
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, Attention) and leaf in ("qkv", "kv", "q", "out"):

@@ -113,11 +113,12 @@ def models():
     table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")
     for family in FAMILIES:
         types = [t for module, f in TABLES.items() if f == family for t in module.MODEL_TYPES]
-        read = [t + (" +gguf" if t in gguf.ARCHITECTURES else "") for t in types] or ["-"]
+        read = [t + (" +gguf" if t in gguf.ARCHITECTURES else "") for t in types] or ["any other transformers ships"]
         table.add_row(family, kind_of(family), ", ".join(read), plugins("objective", family), plugins("task", family))
     console.print(table)
     console.print(
         f"Every task trains with --train {' | '.join(adapters.METHODS)} where its kind allows. +gguf: "
-        "GGUF files read and written (llama.cpp's architecture of that name). Other transformers "
-        "architectures are refused in one line: the generic transformers path is not built yet."
+        "GGUF files read and written (llama.cpp's architecture of that name). transformers, "
+        "transformers-encoder: any other architecture transformers ships, through its own modules "
+        "(pip install 'tfcli[transformers]'); a native family is always preferred."
     )

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gemma, gguf, gpt2, granite, llama, modernbert, olmo2, peft, phi3, roberta, smollm3, t5, vit
+from . import bert, gemma, generic, gguf, gpt2, granite, llama, modernbert, olmo2, peft, phi3, roberta, smollm3, t5, vit
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
 FAMILIES = {
@@ -24,23 +24,44 @@ FAMILIES = {
     "t5": t5,
     "vit": vit,
 }  # tfcli family -> its default table
+FAMILIES |= {"transformers": generic, "transformers-encoder": generic}  # any other architecture transformers ships
 # every table module and the tfcli family its model types build: the llama family's switches take several
 TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
 TABLES |= {smollm3: "llama", bert: "bert", roberta: "bert", modernbert: "modernbert", t5: "t5", vit: "vit"}
 
 
-def table_of_type(model_type: str | None, where: Path):
-    """The table module that reads a transformers model_type, or one line naming those tfcli reads."""
+def table_of_type(model_type: str | None, where: Path, remote: bool = False):
+    """The table module that reads a transformers model_type: a native family's, else the generic path's
+    for any other type transformers ships (the optional extra); or one line naming what tfcli reads.
+    `remote`: the config names code of its own (auto_map), which is never run."""
     for module in TABLES:
         if model_type in module.MODEL_TYPES:
             return module
     known = ", ".join(t for m in TABLES for t in m.MODEL_TYPES)
-    raise UserError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            f"{where}: model_type {model_type!r} has no native family (native: {known}); any other "
+            f"architecture transformers ships runs with pip install 'tfcli[transformers]'"
+        ) from None
+    if model_type in transformers.CONFIG_MAPPING:
+        return generic
+    if remote:
+        raise UserError(
+            f"{where}: model_type {model_type!r} asks for remote code (auto_map); tfcli never runs a checkpoint's code"
+        )
+    raise UserError(
+        f"{where}: model_type {model_type!r} is not supported (native: {known}; nor does transformers ship it)"
+    )
 
 
 def family_of_config(raw: dict, where: Path) -> str:
     """The tfcli family of a transformers config.json (by its model_type)."""
-    return TABLES[table_of_type(raw.get("model_type"), where)]
+    module = table_of_type(raw.get("model_type"), where, bool(raw.get("auto_map")))
+    if module is generic:
+        return "transformers" if generic.is_decoder(raw) else "transformers-encoder"
+    return TABLES[module]
 
 
 def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = False):
@@ -48,7 +69,7 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     (tfcli model config, state dict with model.* and heads.* names); shapes_only: the state as meta
     tensors, no weight read (a memory plan)."""
     raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
-    module = table_of_type(raw.get("model_type"), path)
+    module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
         cfg = module.config_from_hf(raw, state)

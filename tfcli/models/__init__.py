@@ -10,6 +10,7 @@ from typing import Any
 
 from . import kinds
 from .bert import Bert, BertConfig
+from .generic import TransformersConfig, TransformersDecoder, TransformersEncoder, TransformersEncoderConfig
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .modernbert import ModernBert, ModernBertConfig
@@ -23,6 +24,9 @@ FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "bert": (BertConfig, Bert),
     "modernbert": (ModernBertConfig, ModernBert),
     "vit": (ViTConfig, ViT),
+    # any other architecture transformers ships, through its own modules (the optional extra)
+    "transformers": (TransformersConfig, TransformersDecoder),
+    "transformers-encoder": (TransformersEncoderConfig, TransformersEncoder),
 }
 
 
@@ -48,7 +52,9 @@ def transformer_blocks(module) -> list:
     by one and activation checkpointing recomputes."""
     from .blocks import Block
 
-    return [m for m in module.modules() if isinstance(m, Block)]
+    own = [m for m in module.modules() if isinstance(m, Block)]
+    wrapped = [m for m in module.modules() if hasattr(m, "decoder_layers")]  # models/generic.py: transformers' layers
+    return own or [layer for m in wrapped for layer in m.decoder_layers()]
 
 
 def build_model(cfg):

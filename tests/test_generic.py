@@ -1,0 +1,251 @@
+"""The generic path: architectures with no native family, through transformers' own modules (the
+optional extra). Three decoders (StableLM, Starcoder2, OPT) and one encoder (DistilBERT), tiny random
+configs transformers writes, fp32: logits equal transformers' own (it is their module: to rounding of
+the same ops), three LoRA steps' losses equal transformers + peft's on the same batches (1e-4), greedy
+generation through the cache equals `generate`; the CLI trains, resumes bit for bit and exports; a
+config that asks for remote code, or a model_type transformers does not ship, is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from tfcli import adapters  # noqa: E402
+from tfcli.errors import UserError  # noqa: E402
+from tfcli.generate import generate_batch  # noqa: E402
+from tfcli.hf import interop as hf  # noqa: E402
+from tfcli.objectives.losses import linear_cross_entropy, lm_head  # noqa: E402
+from tfcli.recipe import AdapterConfig  # noqa: E402
+
+from .conftest import invoke, write_jsonl  # noqa: E402
+from .test_families import targets_of  # noqa: E402
+from .test_llama import spread_, tfcli_model  # noqa: E402
+
+VOCAB = 96
+DECODERS = {
+    "stablelm": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "starcoder2": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "opt": dict(
+        hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0
+    ),
+}
+TARGETS = {"stablelm": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+TARGETS |= {"starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]}
+TARGETS |= {"opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]}
+OURS = {"stablelm": ("q", "k", "v", "o", "gate", "up", "down"), "starcoder2": ("q", "k", "v", "o", "up", "down")}
+OURS |= {"opt": ("q", "k", "v", "o", "up", "down")}
+
+
+def hf_decoder(arch: str, **extra):
+    shape = dict(vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.AutoConfig.for_model(arch, **{**shape, **DECODERS[arch], **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    spread_(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(DECODERS))
+def pair(request, tmp_path_factory):
+    theirs = hf_decoder(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    theirs.save_pretrained(directory)
+    return request.param, theirs, directory
+
+
+IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+
+
+def test_an_architecture_with_no_native_family_reads_as_the_generic_decoder(pair):
+    arch, theirs, directory = pair
+    ours = tfcli_model(directory)
+    assert ours.cfg.family == "transformers" and ours.kind == "decoder"
+    with torch.no_grad():
+        assert (ours.logits(ours(IDS)) - theirs(IDS).logits).abs().max() < 1e-5
+
+
+def test_greedy_generation_through_the_cache_equals_generate(pair):
+    arch, theirs, directory = pair
+    ours = tfcli_model(directory)
+    prompts = [[5, 9, 13, 7], [4, 11]]
+    with torch.no_grad():
+        want = [
+            theirs.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+        got = [generate_batch(ours, [p], max_new_tokens=12, pad_id=0)[0] for p in prompts]
+    assert got == want
+
+
+def test_three_lora_steps_give_the_losses_of_transformers_and_peft(pair):
+    arch, _, directory = pair
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    theirs = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[arch], lora_dropout=0.0)
+    ).train()
+    ours = tfcli_model(directory)
+    assert adapters.apply(ours, "lora", AdapterConfig(rank=4, alpha=8, dropout=0.0, targets=OURS[arch])) == len(
+        [n for n, m in base.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    )
+    ours.train()
+    params = dict(theirs.named_parameters())
+    with torch.no_grad():  # the same adapters on both sides, B non-zero
+        for name, module in ours.named_modules():
+            if isinstance(module, adapters.LoRALinear):
+                stem = "base_model.model." + name[len("inner.") :]
+                params[f"{stem}.lora_B.default.weight"].normal_(0, 0.1)
+                module.lora_a[0].copy_(params[f"{stem}.lora_A.default.weight"])
+                module.lora_b.copy_(params[f"{stem}.lora_B.default.weight"])
+    opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(10 + step))
+        want = theirs(ids, labels=ids).loss
+        head = lm_head(ours, ours(ids))
+        got = linear_cross_entropy(head.hidden, head.weight, targets_of(ids))[0]
+        for loss, opt in ((want, opt_theirs), (got, opt_ours)):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append((got.item(), want.item()))
+    assert all(abs(a - b) < 1e-4 for a, b in losses) and losses[2][0] < losses[0][0], losses
+
+
+def test_remote_code_and_unknown_architectures_are_refused_in_one_line(pair, tmp_path):
+    arch, theirs, directory = pair
+    raw = json.loads((directory / "config.json").read_text())
+    for change, message in (
+        ({"model_type": "my_model", "auto_map": {"AutoModelForCausalLM": "modeling.MyModel"}}, "asks for remote code"),
+        ({"model_type": "my_model"}, "model_type 'my_model' is not supported"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+        with pytest.raises(UserError, match=message):
+            hf.read_pretrained(tmp_path)
+
+
+@pytest.mark.slow  # whole suite only: the tests above exercise the modules
+def test_sft_with_lora_trains_resumes_bit_for_bit_and_exports(pair, tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_from_runs import ROWS
+    from .test_resume_matrix import assert_resumes_exactly
+
+    arch, _, _ = pair
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    model = tmp_path / "model"
+    hf_decoder(arch, vocab_size=tok.vocab_size).save_pretrained(model)
+    tok.tok.save(str(model / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = ["sft", "--from", model, "--data", data, "--train", "lora", "--batch-size", 4, "--lr", 1e-2]
+    args += ["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4", "--set", "sft.pack=false"]
+    args += ["--set", f"adapter.targets=[{','.join(OURS[arch])}]"]
+    assert_resumes_exactly("finetune", args, tmp_path)
+    exported = invoke("export", "--checkpoint", tmp_path / "whole", "--hf", tmp_path / "out")
+    assert exported.exit_code == 0, exported.output
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.model_type == arch
+
+
+@pytest.mark.slow
+def test_an_encoder_with_no_native_family_trains_mnli_with_a_head(mnli_dir, tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    tok = load_tokenizer_files("builtin:bert-base-uncased", [])
+    config = transformers.DistilBertConfig(
+        vocab_size=tok.vocab_size, dim=32, hidden_dim=48, n_layers=2, n_heads=4, max_position_embeddings=64
+    )
+    torch.manual_seed(0)
+    transformers.DistilBertModel(config).save_pretrained(tmp_path / "model")
+    tok.tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    result = invoke(
+        "finetune", "mnli", "--from", tmp_path / "model", "--data", mnli_dir, "--train", "all", "--steps", 6,
+        "--batch-size", 8, "--lr", 1e-3, "--out", tmp_path / "run", "--quiet", "--set", "data.seq_len=48",
+        "--set", "finetune.eval_limit=16", "--pooling", "cls",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"][-1] == 6
+
+
+@pytest.mark.slow
+def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_from_runs import ROWS
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    model = tmp_path / "model"
+    hf_decoder("stablelm", vocab_size=tok.vocab_size).save_pretrained(model)
+    tok.tok.save(str(model / "tokenizer.json"))
+    sft = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": f"{a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)],
+    )
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": f"Q{i}", "chosen": "yes", "rejected": "no"} for i in range(16)]
+    )
+    (tmp_path / "r.py").write_text("def n(completions, **kw):\n    return [float(len(c) % 3) for c in completions]\n")
+    grpo = [
+        "--reward",
+        f"{tmp_path}/r.py:n",
+        "--set",
+        "grpo.num_generations=4",
+        "--set",
+        "grpo.max_completion_length=8",
+    ]
+    runs = {
+        "qlora": ["sft", "--data", sft, "--train", "qlora"],
+        "ia3": ["sft", "--data", sft, "--train", "ia3"],
+        "bitfit": ["sft", "--data", sft, "--train", "bitfit"],
+        "recomputed": ["sft", "--data", sft, "--train", "all", "--set", "train.activation_checkpointing=blocks"],
+        "grpo": ["grpo", "--data", prompts, "--train", "lora", *grpo, "--set", "grpo.eval_prompts=2"],
+    }
+    for name, args in runs.items():
+        result = invoke(
+            "finetune",
+            args[0],
+            "--from",
+            model,
+            *args[1:],
+            "--steps",
+            2,
+            "--batch-size",
+            4,
+            "--out",
+            tmp_path / name,
+            "--quiet",
+            "--set",
+            "train.log_interval=1",
+        )
+        assert result.exit_code == 0, (name, result.output)
+        losses = [
+            json.loads(line)["loss"]
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if '"train"' in line
+        ]
+        assert len(losses) == 2 and all(loss == loss for loss in losses), name
+    refused = invoke(
+        "finetune", "dpo", "--from", model, "--data", pairs, "--steps", 2, "--out", tmp_path / "dpo", "--quiet"
+    )
+    assert (
+        refused.exit_code == 2
+        and "needs a native family" in refused.output
+        and len(refused.output.strip().splitlines()) == 1
+    )
+    assert not (tmp_path / "dpo").exists()

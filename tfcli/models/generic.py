@@ -1,0 +1,257 @@
+"""Any architecture transformers itself ships, through its own modules: the long tail the native families
+do not cover. A decoder (`transformers`: *ForCausalLM) or a text encoder (`transformers-encoder`: the
+bare encoder) built from the config.json it came with, wrapped in the model-kind protocol
+(`models/kinds.py`), so that every task whose needs the protocol covers trains it. Needs the optional
+extra (`pip install 'tfcli[transformers]'`); never runs a checkpoint's code (no trust_remote_code: only
+model types transformers itself has). Native families are always preferred (`hf/interop.py`).
+
+What needs a native family is refused in one line: packed documents, DPO's prompt read once for two
+replies, an output layer with a bias, scale or cap the fused losses cannot see, GGUF export.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .blocks import dense_flops_per_token
+from .kinds import DECODER, DECODER_POOLINGS, TEXT_ENCODER
+from .pooling import decoder_features, decoder_layer_features, text_encoder_features, text_encoder_layer_features
+
+NATIVE_ONLY = "needs a native family (tfcli models lists them)"
+# transformers' linear names -> the parts tfcli's adapters target (q, k, v, o, gate, up, down)
+LINEAR_PARTS = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o", "dense": "o",
+    "query": "q", "key": "k", "value": "v", "q_lin": "q", "k_lin": "k", "v_lin": "v", "out_lin": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "fc1": "up", "fc2": "down",
+    "c_fc": "up", "c_proj": "down", "lin1": "up", "lin2": "down", "intermediate.dense": "up", "output.dense": "down",
+    "attention.output.dense": "o",
+}  # fmt: skip
+SUFFIXES = sorted(LINEAR_PARTS, key=len, reverse=True)  # the longest name that fits decides (output.dense)
+OUTPUT_CHANGES = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "this architecture runs through transformers' own modules: pip install 'tfcli[transformers]'"
+        ) from None
+    return transformers
+
+
+@dataclass(frozen=True)
+class TransformersConfig:
+    """A transformers architecture, as its config.json says (`hf_config`, JSON text); the other fields
+    are what tfcli reads of it (filled in from it)."""
+
+    family: str = "transformers"
+    hf_config: str = "{}"
+    n_layer: int = 0
+    d_model: int = 0
+    vocab_size: int = 0
+    max_seq_len: int = 0
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def raw(self) -> dict:
+        return json.loads(self.hf_config)
+
+    def with_layers(self, n: int):
+        """Its first n layers (the memory plan probes one and two blocks)."""
+        raw = self.raw
+        raw[layer_count_key(raw)] = n
+        return replace(self, hf_config=json.dumps(raw, sort_keys=True), n_layer=n)
+
+    @property
+    def context(self) -> int:
+        return self.max_seq_len
+
+
+@dataclass(frozen=True)
+class TransformersEncoderConfig(TransformersConfig):
+    family: str = "transformers-encoder"
+
+
+def layer_count_key(raw: dict) -> str:
+    return next(k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in raw)
+
+
+def hf_config_object(raw: dict):
+    """transformers' config object for a config.json, refusing what would need a checkpoint's code."""
+    transformers = transformers_module()
+    model_type = raw.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise UserError(
+            f"model_type {model_type!r} is not one transformers ships; tfcli never runs a checkpoint's code"
+        )
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version", "auto_map")}
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+class _Cache:
+    """A transformers DynamicCache behind tfcli's cache interface (length, select, rewind)."""
+
+    def __init__(self):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def select(self, rows: Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+
+    def rewind(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+class _Wrapped(nn.Module):
+    """What the two generic kinds share: the transformers module (`inner`), its decoder layers (FSDP and
+    recomputation take them one by one), and the adapters' names for its linears."""
+
+    def __init__(self, cfg: TransformersConfig, auto: str):
+        super().__init__()
+        self.cfg = cfg
+        transformers = transformers_module()
+        config = hf_config_object(cfg.raw)
+        if any(config.to_dict().get(k) not in (None, 1.0, 0.0) for k in OUTPUT_CHANGES):
+            raise UserError(f"{config.model_type}: its output layer scales or caps the logits, which {NATIVE_ONLY}")
+        self.inner = getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
+        self._recomputing = False
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """Its transformer layers, in order: what FSDP shards one by one and recomputation recomputes
+        (models.transformer_blocks asks for them)."""
+        return list(self._layers())
+
+    def _layers(self) -> nn.ModuleList:
+        names = set(getattr(self.inner, "_no_split_modules", None) or ())
+        for m in self.inner.modules():
+            if isinstance(m, nn.ModuleList) and len(m) and type(m[0]).__name__ in names:
+                return m
+        return next(m for m in self.inner.modules() if isinstance(m, nn.ModuleList) and len(m) == self.cfg.n_layer)
+
+    def linear_parts(self, name: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
+        """The adapter part a linear of a decoder layer is, by its transformers name (None: not one)."""
+        if ".layers." not in f".{name}." and ".layer." not in f".{name}." and ".h." not in f".{name}.":
+            return None
+        suffix = next((s for s in SUFFIXES if name.endswith("." + s)), None)
+        return ((LINEAR_PARTS[suffix], module.out_features),) if suffix else None
+
+    def _recompute(self) -> None:
+        """train.activation_checkpointing sets `checkpointing` on each block: transformers' own switch."""
+        wanted = self.training and any(getattr(b, "checkpointing", False) for b in self._layers())
+        if wanted != self._recomputing:
+            if wanted:
+                self.inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.inner.gradient_checkpointing_disable()
+            self._recomputing = wanted
+
+    def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
+        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model)
+
+
+class TransformersDecoder(_Wrapped):
+    """A transformers *ForCausalLM. forward() returns hidden states; logits() applies its output layer."""
+
+    kind, poolings = DECODER, DECODER_POOLINGS
+    features, layer_features = decoder_features, decoder_layer_features
+    special_tokens = ("<|endoftext|>",)
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        pad = tokenizer.token_id(tokenizer.specials.pad) if tokenizer.specials.pad else None
+        return pad if pad is not None else (tokenizer.eos_id or 0)
+
+    def __init__(self, cfg: TransformersConfig):
+        super().__init__(cfg, "AutoModelForCausalLM")
+        head = self.inner.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise UserError(f"{self.inner.config.model_type}: its output layer has a bias, which {NATIVE_ONLY}")
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.inner.get_output_embeddings().weight
+
+    def new_caches(self, max_len: int | None = None) -> list:
+        return [_Cache()]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        caches: list | None = None,
+        all_layers: bool = False,
+        doc_ids: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        shared_prompt: Tensor | None = None,
+    ):
+        """input_ids (B, T) -> hidden states (B, T, D) after the final norm; caches, every layer's output
+        and left padding (key_mask (B, cached + T)) as the native decoders take them."""
+        if doc_ids is not None or shared_prompt is not None:
+            what = "packed documents (sft.pack)" if doc_ids is not None else "DPO's prompt read once for two replies"
+            raise UserError(f"{what} {NATIVE_ONLY}")
+        self._recompute()
+        start = caches[0].length if caches else 0
+        position_ids = None
+        if key_mask is not None:
+            position_ids = (key_mask.cumsum(1) - 1).clamp(min=0)[:, start:]  # (B, T)
+        out = self.inner.base_model(
+            input_ids=input_ids,
+            attention_mask=key_mask,
+            position_ids=position_ids,
+            past_key_values=caches[0].cache if caches else None,
+            use_cache=caches is not None,
+            output_hidden_states=all_layers,
+        )
+        return list(out.hidden_states) if all_layers else out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.inner.get_output_embeddings()(hidden)
+
+
+class TransformersEncoder(_Wrapped):
+    """A transformers bare encoder (AutoModel). forward() returns hidden states; pool() is the first
+    token's (the encoder's own pooler, if any, is left to a native family)."""
+
+    kind = TEXT_ENCODER
+    features, layer_features = text_encoder_features, text_encoder_layer_features
+    special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    poolings = ("cls", "mean", "last4-sum", "last4-concat")
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        return next((i for i in map(tokenizer.token_id, ("[PAD]", "<pad>")) if i is not None), 0)
+
+    def __init__(self, cfg: TransformersConfig):
+        super().__init__(cfg, "AutoModel")
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.inner.get_input_embeddings().weight
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        all_layers: bool = False,
+    ):
+        self._recompute()
+        types = {"token_type_ids": token_type_ids} if getattr(self.inner.config, "type_vocab_size", 0) else {}
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=all_layers, **types)
+        return list(out.hidden_states) if all_layers else out.last_hidden_state
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        return hidden[:, 0]
+
+    def pool_parameters(self) -> list[nn.Parameter]:
+        return []
