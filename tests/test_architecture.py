@@ -273,10 +273,17 @@ def test_every_family_declares_what_its_kind_promises():
         decoder_d_ff=64,
         decoder_n_layer=1,
     )
+    generic = {  # the generic families are built from a transformers config (here a tiny StableLM, a DistilBERT)
+        "generic": '{"model_type": "stablelm", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32}',
+        "generic-encoder": '{"model_type": "distilbert", "dim": 32, "hidden_dim": 64, "n_layers": 1, "n_heads": 2, '
+        '"vocab_size": 32}',
+    }
     for family, (config, cls) in FAMILIES.items():
         assert cls.kind in kinds.KINDS and cls.poolings, family
         assert cls.kind == kinds.VISION_ENCODER or (cls.special_tokens and callable(cls.pad_id)), family
-        model = cls(config(**{k: v for k, v in small.items() if k in config.__dataclass_fields__}))
+        fields = {k: v for k, v in small.items() if k in config.__dataclass_fields__}
+        model = cls(config(**fields, **({"hf_config": generic[family]} if family in generic else {})))
         assert isinstance(model, kinds.PROTOCOLS[cls.kind]), family
 
 

@@ -270,7 +270,7 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
     (["export", "--checkpoint", "run", "--hf", "a-file"], "a-file exists and is not an empty directory"),
     (["upgrade", "{legacy}"], "refused by the weights_only loader"),
     # Hugging Face directories
-    (["finetune", "mnli", "--from", "{mamba}"], "model_type 'mamba' is not supported"),
+    (["finetune", "mnli", "--from", "{unknown}"], "model_type 'hyena9' is not supported"),
     (["finetune", "mnli", "--from", "{noweights}"], "no model.safetensors, sharded safetensors or pytorch_model.bin"),
     (["finetune", "mnli", "--from", "{badweights}"], "not a readable safetensors file"),
     (["finetune", "mnli", "--from", "{picklebin}"], "refused or unreadable with weights_only=True"),
@@ -305,7 +305,7 @@ def places(work, shared_data):
     return {
         "root": work,
         "hfbert": hfbert,
-        "mamba": hf_dir(work, "mamba", {"model_type": "mamba"}),
+        "unknown": hf_dir(work, "unknown", {"model_type": "hyena9"}),  # no family, nor a transformers one
         "noweights": hf_dir(work, "noweights", bert),
         "picklebin": picklebin,
         "badweights": hf_dir(work, "badweights", bert, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"),

@@ -72,7 +72,7 @@ IDS = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1
 def test_an_architecture_with_no_native_family_reads_as_the_generic_decoder(pair):
     arch, theirs, directory = pair
     ours = tfcli_model(directory)
-    assert ours.cfg.family == "transformers" and ours.kind == "decoder"
+    assert ours.cfg.family == "generic" and ours.kind == "decoder"
     with torch.no_grad():
         assert (ours.logits(ours(IDS)) - theirs(IDS).logits).abs().max() < 1e-5
 
@@ -249,3 +249,5 @@ def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path)
         and len(refused.output.strip().splitlines()) == 1
     )
     assert not (tmp_path / "dpo").exists()
+    refused = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "out")
+    assert refused.exit_code == 2 and "classifier on a generic" in refused.output and not (tmp_path / "out").exists()

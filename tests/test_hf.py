@@ -315,8 +315,8 @@ def test_mae_written_from_tfcli_with_sincos_positions(tmp_path):
 def test_directory_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         hf.read_pretrained(tmp_path / "nothing")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(UserError, match="model_type 'mamba' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "hyena9"}))  # transformers has none either
+    with pytest.raises(UserError, match="model_type 'hyena9' is not supported"):
         hf.read_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "num_hidden_layers": 1}))
     with pytest.raises(UserError, match="no model.safetensors, sharded safetensors or pytorch_model.bin"):

@@ -63,6 +63,6 @@ def test_a_name_that_climbs_out_is_never_a_hub_id(tmp_path, monkeypatch):
 
 
 def test_an_unsupported_architecture_is_named_by_its_model_type(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
-    with pytest.raises(UserError, match="model_type 'qwen3_moe' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "hyena9"}')  # neither native nor transformers'
+    with pytest.raises(UserError, match="model_type 'hyena9' is not supported"):
         _ = model_source.resolve(tmp_path).family

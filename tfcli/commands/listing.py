@@ -118,7 +118,7 @@ def models():
     console.print(table)
     console.print(
         f"Every task trains with --train {' | '.join(adapters.METHODS)} where its kind allows. +gguf: "
-        "GGUF files read and written (llama.cpp's architecture of that name). transformers, "
-        "transformers-encoder: any other architecture transformers ships, through its own modules "
+        "GGUF files read and written (llama.cpp's architecture of that name). generic, "
+        "generic-encoder: any other architecture transformers ships, through its own modules "
         "(pip install 'tfcli[transformers]'); a native family is always preferred."
     )

@@ -24,7 +24,7 @@ FAMILIES = {
     "t5": t5,
     "vit": vit,
 }  # tfcli family -> its default table
-FAMILIES |= {"transformers": generic, "transformers-encoder": generic}  # any other architecture transformers ships
+FAMILIES |= {"generic": generic, "generic-encoder": generic}  # any other architecture transformers ships
 # every table module and the tfcli family its model types build: the llama family's switches take several
 TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
 TABLES |= {smollm3: "llama", bert: "bert", roberta: "bert", modernbert: "modernbert", t5: "t5", vit: "vit"}
@@ -60,7 +60,7 @@ def family_of_config(raw: dict, where: Path) -> str:
     """The tfcli family of a transformers config.json (by its model_type)."""
     module = table_of_type(raw.get("model_type"), where, bool(raw.get("auto_map")))
     if module is generic:
-        return "transformers" if generic.is_decoder(raw) else "transformers-encoder"
+        return "generic" if generic.is_decoder(raw) else "generic-encoder"
     return TABLES[module]
 
 

@@ -25,8 +25,8 @@ FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "modernbert": (ModernBertConfig, ModernBert),
     "vit": (ViTConfig, ViT),
     # any other architecture transformers ships, through its own modules (the optional extra)
-    "transformers": (TransformersConfig, TransformersDecoder),
-    "transformers-encoder": (TransformersEncoderConfig, TransformersEncoder),
+    "generic": (TransformersConfig, TransformersDecoder),
+    "generic-encoder": (TransformersEncoderConfig, TransformersEncoder),
 }
 
 

@@ -1,5 +1,5 @@
 """Any architecture transformers itself ships, through its own modules: the long tail the native families
-do not cover. A decoder (`transformers`: *ForCausalLM) or a text encoder (`transformers-encoder`: the
+do not cover. A decoder (family `generic`: *ForCausalLM) or a text encoder (`generic-encoder`: the
 bare encoder) built from the config.json it came with, wrapped in the model-kind protocol
 (`models/kinds.py`), so that every task whose needs the protocol covers trains it. Needs the optional
 extra (`pip install 'tfcli[transformers]'`); never runs a checkpoint's code (no trust_remote_code: only
@@ -49,7 +49,7 @@ class TransformersConfig:
     """A transformers architecture, as its config.json says (`hf_config`, JSON text); the other fields
     are what tfcli reads of it (filled in from it)."""
 
-    family: str = "transformers"
+    family: str = "generic"
     hf_config: str = "{}"
     n_layer: int = 0
     d_model: int = 0
@@ -75,7 +75,7 @@ class TransformersConfig:
 
 @dataclass(frozen=True)
 class TransformersEncoderConfig(TransformersConfig):
-    family: str = "transformers-encoder"
+    family: str = "generic-encoder"
 
 
 def layer_count_key(raw: dict) -> str:
