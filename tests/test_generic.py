@@ -180,6 +180,8 @@ def test_an_encoder_with_no_native_family_trains_mnli_with_a_head(mnli_dir, tmp_
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"][-1] == 6
+    refused = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "out")
+    assert refused.exit_code == 2 and "classifier on a generic" in refused.output and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -249,5 +251,3 @@ def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path)
         and len(refused.output.strip().splitlines()) == 1
     )
     assert not (tmp_path / "dpo").exists()
-    refused = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "out")
-    assert refused.exit_code == 2 and "classifier on a generic" in refused.output and not (tmp_path / "out").exists()
