@@ -25,8 +25,7 @@ from .blocks import (
     padding_mask,
     through_blocks,
 )
-from .kinds import TEXT_ENCODER
-from .pooling import text_encoder_features, text_encoder_layer_features
+from .pooling import TextEncoderTraits
 
 
 @dataclass(frozen=True)
@@ -87,18 +86,8 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Tensor | None, 
     return through_blocks(x, blocks, lambda i, block, h: block(h, mask=mask), all_layers)
 
 
-class Bert(nn.Module):
+class Bert(TextEncoderTraits, nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
-
-    kind = TEXT_ENCODER
-    features, layer_features = text_encoder_features, text_encoder_layer_features  # what a classifier / probe reads
-    special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-    poolings = ("cls", "mean", "last4-sum", "last4-concat")
-
-    @staticmethod
-    def pad_id(tokenizer) -> int:
-        """[PAD], or RoBERTa's <pad>."""
-        return next((i for i in map(tokenizer.token_id, ("[PAD]", "<pad>")) if i is not None), 0)
 
     def __init__(self, cfg: BertConfig):
         super().__init__()

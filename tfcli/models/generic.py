@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from .blocks import dense_flops_per_token
-from .kinds import DECODER, DECODER_POOLINGS, TEXT_ENCODER
-from .pooling import decoder_features, decoder_layer_features, text_encoder_features, text_encoder_layer_features
+from .pooling import DecoderTraits, TextEncoderTraits
 
 NATIVE_ONLY = "needs a native family (tfcli models lists them)"
 # transformers' linear names -> the parts tfcli's adapters target (q, k, v, o, gate, up, down)
@@ -160,17 +159,8 @@ class _Wrapped(nn.Module):
         return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model)
 
 
-class TransformersDecoder(_Wrapped):
+class TransformersDecoder(DecoderTraits, _Wrapped):
     """A transformers *ForCausalLM. forward() returns hidden states; logits() applies its output layer."""
-
-    kind, poolings = DECODER, DECODER_POOLINGS
-    features, layer_features = decoder_features, decoder_layer_features
-    special_tokens = ("<|endoftext|>",)
-
-    @staticmethod
-    def pad_id(tokenizer) -> int:
-        pad = tokenizer.token_id(tokenizer.specials.pad) if tokenizer.specials.pad else None
-        return pad if pad is not None else (tokenizer.eos_id or 0)
 
     def __init__(self, cfg: TransformersConfig):
         super().__init__(cfg, "AutoModelForCausalLM")
@@ -218,18 +208,9 @@ class TransformersDecoder(_Wrapped):
         return self.inner.get_output_embeddings()(hidden)
 
 
-class TransformersEncoder(_Wrapped):
+class TransformersEncoder(TextEncoderTraits, _Wrapped):
     """A transformers bare encoder (AutoModel). forward() returns hidden states; pool() is the first
     token's (the encoder's own pooler, if any, is left to a native family)."""
-
-    kind = TEXT_ENCODER
-    features, layer_features = text_encoder_features, text_encoder_layer_features
-    special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-    poolings = ("cls", "mean", "last4-sum", "last4-concat")
-
-    @staticmethod
-    def pad_id(tokenizer) -> int:
-        return next((i for i in map(tokenizer.token_id, ("[PAD]", "<pad>")) if i is not None), 0)
 
     def __init__(self, cfg: TransformersConfig):
         super().__init__(cfg, "AutoModel")

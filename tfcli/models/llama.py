@@ -28,8 +28,7 @@ from .blocks import (
     make_norm,
     through_blocks,
 )
-from .kinds import DECODER, DECODER_POOLINGS
-from .pooling import decoder_features, decoder_layer_features
+from .pooling import DecoderTraits
 from .rotary import RopeScaling, Rotary, check_rope
 
 
@@ -121,18 +120,8 @@ class LlamaConfig:
         return int(self.head_dim * self.partial_rotary)
 
 
-class Llama(nn.Module):
+class Llama(DecoderTraits, nn.Module):
     """Decoder-only transformer. forward() returns hidden states; logits() applies the LM head."""
-
-    kind, poolings = DECODER, DECODER_POOLINGS
-    features, layer_features = decoder_features, decoder_layer_features  # what a classifier / probe reads
-    special_tokens = ("<|endoftext|>",)
-
-    @staticmethod
-    def pad_id(tokenizer) -> int:
-        """Its own pad token when the tokenizer names one, else end of text (pads are masked)."""
-        pad = tokenizer.token_id(tokenizer.specials.pad) if tokenizer.specials.pad else None
-        return pad if pad is not None else (tokenizer.eos_id or 0)
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()

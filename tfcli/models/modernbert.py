@@ -13,7 +13,6 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .bert import special_ids
 from .blocks import (
     ACTIVATIONS,
     MLP,
@@ -25,8 +24,7 @@ from .blocks import (
     padding_mask,
     through_blocks,
 )
-from .kinds import TEXT_ENCODER
-from .pooling import text_encoder_features, text_encoder_layer_features
+from .pooling import TextEncoderTraits
 from .rotary import RopeScaling, Rotary
 
 
@@ -88,17 +86,8 @@ class PredictionHead(nn.Module):
         return self.norm(self.act(self.dense(x)))
 
 
-class ModernBert(nn.Module):
+class ModernBert(TextEncoderTraits, nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is the prediction head on [CLS]."""
-
-    kind = TEXT_ENCODER
-    features, layer_features = text_encoder_features, text_encoder_layer_features  # what a classifier / probe reads
-    special_tokens = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-    poolings = ("cls", "mean", "last4-sum", "last4-concat")
-
-    @staticmethod
-    def pad_id(tokenizer) -> int:
-        return special_ids(tokenizer)["pad"]
 
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()

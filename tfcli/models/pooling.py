@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from .kinds import DECODER, DECODER_POOLINGS, TEXT_ENCODER
 
 
 def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
@@ -93,3 +94,33 @@ def vision_features(model, batch: dict, pooling: str) -> Tensor:
 
 def vision_layer_features(model, batch: dict, pooling: str) -> list[Tensor]:
     return [model.pool(h, pooling) for h in model.forward_features(batch["pixels"], all_layers=True)]
+
+
+# --- what each kind's families declare alike (models/kinds.py): inherited, never repeated
+
+
+class DecoderTraits:
+    """A Llama-style decoder's declarations: its kind and poolings, what a classifier or probe reads, its
+    special tokens, and its pad: the tokenizer's own pad token when it names one, else end of text."""
+
+    kind, poolings = DECODER, DECODER_POOLINGS
+    features, layer_features = decoder_features, decoder_layer_features
+    special_tokens: tuple[str, ...] = ("<|endoftext|>",)
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        pad = tokenizer.token_id(tokenizer.specials.pad) if tokenizer.specials.pad else None
+        return pad if pad is not None else (tokenizer.eos_id or 0)
+
+
+class TextEncoderTraits:
+    """A BERT-style text encoder's declarations: its kind and poolings, what a classifier or probe reads,
+    BERT's special tokens, and its pad: [PAD], or RoBERTa's <pad>."""
+
+    kind, poolings = TEXT_ENCODER, ("cls", "mean", "last4-sum", "last4-concat")
+    features, layer_features = text_encoder_features, text_encoder_layer_features
+    special_tokens: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+    @staticmethod
+    def pad_id(tokenizer) -> int:
+        return next((i for i in map(tokenizer.token_id, ("[PAD]", "<pad>")) if i is not None), 0)
