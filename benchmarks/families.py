@@ -10,7 +10,11 @@ the same threads, fp32, each contender in a fresh process of its own.
   stablelm  a StableLM shape (d 1024, 4 layers, vocabulary 50,304) with no native family: the generic
             path (transformers' own modules inside tfcli; target: within 10% of transformers itself)
 
-Each: a full training step (AdamW, fused) and a LoRA step (rank 8 on q, k, v, o, gate, up, down;
+  modernbert  ModernBERT-base's shape (22 layers, d 768, local windows of 128 in two of three layers):
+            an MNLI classification step (batch 16 x 128, 3 labels, every weight), against
+            ModernBertForSequenceClassification (its head read into tfcli's [CLS] pooler and classifier)
+
+Each decoder: a full training step (AdamW, fused) and a LoRA step (rank 8 on q, k, v, o, gate, up, down;
 peft's LoraConfig the same; Phi-3's fused qkv_proj and gate_up_proj adapted whole on peft's side,
 which is the same number of adapted outputs), batch BENCH_FAMILIES_BATCH (2) x 256 tokens.
 Target: tfcli >= 1.3x transformers' tokens/s.
@@ -60,6 +64,16 @@ SHAPES = {
         num_key_value_heads=32,
         max_position_embeddings=4096,
     ),
+    "modernbert": dict(
+        model_type="modernbert",
+        vocab_size=50368,
+        hidden_size=768,
+        intermediate_size=1152,
+        num_hidden_layers=22,
+        num_attention_heads=12,
+        max_position_embeddings=8192,
+        num_labels=3,
+    ),
     "stablelm": dict(
         model_type="stablelm",
         vocab_size=50304,
@@ -83,7 +97,12 @@ def directory(name: str) -> Path:
         shape = dict(SHAPES[name])
         config = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape, pad_token_id=0)
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        auto = (
+            transformers.AutoModelForSequenceClassification
+            if name == "modernbert"
+            else transformers.AutoModelForCausalLM
+        )
+        auto.from_config(config).save_pretrained(path)
     return path
 
 
@@ -148,6 +167,35 @@ def phi3_lora() -> Contenders:
     return contenders("phi3", True)
 
 
+MNLI_BATCH, MNLI_SEQ = 16, 128  # ModernBERT: an MNLI classification step (3 labels, [CLS] head), all weights
+
+
+def _classifier_step(ours: bool):
+    import transformers
+
+    labels = torch.randint(0, 3, (MNLI_BATCH,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(5, 50000, (MNLI_BATCH, MNLI_SEQ), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if not ours:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(directory("modernbert")).train()
+        loss = lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
+        return train_step(loss, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
+    from tfcli.engine.backbone import load_hf_weights
+    from tfcli.hf.interop import read_pretrained
+    from tfcli.models import build_model
+
+    cfg, state = read_pretrained(directory("modernbert"))
+    model = load_hf_weights(build_model(cfg), state, directory("modernbert")).train()
+    head = torch.nn.Linear(cfg.d_model, 3)
+    head.load_state_dict({k[len("heads.classifier.") :]: v for k, v in state.items() if k.startswith("heads.")})
+    loss = lambda: torch.nn.functional.cross_entropy(head(model.pool(model(ids, None, mask))), labels)  # noqa: E731
+    return train_step(loss, torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=1e-5, fused=True))
+
+
+def modernbert_mnli() -> Contenders:
+    return {"tfcli": lambda: _classifier_step(True), "transformers": lambda: _classifier_step(False)}
+
+
 def stablelm_full() -> Contenders:
     return contenders("stablelm", False)
 
@@ -158,8 +206,13 @@ def stablelm_lora() -> Contenders:
 
 def main() -> None:
     torch.set_num_threads(2)
-    for name in os.environ.get("BENCH_FAMILIES", "gemma3,phi3,stablelm").split(","):
+    for name in os.environ.get("BENCH_FAMILIES", "gemma3,phi3,stablelm,modernbert").split(","):
         directory(name)
+        if name == "modernbert":
+            seconds = isolated("families:modernbert_mnli", ["tfcli", "transformers"], warmup=1, steps=3, repeats=1)
+            what = f"modernbert-base MNLI step (b{MNLI_BATCH} x {MNLI_SEQ}, fp32)"
+            report(what, "example", MNLI_BATCH, seconds, target=1.3)
+            continue
         generic = name == "stablelm"  # no native family: the generic path, transformers' own modules
         for mode in ("full", "lora"):
             seconds = isolated(f"families:{name}_{mode}", ["tfcli", "transformers"], warmup=1, steps=3, repeats=1)

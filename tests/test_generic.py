@@ -251,3 +251,23 @@ def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path)
         and len(refused.output.strip().splitlines()) == 1
     )
     assert not (tmp_path / "dpo").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_shards_its_decoder_layers_and_trains_as_one_process(tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_ddp import run_tfcli, train_rows
+    from .test_from_runs import ROWS
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    model = tmp_path / "model"
+    hf_decoder("stablelm", vocab_size=tok.vocab_size).save_pretrained(model)
+    tok.tok.save(str(model / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    common = ["finetune", "sft", "--from", model, "--data", data, "--train", "all", "--steps", 3, "--quiet"]
+    common += ["--set", "train.log_interval=1", "--set", "sft.generate_limit=0", "--lr", 1e-3]
+    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
+    run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
+    one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
+    assert sorted(one) == [1, 2, 3] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
