@@ -185,7 +185,7 @@ def test_an_encoder_with_no_native_family_trains_mnli_with_a_head(mnli_dir, tmp_
 
 
 @pytest.mark.slow
-def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path):
+def test_every_method_grpo_and_dpo_train_it_and_packing_is_refused_in_one_line(tmp_path):
     from tfcli.data.tokenizers import load_tokenizer_files
 
     from .test_from_runs import ROWS
@@ -242,15 +242,15 @@ def test_every_method_and_grpo_train_it_and_dpo_is_refused_in_one_line(tmp_path)
             if '"train"' in line
         ]
         assert len(losses) == 2 and all(loss == loss for loss in losses), name
-    refused = invoke(
+    dpo = invoke(
         "finetune", "dpo", "--from", model, "--data", pairs, "--steps", 2, "--out", tmp_path / "dpo", "--quiet"
     )
-    assert (
-        refused.exit_code == 2
-        and "needs a native family" in refused.output
-        and len(refused.output.strip().splitlines()) == 1
-    )
-    assert not (tmp_path / "dpo").exists()
+    assert dpo.exit_code == 0, dpo.output  # a row per reply: the generic model reads no shared prompt
+    assert "share_prompt: false" in (tmp_path / "dpo" / "config.yaml").read_text()
+    packed = ["sft", "--data", sft, "--set", "sft.pack=true", "--out", tmp_path / "packed", "--quiet"]
+    refused = invoke("finetune", *packed, "--from", model, "--steps", 2)
+    assert refused.exit_code == 2 and "needs a native family" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "packed").exists()
 
 
 @pytest.mark.slow

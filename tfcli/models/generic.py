@@ -162,6 +162,8 @@ class _Wrapped(nn.Module):
 class TransformersDecoder(DecoderTraits, _Wrapped):
     """A transformers *ForCausalLM. forward() returns hidden states; logits() applies its output layer."""
 
+    reads_two_replies = False  # no blocks.two_replies: DPO takes a row per reply (tasks/dpo.py)
+
     def __init__(self, cfg: TransformersConfig):
         super().__init__(cfg, "AutoModelForCausalLM")
         head = self.inner.get_output_embeddings()
@@ -187,7 +189,7 @@ class TransformersDecoder(DecoderTraits, _Wrapped):
         """input_ids (B, T) -> hidden states (B, T, D) after the final norm; caches, every layer's output
         and left padding (key_mask (B, cached + T)) as the native decoders take them."""
         if doc_ids is not None or shared_prompt is not None:
-            what = "packed documents (sft.pack)" if doc_ids is not None else "DPO's prompt read once for two replies"
+            what = "packed documents (sft.pack)" if doc_ids is not None else "a prompt read once for two replies"
             raise UserError(f"{what} {NATIVE_ONLY}")
         self._recompute()
         start = caches[0].length if caches else 0

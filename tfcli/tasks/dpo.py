@@ -18,6 +18,7 @@ directory (reference_logps.json), so training holds one model and a resumed run 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import adapters
+from .. import adapters, display
 from ..data import IGNORE
 from ..data.conversations import DecoderExamples
 from ..data.preferences import PairBuilder, PairFields, Pairs
@@ -168,6 +169,15 @@ class DPO(ReplyTask):
     recipe_pattern = "dpo-{family}-mini"
     Config = DPOConfig
     describe = "DPO preference tuning"
+
+    def resolve(self, recipe, backbone):
+        """A model that cannot read a prompt once for two replies (blocks.two_replies; the generic path's
+        transformers modules) trains with a row per reply (dpo.share_prompt false), said once."""
+        recipe = super().resolve(recipe, backbone)
+        if recipe.settings.share_prompt and not getattr(backbone.model, "reads_two_replies", True):
+            display.note("dpo: this model reads a row per reply (dpo.share_prompt false): its prompts are read twice")
+            recipe = dataclasses.replace(recipe, settings=dataclasses.replace(recipe.settings, share_prompt=False))
+        return recipe
 
     def pairs(
         self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
