@@ -132,23 +132,20 @@ def dry_run(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def trained(args: list[str], out: Path) -> dict:
-    """`tfcli ARGS` for STEPS steps in a fresh process -> peak RSS (bytes), losses, the run's own plan."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfcli", *args, "--steps", str(STEPS), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+def tfcli_rows(args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
+    """`tfcli ARGS` in a fresh process -> the run's train rows (metrics.jsonl) and its memory plan."""
+    proc = subprocess.run([sys.executable, "-m", "tfcli", *args], capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise RuntimeError(f"tfcli {args[:2]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [m for m in metrics if m["split"] == "train"]
-    return {
-        "peak": max(m["peak_mem_mb"] for m in train) * 2**20,
-        "loss": [m["loss"] for m in train],
-        "plan": json.loads((out / "run.json").read_text())["memory_plan"],
-    }
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    plan = json.loads((run_dir / "run.json").read_text())["memory_plan"]
+    return [m for m in metrics if m["split"] == "train"], plan
+
+
+def trained(args: list[str], out: Path) -> dict:
+    """`tfcli ARGS` for STEPS steps in a fresh process -> peak RSS (bytes), losses, the run's own plan."""
+    train, plan = tfcli_rows([*args, "--steps", str(STEPS), "--out", str(out), "--quiet"], out)
+    return {"peak": max(m["peak_mem_mb"] for m in train) * 2**20, "loss": [m["loss"] for m in train], "plan": plan}
 
 
 def accuracy(names: list[str]) -> list[dict]:
@@ -227,20 +224,8 @@ def at_defaults(names: list[str]) -> list[dict]:
 
 def resumed(run_dir: Path, command: str, steps: int) -> dict:
     """`tfcli COMMAND --resume RUN --steps STEPS` in a fresh process -> the resumed steps' peak, its plan."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfcli", command, "--resume", str(run_dir), "--steps", str(steps), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    if proc.returncode:
-        raise RuntimeError(f"tfcli {command} --resume: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    later = [m for m in metrics if m["split"] == "train" and m["step"] > steps // 2]
-    return {
-        "peak": max(m["peak_mem_mb"] for m in later) * 2**20,
-        "plan": json.loads((run_dir / "run.json").read_text())["memory_plan"],
-    }
+    train, plan = tfcli_rows([command, "--resume", str(run_dir), "--steps", str(steps), "--quiet"], run_dir)
+    return {"peak": max(m["peak_mem_mb"] for m in train if m["step"] > steps // 2) * 2**20, "plan": plan}
 
 
 def fit() -> dict:
