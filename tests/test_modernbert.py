@@ -13,12 +13,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tfcli.errors import UserError  # noqa: E402
-from tfcli.hf import convert  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.models import build_model  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 
 from .test_llama import spread_  # noqa: E402
+from .test_roberta import assert_a_classification_step_matches  # noqa: E402
 
 SHAPE = dict(
     vocab_size=80, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
@@ -73,21 +73,7 @@ def test_the_encoder_and_its_classifier_match_transformers(tmp_path):
 def test_a_classification_step_gives_transformers_loss_and_gradients(tmp_path):
     theirs = saved(tmp_path / "m", num_labels=3).train()
     cfg, ours, heads = read(tmp_path / "m")
-    ours.train()
-    classifier = torch.nn.Linear(32, 3)
-    classifier.load_state_dict({k[len("classifier.") :]: v for k, v in heads.items()})
-    labels = torch.tensor([0, 2, 1])
-    want = theirs(IDS, attention_mask=MASK, labels=labels).loss
-    want.backward()
-    got = torch.nn.functional.cross_entropy(classifier(ours.pool(ours(IDS, None, MASK))), labels)
-    got.backward()
-    assert abs(got.item() - want.item()) < 1e-5
-    grads = {f"model.{n}": p.grad for n, p in ours.named_parameters() if p.grad is not None}
-    grads |= {f"heads.classifier.{n}": p.grad for n, p in classifier.named_parameters()}
-    named = convert.to_hf(grads, hf.modernbert.rules(cfg))
-    reference = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
-    assert named.keys() == reference.keys()
-    assert max((named[n] - reference[n]).abs().max().item() for n in named) < 1e-5
+    assert_a_classification_step_matches(theirs, ours, heads, hf.modernbert.rules(cfg), IDS, MASK)
 
 
 def test_a_classifier_exports_as_modernbert_for_sequence_classification(tmp_path):

@@ -71,18 +71,25 @@ def test_the_encoder_and_the_mlm_head_match_transformers(kind, tmp_path):
 def test_a_classification_step_gives_transformers_loss_and_gradients(tmp_path):
     theirs = saved("roberta", 1, tmp_path / "cls", num_labels=3).train()
     cfg, ours, heads = read(tmp_path / "cls")
+    assert_a_classification_step_matches(theirs, ours, heads, hf.roberta.rules(cfg, classifier=True), IDS, MASK)
+
+
+def assert_a_classification_step_matches(theirs, ours, heads: dict, rules, ids, mask) -> None:
+    """One step of an encoder (in train mode, dropout off) and tfcli's classifier on its pooled
+    features: the loss and every gradient, under transformers' names, equal the *ForSequenceClassification's
+    (1e-5). `heads` holds the classifier read from the same directory."""
     ours.train()
-    classifier = torch.nn.Linear(32, 3)
+    classifier = torch.nn.Linear(ours.cfg.d_model, 3)
     classifier.load_state_dict({k[len("classifier.") :]: v for k, v in heads.items()})
     labels = torch.tensor([0, 2, 1])
-    want = theirs(IDS, attention_mask=MASK, labels=labels).loss
+    want = theirs(ids, attention_mask=mask, labels=labels).loss
     want.backward()
-    got = torch.nn.functional.cross_entropy(classifier(ours.pool(ours(IDS, None, MASK))), labels)
+    got = torch.nn.functional.cross_entropy(classifier(ours.pool(ours(ids, None, mask))), labels)
     got.backward()
     assert abs(got.item() - want.item()) < 1e-5
     grads = {f"model.{n}": p.grad for n, p in ours.named_parameters() if p.grad is not None}
     grads |= {f"heads.classifier.{n}": p.grad for n, p in classifier.named_parameters()}
-    named = convert.to_hf(grads, hf.roberta.rules(cfg, classifier=True))
+    named = convert.to_hf(grads, rules)
     reference = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
     assert named.keys() == reference.keys()
     assert max((named[n] - reference[n]).abs().max().item() for n in named) < 1e-5
