@@ -94,6 +94,29 @@ def run_curves(run_dir: Path, out: Path, metric: str = "loss") -> Path:
     return save_figure(fig, plt, out)
 
 
+def expert_load(run_dir: Path, out: Path) -> Path | None:
+    """A mixture of experts' routing: each MoE layer's busiest expert over the mean (1: balanced; the
+    number of experts: one expert takes every token) at each held-out evaluation (None: the run has no
+    experts)."""
+    rows = [r for r in read_metrics(run_dir) if r.get("split") == "experts"]
+    if not rows:
+        return None
+    from ..models.moe import imbalance
+
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    steps = [r["step"] for r in rows]
+    for layer in range(len(rows[-1]["load"])):
+        values = [imbalance(r["load"][layer]) if layer < len(r["load"]) else float("nan") for r in rows]
+        ax.plot(steps, values, "o-", markersize=3, label=f"MoE layer {layer}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert / mean (held out)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"{Path(run_dir).name}: expert load", fontsize=10)
+    return save_figure(fig, plt, out)
+
+
 def compare_runs(runs: list[Path], out: Path, metric: str = "loss", split: str = "val") -> Path:
     """Several runs' `metric` on one split, overlaid (the train split when a run has no held-out rows)."""
     every = [read_metrics(run) for run in runs]

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..data.sampler import StreamSampler, make_sampler, micro_slices, sequential_batches
 from ..display import TrainDisplay, phase
 from ..errors import Interrupted, UserError
+from ..models import moe
 from ..plugin import Batch, Job, LossFn
 from . import checkpoint, optimizers, plots, shards
 from .compiling import keep_out_of_compiled_graphs
@@ -31,15 +32,27 @@ from .runtime import Runtime, abort_on_collective_failure, autocast_context, to_
 
 class ObjectiveModule(nn.Module):
     """Model + plug-in heads behind one forward, so a strategy wraps one module: forward(batch)
-    is the training loss; forward(batch, fn) runs any fn(model, heads, batch), e.g. a prediction."""
+    is the training loss (with a mixture of experts' routing losses, whatever the task); forward(batch,
+    fn) runs any fn(model, heads, batch), e.g. a prediction."""
 
     def __init__(self, model: nn.Module, heads: nn.ModuleDict, loss_fn: LossFn):
         super().__init__()
         self.model, self.heads = model, heads
         self.loss_fn = loss_fn
+        self._routers: list | None = None  # the model's MoE layers, found at the first pass
 
     def forward(self, batch: Batch, fn: LossFn | None = None):
-        return (fn or self.loss_fn)(self.model, self.heads, batch)
+        if fn is not None:
+            return fn(self.model, self.heads, batch)
+        if self._routers is None:
+            self._routers = moe.moe_layers(self.model)
+        routers = self._routers
+        moe.routing_losses(routers)  # forget what an earlier pass (a recomputation) kept
+        loss, metrics = self.loss_fn(self.model, self.heads, batch)
+        extra, routed = moe.routing_losses(routers)
+        if extra is None:
+            return loss, metrics
+        return loss + extra, {**metrics, **routed}
 
 
 def prepare_frozen(frozen: dict[str, nn.Module], rt) -> None:
@@ -359,12 +372,17 @@ class Trainer:
         """Held-out loss (and the plug-in's evaluation); True when this is the best checkpoint so far."""
         self.doing = f"the held-out evaluation at step {self.step}"
         with phase(f"evaluating at step {self.step}"):
-            val = self._held_out()
+            val, load = self._held_out()
         if not val:  # nothing held out (the plug-in said so when it was set up)
             return False
+        if load:  # a mixture of experts: how the held-out tokens were routed, per layer
+            val["expert_imbalance"] = sum(moe.imbalance(layer) for layer in load) / len(load)
+            self._write({"step": self.step, "split": "experts", "load": load})
         self._write({"step": self.step, "split": "val", **{k: round(v, 6) for k, v in val.items()}})
         if self.rt.is_main:
             plots.run_curves(self.run_dir, self.run_dir / "curves.png", self.job.curve)
+            if load:
+                plots.expert_load(self.run_dir, self.run_dir / "experts.png")
         display.note(self.step, "val", val)
         self.last.update({f"val_{k}": v for k, v in val.items()})
         score = val.get(self.job.best_key) if self.job.best_key else None
@@ -374,18 +392,22 @@ class Trainer:
         self.best = score
         return True
 
-    def _held_out(self) -> dict[str, float]:
-        """The held-out loss of job.val (its first train.eval_batches batches) and job.evaluate's metrics."""
-        val = {}
+    def _held_out(self) -> tuple[dict[str, float], list[list[int]]]:
+        """The held-out loss of job.val (its first train.eval_batches batches) and job.evaluate's metrics;
+        and, for a mixture of experts, the tokens of that pass each layer's experts received."""
+        val, load = {}, []
         if self.job.val is not None:
             batches = sequential_batches(
                 self.job.val, self.tc.batch_size, self.tc.seed, self.tc.eval_batches, self.rt.rank, self.rt.world_size
             )
-            sums, count = held_out_sums(self.module, batches, self.rt.device, self.tc.precision, self.job.loss_weight)
+            with moe.expert_load(moe.moe_layers(self.module)) as load:
+                sums, count = held_out_sums(
+                    self.module, batches, self.rt.device, self.tc.precision, self.job.loss_weight
+                )
             val = self.job.held_out_metrics(self.rt.pooled_mean(sums, count))
         if self.job.evaluate is not None:
             val.update(self.job.evaluate(self.module, self.run_dir))
-        return val
+        return val, [layer for layer in load if sum(layer)]
 
     def _save(self, is_best: bool) -> None:
         self.doing = f"the checkpoint at step {self.step}"

@@ -40,6 +40,7 @@ class Rule:
     widths: tuple[int, ...] = ()  # rows of each of `theirs` when unequal (grouped-query q / k / v)
     part: tuple[int, int] = (0, 1)  # (i, n): ours is the i-th of n equal row blocks of theirs (Phi-3's gate_up_proj)
     offset: float = 0.0  # ours = theirs + offset (Gemma stores its norms' weights as w, scaling by 1 + w)
+    stack: bool = False  # ours stacks theirs along a new first dimension (a mixture's experts: (E, out, in))
 
 
 def rule(
@@ -50,8 +51,9 @@ def rule(
     widths: tuple[int, ...] = (),
     part: tuple[int, int] = (0, 1),
     offset: float = 0.0,
+    stack: bool = False,
 ) -> Rule:
-    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset)  # type: ignore[arg-type]
+    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset, stack)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -99,7 +101,8 @@ def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
             if r.optional and not any(present):
                 continue
             raise UserError(f"not a matching checkpoint: weight {r.theirs[present.index(False)]!r} is missing")
-        t = torch.cat([state[n] for n in r.theirs], dim=0) if len(r.theirs) > 1 else state[r.theirs[0]]
+        join = torch.stack if r.stack else torch.cat
+        t = join([state[n] for n in r.theirs], dim=0) if len(r.theirs) > 1 or r.stack else state[r.theirs[0]]
         if r.part[1] > 1:
             t = t.chunk(r.part[1], dim=0)[r.part[0]]
         if r.offset:
@@ -123,7 +126,10 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
         if r.part[1] > 1:
             pieces.setdefault(r.theirs[0], [None] * r.part[1])[r.part[0]] = t
             continue
-        parts = t.split(list(r.widths), dim=0) if r.widths else t.chunk(len(r.theirs), dim=0)
+        if r.stack:
+            parts = t.unbind(0)
+        else:
+            parts = t.split(list(r.widths), dim=0) if r.widths else t.chunk(len(r.theirs), dim=0)
         for name, part in zip(r.theirs, parts):
             out[name] = part
     return {**out, **{name: torch.cat(parts, dim=0) for name, parts in pieces.items()}}

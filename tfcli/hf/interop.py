@@ -13,7 +13,24 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import bert, gemma, generic, gguf, gpt2, granite, llama, modernbert, olmo2, peft, phi3, roberta, smollm3, t5, vit
+from . import (
+    bert,
+    gemma,
+    generic,
+    gguf,
+    gpt2,
+    granite,
+    llama,
+    modernbert,
+    moe,
+    olmo2,
+    peft,
+    phi3,
+    roberta,
+    smollm3,
+    t5,
+    vit,
+)
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
 FAMILIES = {
@@ -27,7 +44,15 @@ FAMILIES = {
 FAMILIES |= {"generic": generic, "generic-encoder": generic}  # any other architecture transformers ships
 # every table module and the tfcli family its model types build: the llama family's switches take several
 TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
-TABLES |= {smollm3: "llama", bert: "bert", roberta: "bert", modernbert: "modernbert", t5: "t5", vit: "vit"}
+TABLES |= {
+    smollm3: "llama",
+    moe: "llama",
+    bert: "bert",
+    roberta: "bert",
+    modernbert: "modernbert",
+    t5: "t5",
+    vit: "vit",
+}
 
 
 def table_of_type(model_type: str | None, where: Path, remote: bool = False):

@@ -25,7 +25,6 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_LAYER = [("mlp.down", "mlp.down_proj"), ("attn.out", "self_attn.o_proj")]
 
 
 def common_config(raw: dict, tie_default: bool = False, activation: str = "silu") -> dict:
@@ -137,6 +136,7 @@ SWITCHES = (
     "logit_scale",
     "attn_softcap",
     "logit_softcap",
+    "n_experts",
 )
 
 
@@ -234,9 +234,10 @@ NORMS = {
 }
 
 
-def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False) -> list[Rule]:
+def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, experts=None) -> list[Rule]:
     """The weight table. norm_offset: what transformers' norm weights lack of tfcli's (Gemma's 1 + w);
-    fused: q/k/v and gate/up in one transformers projection each (Phi-3)."""
+    fused: q/k/v and gate/up in one transformers projection each (Phi-3); experts: how the architecture
+    names a mixture of experts' parts (hf/moe.py's ExpertNames) where the config has them."""
     norm = lambda ours, theirs: rule(ours, theirs, offset=norm_offset)  # noqa: E731
     out = [rule("model.wte.weight", "model.embed_tokens.weight"), norm("model.ln_f.weight", "model.norm.weight")]
     if not cfg.tie_word_embeddings:
@@ -250,22 +251,31 @@ def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False) -> li
         if cfg.qkv_bias:
             out.append(rule(f"{ours}.attn.qkv.bias", *(f"{n}.bias" for n in qkv), widths=split))
         out += [norm(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in NORMS[cfg.norms]]
-        if fused:
-            gate_up = f"{theirs}.mlp.gate_up_proj.weight"
-            out += [rule(f"{ours}.mlp.{p}.weight", gate_up, part=(j, 2)) for j, p in enumerate(("gate", "up"))]
-        else:
-            out += [rule(f"{ours}.mlp.{p}.weight", f"{theirs}.mlp.{p}_proj.weight") for p in ("gate", "up")]
-        out += [rule(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in _LAYER]
+        out.append(rule(f"{ours}.attn.out.weight", f"{theirs}.self_attn.o_proj.weight"))
         out += [rule(f"{ours}.attn.out.bias", f"{theirs}.self_attn.o_proj.bias")] if cfg.out_bias else []
-        out += [
-            rule(f"{ours}.mlp.{p}.bias", f"{theirs}.mlp.{p}_proj.bias") for p in ("gate", "up", "down") if cfg.mlp_bias
-        ]
+        if cfg.has_experts(i):
+            out += experts.rules(cfg, f"{ours}.mlp", theirs)
+        else:
+            out += mlp_rules(f"{ours}.mlp", f"{theirs}.mlp", fused, cfg.mlp_bias)
         out += [
             norm(f"{ours}.attn.{n}.weight", f"{theirs}.self_attn.{n}.weight")
             for n in ("q_norm", "k_norm")
             if cfg.qk_norm
         ]
     return out
+
+
+def mlp_rules(ours: str, theirs: str, fused: bool = False, bias: bool = False) -> list[Rule]:
+    """A gated MLP's table: tfcli's gate / up / down, transformers' *_proj (gate_up_proj where fused)."""
+    if fused:
+        out = [
+            rule(f"{ours}.{p}.weight", f"{theirs}.gate_up_proj.weight", part=(j, 2))
+            for j, p in enumerate(("gate", "up"))
+        ]
+    else:
+        out = [rule(f"{ours}.{p}.weight", f"{theirs}.{p}_proj.weight") for p in ("gate", "up")]
+    out.append(rule(f"{ours}.down.weight", f"{theirs}.down_proj.weight"))
+    return out + [rule(f"{ours}.{p}.bias", f"{theirs}.{p}_proj.bias") for p in ("gate", "up", "down") if bias]
 
 
 def normalize(state: dict) -> dict:

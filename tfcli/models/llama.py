@@ -28,6 +28,7 @@ from .blocks import (
     make_norm,
     through_blocks,
 )
+from .moe import MoE, Routing, moe_layers
 from .pooling import DecoderTraits
 from .rotary import RopeScaling, Rotary, check_rope
 
@@ -70,6 +71,15 @@ class LlamaConfig:
     logit_scale: float = 1.0  # Granite: the logits' multiplier (1 / logits_scaling)
     attn_softcap: float = 0.0  # Gemma 2: scores capped to cap * tanh(score / cap) (0: none)
     logit_softcap: float = 0.0  # Gemma 2: the same for the logits
+    n_experts: int = 0  # a mixture of experts in place of the MLP (models/moe.py); 0: a dense MLP everywhere
+    experts_per_token: int = 2  # the router's top k
+    expert_d_ff: int = 0  # each expert's inner width (0: d_ff)
+    norm_topk: bool = False  # the top-k weights renormalised to sum to one (Mixtral, Qwen3-MoE)
+    shared_expert_d_ff: int = 0  # Qwen2-MoE: a gated shared expert every token passes through (0: none)
+    sparse_step: int = 1  # every sparse_step-th layer has experts (Qwen-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen-MoE's mlp_only_layers)
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight in training (transformers' router_aux_loss_coef)
+    router_z_coef: float = 0.0  # the router z-loss's weight (ST-MoE; 0: none)
 
     def __post_init__(self):
         check_config(self)
@@ -99,6 +109,22 @@ class LlamaConfig:
         if min(self.attn_softcap, self.logit_softcap, self.attn_scale, self.local_rope_theta) < 0:
             raise ValueError("model.attn_softcap, logit_softcap, attn_scale and local_rope_theta must be >= 0")
         check_rope(self.rope)
+        if self.n_experts:
+            if not 1 <= self.experts_per_token <= self.n_experts:
+                raise ValueError(
+                    f"model.experts_per_token must be between 1 and model.n_experts ({self.n_experts}), "
+                    f"got {self.experts_per_token}"
+                )
+            if self.sparse_step < 1 or min(self.expert_d_ff, self.shared_expert_d_ff) < 0:
+                raise ValueError("model.sparse_step must be >= 1, expert_d_ff and shared_expert_d_ff >= 0")
+            if not self.expert_d_ff:
+                object.__setattr__(self, "expert_d_ff", self.d_ff)
+        if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
+            raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether this layer's feed-forward is a mixture of experts."""
+        return bool(self.n_experts) and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
     def with_layers(self, n: int) -> LlamaConfig:
         """This model's first n layers (the memory plan probes one and two blocks)."""
@@ -107,6 +133,7 @@ class LlamaConfig:
             n_layer=n,
             layer_types=self.layer_types[:n],
             nope_layers=tuple(i for i in self.nope_layers if i < n),
+            dense_layers=tuple(i for i in self.dense_layers if i < n),
         )
 
     def window_of(self, layer: int) -> int:
@@ -154,9 +181,7 @@ class Llama(DecoderTraits, nn.Module):
                     scale=cfg.attn_scale or None,
                     softcap=cfg.attn_softcap,
                 ),
-                MLP(
-                    cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout
-                ),
+                _feed_forward(cfg, i),
                 rms(cfg.d_model) if before else None,
                 rms(cfg.d_model) if before else None,
                 prenorm=True,
@@ -170,6 +195,8 @@ class Llama(DecoderTraits, nn.Module):
         self.ln_f = rms(cfg.d_model)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_normal_(self)
+        for moe in moe_layers(self):
+            moe.reset_parameters()
 
     @property
     def logit_scale(self) -> float:  # what the fused losses read (objectives.losses.lm_head)
@@ -217,9 +244,12 @@ class Llama(DecoderTraits, nn.Module):
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
-        """Training FLOPs per token: every weight (rotary positions are computed, not learned); attention
-        at the query width n_head x head_dim."""
-        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.n_head * self.cfg.head_dim)
+        """Training FLOPs per token: every weight a token meets (rotary positions are computed, not
+        learned; of each layer's experts, the k it is routed to); attention at the query width
+        n_head x head_dim."""
+        idle = sum(m.experts.gate.numel() * 3 * (1 - m.routing.top_k / m.routing.n_experts) for m in moe_layers(self))
+        width = self.cfg.n_head * self.cfg.head_dim
+        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, width) - 6.0 * idle
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, vocab), scaled (Granite) and soft-capped (Gemma 2) where the model is."""
@@ -229,3 +259,11 @@ class Llama(DecoderTraits, nn.Module):
         if self.cfg.logit_softcap:
             out = torch.tanh(out / self.cfg.logit_softcap) * self.cfg.logit_softcap
         return out
+
+
+def _feed_forward(cfg: LlamaConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s feed-forward: the gated MLP, or where the config has experts there, the MoE."""
+    if not cfg.has_experts(layer):
+        return MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout)
+    routing = Routing(cfg.n_experts, cfg.experts_per_token, cfg.norm_topk, cfg.router_aux_coef, cfg.router_z_coef)
+    return MoE(cfg.d_model, cfg.expert_d_ff, routing, activation=cfg.activation, shared_d_ff=cfg.shared_expert_d_ff)

@@ -1,0 +1,221 @@
+"""Mixtures of experts natively (models/moe.py) against transformers on the same weights: Qwen3-MoE
+(renormalised top-k, a dense layer among the sparse ones), Qwen2-MoE (the shared expert and its gate),
+Mixtral and OLMoE, tiny random configs made by transformers. In fp32: logits within 1e-4, greedy
+generation through tfcli's KV cache identical for 24 tokens, one training step's loss (the load-balancing
+loss included, transformers' output_router_logits) and every gradient within 1e-4, `export --hf`
+reloaded by transformers with the same logits; the balancing loss equal to transformers' function;
+expert load counted; what tfcli does not implement refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tfcli.errors import UserError  # noqa: E402
+from tfcli.generate import generate_batch  # noqa: E402
+from tfcli.hf import interop as hf  # noqa: E402
+from tfcli.models import moe  # noqa: E402
+from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
+from tfcli.plugin import Backbone  # noqa: E402
+
+from .conftest import invoke  # noqa: E402
+from .test_families import our_loss, theirs_named  # noqa: E402
+from .test_llama import spread_, tfcli_model  # noqa: E402
+
+VOCAB = 96
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.05,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+ARCHITECTURES = {  # model_type -> the switches that make it itself
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    "mixtral": dict(num_local_experts=4, tie_word_embeddings=False),
+    "olmoe": dict(num_experts=4, intermediate_size=16, tie_word_embeddings=False),
+}
+
+
+def hf_model(arch: str, **extra):
+    config = transformers.AutoConfig.for_model(arch, **{**BASE, **ARCHITECTURES[arch], **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    spread_(model)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def pair(request, tmp_path_factory):
+    """(model_type, transformers model, its saved directory, the tfcli model read from it)."""
+    theirs = hf_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    theirs.save_pretrained(directory)
+    return request.param, theirs, directory, tfcli_model(directory)
+
+
+IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_config_is_the_architectures(pair):
+    arch, _, _, ours = pair
+    cfg = ours.cfg
+    expected = {
+        "qwen3_moe": dict(n_experts=4, expert_d_ff=16, norm_topk=True, dense_layers=(1,), qk_norm=True),
+        "qwen2_moe": dict(n_experts=4, expert_d_ff=16, norm_topk=False, shared_expert_d_ff=24, qkv_bias=True),
+        "mixtral": dict(n_experts=4, expert_d_ff=48, norm_topk=True, qk_norm=False),
+        "olmoe": dict(n_experts=4, expert_d_ff=16, norm_topk=False, qk_norm_whole=True),
+    }[arch]
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    assert cfg.experts_per_token == 2 and cfg.router_aux_coef == 0.05
+    kinds = [type(block.mlp).__name__ for block in ours.blocks]
+    assert kinds == (["MoE", "MLP", "MoE"] if arch == "qwen3_moe" else ["MoE"] * 3)
+
+
+def test_logits_match_transformers(pair):
+    arch, theirs, _, ours = pair
+    with torch.no_grad():
+        want = theirs(IDS).logits
+        got = ours.logits(ours(IDS))
+    assert got.shape == want.shape == (2, 24, VOCAB)
+    assert (got - want).abs().max() < 1e-4
+    assert want.std() > 0.3
+
+
+def test_greedy_generation_matches_through_the_kv_cache(pair):
+    arch, theirs, _, ours = pair
+    prompts = [[5, 9, 13, 2, 7, 30, 31, 8], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = theirs.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        want = [row[width:].tolist() for row in out]
+        got = generate_batch(ours, prompts, max_new_tokens=24, pad_id=0)
+    assert got == want and len({t for row in want for t in row}) > 3
+
+
+def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gradients(pair):
+    arch, theirs, _, ours = pair
+    theirs.train(), ours.train()
+    out = theirs(IDS, labels=IDS, output_router_logits=True)
+    out.loss.backward()
+    layers = moe.moe_layers(ours)
+    moe.routing_losses(layers)
+    got = our_loss(ours, IDS)
+    extra, metrics = moe.routing_losses(layers)
+    (got + extra).backward()
+    assert abs(metrics["router_aux"].item() - out.aux_loss.item()) < 1e-5
+    assert out.aux_loss.item() > 1.0  # random routers are unbalanced: the loss is not at its floor
+    assert abs((got + extra).item() - out.loss.item()) < 1e-4
+    grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.table_of_type(arch, None))
+    reference = {n: p.grad for n, p in theirs.named_parameters()}
+    if theirs.config.tie_word_embeddings:
+        reference.pop("lm_head.weight", None)
+    # transformers keeps the experts stacked in memory and splits them per expert only on saving
+    reference = _per_expert(reference, arch)
+    assert grads.keys() == reference.keys()
+    worst = max((grads[n] - reference[n]).abs().max().item() for n in grads)
+    assert worst < 1e-4
+    router = next(n for n in grads if n.endswith("gate.weight") and "experts" not in n and "shared" not in n)
+    assert grads[router].abs().max() > 0  # the routers learn (from the balancing loss and the weighting)
+    theirs.zero_grad(), theirs.eval()
+
+
+def _per_expert(state: dict, arch: str) -> dict:
+    """transformers' in-memory expert tensors (experts.gate_up_proj (E, 2F, D), experts.down_proj) as its
+    checkpoints name them (experts.{j}.gate_proj.weight, ...; Mixtral's block_sparse_moe.experts.{j}.w1)."""
+    out = {}
+    mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if arch == "mixtral" else {}
+    for name, t in state.items():
+        if mixtral and ".mlp." in name:
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        stem, _, leaf = name.rpartition(".experts.")
+        if not stem:
+            out[name] = t
+            continue
+        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[leaf]
+        for j, expert in enumerate(t):
+            for part, piece in zip(parts, expert.chunk(len(parts), dim=0)):
+                out[f"{stem}.experts.{j}.{mixtral.get(part, part)}.weight"] = piece
+    return out
+
+
+def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
+    arch, theirs, _, ours = pair
+    name, _ = hf.export(Backbone(model=ours, tokenizer=None, source="test"), None, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert name == type(theirs).__name__ and type(reloaded) is type(theirs)
+    with torch.no_grad():
+        assert (reloaded.eval()(IDS).logits - theirs(IDS).logits).abs().max() < 1e-4
+    assert tfcli_model(tmp_path / "out").cfg == ours.cfg
+
+
+def test_the_balancing_loss_is_transformers_function():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(20, 8, generator=g) * s for s in (0.5, 2.0, 4.0)]
+    want = load_balancing_loss_func(tuple(logits), 8, 2)
+    assert abs(moe.balancing_loss(logits, 8, 2).item() - want.item()) < 1e-6
+    balanced = [torch.zeros(16, 4)]  # every expert equally likely: the loss at its floor of top_k
+    assert abs(moe.balancing_loss(balanced, 4, 2).item() - 2.0) < 1e-6
+
+
+def test_expert_load_counts_every_routed_token():
+    model = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4)).eval()
+    layers = moe.moe_layers(model)
+    with moe.expert_load(layers) as load, torch.no_grad():
+        model(torch.randint(0, 50, (3, 10)))
+    assert len(load) == 2 and all(sum(row) == 3 * 10 * 2 for row in load)
+    assert moe.imbalance([10, 10, 10, 10]) == 1.0 and moe.imbalance([40, 0, 0, 0]) == 4.0
+    assert all(layer.load is None for layer in layers)  # counting ends with the block
+
+
+def test_only_active_experts_count_in_the_flops():
+    dense = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50))
+    sparse = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
+    # top-2 of 4 experts of the dense MLP's width: twice the dense MLP's FLOPs, plus the router's
+    router = 6.0 * 2 * 16 * 4
+    assert sparse.flops_per_token(8) == pytest.approx(dense.flops_per_token(8) + 6.0 * 2 * 3 * 16 * 32 + router)
+
+
+@pytest.mark.parametrize(
+    "arch, change, message",
+    [
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not implemented"),
+        ("olmoe", {"clip_qkv": 8.0}, "clip_qkv 8.0 is not implemented"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "experts_per_token must be between 1 and model.n_experts (4)"),
+    ],
+)
+def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    directory = tmp_path / "model"
+    hf_model(arch).save_pretrained(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, **change}))
+    load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"]).tok.save(str(directory / "tokenizer.json"))
+    result = invoke("generate", "--checkpoint", directory, "--prompt", "hi", "--max-new-tokens", 2)
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_dense_architecture_refuses_a_model_with_experts():
+    model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
+    with pytest.raises(UserError, match="sets model.n_experts, which transformers' LlamaForCausalLM cannot hold"):
+        hf.export(Backbone(model=model, tokenizer=None, source="test"), None, "/nonexistent/never-written")

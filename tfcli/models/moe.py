@@ -1,0 +1,185 @@
+"""A mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a linear router picks
+each token's top-k experts, whose gated MLPs run on their tokens only; their outputs are summed by the
+router's weights, plus (Qwen2-MoE) a shared expert every token passes through, scaled by its own
+sigmoid gate.
+
+The experts are stacked ((E, d_ff, d) for gate and up, (E, d, d_ff) for down), as transformers' own
+modules and llama.cpp's GGUF hold them. Tokens are sorted by expert once, so each expert multiplies one
+contiguous run of rows (a grouped product, expert by expert), and the results go back in one
+index_add. The router's training signal, as transformers computes it: Switch Transformer's load-
+balancing loss over every MoE layer's router logits (router_aux_coef), and optionally ST-MoE's z-loss
+(router_z_coef); `routing_losses` collects them after a training pass, and `expert_load` counts the
+tokens each layer's experts received (a collapse shows as one expert taking most of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import ACTIVATION_GRADS, ACTIVATIONS, MLP, GatedActivation
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router weighs its choice: softmax over all experts, then the top k, renormalised to sum to
+    one where norm_topk (Mixtral, Qwen3-MoE) or kept as they are (OLMoE, Qwen2-MoE)."""
+
+    n_experts: int
+    top_k: int
+    norm_topk: bool = False
+    aux_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    z_coef: float = 0.0  # the router z-loss's weight
+
+
+class StackedExperts(nn.Module):
+    """E gated MLPs, their weights stacked. forward(x_sorted, counts): rows already grouped by expert,
+    counts[e] rows for expert e."""
+
+    def __init__(self, n: int, d_model: int, d_ff: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.gate = nn.Parameter(torch.empty(n, d_ff, d_model))
+        self.up = nn.Parameter(torch.empty(n, d_ff, d_model))
+        self.down = nn.Parameter(torch.empty(n, d_model, d_ff))
+        self.adapters: nn.Module | None = None  # per-expert LoRA (adapters.ExpertLoRA) when one is placed here
+
+    def project(self, x: Tensor, e: int, part: str) -> Tensor:
+        """x (n, in) through expert e's `part` (and its adapter, if any) -> (n, out)."""
+        y = x @ getattr(self, part)[e].t()
+        return y if self.adapters is None else y + self.adapters(x, e, part)
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        outs = []
+        for e, rows in enumerate(x.split(counts)):  # rows (counts[e], D)
+            if not counts[e]:
+                continue
+            gate, up = self.project(rows, e, "gate"), self.project(rows, e, "up")  # (n, d_ff)
+            if self.activation in ACTIVATION_GRADS:
+                h = GatedActivation.apply(gate, up, self.activation)
+            else:
+                h = ACTIVATIONS[self.activation](gate) * up
+            outs.append(self.project(h, e, "down"))  # (n, D)
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class MoE(nn.Module):
+    """x (..., D) -> (..., D): each token through its top-k experts, weighted by the router."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        routing: Routing,
+        *,
+        activation: str = "silu",
+        shared_d_ff: int = 0,
+    ):
+        super().__init__()
+        self.routing = routing
+        self.router = nn.Linear(d_model, routing.n_experts, bias=False)
+        self.experts = StackedExperts(routing.n_experts, d_model, d_ff, activation)
+        self.shared = MLP(d_model, shared_d_ff, activation=activation, bias=False, gated=True) if shared_d_ff else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_d_ff else None
+        self.routed: list[Tensor] = []  # this training pass's router logits (N, E), for routing_losses
+        self.load: Tensor | None = None  # tokens per expert while expert_load counts (E,)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.experts.gate, self.experts.up, self.experts.down):
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Router logits (N, E) -> (weights, experts), each (N, k): softmax in fp32, then the top k."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.routing.top_k, dim=-1)
+        if self.routing.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, D)
+        logits = self.router(flat)  # (N, E)
+        weights, chosen = self.choose(logits)  # (N, k) each
+        n, k = chosen.shape
+        slots = chosen.flatten()  # (N k,) the expert of each (token, choice)
+        order = slots.argsort(stable=True)  # the slots grouped by expert
+        counts = torch.bincount(slots, minlength=self.routing.n_experts)  # (E,)
+        rows = order // k  # (N k,) the token of each grouped slot
+        ys = self.experts(flat[rows], counts.tolist())  # (N k, D)
+        ys = ys * weights.flatten()[order, None]
+        out = torch.zeros_like(flat).index_add_(0, rows, ys.to(flat.dtype))  # (N, D)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            self.routed.append(logits)
+        if self.load is not None:
+            self.load += counts.to(self.load.dtype)
+        return out.view(shape)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def balancing_loss(logits: list[Tensor], n_experts: int, top_k: int) -> Tensor:
+    """Switch Transformer's load-balancing loss as transformers' load_balancing_loss_func computes it:
+    over the router logits of every MoE layer (each (N, E)) taken as one set of rows, E times the dot
+    product of the fraction of choices each expert received and its mean router probability (1.0 when
+    perfectly balanced)."""
+    rows = torch.cat([x.float() for x in logits])  # (layers N, E)
+    probs = torch.softmax(rows, dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices  # (layers N, k)
+    picked = torch.zeros(n_experts, device=rows.device).scatter_add_(
+        0, chosen.flatten(), torch.ones(chosen.numel(), device=rows.device)
+    )
+    return (picked / rows.shape[0] * probs.mean(dim=0)).sum() * n_experts
+
+
+def z_loss(logits: list[Tensor]) -> Tensor:
+    """ST-MoE's router z-loss: the mean squared log-partition of the router logits (keeps them small)."""
+    rows = torch.cat([x.float() for x in logits])
+    return torch.logsumexp(rows, dim=-1).square().mean()
+
+
+def routing_losses(layers: list[MoE]) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The routers' share of the training loss (the weighted balancing and z losses) and their metrics,
+    from the logits the layers kept in this pass (then forgotten); (None, {}) when no pass kept any."""
+    logits = [x for layer in layers for x in layer.routed]
+    for layer in layers:
+        layer.routed = []
+    if not logits:
+        return None, {}
+    routing = layers[0].routing
+    aux = balancing_loss(logits, routing.n_experts, routing.top_k)
+    metrics = {"router_aux": aux.detach()}
+    loss = aux * routing.aux_coef
+    if routing.z_coef:
+        z = z_loss(logits)
+        metrics["router_z"] = z.detach()
+        loss = loss + z * routing.z_coef
+    return loss, metrics
+
+
+@contextlib.contextmanager
+def expert_load(layers: list[MoE]):
+    """Count the tokens each layer's experts receive inside the block: yields a list that holds, on
+    leaving, one list of counts (E) per MoE layer."""
+    counted: list[list[int]] = []
+    for layer in layers:
+        layer.load = torch.zeros(layer.routing.n_experts, device=layer.router.weight.device)
+    try:
+        yield counted
+    finally:
+        for layer in layers:
+            counted.append([int(c) for c in layer.load.tolist()])
+            layer.load = None
+
+
+def imbalance(load: list[int]) -> float:
+    """The busiest expert's tokens over the mean (1.0: balanced; E: one expert takes everything)."""
+    total = sum(load)
+    return max(load) * len(load) / total if total else 0.0
