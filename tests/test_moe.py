@@ -219,3 +219,147 @@ def test_a_dense_architecture_refuses_a_model_with_experts():
     model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
     with pytest.raises(UserError, match="sets model.n_experts, which transformers' LlamaForCausalLM cannot hold"):
         hf.export(Backbone(model=model, tokenizer=None, source="test"), None, "/nonexistent/never-written")
+
+
+def test_lora_on_experts_matches_a_per_expert_lora_written_out_and_merges_exactly():
+    """adapter.experts: expert e's gate computes x W_e^T + (alpha/r) x A_e^T B_e^T, its own A and B; the
+    router and base experts frozen; merge folds each expert's update into its stack."""
+    from tfcli import adapters
+    from tfcli.recipe import AdapterConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
+    adapters.apply(model, "lora", AdapterConfig(rank=2, alpha=4, targets=("q", "v", "gate", "down"), experts=True))
+    stack = model.blocks[0].mlp.experts
+    assert set(stack.adapters.lora_a) == {"gate", "down"} and stack.adapters.lora_a["gate"].shape == (4, 2, 16)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any("router" in n or n.endswith(("experts.gate", "experts.up", "experts.down")) for n in trained)
+    assert any("lora_a.gate" in n for n in trained)
+    with torch.no_grad():
+        for p in stack.adapters.lora_b.values():
+            p.normal_(0, 0.5)
+    x = torch.randn(5, 16)
+    want = (
+        x @ stack.gate[2].t() + 2.0 * (x @ stack.adapters.lora_a["gate"][2].t()) @ stack.adapters.lora_b["gate"][2].t()
+    )
+    assert torch.allclose(stack.project(x, 2, "gate"), want, atol=1e-6)
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        before = model.logits(model(ids))
+        with adapters.disabled(model):
+            base = model.logits(model(ids))
+        adapters.merge(model)
+        after = model.logits(model(ids))
+    assert (before - base).abs().max() > 1e-3  # the expert adapters change the model
+    assert (after - before).abs().max() < 1e-5 and stack.adapters is None
+
+
+def test_qlora_holds_the_experts_in_nf4_and_full_training_can_freeze_the_router():
+    from tfcli import adapters
+    from tfcli.recipe import AdapterConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=64, d_ff=128, vocab_size=50, n_experts=4))
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        want = model.logits(model(ids))
+    adapters.apply(model, "qlora", AdapterConfig(rank=2, alpha=4, targets=("q", "gate"), experts=True))
+    stack = model.blocks[0].mlp.experts
+    assert stack.quantized and type(stack.gate[0]).__name__ == "NF4Tensor"
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        got = model.logits(model(ids))
+        plain = x @ stack.gate[1].get_original_weight().t()  # the 4-bit weight, dequantized
+        assert (stack.project(x, 1, "gate") - plain).abs().max() < 1e-5  # B = 0: the base expert alone
+    assert 0 < (got - want).abs().max() < 0.25 * want.abs().max()  # 4-bit weights: close, not equal
+    loss = model.logits(model(ids)).logsumexp(-1).mean()
+    loss.backward()
+    assert stack.adapters.lora_a["gate"].grad is not None and stack.adapters.lora_b["gate"].grad.abs().sum() > 0
+
+    full = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
+    adapters.apply(full, "all", AdapterConfig(), freeze_router=True)
+    assert not full.blocks[0].mlp.router.weight.requires_grad and full.blocks[0].mlp.experts.gate.requires_grad
+
+
+def test_lora_on_experts_without_expert_parts_is_refused_in_one_line():
+    from tfcli import adapters
+    from tfcli.recipe import AdapterConfig
+
+    model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
+    with pytest.raises(UserError, match="adapter.experts puts LoRA on the experts' gate, up and down"):
+        adapters.apply(model, "lora", AdapterConfig(targets=("q", "v"), experts=True))
+    dense = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50))
+    with pytest.raises(UserError, match="adapter.experts: this model has no mixture of experts"):
+        adapters.apply(dense, "lora", AdapterConfig(targets=("q", "gate"), experts=True))
+
+
+def directory_with_tokenizer(arch: str, path, **extra):
+    """A tiny transformers mixture of `arch` with GPT-2's tokenizer (its vocabulary), as a user's directory."""
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    hf_model(arch, vocab_size=tok.vocab_size, max_position_embeddings=256, **extra).save_pretrained(path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_sft_logs_the_routers_and_the_expert_load_and_dpo_trains(tmp_path):
+    from tfcli.engine.plots import read_metrics
+
+    from .conftest import write_jsonl
+    from .test_from_runs import ROWS
+
+    model = directory_with_tokenizer("qwen3_moe", tmp_path / "model")
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = ["sft", "--from", model, "--data", data, "--train", "all", "--batch-size", 4, "--steps", 2, "--quiet"]
+    args += ["--set", "sft.generate_limit=0", "--set", "train.eval_interval=2", "--out", tmp_path / "sft"]
+    result = invoke("finetune", *args)
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(tmp_path / "sft")
+    train = [r for r in rows if r["split"] == "train"]
+    assert train and all(r["router_aux"] >= 1.0 for r in train)  # the balancing loss (1.0 at best) was logged
+    load = next(r["load"] for r in rows if r["split"] == "experts")
+    assert len(load) == 2 and len(load[0]) == 4 and len({sum(layer) for layer in load}) == 1  # MoE layers 0, 2
+    assert next(r for r in rows if r["split"] == "val")["expert_imbalance"] >= 1.0
+    assert (tmp_path / "sft" / "experts.png").is_file()
+    prefs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": "No."} for r in ROWS]
+    dpo = ["dpo", "--from", model, "--data", write_jsonl(tmp_path / "prefs.jsonl", prefs), "--train", "lora"]
+    result = invoke("finetune", *dpo, "--steps", 2, "--batch-size", 4, "--quiet", "--out", tmp_path / "dpo")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow  # whole suite only: the parity tests above exercise the modules
+@pytest.mark.parametrize("arch, train", [("qwen2_moe", "lora"), ("mixtral", "all"), ("olmoe", "qlora")])
+def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
+    from .conftest import write_jsonl
+    from .test_from_runs import ROWS
+    from .test_resume_matrix import assert_resumes_exactly
+
+    extra = dict(hidden_size=64, head_dim=16) if train == "qlora" else {}  # NF4 needs whole blocks of 64
+    model = directory_with_tokenizer(arch, tmp_path / "model", **extra)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = ["sft", "--from", model, "--data", data, "--train", train, "--batch-size", 4, "--lr", 1e-2]
+    args += ["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4"]
+    if train != "all":
+        args += ["--set", "adapter.targets=[q,v,gate,up,down]", "--set", "adapter.experts=true"]
+    assert_resumes_exactly("finetune", args, tmp_path)
+    exported = invoke("export", "--checkpoint", tmp_path / "whole", "--hf", tmp_path / "out")
+    assert exported.exit_code == 0, exported.output
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.config.model_type == arch
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(tmp_path):
+    from .conftest import write_jsonl
+    from .test_ddp import run_tfcli, train_rows
+    from .test_from_runs import ROWS
+
+    model = directory_with_tokenizer("qwen3_moe", tmp_path / "model", router_aux_loss_coef=0.0)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    common = ["finetune", "sft", "--from", model, "--data", data, "--train", "all", "--steps", 3, "--quiet"]
+    common += ["--set", "train.log_interval=1", "--set", "sft.generate_limit=0", "--lr", 1e-3]
+    run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
+    run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
+    one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
+    assert sorted(one) == [1, 2, 3] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from .errors import UserError
 from .models import nf4
 from .models.blocks import MLP, Attention, linear
+from .models.moe import StackedExperts, moe_layers
 
 if TYPE_CHECKING:  # the recipe reads this table (methods' defaults): adapters does not import it back
     from .recipe import AdapterConfig
@@ -121,6 +122,34 @@ class LoRALinear(nn.Module):
         with torch.no_grad():
             base.weight += self.delta_weight().to(base.weight.dtype)
         return base
+
+
+class ExpertLoRA(nn.Module):
+    """LoRA on a mixture's experts (adapter.experts): one rank-r update per expert for each targeted part
+    (gate, up, down), stacked like the experts: A (E, r, in), B (E, out, r), B zero at init. Each expert
+    trains only on the tokens routed to it."""
+
+    def __init__(self, experts: StackedExperts, parts: tuple[str, ...], cfg: AdapterConfig):
+        super().__init__()
+        self.active = True  # False inside adapters.disabled(model)
+        self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
+        self.lora_a, self.lora_b = nn.ParameterDict(), nn.ParameterDict()
+        for part in parts:
+            n, out, inner = experts.shape_of(part)
+            a = torch.empty(n, cfg.rank, inner)
+            for e in range(n):  # each expert's A as LoRALinear initialises one
+                nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
+            self.lora_a[part], self.lora_b[part] = nn.Parameter(a), nn.Parameter(torch.zeros(n, out, cfg.rank))
+
+    def forward(self, x: Tensor, e: int, part: str) -> Tensor | None:
+        """x (n, in) -> expert e's update of `part` (n, out), or None where it has none."""
+        if not self.active or part not in self.lora_a:
+            return None
+        return (self.drop(x) @ self.lora_a[part][e].t()) @ (self.lora_b[part][e] * self.scale).t()
+
+    def delta(self, part: str) -> Tensor:
+        """(E, out, in): every expert's update of `part`."""
+        return (self.lora_b[part] * self.scale) @ self.lora_a[part]
 
 
 class IA3Linear(nn.Module):
@@ -226,11 +255,32 @@ def _adapted(wrap: Callable[[nn.Module, list, frozenset, AdapterConfig], nn.Modu
             if adapter is not None:
                 _replace(model, name, adapter)
                 count += 1
+        count += _adapt_experts(model, cfg, wrap is _lora, quantize)
         if not count:
             raise UserError(f"no {', '.join(cfg.targets)} projections in this model to adapt")
         return count
 
     return apply
+
+
+def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: bool) -> int:
+    """A mixture's experts: frozen in NF4 with the rest of the block (qlora), and with adapter.experts
+    given per-expert LoRA on the targeted gate / up / down; -> how many expert stacks were adapted."""
+    stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    if cfg.experts and not stacks:
+        raise UserError("adapter.experts: this model has no mixture of experts")
+    parts = tuple(p for p in ("gate", "up", "down") if p in cfg.targets)
+    if cfg.experts and not (lora and parts):
+        raise UserError(
+            "adapter.experts puts LoRA on the experts' gate, up and down: use --train lora or qlora with "
+            "adapter.targets naming some of them"
+        )
+    for stack in stacks:
+        if quantize:
+            stack.quantize()
+        if cfg.experts:
+            stack.adapters = ExpertLoRA(stack, parts, cfg)
+    return len(stacks) if cfg.experts else 0
 
 
 def _lora(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:
@@ -279,14 +329,19 @@ def check_base(name: str, pretrained: bool) -> None:
         )
 
 
-def apply(model: nn.Module, name: str, cfg: AdapterConfig) -> int:
+def apply(model: nn.Module, name: str, cfg: AdapterConfig, freeze_router: bool = False) -> int:
     """Apply finetune.train `name` to the model with the recipe's adapter settings: adapters swapped into
     its block linears (lora, qlora, ia3) and what the method does not train frozen; return how many
-    linears were adapted. The caller keeps the task's heads trainable."""
+    linears were adapted. The caller keeps the task's heads trainable. freeze_router: a mixture of
+    experts' routers keep their pretrained weights whatever the method (the adapter methods freeze
+    them anyway)."""
     try:
-        return method(name).apply(model, cfg)
+        count = method(name).apply(model, cfg)
     except UserError as e:
         raise UserError(f"--train {name}: {e}") from None
+    for layer in moe_layers(model) if freeze_router else ():
+        layer.router.requires_grad_(False)
+    return count
 
 
 @contextlib.contextmanager
@@ -294,7 +349,7 @@ def disabled(model: nn.Module):
     """The base model inside the block: every LoRA and IA3 adapter passes its input to the frozen
     linear alone (torchtune's disable_adapter; a preference-tuning reference without a second copy).
     BitFit trains the base's own biases and norms, so it has no adapter-free base: refused."""
-    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, IA3Linear))]
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, IA3Linear, ExpertLoRA))]
     if not adapted:
         raise UserError(
             "this model has no LoRA or IA3 adapters to switch off (BitFit and full finetuning "
@@ -317,6 +372,8 @@ def merge(model: nn.Module) -> nn.Module:
             _replace(model, name, module.merged())
         elif isinstance(module, nf4.NF4Linear) and not _inside_adapter(model, name):
             _replace(model, name, module.dequantized())
+        elif isinstance(module, StackedExperts):
+            module.merge_adapters()
     return model
 
 

@@ -276,7 +276,7 @@ def trained_module(recipe: Recipe, job: Job, model, rt: Runtime) -> ObjectiveMod
     forward; what the loss never reads (Job.unread) is frozen. On the CPU each block gives the heap's
     free pages back as it trains (memory.trim_after_each_block: the peak stays at the plan's)."""
     if recipe.finetune is not None:
-        adapters.apply(model, recipe.finetune.train, recipe.adapter or AdapterConfig())
+        adapters.apply(model, recipe.finetune.train, recipe.adapter or AdapterConfig(), recipe.finetune.freeze_router)
     for p in job.unread:
         p.requires_grad_(False)
     if rt.device.type == "cpu" and recipe.train.compile != "on":  # a compiled graph would break at each hook

@@ -380,6 +380,12 @@ class FinetuneConfig:
         default=0,
         metadata={"help": "the final report (eval.json) on a balanced sample of N examples of each split (0 = all)"},
     )
+    freeze_router: bool = field(
+        default=False,
+        metadata={
+            "help": "a mixture of experts: its routers keep their pretrained weights (lora and qlora freeze them anyway)"
+        },
+    )
 
     def __post_init__(self):
         for name in ("epochs", "limit", "eval_limit", "report_limit"):
@@ -401,6 +407,14 @@ class AdapterConfig:
     )
     targets: tuple[str, ...] = field(
         default=("q", "v"), metadata={"help": "lora's; ia3 scales k, v and the MLP's inner activations"}
+    )
+    experts: bool = field(
+        default=False,
+        metadata={
+            "help": "a mixture of experts: LoRA on every expert's targeted gate / up / down too, one adapter "
+            "per expert (off: attention and any dense MLP only, as the experts hold most of the weights "
+            "and each sees only its routed share of the tokens)"
+        },
     )
 
     def __post_init__(self):

@@ -603,7 +603,7 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
 
     def make_trained(probe: nn.Module) -> nn.Module:
         if ft is not None:
-            adapters.apply(probe, ft.train, recipe.adapter)
+            adapters.apply(probe, ft.train, recipe.adapter, ft.freeze_router)
         return ObjectiveModule(probe, clone_heads(job.heads), job.loss)
 
     cache: dict = {}

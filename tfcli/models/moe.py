@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from . import nf4
 from .blocks import ACTIVATION_GRADS, ACTIVATIONS, MLP, GatedActivation
 
 
@@ -47,10 +48,42 @@ class StackedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(n, d_model, d_ff))
         self.adapters: nn.Module | None = None  # per-expert LoRA (adapters.ExpertLoRA) when one is placed here
 
+    def shape_of(self, part: str) -> tuple[int, int, int]:
+        """(experts, out, in) of `part` (gate, up or down)."""
+        w = getattr(self, part)
+        return (len(w), *w[0].shape) if self.quantized else tuple(w.shape)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.down, nn.ParameterList)
+
     def project(self, x: Tensor, e: int, part: str) -> Tensor:
         """x (n, in) through expert e's `part` (and its adapter, if any) -> (n, out)."""
-        y = x @ getattr(self, part)[e].t()
-        return y if self.adapters is None else y + self.adapters(x, e, part)
+        w = getattr(self, part)[e]  # (out, in)
+        y = nf4.linear_nf4(x, w) if self.quantized else x @ w.t()
+        update = self.adapters(x, e, part) if self.adapters is not None else None
+        return y if update is None else y + update
+
+    def quantize(self) -> None:
+        """Freeze every expert's weights in 4-bit NF4 (QLoRA), one NF4 tensor per expert and part."""
+        for part in ("gate", "up", "down"):
+            w = getattr(self, part).detach()
+            held = [nn.Parameter(nf4.to_nf4(w[e]), requires_grad=False) for e in range(len(w))]
+            delattr(self, part)
+            setattr(self, part, nn.ParameterList(held))
+
+    def merge_adapters(self) -> None:
+        """Fold the adapters into plain full-precision stacks (dequantized if NF4): what export writes."""
+        if self.adapters is None and not self.quantized:
+            return
+        for part in ("gate", "up", "down"):
+            w = getattr(self, part)
+            plain = torch.stack([x.get_original_weight() for x in w]) if self.quantized else w.detach().clone()
+            if self.adapters is not None and part in self.adapters.lora_a:
+                plain += self.adapters.delta(part).detach().to(plain.dtype)
+            delattr(self, part)
+            setattr(self, part, nn.Parameter(plain))
+        self.adapters = None
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         outs = []

@@ -61,6 +61,18 @@ def unshardable(module: nn.Module, shares: int) -> str:
     return ""
 
 
+def to_nf4(weight: Tensor):
+    """A frozen (out, in) weight in NF4 (what NF4Linear holds), for weights that are not a linear's own
+    (a mixture's stacked experts)."""
+    probe = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    return _nf4().to_nf4(weight, BLOCK, scaler_block(probe))
+
+
+def linear_nf4(x: Tensor, weight) -> Tensor:
+    """x (..., in) @ an NF4 weight (out, in)^T, dequantized block by block."""
+    return _nf4().linear_nf4(x, weight)
+
+
 def quantizable(linear: nn.Linear) -> bool:
     return scaler_block(linear) > 0
 
