@@ -221,6 +221,19 @@ def test_a_dense_architecture_refuses_a_model_with_experts():
         hf.export(Backbone(model=model, tokenizer=None, source="test"), None, "/nonexistent/never-written")
 
 
+def test_the_grouped_product_and_its_gradients_are_autograds():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 6, generator=g, requires_grad=True), torch.randn(4, 5, 6, generator=g, requires_grad=True)
+    counts = [3, 0, 4, 0]
+    out = moe.GroupedProduct.apply(x, w, counts)
+    want = torch.cat([x[:3] @ w[0].t(), x[3:] @ w[2].t()])
+    assert torch.allclose(out, want, atol=1e-6)
+    grad = torch.randn(7, 5, generator=g)
+    dx, dw = torch.autograd.grad(out, (x, w), grad)
+    wx, ww = torch.autograd.grad(want, (x, w), grad)
+    assert torch.allclose(dx, wx, atol=1e-5) and torch.allclose(dw, ww, atol=1e-5) and dw[1].abs().sum() == 0
+
+
 def test_lora_on_experts_matches_a_per_expert_lora_written_out_and_merges_exactly():
     """adapter.experts: expert e's gate computes x W_e^T + (alpha/r) x A_e^T B_e^T, its own A and B; the
     router and base experts frozen; merge folds each expert's update into its stack."""
@@ -238,11 +251,11 @@ def test_lora_on_experts_matches_a_per_expert_lora_written_out_and_merges_exactl
     with torch.no_grad():
         for p in stack.adapters.lora_b.values():
             p.normal_(0, 0.5)
-    x = torch.randn(5, 16)
-    want = (
-        x @ stack.gate[2].t() + 2.0 * (x @ stack.adapters.lora_a["gate"][2].t()) @ stack.adapters.lora_b["gate"][2].t()
-    )
-    assert torch.allclose(stack.project(x, 2, "gate"), want, atol=1e-6)
+    x = torch.randn(5, 16)  # rows 0-1 routed to expert 0, rows 2-4 to expert 2
+    a, b = stack.adapters.lora_a["gate"], stack.adapters.lora_b["gate"]
+    want = [x[:2] @ stack.gate[0].t() + 2.0 * (x[:2] @ a[0].t()) @ b[0].t()]
+    want.append(x[2:] @ stack.gate[2].t() + 2.0 * (x[2:] @ a[2].t()) @ b[2].t())
+    assert torch.allclose(stack.product(x, [2, 0, 3, 0], "gate"), torch.cat(want), atol=1e-6)
     ids = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
         before = model.logits(model(ids))
@@ -270,7 +283,7 @@ def test_qlora_holds_the_experts_in_nf4_and_full_training_can_freeze_the_router(
     with torch.no_grad():
         got = model.logits(model(ids))
         plain = x @ stack.gate[1].get_original_weight().t()  # the 4-bit weight, dequantized
-        assert (stack.project(x, 1, "gate") - plain).abs().max() < 1e-5  # B = 0: the base expert alone
+        assert (stack.product(x, [0, 5, 0, 0], "gate") - plain).abs().max() < 1e-5  # B = 0: the base expert alone
     assert 0 < (got - want).abs().max() < 0.25 * want.abs().max()  # 4-bit weights: close, not equal
     loss = model.logits(model(ids)).logsumexp(-1).mean()
     loss.backward()

@@ -141,11 +141,14 @@ class ExpertLoRA(nn.Module):
                 nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
             self.lora_a[part], self.lora_b[part] = nn.Parameter(a), nn.Parameter(torch.zeros(n, out, cfg.rank))
 
-    def forward(self, x: Tensor, e: int, part: str) -> Tensor | None:
-        """x (n, in) -> expert e's update of `part` (n, out), or None where it has none."""
+    def product(self, x: Tensor, counts: list[int], part: str) -> Tensor | None:
+        """x (N, in), rows grouped by expert (counts[e] each) -> each row's expert's update of `part`
+        (N, out), or None where the part has no adapters."""
         if not self.active or part not in self.lora_a:
             return None
-        return (self.drop(x) @ self.lora_a[part][e].t()) @ (self.lora_b[part][e] * self.scale).t()
+        a, b = self.lora_a[part], self.lora_b[part] * self.scale
+        pieces = [(rows @ a[e].t()) @ b[e].t() for e, rows in enumerate(self.drop(x).split(counts)) if counts[e]]
+        return torch.cat(pieces) if pieces else x.new_zeros(0, b.shape[1])
 
     def delta(self, part: str) -> Tensor:
         """(E, out, in): every expert's update of `part`."""

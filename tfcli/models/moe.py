@@ -57,11 +57,18 @@ class StackedExperts(nn.Module):
     def quantized(self) -> bool:
         return isinstance(self.down, nn.ParameterList)
 
-    def project(self, x: Tensor, e: int, part: str) -> Tensor:
-        """x (n, in) through expert e's `part` (and its adapter, if any) -> (n, out)."""
-        w = getattr(self, part)[e]  # (out, in)
-        y = nf4.linear_nf4(x, w) if self.quantized else x @ w.t()
-        update = self.adapters(x, e, part) if self.adapters is not None else None
+    def product(self, x: Tensor, counts: list[int], part: str) -> Tensor:
+        """x (N, in), rows grouped by expert (counts[e] for expert e) -> (N, out): each group through its
+        expert's `part`, plus its adapter's update where there is one."""
+        w = getattr(self, part)
+        if self.quantized:
+            pieces = [nf4.linear_nf4(rows, w[e]) for e, rows in enumerate(x.split(counts)) if counts[e]]
+            y = torch.cat(pieces) if pieces else x.new_zeros(0, w[0].shape[0])
+        elif torch.is_grad_enabled():
+            y = GroupedProduct.apply(x, w, counts)
+        else:
+            y = grouped_product(x, w, counts)
+        update = self.adapters.product(x, counts, part) if self.adapters is not None else None
         return y if update is None else y + update
 
     def quantize(self) -> None:
@@ -86,17 +93,53 @@ class StackedExperts(nn.Module):
         self.adapters = None
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        outs = []
-        for e, rows in enumerate(x.split(counts)):  # rows (counts[e], D)
-            if not counts[e]:
-                continue
-            gate, up = self.project(rows, e, "gate"), self.project(rows, e, "up")  # (n, d_ff)
-            if self.activation in ACTIVATION_GRADS:
-                h = GatedActivation.apply(gate, up, self.activation)
-            else:
-                h = ACTIVATIONS[self.activation](gate) * up
-            outs.append(self.project(h, e, "down"))  # (n, D)
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        gate, up = self.product(x, counts, "gate"), self.product(x, counts, "up")  # (N, d_ff) each
+        if self.activation in ACTIVATION_GRADS:
+            h = GatedActivation.apply(gate, up, self.activation)
+        else:
+            h = ACTIVATIONS[self.activation](gate) * up
+        return self.product(h, counts, "down")  # (N, D)
+
+
+def grouped_product(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+    """x (N, in), rows grouped by expert (counts[e] each), each group times w[e]^T -> (N, out)."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    for e, (rows, into) in enumerate(zip(x.split(counts), out.split(counts))):
+        if counts[e]:
+            torch.mm(rows, w[e].t(), out=into)
+    return out
+
+
+class GroupedProduct(torch.autograd.Function):
+    """x (N, in), rows grouped by expert (counts[e] rows for expert e), times each group's expert of the
+    stack w (E, out, in) transposed -> (N, out): one product per expert, written straight into the
+    output, and in the backward pass each expert's weight gradient written straight into one (E, out,
+    in) tensor (autograd through w[e] or an unbind would build or stack a stack-sized one more)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        return grouped_product(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w = ctx.saved_tensors
+        counts, grad = ctx.counts, grad.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x)
+            for e, (g, into) in enumerate(zip(grad.split(counts), dx.split(counts))):
+                if counts[e]:
+                    torch.mm(g, w[e], out=into)
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty_like(w)
+            for e, (g, rows) in enumerate(zip(grad.split(counts), x.split(counts))):
+                if counts[e]:
+                    torch.mm(g.t(), rows, out=dw[e])
+                else:
+                    dw[e].zero_()  # an expert no token reached
+        return dx, dw, None
 
 
 class MoE(nn.Module):
@@ -139,12 +182,19 @@ class MoE(nn.Module):
         weights, chosen = self.choose(logits)  # (N, k) each
         n, k = chosen.shape
         slots = chosen.flatten()  # (N k,) the expert of each (token, choice)
-        order = slots.argsort(stable=True)  # the slots grouped by expert
-        counts = torch.bincount(slots, minlength=self.routing.n_experts)  # (E,)
-        rows = order // k  # (N k,) the token of each grouped slot
-        ys = self.experts(flat[rows], counts.tolist())  # (N k, D)
-        ys = ys * weights.flatten()[order, None]
-        out = torch.zeros_like(flat).index_add_(0, rows, ys.to(flat.dtype))  # (N, D)
+        if n == 1 and not torch.is_grad_enabled():  # decoding one token: its k experts, nothing to sort
+            picked = slots.tolist()
+            counts = torch.tensor([picked.count(e) for e in range(self.routing.n_experts)])
+            order = sorted(range(k), key=picked.__getitem__)
+            ys = self.experts(flat.expand(k, -1), counts.tolist())  # (k, D), by expert
+            out = weights[0, order].to(flat.dtype)[None] @ ys  # (1, D)
+        else:
+            order = slots.argsort(stable=True)  # the slots grouped by expert
+            counts = torch.bincount(slots, minlength=self.routing.n_experts)  # (E,)
+            rows = order // k  # (N k,) the token of each grouped slot
+            ys = self.experts(flat[rows], counts.tolist())  # (N k, D)
+            ys = ys * weights.flatten()[order, None]
+            out = torch.zeros_like(flat).index_add_(0, rows, ys.to(flat.dtype))  # (N, D)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
         if self.training and torch.is_grad_enabled():
