@@ -13,6 +13,9 @@ the same losses after (1e-4)).
   dpo-base       the same, dpo.reference base (the adapters switched off)
   llama-mini     llama-mini pretraining (the built-in text, its recipe's batch 16 x 128)
   minilm-mnli    all-MiniLM-L6-v2 on MNLI's fields (its recipe: batch 32 x 128)
+  moe-full       benchmarks/moe.py's Qwen3-MoE shape (6 layers of 8 experts, top 2; GPT-2's tokenizer)
+                 full SFT, batch 8 x 512 (not in the default set)
+  moe-lora       the same, --train lora (attention only, the default for a mixture)
   minilm-mnli-real  the same on ../shared/data/mnli (42k pairs, mostly far shorter than 128 tokens:
                  the plan, made for the longest batch, is an upper bound there; not in the default set)
 
@@ -91,6 +94,9 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
     dpo = ["finetune", "dpo", "--from", smol(), "--data", str(data / "dpo"), "--train", "lora"]
     dpo += ["--batch-size", "8", "--set", "data.seq_len=512"]
     mnli = ["finetune", "mnli", "--recipe", "mnli-minilm", "--from", minilm(), "--data"]
+    from benchmarks.moe import sft_directory
+
+    moe_sft = [*sft[:3], str(sft_directory()), *sft[4:]]  # benchmarks/moe.py's Qwen3-MoE shape, GPT-2's tokenizer
     return {
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
@@ -101,6 +107,8 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "llama-mini": ["pretrain", "--recipe", "llama-mini"],
         "gpt-mini": ["pretrain", "--recipe", "gpt-mini"],
         "minilm-mnli": [*mnli, str(data / "mnli")],
+        "moe-full": [*moe_sft, "--train", "all"],
+        "moe-lora": [*moe_sft, "--train", "lora"],
         "minilm-mnli-real": [*mnli, str(MNLI)],
     }
 

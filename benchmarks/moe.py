@@ -59,6 +59,23 @@ def directory() -> Path:
     return DIRECTORY
 
 
+def sft_directory() -> Path:
+    """The same shape with GPT-2's tokenizer (its 50,257 tokens) beside it: a directory `tfcli finetune`
+    takes (the memory benchmark's moe-full and moe-lora)."""
+    import transformers
+
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    path = DIRECTORY.with_name(DIRECTORY.name + "-sft")
+    if not (path / "tokenizer.json").is_file():
+        tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+        config = transformers.AutoConfig.for_model("qwen3_moe", **{**SHAPE, "vocab_size": tok.vocab_size})
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        tok.tok.save(str(path / "tokenizer.json"))
+    return path
+
+
 def tokens(n: int, length: int) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (n, length), generator=torch.Generator().manual_seed(0))
 

@@ -233,7 +233,9 @@ def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 def test_a_gguf_export_of_these_architectures_is_refused_in_one_line(pair, tmp_path):
     arch, _, _, ours = pair
-    with pytest.raises(UserError, match="GGUF export writes llama, qwen2, qwen3 models"):
+    with pytest.raises(
+        UserError, match="GGUF export writes llama, qwen2, qwen3, qwen2_moe, qwen3_moe, olmoe, mixtral models"
+    ):
         hf.export_gguf(Backbone(model=ours, tokenizer=None, source="test"), None, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
 

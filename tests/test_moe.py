@@ -376,3 +376,50 @@ def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(tmp_
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == [1, 2, 3] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
+    """llama.cpp's names and layout: experts stacked (E, out, in) as ffn_{gate,up,down}_exps, the router
+    ffn_gate_inp, Mixtral a llama with experts (its q/k rows permuted), Qwen2-MoE's shared expert."""
+    import gguf
+
+    extra = {"mlp_only_layers": []} if arch == "qwen3_moe" else {}  # llama.cpp's qwen3moe: experts everywhere
+    theirs = hf_model(arch, **extra)
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = tfcli_model(tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    hf.export_gguf(Backbone(model=ours, tokenizer=_tokenizer(), source="test"), None, out, "f32")
+    names = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in gguf.GGUFReader(str(out)).tensors}
+    assert names["blk.0.ffn_gate_exps.weight"][0] == 4 and "blk.0.ffn_gate_inp.weight" in names
+    again = tfcli_model_from_gguf(out)
+    from dataclasses import replace
+
+    assert again.cfg.router_aux_coef == hf.moe.AUX_DEFAULTS[arch]  # a training setting no GGUF key holds
+    assert replace(again.cfg, router_aux_coef=ours.cfg.router_aux_coef) == ours.cfg
+    with torch.no_grad():
+        assert (again.logits(again(IDS)) - ours.logits(ours(IDS))).abs().max() < 1e-5
+
+
+def _tokenizer():
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    return load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+
+
+def tfcli_model_from_gguf(path):
+    from tfcli.models import build_model
+
+    cfg, state = hf.read_pretrained(path, from_gguf=True)
+    model = build_model(cfg).eval()
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items()})
+    return model
+
+
+def test_a_gguf_export_refuses_what_llama_cpp_cannot_run(tmp_path):
+    theirs = hf_model("qwen3_moe", norm_topk_prob=False, mlp_only_layers=[])
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = Backbone(model=tfcli_model(tmp_path / "hf"), tokenizer=_tokenizer(), source="test")
+    with pytest.raises(UserError, match="llama.cpp's qwen3moe renormalises the top-k expert weights"):
+        hf.export_gguf(ours, None, tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()

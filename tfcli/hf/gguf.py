@@ -26,7 +26,15 @@ from ..data.special_tokens import SpecialTokens
 from ..errors import UserError
 
 SUFFIX = ".gguf"
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture -> transformers model_type (same names)
+# GGUF general.architecture -> transformers model_type (llama with experts: Mixtral)
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+MODEL_TYPES["olmoe"] = "olmoe"
+ARCHITECTURES = tuple(MODEL_TYPES)
+GGUF_ARCH = {**{v: k for k, v in MODEL_TYPES.items()}, "mixtral": "llama"}  # transformers model_type -> GGUF's
+# llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
+NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)
+MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's names for its experts' parts
 LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -39,6 +47,11 @@ LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BYTE_LEVEL_SPLITS = {  # tokenizer.ggml.pre -> the split regex its merges were learned with (else GPT-2's)
@@ -124,7 +137,7 @@ def read_config(path: Path) -> dict:
     return _config(_opened(path)[1], path)
 
 
-def _config(meta: dict, path: Path) -> dict:
+def _config(meta: dict, path: Path, layers_with_experts: set[int] | None = None) -> dict:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -146,7 +159,7 @@ def _config(meta: dict, path: Path) -> dict:
             f"(tokenizer.ggml.tokens), so its vocabulary size is unknown"
         )
     raw = {
-        "model_type": arch,
+        "model_type": MODEL_TYPES[arch],
         "num_hidden_layers": get("block_count"),
         "hidden_size": d,
         "intermediate_size": get("feed_forward_length"),
@@ -160,6 +173,8 @@ def _config(meta: dict, path: Path) -> dict:
         "vocab_size": get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
         "attention_bias": False,
     }
+    if get("expert_count"):
+        raw.update(_experts(arch, get, raw, layers_with_experts))
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         raw["rope_scaling"] = {
@@ -168,6 +183,22 @@ def _config(meta: dict, path: Path) -> dict:
             "original_max_position_embeddings": get("rope.scaling.original_context_length", 0),
         }
     return raw
+
+
+def _experts(arch: str, get, raw: dict, layers_with_experts: set[int] | None) -> dict:
+    """A mixture's config.json entries from a GGUF's expert_* keys (and, for Qwen's, which layers hold
+    experts: the others are dense)."""
+    out = {"num_experts_per_tok": get("expert_used_count"), "norm_topk_prob": NORM_TOPK[arch]}
+    if arch == "llama":
+        out.update(model_type="mixtral", num_local_experts=get("expert_count"))
+        return out
+    out["num_experts"] = get("expert_count")
+    if arch in ("qwen2moe", "qwen3moe"):
+        dense = sorted(set(range(raw["num_hidden_layers"])) - (layers_with_experts or set()))
+        out.update(moe_intermediate_size=get("expert_feed_forward_length"), mlp_only_layers=dense)
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length", 0)
+    return out
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -189,8 +220,10 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
 
     path = Path(path)
     reader, meta = _opened(path)
-    raw = _config(meta, path)
     names = {t.name for t in reader.tensors}
+    routed = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and ".ffn_gate_inp." in n}
+    raw = _config(meta, path, routed)
+    arch, mixtral = meta.get("general.architecture"), raw["model_type"] == "mixtral"
     if "rope_freqs.weight" in names:
         raise UserError(
             f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported"
@@ -198,8 +231,10 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
     raw["tie_word_embeddings"] = "output.weight" not in names
     state = {}
     for t in reader.tensors:
+        shape = [int(n) for n in reversed(t.shape)]
         if shapes_only:
-            state[_hf_name(t.name, path)] = torch.empty([int(n) for n in reversed(t.shape)], device="meta")
+            meta_tensor = torch.empty(shape, device="meta")
+            state.update(_hf_tensors(t.name, meta_tensor, path, mixtral))
             continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -209,23 +244,39 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
             ) from None
         except Exception as e:
             raise UserError(f"{path}: tensor {t.name} is unreadable ({type(e).__name__}); a truncated file?") from None
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
-        name = _hf_name(t.name, path)
-        if raw["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = raw["num_attention_heads"] if "attn_q" in t.name else raw["num_key_value_heads"]
             values = _unpermute(values, heads)
-        state[name] = torch.from_numpy(values if values.flags.writeable else values.copy())
-    if any(k.endswith("q_proj.bias") for k in state):
-        raw["attention_bias"] = raw["model_type"] != "qwen2" and any(k.endswith("o_proj.bias") for k in state)
+        tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
+        state.update(_hf_tensors(t.name, tensor, path, mixtral))
+    raw["qkv_bias"] = any(k.endswith("q_proj.bias") for k in state)  # Qwen2-MoE's name for it
+    if raw["qkv_bias"]:
+        raw["attention_bias"] = raw["model_type"] not in ("qwen2", "qwen2_moe") and any(
+            k.endswith("o_proj.bias") for k in state
+        )
     return raw, state
 
 
-def _hf_name(name: str, path: Path) -> str:
+def _hf_tensors(name: str, tensor: Tensor, path: Path, mixtral: bool) -> dict[str, Tensor]:
+    """One GGUF tensor under transformers' name(s): a stack of experts (E, out, in) as one tensor per
+    expert."""
     parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
+        block, part = ("block_sparse_moe", MIXTRAL[EXPERTS[parts[2]]]) if mixtral else ("mlp", EXPERTS[parts[2]])
+        stem = f"model.layers.{parts[1]}.{block}.experts"
+        return {f"{stem}.{j}.{part}.{parts[3]}": expert for j, expert in enumerate(tensor.unbind(0))}
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
-        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+        module = (
+            LAYER[parts[2]].replace("mlp.", "block_sparse_moe.")
+            if mixtral and parts[2] == "ffn_gate_inp"
+            else LAYER[parts[2]]
+        )
+        if parts[2] == "ffn_gate_inp_shexp":
+            tensor = tensor.reshape(1, -1)  # (1, D) in transformers, a vector in some converters' files
+        return {f"model.layers.{parts[1]}.{module}.{parts[3]}": tensor}
     if len(parts) == 2 and parts[0] in GLOBAL:
-        return f"{GLOBAL[parts[0]]}.{parts[1]}"
+        return {f"{GLOBAL[parts[0]]}.{parts[1]}": tensor}
     raise UserError(f"{path}: tensor {name!r} is not one of a llama-family model's")
 
 
@@ -313,11 +364,13 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
 
     if dtype not in WRITE_TYPES:
         raise UserError(f"--gguf-type {dtype}: choose {', '.join(WRITE_TYPES)}")
-    arch = hf_config["model_type"]
-    if arch not in ARCHITECTURES:
-        raise UserError(f"GGUF export writes {', '.join(ARCHITECTURES)} models; this is a {arch}")
+    arch = GGUF_ARCH.get(hf_config["model_type"])
+    if arch is None:
+        raise UserError(f"GGUF export writes {', '.join(GGUF_ARCH)} models; this is a {hf_config['model_type']}")
     if hf_config.get("sliding_window"):
         raise UserError("GGUF export: a sliding-window model is not written (llama.cpp's llama architecture has none)")
+    _check_experts(hf_config, arch)
+    hf_state = _stacked_experts(hf_state)
     out = Path(out)
     if out.exists():
         raise UserError(f"{out} exists; choose a new --gguf file")
@@ -328,6 +381,8 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     for name, tensor in hf_state.items():
         values = tensor.detach().float().cpu().numpy()
+        if "shared_expert_gate" in name:
+            values = values.reshape(-1)  # llama.cpp holds Qwen2-MoE's shared-expert gate as a vector (n_embd)
         proj = name.split(".")[-2]
         if arch == "llama" and proj in heads and name.endswith(".weight"):
             values = _permute(values, heads[proj])
@@ -352,6 +407,37 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _check_experts(c: dict, arch: str) -> None:
+    """One line for a mixture llama.cpp's architecture cannot run as it is."""
+    if not (c.get("num_experts") or c.get("num_local_experts")):
+        return
+    norm = c["model_type"] == "mixtral" or bool(c.get("norm_topk_prob"))
+    if norm != NORM_TOPK[arch]:
+        raise UserError(
+            f"GGUF export: llama.cpp's {arch} {'renormalises' if NORM_TOPK[arch] else 'keeps'} the top-k "
+            f"expert weights, and this model {'does' if norm else 'does not'}; no GGUF key says otherwise"
+        )
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise UserError(f"GGUF export: llama.cpp's {arch} has experts in every layer, and this model has dense ones")
+
+
+def _stacked_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers' one tensor per expert -> GGUF's stacks (E, out, in), under a `...experts.<part>`
+    name _gguf_name knows."""
+    out, stacks = {}, {}
+    for name, tensor in state.items():
+        stem, _, rest = name.partition(".experts.")
+        if not rest:
+            out[name] = tensor
+            continue
+        j, part, kind = rest.split(".")
+        part = {v: k for k, v in MIXTRAL.items()}.get(part, part)
+        stacks.setdefault(f"{stem}.experts.{part}.{kind}", {})[int(j)] = tensor
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[j] for j in range(len(experts))])
+    return out
 
 
 def _vocab(tok) -> dict:
@@ -397,6 +483,14 @@ def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
         raise UserError(f"GGUF export: rope scaling {scaling.get('rope_type')!r} has no GGUF field tfcli writes")
     writer.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     writer.add_vocab_size(c["vocab_size"])
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        if c.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if c.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -420,11 +514,13 @@ def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
 
 
 def _gguf_name(name: str) -> str:
-    """transformers' tensor name -> llama.cpp's (the inverse of _hf_name)."""
+    """transformers' tensor name (a stack of experts: _stacked_experts') -> llama.cpp's (the inverse of
+    _hf_tensors)."""
     inverse_layer, inverse_global = {v: k for k, v in LAYER.items()}, {v: k for k, v in GLOBAL.items()}
+    inverse_layer |= {f"mlp.experts.{v}": k for k, v in EXPERTS.items()}
     if name.startswith("model.layers."):
         _, _, i, rest = name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{inverse_layer[module]}.{kind}"
+        return f"blk.{i}.{inverse_layer[module.replace('block_sparse_moe.', 'mlp.')]}.{kind}"
     module, kind = name.rsplit(".", 1)
     return f"{inverse_global[module]}.{kind}"

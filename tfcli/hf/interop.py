@@ -151,11 +151,11 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
 
 def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     """Write a backbone as a GGUF file (llama.cpp, Ollama, LM Studio; tfcli and transformers read it
-    back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture holds."""
+    back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture or their mixtures (llama with experts, qwen2moe, qwen3moe, olmoe) hold."""
     spec, state = merged_export(backbone, recipe, "export to GGUF")
-    if spec.config.get("model_type") not in gguf.ARCHITECTURES:
+    if spec.config.get("model_type") not in gguf.GGUF_ARCH:
         raise UserError(
-            f"GGUF export writes {', '.join(gguf.ARCHITECTURES)} models; this is a {spec.config.get('model_type')!r}"
+            f"GGUF export writes {', '.join(gguf.GGUF_ARCH)} models; this is a {spec.config.get('model_type')!r}"
         )
     gguf.write(spec.config, state, backbone.tokenizer, Path(out), dtype)
     return spec.config["model_type"]

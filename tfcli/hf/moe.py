@@ -26,6 +26,12 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
 }
 normalize = llama.normalize
+AUX_DEFAULTS = {
+    "qwen3_moe": 0.001,
+    "qwen2_moe": 0.001,
+    "mixtral": 0.001,
+    "olmoe": 0.01,
+}  # transformers' (a GGUF has none)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ def config_from_hf(raw: dict, state=None) -> LlamaConfig:
         experts_per_token=raw["num_experts_per_tok"],
         expert_d_ff=raw.get("moe_intermediate_size") or common["d_ff"],
         norm_topk=model_type == "mixtral" or bool(raw.get("norm_topk_prob", False)),
-        router_aux_coef=float(raw.get("router_aux_loss_coef", 0.0)),
+        router_aux_coef=float(raw.get("router_aux_loss_coef", AUX_DEFAULTS[model_type])),
     )
     if model_type in ("qwen3_moe", "qwen2_moe"):
         experts.update(
