@@ -341,6 +341,22 @@ def test_sft_logs_the_routers_and_the_expert_load_and_dpo_trains(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
+def test_classification_and_grpo_train_a_mixture(tmp_path):
+    from .conftest import SHARED
+
+    model = directory_with_tokenizer("olmoe", tmp_path / "model")
+    mnli = ["mnli", "--from", model, "--data", SHARED / "mnli", "--steps", 2, "--batch-size", 4, "--quiet"]
+    mnli += ["--set", "finetune.limit=32", "--set", "finetune.eval_limit=4", "--set", "finetune.report_limit=4"]
+    result = invoke("finetune", *mnli, "--train", "lora", "--out", tmp_path / "mnli")
+    assert result.exit_code == 0, result.output
+    grpo = ["grpo", "--from", model, "--data", SHARED / "sft" / "gsm8k", "--steps", 1, "--batch-size", 2]
+    grpo += ["--set", "grpo.preset=gsm8k", "--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2"]
+    grpo += ["--set", "finetune.limit=8", "--train", "lora", "--quiet", "--out", tmp_path / "grpo"]
+    result = invoke("finetune", *grpo)
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.slow  # whole suite only: the parity tests above exercise the modules
 @pytest.mark.parametrize("arch, train", [("qwen2_moe", "lora"), ("mixtral", "all"), ("olmoe", "qlora")])
 def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
@@ -404,7 +420,9 @@ def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
 def _tokenizer():
     from tfcli.data.tokenizers import load_tokenizer_files
 
-    return load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    from .test_gguf import small_gpt2
+
+    return load_tokenizer_files(small_gpt2(200), ["<|endoftext|>"])  # GPT-2's BPE cut short: a quick GGUF
 
 
 def tfcli_model_from_gguf(path):

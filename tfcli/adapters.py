@@ -270,10 +270,11 @@ def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: b
     """A mixture's experts: frozen in NF4 with the rest of the block (qlora), and with adapter.experts
     given per-expert LoRA on the targeted gate / up / down; -> how many expert stacks were adapted."""
     stacks = [m for m in model.modules() if isinstance(m, StackedExperts)]
-    if cfg.experts and not stacks:
+    experts = bool(cfg is not None and cfg.experts)  # IA3 runs without adapter settings
+    if experts and not stacks:
         raise UserError("adapter.experts: this model has no mixture of experts")
-    parts = tuple(p for p in ("gate", "up", "down") if p in cfg.targets)
-    if cfg.experts and not (lora and parts):
+    parts = tuple(p for p in ("gate", "up", "down") if p in cfg.targets) if experts else ()
+    if experts and not (lora and parts):
         raise UserError(
             "adapter.experts puts LoRA on the experts' gate, up and down: use --train lora or qlora with "
             "adapter.targets naming some of them"
@@ -281,9 +282,9 @@ def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: b
     for stack in stacks:
         if quantize:
             stack.quantize()
-        if cfg.experts:
+        if experts:
             stack.adapters = ExpertLoRA(stack, parts, cfg)
-    return len(stacks) if cfg.experts else 0
+    return len(stacks) if experts else 0
 
 
 def _lora(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:

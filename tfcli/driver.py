@@ -523,11 +523,12 @@ def banner(
     )
     model = f"a {'new ' if not source and ckpt is None else ''}{n / 1e6:.2f}M-parameter {backbone.family}{source}"
     described = getattr(backbone.model, "describe", None)  # a family may say more of itself (a ViT's stem)
+    described = described() if described else ""
     return (
         f"[bold]{plugin.title(recipe, backbone)}[/] on {model}{how}, {recipe.train.steps:,} steps on {where}, "
         f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
         + (f" (resuming from {ckpt.name})" if ckpt else "")
-        + (f"\n{described()}" if described else "")
+        + (f"\n{described}" if described else "")
         + quantized_note(module)
     )
 

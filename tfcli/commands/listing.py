@@ -113,7 +113,7 @@ def models():
     table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")
     for family in FAMILIES:
         types = [t for module, f in TABLES.items() if f == family for t in module.MODEL_TYPES]
-        read = [t + (" +gguf" if t in gguf.ARCHITECTURES else "") for t in types] or ["any other transformers ships"]
+        read = [t + (" +gguf" if t in gguf.GGUF_ARCH else "") for t in types] or ["any other transformers ships"]
         table.add_row(family, kind_of(family), ", ".join(read), plugins("objective", family), plugins("task", family))
     console.print(table)
     console.print(

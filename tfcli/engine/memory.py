@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from ..adapters import method
 from ..errors import UserError
 from ..models import TEXT_FAMILIES, build_model, transformer_blocks
+from ..models.moe import moe_layers
 from ..models.nf4 import NF4Linear
 from ..recipe import parse_limit
 from . import optimizers
@@ -580,6 +581,13 @@ def first_batch(source, rows: int, seed: int, length: int, device: torch.device)
 READ_COPIES = {"gguf": 2.6, "other": 2.0}
 
 
+def stacked_bytes(model: nn.Module) -> int:
+    """The weights a checkpoint holds as pieces that reading stacks into one tensor (a mixture's experts,
+    one tensor per expert in the file): one more copy of them while they are read (measured: a
+    Qwen3-MoE-shaped LoRA SFT's reading peak, docs/results/measured.md)."""
+    return sum(p.numel() * 4 for layer in moe_layers(model) for p in layer.experts.parameters())
+
+
 def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, restoring: float = 0.0):
     """-> (plans(checkpointing, micro_batch) -> Plan, what the device has for this process), for the run
     about to start: `model` is the backbone (real, or on the meta device for --dry-run); `reading` the
@@ -596,8 +604,8 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
     on_gpu = rt.device.type == "cuda"
     runtime = 0.0 if on_gpu else max(resident_bytes() - held, 0.0)
     if dry_run:  # an estimate: the copies of the fp32 weights reading holds, above the process
-        copies = reading
-        reading = runtime + copies * sum(p.numel() * 4 for p in model.parameters()) if copies and not on_gpu else 0.0
+        copies, weights = reading, sum(p.numel() * 4 for p in model.parameters())
+        reading = runtime + copies * weights + stacked_bytes(model) if copies and not on_gpu else 0.0
     length = min(recipe.data.seq_len, getattr(model.cfg, "max_seq_len", recipe.data.seq_len))
     capacity = process_capacity(rt)
 

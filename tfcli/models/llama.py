@@ -243,11 +243,25 @@ class Llama(DecoderTraits, nn.Module):
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=ropes[i])
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
+    def describe(self) -> str:
+        """The banner's line for a mixture of experts ("" for a dense model)."""
+        layers = moe_layers(self)
+        if not layers:
+            return ""
+        r = layers[0].routing
+        idle = sum(m.idle_parameters() for m in layers)
+        total = sum(p.numel() for p in self.parameters())
+        return (
+            f"a mixture of experts: {r.n_experts} experts in {len(layers)} of {self.cfg.n_layer} layers, "
+            f"{r.top_k} per token ({(total - idle) / 1e6:.2f}M of {total / 1e6:.2f}M parameters active), "
+            f"load-balancing loss x {r.aux_coef:g}" + (f", z-loss x {r.z_coef:g}" if r.z_coef else "")
+        )
+
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
         """Training FLOPs per token: every weight a token meets (rotary positions are computed, not
         learned; of each layer's experts, the k it is routed to); attention at the query width
         n_head x head_dim."""
-        idle = sum(m.experts.gate.numel() * 3 * (1 - m.routing.top_k / m.routing.n_experts) for m in moe_layers(self))
+        idle = sum(m.idle_parameters() for m in moe_layers(self))
         width = self.cfg.n_head * self.cfg.head_dim
         return dense_flops_per_token(self, self.cfg.n_layer, seq_len, width) - 6.0 * idle
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import nf4
+from .nf4 import linear_nf4, to_nf4
 from .blocks import ACTIVATION_GRADS, ACTIVATIONS, MLP, GatedActivation
 
 
@@ -62,7 +62,7 @@ class StackedExperts(nn.Module):
         expert's `part`, plus its adapter's update where there is one."""
         w = getattr(self, part)
         if self.quantized:
-            pieces = [nf4.linear_nf4(rows, w[e]) for e, rows in enumerate(x.split(counts)) if counts[e]]
+            pieces = [linear_nf4(rows, w[e]) for e, rows in enumerate(x.split(counts)) if counts[e]]
             y = torch.cat(pieces) if pieces else x.new_zeros(0, w[0].shape[0])
         elif torch.is_grad_enabled():
             y = GroupedProduct.apply(x, w, counts)
@@ -75,7 +75,7 @@ class StackedExperts(nn.Module):
         """Freeze every expert's weights in 4-bit NF4 (QLoRA), one NF4 tensor per expert and part."""
         for part in ("gate", "up", "down"):
             w = getattr(self, part).detach()
-            held = [nn.Parameter(nf4.to_nf4(w[e]), requires_grad=False) for e in range(len(w))]
+            held = [nn.Parameter(to_nf4(w[e]), requires_grad=False) for e in range(len(w))]
             delattr(self, part)
             setattr(self, part, nn.ParameterList(held))
 
@@ -166,6 +166,11 @@ class MoE(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         for p in (self.experts.gate, self.experts.up, self.experts.down):
             nn.init.normal_(p, mean=0.0, std=std)
+
+    def idle_parameters(self) -> float:
+        """The expert weights a token does not meet (all but its k experts'), on average."""
+        n, out, inner = self.experts.shape_of("gate")
+        return 3 * out * inner * (n - self.routing.top_k)
 
     def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Router logits (N, E) -> (weights, experts), each (N, k): softmax in fp32, then the top k."""
