@@ -87,13 +87,16 @@ def hf_model(arch: str, **extra):
     return model
 
 
+def saved_pair(arch: str, theirs, tmp_path_factory):
+    """(model_type, transformers model, its saved directory, the tfcli model read from it)."""
+    directory = tmp_path_factory.mktemp(arch)
+    theirs.save_pretrained(directory)
+    return arch, theirs, directory, tfcli_model(directory)
+
+
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def pair(request, tmp_path_factory):
-    """(model_type, transformers model, its saved directory, the tfcli model read from it)."""
-    theirs = hf_model(request.param)
-    directory = tmp_path_factory.mktemp(request.param)
-    theirs.save_pretrained(directory)
-    return request.param, theirs, directory, tfcli_model(directory)
+    return saved_pair(request.param, hf_model(request.param), tmp_path_factory)
 
 
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -131,7 +134,11 @@ def test_the_switches_are_the_architectures(pair):
 
 
 def test_greedy_generation_matches_through_the_kv_cache(pair):
-    arch, theirs, _, ours = pair
+    assert_greedy_generation_matches(*pair[1::2])
+
+
+def assert_greedy_generation_matches(theirs, ours) -> None:
+    """24 greedy tokens at batch 4 with left padding: tfcli's KV cache against transformers' generate."""
     prompts = [[5, 9, 13, 2, 7, 30, 31, 8], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -250,8 +257,13 @@ def test_a_gguf_export_of_these_architectures_is_refused_in_one_line(pair, tmp_p
     ],
 )
 def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
+    assert_refused_in_one_line(hf_model(arch), change, message, tmp_path)
+
+
+def assert_refused_in_one_line(theirs, change: dict, message: str, tmp_path) -> None:
+    """`tfcli generate` on the model saved with `change` in its config.json: one line, exit 2."""
     directory = tmp_path / "model"
-    hf_model(arch).save_pretrained(directory)
+    theirs.save_pretrained(directory)
     raw = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**raw, **change}))
     load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"]).tok.save(str(directory / "tokenizer.json"))

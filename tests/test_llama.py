@@ -67,7 +67,11 @@ def spread_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def hf_model(arch: str, **extra):
     name, kw = ARCHITECTURES[arch]
-    config = getattr(transformers, name)(**{**BASE, **kw, **extra})
+    return random_causal_lm(getattr(transformers, name)(**{**BASE, **kw, **extra}))
+
+
+def random_causal_lm(config):
+    """transformers' causal LM of `config`, seeded, eager attention, its weights spread_ (eval mode)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     spread_(model)

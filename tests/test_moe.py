@@ -8,40 +8,30 @@ expert load counted; what tfcli does not implement refused in one line."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from tfcli.errors import UserError  # noqa: E402
-from tfcli.generate import generate_batch  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.models import moe  # noqa: E402
 from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 
 from .conftest import invoke  # noqa: E402
-from .test_families import our_loss, theirs_named  # noqa: E402
-from .test_llama import spread_, tfcli_model  # noqa: E402
+from .test_families import BASE as DENSE  # noqa: E402
+from .test_families import (  # noqa: E402
+    assert_greedy_generation_matches,
+    assert_refused_in_one_line,
+    our_loss,
+    saved_pair,
+    theirs_named,
+)
+from .test_llama import random_causal_lm, tfcli_model  # noqa: E402
 
 VOCAB = 96
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.05,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+BASE = {**DENSE, "num_hidden_layers": 3, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05}
 ARCHITECTURES = {  # model_type -> the switches that make it itself
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1]),
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24),
@@ -51,20 +41,12 @@ ARCHITECTURES = {  # model_type -> the switches that make it itself
 
 
 def hf_model(arch: str, **extra):
-    config = transformers.AutoConfig.for_model(arch, **{**BASE, **ARCHITECTURES[arch], **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    spread_(model)
-    return model
+    return random_causal_lm(transformers.AutoConfig.for_model(arch, **{**BASE, **ARCHITECTURES[arch], **extra}))
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def pair(request, tmp_path_factory):
-    """(model_type, transformers model, its saved directory, the tfcli model read from it)."""
-    theirs = hf_model(request.param)
-    directory = tmp_path_factory.mktemp(request.param)
-    theirs.save_pretrained(directory)
-    return request.param, theirs, directory, tfcli_model(directory)
+    return saved_pair(request.param, hf_model(request.param), tmp_path_factory)
 
 
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -96,18 +78,7 @@ def test_logits_match_transformers(pair):
 
 
 def test_greedy_generation_matches_through_the_kv_cache(pair):
-    arch, theirs, _, ours = pair
-    prompts = [[5, 9, 13, 2, 7, 30, 31, 8], [4], [11, 12, 13], [40, 41, 42, 43, 44]]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = theirs.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        want = [row[width:].tolist() for row in out]
-        got = generate_batch(ours, prompts, max_new_tokens=24, pad_id=0)
-    assert got == want and len({t for row in want for t in row}) > 3
+    assert_greedy_generation_matches(*pair[1::2])
 
 
 def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gradients(pair):
@@ -204,15 +175,7 @@ def test_only_active_experts_count_in_the_flops():
     ],
 )
 def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
-    from tfcli.data.tokenizers import load_tokenizer_files
-
-    directory = tmp_path / "model"
-    hf_model(arch).save_pretrained(directory)
-    raw = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**raw, **change}))
-    load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"]).tok.save(str(directory / "tokenizer.json"))
-    result = invoke("generate", "--checkpoint", directory, "--prompt", "hi", "--max-new-tokens", 2)
-    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert_refused_in_one_line(hf_model(arch), change, message, tmp_path)
 
 
 def test_a_dense_architecture_refuses_a_model_with_experts():
