@@ -9,6 +9,7 @@ in one line."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -238,12 +239,59 @@ def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
     assert again.cfg == ours.cfg
 
 
-def test_a_gguf_export_of_these_architectures_is_refused_in_one_line(pair, tmp_path):
-    arch, _, _, ours = pair
-    with pytest.raises(
-        UserError, match="GGUF export writes llama, qwen2, qwen3, qwen2_moe, qwen3_moe, olmoe, mixtral models"
-    ):
-        hf.export_gguf(Backbone(model=ours, tokenizer=None, source="test"), None, tmp_path / "m.gguf")
+GGUF_AS_LLAMA_CPP = {  # the settings llama.cpp's graphs fix rather than read, set its way (gguf_archs.py)
+    "gemma2": dict(query_pre_attn_scalar=8),
+    "gemma3_text": dict(
+        num_hidden_layers=6, query_pre_attn_scalar=8, layer_types=["sliding_attention"] * 5 + ["full_attention"]
+    ),
+    "olmo2": {},
+    "phi3": {},  # LongRoPE: its factors as rope_factors_long / _short
+}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_AS_LLAMA_CPP))
+def test_a_gguf_export_has_llama_cpps_names_and_reads_back_with_the_same_logits(arch, tmp_path):
+    import gguf
+
+    from .test_moe import _tokenizer, llama_cpp_names, tfcli_model_from_gguf
+
+    theirs = hf_model(arch, **GGUF_AS_LLAMA_CPP[arch])
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = tfcli_model(tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    written = hf.export_gguf(Backbone(model=ours, tokenizer=_tokenizer(), source="test"), None, out, "f32")
+    assert written == arch
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.architecture"].contents() == hf.gguf.GGUF_ARCH[arch]
+    assert {t.name for t in reader.tensors} <= llama_cpp_names(hf.gguf.GGUF_ARCH[arch], ours.cfg.n_layer)
+    again = tfcli_model_from_gguf(out)
+    assert again.cfg == ours.cfg
+    with torch.no_grad():
+        assert (again.logits(again(IDS)) - ours.logits(ours(IDS))).abs().max() < 1e-5
+    if arch.startswith("gemma"):  # llama.cpp's Gemma norms hold the 1 + w they scale by
+        stored = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
+        hf_weight = theirs.model.layers[0].input_layernorm.weight.detach().numpy()
+        assert abs(stored.data - (hf_weight + 1)).max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "arch, message",
+    [
+        ("gemma2", "llama.cpp's gemma2 scales queries by 8^-0.5; this model does not"),
+        ("gemma3_text", "llama.cpp's gemma3 slides in all but every 6th layer; this model does not"),
+        ("smollm3", "GGUF export writes llama, qwen2, qwen3"),
+        ("granite", "GGUF export writes llama, qwen2, qwen3"),
+    ],
+)
+def test_a_gguf_export_llama_cpp_would_run_differently_is_refused_in_one_line(arch, message, tmp_path):
+    from .test_moe import _tokenizer
+
+    theirs = hf_model(arch)
+    theirs.save_pretrained(tmp_path / "hf")
+    with pytest.raises(UserError, match=re.escape(message)):
+        hf.export_gguf(
+            Backbone(model=tfcli_model(tmp_path / "hf"), tokenizer=_tokenizer(), source="t"), None, tmp_path / "m.gguf"
+        )
     assert not (tmp_path / "m.gguf").exists()
 
 
@@ -303,3 +351,30 @@ def test_models_lists_the_architectures_each_family_reads():
     for arch in ARCHITECTURES:
         assert arch in result.output.replace("\n", " ").replace("│", " ")
     assert "any other architecture transformers ships" in " ".join(result.output.replace("│", " ").split())
+
+
+TRANSFORMERS_READS = {  # settings transformers' GGUF loader takes as its defaults, set its way
+    "gemma2": dict(head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(
+        head_dim=256, num_hidden_layers=6, query_pre_attn_scalar=256, rope_parameters=None,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    ),
+    "phi3": dict(partial_rotary_factor=1.0, rope_scaling=None, original_max_position_embeddings=128),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(TRANSFORMERS_READS))
+def test_transformers_own_gguf_reader_takes_the_export_with_the_same_logits(arch, tmp_path):
+    """An independent reader of llama.cpp's layout: transformers' GGUF loader (it maps Gemma's norms
+    back from 1 + w, Phi-3's fused projections) gives transformers' own logits from tfcli's file."""
+    from .test_moe import _tokenizer
+
+    # Phi-3's config defaults its pad id to 32,000: a vocabulary above it (GPT-2's); a short one elsewhere
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"]) if arch == "phi3" else _tokenizer()
+    theirs = hf_model(arch, vocab_size=tok.vocab_size, **TRANSFORMERS_READS[arch])
+    theirs.save_pretrained(tmp_path / "hf")
+    hf.export_gguf(Backbone(model=tfcli_model(tmp_path / "hf"), tokenizer=tok, source="t"), None, tmp_path / "m.gguf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", attn_implementation="eager")
+    with torch.no_grad():
+        assert (back.eval()(IDS).logits - theirs(IDS).logits).abs().max() < 1e-2  # the file's f16 matrices

@@ -371,6 +371,7 @@ def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     hf.export_gguf(Backbone(model=ours, tokenizer=_tokenizer(), source="test"), None, out, "f32")
     names = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in gguf.GGUFReader(str(out)).tensors}
     assert names["blk.0.ffn_gate_exps.weight"][0] == 4 and "blk.0.ffn_gate_inp.weight" in names
+    assert set(names) <= llama_cpp_names(hf.gguf.GGUF_ARCH[arch], ours.cfg.n_layer)
     again = tfcli_model_from_gguf(out)
     from dataclasses import replace
 
@@ -386,6 +387,16 @@ def _tokenizer():
     from .test_gguf import small_gpt2
 
     return load_tokenizer_files(small_gpt2(200), ["<|endoftext|>"])  # GPT-2's BPE cut short: a quick GGUF
+
+
+def llama_cpp_names(arch: str, n_layer: int) -> set[str]:
+    """Every tensor name llama.cpp's `arch` declares (gguf's MODEL_TENSORS), weights and biases."""
+    import gguf
+
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    stems = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[kind]]
+    names = {s.format(bid=i) for s in stems for i in range(n_layer)}
+    return {f"{n}.{kind_}" for n in names for kind_ in ("weight", "bias")}
 
 
 def tfcli_model_from_gguf(path):

@@ -24,11 +24,12 @@ from torch import Tensor
 
 from ..data.special_tokens import SpecialTokens
 from ..errors import UserError
+from .gguf_archs import ARCHS, check_writable, config_extras, rope_dimensions, write_extras
 
 SUFFIX = ".gguf"
-# GGUF general.architecture -> transformers model_type (llama with experts: Mixtral)
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-MODEL_TYPES["olmoe"] = "olmoe"
+# GGUF general.architecture -> transformers model_type (llama with experts: Mixtral); gguf_archs.py
+# says how each differs from the llama architecture
+MODEL_TYPES = {arch: a.model_type for arch, a in ARCHS.items()}
 ARCHITECTURES = tuple(MODEL_TYPES)
 GGUF_ARCH = {**{v: k for k, v in MODEL_TYPES.items()}, "mixtral": "llama"}  # transformers model_type -> GGUF's
 # llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
@@ -137,7 +138,7 @@ def read_config(path: Path) -> dict:
     return _config(_opened(path)[1], path)
 
 
-def _config(meta: dict, path: Path, layers_with_experts: set[int] | None = None) -> dict:
+def _config(meta: dict, path: Path, layers_with_experts: set[int] | None = None, factors: dict | None = None) -> dict:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -182,6 +183,7 @@ def _config(meta: dict, path: Path, layers_with_experts: set[int] | None = None)
             "factor": get("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": get("rope.scaling.original_context_length", 0),
         }
+    raw.update(config_extras(arch, get, raw, factors or {}))
     return raw
 
 
@@ -222,7 +224,12 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
     reader, meta = _opened(path)
     names = {t.name for t in reader.tensors}
     routed = {int(n.split(".")[1]) for n in names if n.startswith("blk.") and ".ffn_gate_inp." in n}
-    raw = _config(meta, path, routed)
+    factors = {  # Phi-3's LongRoPE factors: configuration, not weights
+        f"{t.name.split('.')[0].removeprefix('rope_factors_')}_factor": [float(x) for x in np.asarray(t.data).ravel()]
+        for t in reader.tensors
+        if t.name.startswith("rope_factors_")
+    }
+    raw = _config(meta, path, routed, factors)
     arch, mixtral = meta.get("general.architecture"), raw["model_type"] == "mixtral"
     if "rope_freqs.weight" in names:
         raise UserError(
@@ -232,9 +239,11 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
     state = {}
     for t in reader.tensors:
         shape = [int(n) for n in reversed(t.shape)]
+        if t.name.startswith("rope_factors_"):
+            continue
         if shapes_only:
             meta_tensor = torch.empty(shape, device="meta")
-            state.update(_hf_tensors(t.name, meta_tensor, path, mixtral))
+            state.update(_hf_tensors(t.name, meta_tensor, path, mixtral, arch))
             continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -245,11 +254,13 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
         except Exception as e:
             raise UserError(f"{path}: tensor {t.name} is unreadable ({type(e).__name__}); a truncated file?") from None
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if ARCHS[arch].permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = raw["num_attention_heads"] if "attn_q" in t.name else raw["num_key_value_heads"]
             values = _unpermute(values, heads)
+        if ARCHS[arch].norm_offset and t.name.endswith("norm.weight"):
+            values = values - np.float32(ARCHS[arch].norm_offset)
         tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
-        state.update(_hf_tensors(t.name, tensor, path, mixtral))
+        state.update(_hf_tensors(t.name, tensor, path, mixtral, arch))
     raw["qkv_bias"] = any(k.endswith("q_proj.bias") for k in state)  # Qwen2-MoE's name for it
     if raw["qkv_bias"]:
         raw["attention_bias"] = raw["model_type"] not in ("qwen2", "qwen2_moe") and any(
@@ -258,20 +269,23 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
     return raw, state
 
 
-def _hf_tensors(name: str, tensor: Tensor, path: Path, mixtral: bool) -> dict[str, Tensor]:
+def _layer_names(arch: str) -> dict[str, str]:
+    """GGUF layer tensor -> transformers module, for `arch`."""
+    return {**LAYER, **ARCHS[arch].layer}
+
+
+def _hf_tensors(name: str, tensor: Tensor, path: Path, mixtral: bool, arch: str = "llama") -> dict[str, Tensor]:
     """One GGUF tensor under transformers' name(s): a stack of experts (E, out, in) as one tensor per
     expert."""
-    parts = name.split(".")
+    parts, layer = name.split("."), _layer_names(arch)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
         block, part = ("block_sparse_moe", MIXTRAL[EXPERTS[parts[2]]]) if mixtral else ("mlp", EXPERTS[parts[2]])
         stem = f"model.layers.{parts[1]}.{block}.experts"
         return {f"{stem}.{j}.{part}.{parts[3]}": expert for j, expert in enumerate(tensor.unbind(0))}
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
-        module = (
-            LAYER[parts[2]].replace("mlp.", "block_sparse_moe.")
-            if mixtral and parts[2] == "ffn_gate_inp"
-            else LAYER[parts[2]]
-        )
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+        module = layer[parts[2]]
+        if mixtral and parts[2] == "ffn_gate_inp":
+            module = "block_sparse_moe.gate"
         if parts[2] == "ffn_gate_inp_shexp":
             tensor = tensor.reshape(1, -1)  # (1, D) in transformers, a vector in some converters' files
         return {f"model.layers.{parts[1]}.{module}.{parts[3]}": tensor}
@@ -367,8 +381,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
     arch = GGUF_ARCH.get(hf_config["model_type"])
     if arch is None:
         raise UserError(f"GGUF export writes {', '.join(GGUF_ARCH)} models; this is a {hf_config['model_type']}")
-    if hf_config.get("sliding_window"):
-        raise UserError("GGUF export: a sliding-window model is not written (llama.cpp's llama architecture has none)")
+    check_writable(arch, hf_config)
     _check_experts(hf_config, arch)
     hf_state = _stacked_experts(hf_state)
     out = Path(out)
@@ -377,15 +390,18 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
     vocab = _vocab(tok)
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
-    _write_metadata(writer, hf_config, tok, vocab)
+    _write_metadata(writer, hf_config, tok, vocab, arch)
+    extra = write_extras(arch, writer, hf_config)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     for name, tensor in hf_state.items():
         values = tensor.detach().float().cpu().numpy()
         if "shared_expert_gate" in name:
             values = values.reshape(-1)  # llama.cpp holds Qwen2-MoE's shared-expert gate as a vector (n_embd)
         proj = name.split(".")[-2]
-        if arch == "llama" and proj in heads and name.endswith(".weight"):
+        if ARCHS[arch].permuted and proj in heads and name.endswith(".weight"):
             values = _permute(values, heads[proj])
+        if ARCHS[arch].norm_offset and name.endswith("norm.weight"):
+            values = values + np.float32(ARCHS[arch].norm_offset)
         qtype = gguf.GGMLQuantizationType.F32
         if values.ndim == 2 and dtype != "f32":
             qtype = gguf.GGMLQuantizationType.F16 if dtype == "f16" else gguf.GGMLQuantizationType.Q8_0
@@ -398,7 +414,9 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
             if qtype == gguf.GGMLQuantizationType.Q8_0
             else values
         )
-        writer.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
+        writer.add_tensor(_gguf_name(name, arch), data, raw_dtype=qtype)
+    for name, values in extra.items():
+        writer.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -460,7 +478,7 @@ def _vocab(tok) -> dict:
     return {"tokens": tokens, "merges": merges, "special": special}
 
 
-def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
+def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
     import gguf
 
     writer.add_block_count(c["num_hidden_layers"])
@@ -471,11 +489,12 @@ def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_key_length(c["head_dim"])
     writer.add_value_length(c["head_dim"])
-    writer.add_rope_dimension_count(c["head_dim"])
-    writer.add_rope_freq_base(float(c.get("rope_theta", 10000.0)))
-    scaling = c.get("rope_scaling") or {}
+    writer.add_rope_dimension_count(rope_dimensions(c))
+    full = (c.get("rope_parameters") or {}).get("full_attention") or {}  # Gemma 3's global layers
+    writer.add_rope_freq_base(float(c.get("rope_theta") or full.get("rope_theta") or 10000.0))
+    scaling = {} if arch == "phi3" else c.get("rope_scaling") or (full if full.get("rope_type") != "default" else {})
     if scaling.get("rope_type") in ("linear", "yarn"):
-        writer.add_rope_scaling_type(scaling["rope_type"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         if scaling.get("original_max_position_embeddings"):
             writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
@@ -513,10 +532,11 @@ def _write_metadata(writer, c: dict, tok, vocab: dict) -> None:
         writer.add_chat_template(tok.chat_template)
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str = "llama") -> str:
     """transformers' tensor name (a stack of experts: _stacked_experts') -> llama.cpp's (the inverse of
     _hf_tensors)."""
-    inverse_layer, inverse_global = {v: k for k, v in LAYER.items()}, {v: k for k, v in GLOBAL.items()}
+    inverse_layer = {v: k for k, v in _layer_names(arch).items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
     inverse_layer |= {f"mlp.experts.{v}": k for k, v in EXPERTS.items()}
     if name.startswith("model.layers."):
         _, _, i, rest = name.split(".", 3)

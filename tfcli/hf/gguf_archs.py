@@ -1,0 +1,146 @@
+"""llama.cpp's architectures as hf/gguf.py reads and writes them: for each, the transformers model_type
+it is, where its tensor names differ from the llama architecture's, how its stored values differ
+(llama's q/k rows interleaved for its rotary layout; Gemma's norms stored as the 1 + w they scale by),
+and the config keys beyond the ones every architecture shares, both ways.
+
+What llama.cpp's graph fixes rather than reads from a key (Gemma 2's alternating sliding layers, Gemma
+3's five sliding layers in six and their rotary base of 10,000, Gemma's query scale) is taken as it
+is on reading, and a model that differs is refused on writing in one line: llama.cpp would run it
+differently. Written after llama.cpp's convert_hf_to_gguf.py (Gemma2Model, Gemma3Model, Olmo2Model,
+Phi3MiniModel) and transformers' GGUF loader.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+
+GEMMA_NORMS = {  # Gemma's four norms per block, by llama.cpp's names
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str  # transformers'
+    layer: dict[str, str] = field(default_factory=dict)  # GGUF layer tensor -> transformers module, over gguf.LAYER
+    norm_offset: float = 0.0  # stored = transformers' + offset for every *norm.weight (Gemma: 1 + w)
+    permuted: bool = False  # q/k rows in llama.cpp's interleaved rotary order (the llama architecture)
+    sliding: bool = False  # llama.cpp runs a sliding window for it
+
+
+ARCHS = {
+    "llama": Arch("llama", permuted=True),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    "qwen2moe": Arch("qwen2_moe"),
+    "qwen3moe": Arch("qwen3_moe"),
+    "olmoe": Arch("olmoe"),
+    "gemma2": Arch("gemma2", GEMMA_NORMS, norm_offset=1.0, sliding=True),
+    "gemma3": Arch("gemma3_text", GEMMA_NORMS, norm_offset=1.0, sliding=True),
+    "olmo2": Arch(
+        "olmo2", {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+    ),
+    "phi3": Arch("phi3", {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, sliding=True),
+}
+GEMMA_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: all but every n-th layer slide
+GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rotary base of Gemma 3's sliding layers
+GEMMA_27B_LAYERS = 46  # llama.cpp scales Gemma 2's 27B queries by d / heads, every other Gemma's by head_dim
+
+
+def gemma_query_scalar(n_layer: int, d: int, n_head: int, head_dim: int, arch: str) -> int:
+    """The query_pre_attn_scalar llama.cpp's Gemma graphs use (they read no key for it)."""
+    return d // n_head if arch == "gemma2" and n_layer == GEMMA_27B_LAYERS else head_dim
+
+
+def config_extras(arch: str, get, raw: dict, factors: dict) -> dict:
+    """The config.json entries of `arch` beyond the shared ones (get: a key of the file's arch;
+    factors: Phi-3's rope_factors_long / _short tensors, as lists)."""
+    if arch in GEMMA_EVERY:
+        n, every = raw["num_hidden_layers"], GEMMA_EVERY[arch]
+        out = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": get("attention.sliding_window"),
+            "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)],
+            "query_pre_attn_scalar": gemma_query_scalar(
+                n, raw["hidden_size"], raw["num_attention_heads"], raw["head_dim"], arch
+            ),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
+        if arch == "gemma2":
+            return {**out, "attn_logit_softcapping": get("attn_logit_softcapping")}
+        full = {"rope_type": "default", "rope_theta": raw["rope_theta"], **raw.pop("rope_scaling", {})}
+        full.pop("original_max_position_embeddings", None)
+        local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
+        return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
+    if arch == "phi3":
+        out = {
+            "partial_rotary_factor": get("rope.dimension_count", raw["head_dim"]) / raw["head_dim"],
+            "sliding_window": get("attention.sliding_window") or None,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length")
+            or raw["max_position_embeddings"],
+        }
+        if factors:
+            out["rope_scaling"] = {"rope_type": "longrope", **factors}
+        return out
+    return {}
+
+
+def check_writable(arch: str, c: dict) -> None:
+    """One line for a model llama.cpp's graph for `arch` would run differently."""
+    if c.get("sliding_window") and not ARCHS[arch].sliding:
+        raise UserError(f"GGUF export: llama.cpp's {arch} has no sliding window, and this model has one")
+    if arch in GEMMA_EVERY:
+        n, every = c["num_hidden_layers"], GEMMA_EVERY[arch]
+        fixed = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        if c.get("layer_types") != fixed:
+            raise UserError(
+                f"GGUF export: llama.cpp's {arch} slides in all but every {every}th layer; this model does not"
+            )
+        want = gemma_query_scalar(n, c["hidden_size"], c["num_attention_heads"], c["head_dim"], arch)
+        if c.get("query_pre_attn_scalar") != want:
+            raise UserError(f"GGUF export: llama.cpp's {arch} scales queries by {want}^-0.5; this model does not")
+        local = (c.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
+        if arch == "gemma3" and local != GEMMA3_LOCAL_THETA:
+            raise UserError(f"GGUF export: llama.cpp's gemma3 turns its sliding layers by 10000, this model by {local}")
+
+
+def write_extras(arch: str, writer, c: dict) -> dict:
+    """`arch`'s keys beyond the shared ones; -> tensors it holds beyond the weights (Phi-3's LongRoPE
+    factors)."""
+    import numpy as np
+
+    if arch in GEMMA_EVERY:
+        writer.add_sliding_window(int(c["sliding_window"] or 0))
+        if c.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+        if arch == "gemma2" and c.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(float(c["attn_logit_softcapping"]))
+        return {}
+    if arch != "phi3":
+        return {}
+    writer.add_sliding_window(int(c.get("sliding_window") or 0))  # 0: none (Phi-4)
+    original = c.get("original_max_position_embeddings") or c["max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(int(original))
+    scaling = c.get("rope_scaling") or {}
+    if not scaling:
+        return {}
+    if scaling.get("rope_type") != "longrope":
+        raise UserError(f"GGUF export: Phi-3's rope scaling {scaling.get('rope_type')!r} has no GGUF form tfcli writes")
+    scale = c["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(
+        scaling.get("attention_factor") or (math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    )
+    return {
+        f"rope_factors_{kind}.weight": np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+        for kind in ("long", "short")
+    }
+
+
+def rope_dimensions(c: dict) -> int:
+    """The rotated width of each head (Phi's partial rotary)."""
+    return int(c["head_dim"] * (c.get("partial_rotary_factor") or 1.0))
