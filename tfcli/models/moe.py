@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .nf4 import linear_nf4, to_nf4
 from .blocks import ACTIVATION_GRADS, ACTIVATIONS, MLP, GatedActivation
+from .nf4 import linear_nf4, to_nf4
 
 
 @dataclass(frozen=True)
