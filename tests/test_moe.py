@@ -342,14 +342,22 @@ def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("train", ["all", "qlora"])
+def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(train, tmp_path):
+    """Full: the stacked experts sharded and their gradients reduced; QLoRA: each expert's NF4 weight
+    sharded (a width whose scales split in two), with LoRA on the experts."""
     from .conftest import write_jsonl
     from .test_ddp import run_tfcli, train_rows
     from .test_from_runs import ROWS
 
-    model = directory_with_tokenizer("qwen3_moe", tmp_path / "model", router_aux_loss_coef=0.0)
+    wide = (
+        dict(hidden_size=128, head_dim=32, intermediate_size=128, moe_intermediate_size=64) if train == "qlora" else {}
+    )
+    model = directory_with_tokenizer("qwen3_moe", tmp_path / "model", router_aux_loss_coef=0.0, **wide)
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    common = ["finetune", "sft", "--from", model, "--data", data, "--train", "all", "--steps", 3, "--quiet"]
+    common = ["finetune", "sft", "--from", model, "--data", data, "--train", train, "--steps", 3, "--quiet"]
+    if train == "qlora":
+        common += ["--set", "adapter.targets=[q,v,gate,up,down]", "--set", "adapter.experts=true"]
     common += ["--set", "train.log_interval=1", "--set", "sft.generate_limit=0", "--lr", 1e-3]
     run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
@@ -415,3 +423,18 @@ def test_a_gguf_export_refuses_what_llama_cpp_cannot_run(tmp_path):
     with pytest.raises(UserError, match="llama.cpp's qwen3moe renormalises the top-k expert weights"):
         hf.export_gguf(ours, None, tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_nf4_experts_fsdp_cannot_split_are_named_before_anything_runs():
+    """QLoRA's NF4 experts under FSDP: each expert's NF4 weight must split into equal shares (its rows,
+    its codes and scales); one that cannot is named (runtime.FSDP.wrap refuses it in one line)."""
+    from tfcli import adapters
+    from tfcli.models import nf4
+    from tfcli.recipe import AdapterConfig
+
+    small = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=64, d_ff=32, vocab_size=50, n_experts=4))
+    adapters.apply(small, "qlora", AdapterConfig(targets=("q", "gate")))
+    assert nf4.unshardable(small, 2) == "blocks.0.mlp.experts.gate.0 (32 x 64)"  # 32 blocks: one scale group
+    large = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=128, d_ff=64, vocab_size=50, n_experts=4))
+    adapters.apply(large, "qlora", AdapterConfig(targets=("q", "gate")))
+    assert nf4.unshardable(large, 2) == ""

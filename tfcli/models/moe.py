@@ -75,7 +75,7 @@ class StackedExperts(nn.Module):
         """Freeze every expert's weights in 4-bit NF4 (QLoRA), one NF4 tensor per expert and part."""
         for part in ("gate", "up", "down"):
             w = getattr(self, part).detach()
-            held = [nn.Parameter(to_nf4(w[e]), requires_grad=False) for e in range(len(w))]
+            held = [nn.Parameter(to_nf4(w[e].clone()), requires_grad=False) for e in range(len(w))]  # own storage each
             delattr(self, part)
             setattr(self, part, nn.ParameterList(held))
 

@@ -53,11 +53,12 @@ def scaler_block(linear: nn.Linear) -> int:
 def unshardable(module: nn.Module, shares: int) -> str:
     """The first NF4 weight FSDP cannot split into `shares` equal parts (its rows and every part of
     its codes and scales), as 'name (rows x columns)'; '' when each can be."""
-    for name, m in module.named_modules():
-        if isinstance(m, NF4Linear):
-            w = m.weight
-            if m.out_features % shares or (w.n_blocks // w.scaler_block_size) % shares:
-                return f"{name} ({m.out_features} x {m.in_features})"
+    for name, w in module.named_parameters():
+        w = w.to_local() if hasattr(w, "to_local") else w
+        if hasattr(w, "scaler_block_size"):  # an NF4 weight: a linear's, or one expert's of a mixture
+            rows, columns = w.shape
+            if rows % shares or (w.n_blocks // w.scaler_block_size) % shares:
+                return f"{name.removesuffix('.weight')} ({rows} x {columns})"
     return ""
 
 
