@@ -128,3 +128,60 @@ def test_mnli_trains_resumes_bit_for_bit_and_exports(method, mnli_dir, tmp_path)
     assert exported.exit_code == 0, exported.output
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     assert reloaded.config.model_type == "modernbert" and reloaded.config.num_labels == 3
+
+
+def saved_masked_lm(path, shared):
+    """A tiny ModernBertForMaskedLM with BERT's uncased WordPiece vocabulary ([CLS] [SEP] [MASK])."""
+    import shutil
+
+    config = transformers.ModernBertConfig(**{**SHAPE, "vocab_size": 30522, "max_position_embeddings": 128})
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(config).eval()
+    spread_(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(0.4)
+    model.save_pretrained(path)
+    shutil.copy(shared / "tokenizers" / "bert-base-uncased" / "vocab.txt", path / "vocab.txt")
+    return model
+
+
+def test_cloze_reads_modernberts_masked_lm_head_as_transformers_does(tmp_path, shared_data, mnli_dir, monkeypatch):
+    """Its prediction head, the tied embedding and decoder.bias: the label words' scores at [MASK] are
+    ModernBertForMaskedLM's logits; `eval --cloze` runs on the directory."""
+    from tfcli.engine.backbone import from_hf
+    from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, special_ids
+    from tfcli.tasks import cloze
+    from tfcli.tasks.classify import collate
+
+    from .conftest import invoke
+
+    theirs = saved_masked_lm(tmp_path / "mlm", shared_data)
+    backbone = from_hf(tmp_path / "mlm", SPECIAL_TOKENS)
+    assert "mlm.bias" in backbone.heads
+    heads = backbone.model.mlm_heads()
+    heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.startswith("mlm.")})
+    assert set(heads.state_dict()) == {"mlm.bias"}  # the transform is the model's own prediction head
+    tok = backbone.tokenizer
+    ids, words = special_ids(tok), cloze.word_ids(tok, ("yes", "maybe", "no"))
+    fields = ("premise", "hypothesis")
+    pieces = cloze.parse_template(cloze.default_template(fields), fields)
+    rows = [(("A man plays a guitar.", "A person makes music."), 0), (("Two dogs run.", "Cats sleep."), 2)]
+    batch = collate(cloze.encode(tok, ids, pieces, fields, rows, 64), ids["pad"])
+    head = cloze.ClozeHead(lambda rows, train: None, ids["mask"], words, heads, 1.0)
+    with torch.no_grad():
+        ours = head.scores(backbone.model.eval(), heads, batch)  # (2, 3)
+        logits = theirs(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = logits[batch["input_ids"] == ids["mask"]][:, words]
+    assert ours.shape == (2, 3) and (ours - want).abs().max() < 1e-4 and want.std() > 0.1
+    name, _ = hf.export(backbone, None, tmp_path / "out")  # and back out as a masked LM
+    reloaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert name == "ModernBertForMaskedLM" and (again - logits).abs().max() < 1e-4
+    monkeypatch.chdir(tmp_path)
+    result = invoke("eval", "mnli", "--checkpoint", tmp_path / "mlm", "--cloze", "--data", mnli_dir, "--limit", 12)
+    assert result.exit_code == 0, result.output
+    report = json.loads(next(tmp_path.glob("eval-*cloze.json")).read_text())
+    assert report["dev_matched"]["n"] == 12 and report["dev_matched"]["mlm_head"] == 1.0

@@ -35,6 +35,7 @@ from .engine.perf import peak_memory_mb
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
 from .errors import UserError
+from .models import kind_of
 from .models.nf4 import NF4Linear
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import AdapterConfig, Recipe
@@ -595,10 +596,13 @@ def evaluate_pretrained(
             f"--checkpoint {source} is a Hugging Face model: name the task to evaluate it on "
             f"(e.g. tfcli eval mnli --checkpoint {source} --cloze)"
         )
-    if family not in default_recipes:
+    # a family without a recipe of its own takes one of a family of its kind (ModernBERT: BERT's)
+    same_kind = [r for f, r in default_recipes.items() if kind_of(f) == kind_of(family)]
+    recipe_name = default_recipes.get(family) or (same_kind[0] if same_kind else None)
+    if recipe_name is None:
         raise UserError(f"{key} has no recipe for a {family!r} model")
     plugin = make_plugin("task", key, rt, options.quiet, options.named_code)
-    raw = recipes.load_raw(default_recipes[family])
+    raw = recipes.load_raw(recipe_name)
     recipe = recipes.from_dict({**raw, key: {**(raw.get(key) or {}), **settings}})
     if options.precision:
         recipe = recipe_with(recipe, "train", precision=options.precision)

@@ -108,6 +108,7 @@ def rules(cfg: ModernBertConfig) -> list[Rule]:
     out += linear("model.head.dense", "head.dense", cfg.head_bias, optional=True)
     out += norm("model.head.norm", "head.norm", optional=True)
     out += linear("heads.classifier", "classifier", True, optional=True)
+    out.append(rule("heads.mlm.bias", "decoder.bias", optional=True))  # ModernBertForMaskedLM's output bias
     return out
 
 
@@ -118,11 +119,13 @@ def normalize(state: dict) -> dict:
 
 
 def export(backbone, recipe) -> Export:
-    """ModernBertForSequenceClassification for a [CLS] classifier run, ModernBertModel otherwise."""
+    """ModernBertForSequenceClassification for a [CLS] classifier run, ModernBertForMaskedLM for a
+    model with its masked-LM output (read from such a checkpoint), ModernBertModel otherwise."""
     heads, cfg = backbone.heads, backbone.cfg
     config = config_to_hf(cfg)
     if "classifier.weight" not in heads:
-        return Export({"architectures": ["ModernBertModel"], **config})
+        masked_lm = "mlm.bias" in heads
+        return Export({"architectures": ["ModernBertForMaskedLM" if masked_lm else "ModernBertModel"], **config})
     pooling = getattr(recipe.settings if recipe is not None else None, "pooling", "cls")
     if pooling not in ("cls", "auto"):
         refuse_classifier("modernbert", pooling, "finetune with --pooling cls (ModernBertForSequenceClassification)")

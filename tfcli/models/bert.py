@@ -143,6 +143,10 @@ class Bert(TextEncoderTraits, nn.Module):
         pooling, MLM without NSP, ELECTRA) does not train them."""
         return list(self.pooler.parameters())
 
+    def mlm_heads(self) -> nn.ModuleDict:
+        """The masked-LM head cloze scoring reads (BertForMaskedLM's: transform, tied embedding, bias)."""
+        return build_heads(self.cfg, nsp=False)
+
 
 # --- BERT's pretraining head and special tokens: the MLM objective trains them, cloze scoring reads them
 

@@ -154,3 +154,18 @@ class ModernBert(TextEncoderTraits, nn.Module):
 
     def pool_parameters(self) -> list[nn.Parameter]:
         return list(self.head.parameters())
+
+    def mlm_heads(self) -> nn.ModuleDict:
+        """The masked-LM output cloze scoring reads (ModernBertForMaskedLM's): this model's own
+        prediction head, the tied embedding, and the output bias (`mlm.bias`, transformers' decoder.bias)."""
+        return nn.ModuleDict({"mlm": OutputBias(self.head, self.cfg.vocab_size)})
+
+
+class OutputBias(nn.Module):
+    """The masked-LM output's bias, its transform the model's prediction head (held as a function, not
+    a submodule: its weights are the model's, and a run's heads hold only the bias)."""
+
+    def __init__(self, head: nn.Module, vocab_size: int):
+        super().__init__()
+        self.transform = head.forward
+        self.bias = nn.Parameter(torch.zeros(vocab_size))

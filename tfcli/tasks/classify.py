@@ -23,7 +23,7 @@ from ..display import console, phase
 from ..engine.runtime import to_device
 from ..errors import UserError, listing
 from ..models import kinds
-from ..models.bert import build_heads, special_ids
+from ..models.bert import special_ids
 from ..plugin import EvalOptions
 from ..recipe import FinetuneConfig
 from . import cloze, prompts
@@ -307,7 +307,8 @@ class Classify(ClassificationTask):
             settings.cloze_template or cloze.default_template(spec.text_fields), spec.text_fields
         )
         ids, max_length = special_ids(tok), min(recipe.data.seq_len, backbone.cfg.context)
-        mlm = build_heads(backbone.cfg, nsp=False) if "mlm.bias" in backbone.heads else None
+        has_head = "mlm.bias" in backbone.heads and hasattr(backbone.model, "mlm_heads")
+        mlm = backbone.model.mlm_heads() if has_head else None
         if mlm is None and not self.quiet:
             console.print(
                 f"[yellow]note:[/] {backbone.source} has no masked-LM head; label words are scored by "

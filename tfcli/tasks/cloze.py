@@ -94,7 +94,8 @@ def encode(
 
 
 class ClozeHead(Head):
-    """Label words scored at the [MASK] through the MLM head (transform, tied embedding, bias). A
+    """Label words scored at the [MASK] through the model's MLM head (its family's mlm_heads: BERT's
+    transform and bias, ModernBERT's prediction head and output bias; then the tied embedding). A
     BERT saved without its MLM head (e.g. a sentence-transformers model) scores by the dot product of
     the mask's hidden state with the words' embeddings, and says so in its report."""
 
