@@ -197,7 +197,7 @@ class MoE(nn.Module):
             order = slots.argsort(stable=True)  # the slots grouped by expert
             counts = torch.bincount(slots, minlength=self.routing.n_experts)  # (E,)
             rows = order // k  # (N k,) the token of each grouped slot
-            ys = self.experts(flat[rows], counts.tolist())  # (N k, D)
+            ys = self.experts(flat.index_select(0, rows), counts.tolist())  # (N k, D); its backward an index_add
             ys = ys * weights.flatten()[order, None]
             out = torch.zeros_like(flat).index_add_(0, rows, ys.to(flat.dtype))  # (N, D)
         if self.shared is not None:
