@@ -309,3 +309,59 @@ def test_chat_needs_a_template_and_a_decoder(tmp_path, small_text):
         "--greedy",
     )
     assert result.exit_code == 0, result.output
+
+
+def sentencepiece_gguf(directory: Path, arch: str) -> Path:
+    """A tokenizer-only GGUF of tokenizer.ggml.model 'llama' (SentencePiece BPE with byte fallback, as
+    Llama 2, Mistral, Gemma and Phi-3 files hold): a 600-piece BPE learned from War and Peace, the 256
+    <0xNN> byte tokens, scores in merge order and no merges list (llama.cpp's converter writes none)."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    from .conftest import SHARED
+
+    lines = (SHARED / "text" / "war_and_peace.txt").read_text()[:200_000].splitlines()
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(lines, vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    pieces = sorted(spm.get_vocab(), key=spm.get_vocab().get)
+    tokens = pieces[:3] + [f"<0x{b:02X}>" for b in range(256)] + pieces[3:]
+    writer = gguf.GGUFWriter(str(directory / "t.gguf"), arch)
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces) - 3)])
+    writer.add_token_types([3, 3, 3] + [6] * 256 + [1] * (len(pieces) - 3))  # control, byte, normal
+    for key, i in (("unk", 0), ("bos", 1), ("eos", 2)):
+        getattr(writer, f"add_{key}_token_id")(i)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return directory / "t.gguf"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_a_sentencepiece_gguf_tokenizes_as_transformers_reads_it(arch, tmp_path):
+    """Llama 2's and Mistral's kind (a leading "▁"), Gemma's (no prefix space) and Phi-3's (the prefix
+    from a normalizer): the ids and decoded texts of transformers' own GGUF tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    path = sentencepiece_gguf(tmp_path, arch)
+    ours = hf.gguf.read_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = [*TEXTS, "Hello world, said Pierre.", "  two  spaces", "Prince Andrew\nlooked", "</s> and <s> inside"]
+    for text in texts:
+        want = theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == want, text
+        assert ours.decode(want) == theirs.decode(want, skip_special_tokens=True), text
+    assert ours.specials.eos == "</s>" and ours.token_id("<0x41>") == 3 + 0x41
+
+
+def test_a_model_with_a_sentencepiece_tokenizer_exports_to_gguf_and_reads_back_alike(tmp_path):
+    """The export side: scores in merge order (llama.cpp merges SentencePiece pieces by score), byte
+    pieces typed as bytes; read back, the same ids."""
+    path = sentencepiece_gguf(tmp_path, "llama")
+    tok = hf.gguf.read_tokenizer(path)
+    model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=32, d_ff=64, vocab_size=tok.vocab_size)).eval()
+    hf.export_gguf(Backbone(model, tok, "test"), None, tmp_path / "out.gguf", "f32")
+    again = hf.gguf.read_tokenizer(tmp_path / "out.gguf")
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="out.gguf")
+    for text in TEXTS:
+        assert again.encode(text) == tok.encode(text) == theirs.encode(text, add_special_tokens=False), text

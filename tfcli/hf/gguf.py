@@ -14,6 +14,7 @@ they are permuted back here, and again on writing (transformers' GGUF loader doe
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -305,17 +306,18 @@ def read_tokenizer(path: Path):
 def tokenizer(meta: dict, path: Path):
     """tokenizer.ggml.* -> TextTokenizer: byte-level BPE (tokenizer.ggml.model gpt2) of the file's
     tokens and merges, control tokens whole, the file's special tokens and chat template."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    from ..data.tokenizers import TextTokenizer
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise UserError(
-            f"{path}: GGUF tokenizer {kind!r} is not supported (tfcli reads byte-level BPE, 'gpt2', "
-            f"as SmolLM, Llama 3 and Qwen files have)"
+            f"{path}: GGUF tokenizer {kind!r} is not supported (tfcli reads byte-level BPE, 'gpt2', as "
+            f"SmolLM, Llama 3 and Qwen files have, and SentencePiece BPE, 'llama', as Llama 2, Mistral, "
+            f"Gemma and Phi-3 files have)"
         )
     tokens, merges = list(meta.get("tokenizer.ggml.tokens") or []), list(meta.get("tokenizer.ggml.merges") or [])
+    if kind == "llama":
+        return _finish(sentencepiece(meta, tokens, merges, path), meta, tokens, None)
     if not tokens or not merges:
         raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
     spelling = _byte_alphabet()
@@ -338,10 +340,23 @@ def tokenizer(meta: dict, path: Path):
         )
     )
     tok.decoder = decoders.ByteLevel()
+    return _finish(tok, meta, tokens, alphabet)
+
+
+def _finish(tok, meta: dict, tokens: list[str], spelled: set[str] | None):
+    """The file's control tokens kept whole (special), its user-defined ones whole (not special), its
+    special tokens and chat template: a TextTokenizer. `spelled`: what a token of the vocabulary may be
+    made of (byte-level BPE: the byte alphabet, a control token spelled otherwise being a mislabel;
+    None: anything)."""
+    from tokenizers import AddedToken
+
+    from ..data.tokenizers import TextTokenizer
+
     types = list(meta.get("tokenizer.ggml.token_type") or [])
-    control = [t for t, k in zip(tokens, types) if k == 3 and set(t) <= alphabet]  # 3: CONTROL
+    ok = lambda t: spelled is None or set(t) <= spelled  # noqa: E731
+    control = [t for t, k in zip(tokens, types) if k == 3 and ok(t)]  # 3: CONTROL
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    user = [t for t, k in zip(tokens, types) if k == 4 and set(t) <= alphabet]  # 4: USER_DEFINED
+    user = [t for t, k in zip(tokens, types) if k == 4 and ok(t)]  # 4: USER_DEFINED
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
     def named(key: str) -> str | None:
@@ -351,6 +366,54 @@ def tokenizer(meta: dict, path: Path):
     specials = SpecialTokens(bos=named("bos"), eos=named("eos"), pad=named("padding"), unk=named("unknown"))
     template = meta.get("tokenizer.chat_template")
     return TextTokenizer(tok, specials, template if isinstance(template, str) else None)
+
+
+GEMMAS = ("gemma", "gemma2", "gemma3")
+
+
+def sentencepiece(meta: dict, tokens: list[str], merges: list[str], path: Path):
+    """tokenizer.ggml.model 'llama': SentencePiece's BPE as transformers' LlamaTokenizer builds it (a
+    leading "▁" and "▁" for spaces, byte fallback through <0xNN> tokens), the merges the file gives or,
+    as most such files give none, the ones its vocabulary and scores imply (the way transformers' GGUF
+    loader recovers them); Gemma's and Phi-3's files with the differences transformers applies to them."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    if not tokens:
+        raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens")
+    arch = meta.get("general.architecture")
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    if arch in GEMMAS:  # runs of spaces stored as spaces; merges in file order
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _implied_merges(vocab, dict(zip(tokens, scores)))
+    unk = tokens[meta["tokenizer.ggml.unknown_token_id"]] if "tokenizer.ggml.unknown_token_id" in meta else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if arch in GEMMAS:  # no prefix space: spaces become "▁" where they are (GemmaTokenizer)
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":  # the prefix space from a normalizer, as Phi-3's own tokenizer.json has it
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:  # Llama 2, Mistral: LlamaTokenizer's
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _implied_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary, best-scored merged token first (as
+    transformers' generate_merges orders them)."""
+    found = []
+    for token, score in scores.items():
+        local = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
+        found += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -464,8 +527,11 @@ def _vocab(tok) -> dict:
         raise UserError("GGUF export needs the run's tokenizer")
     raw = json.loads(tok.tok.to_str())
     model = raw.get("model") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(raw.get("pre_tokenizer")):
-        raise UserError("GGUF export writes byte-level BPE tokenizers (tokenizer.kind bpe); this run's is not one")
+    sentencepiece = model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+    if model.get("type") != "BPE" or not (sentencepiece or "ByteLevel" in json.dumps(raw.get("pre_tokenizer"))):
+        raise UserError(
+            "GGUF export writes byte-level BPE and SentencePiece BPE (byte fallback) tokenizers; this run's is neither"
+        )
     vocab = dict(model["vocab"])
     for added in raw.get("added_tokens") or []:
         vocab[added["content"]] = added["id"]
@@ -475,7 +541,11 @@ def _vocab(tok) -> dict:
     tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     special = {a["content"] for a in raw.get("added_tokens") or [] if a.get("special")}
-    return {"tokens": tokens, "merges": merges, "special": special}
+    out = {"tokens": tokens, "merges": merges, "special": special, "kind": "llama" if sentencepiece else "gpt2"}
+    if sentencepiece:  # llama.cpp merges SentencePiece pieces by score: the earlier a merge, the higher
+        rank = {"".join(m.split(" ", 1)): i for i, m in reversed(list(enumerate(merges)))}
+        out["scores"] = [-float(rank[t]) if t in rank else 0.0 for t in tokens]
+    return out
 
 
 def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
@@ -511,12 +581,23 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
         if c.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_model(vocab["kind"])
     writer.add_token_list(vocab["tokens"])
-    writer.add_token_merges(vocab["merges"])
+    if vocab["kind"] == "gpt2":
+        writer.add_tokenizer_pre("default")
+        writer.add_token_merges(vocab["merges"])
+    else:  # SentencePiece: scores instead of merges, the <0xNN> pieces marked as bytes
+        writer.add_token_scores(vocab["scores"])
+    byte = re.compile(r"^<0x[0-9A-F]{2}>$")
     writer.add_token_types(
-        [gguf.TokenType.CONTROL if t in vocab["special"] else gguf.TokenType.NORMAL for t in vocab["tokens"]]
+        [
+            gguf.TokenType.CONTROL
+            if t in vocab["special"]
+            else gguf.TokenType.BYTE
+            if vocab["kind"] == "llama" and byte.match(t)
+            else gguf.TokenType.NORMAL
+            for t in vocab["tokens"]
+        ]
     )
     for key, text in (
         ("bos", tok.specials.bos),
