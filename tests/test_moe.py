@@ -178,6 +178,21 @@ def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, mess
     assert_refused_in_one_line(hf_model(arch), change, message, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("model.n_experts=-1", "model.n_experts, router_aux_coef and router_z_coef must be >= 0"),
+        ("model.experts_per_token=9", "model.experts_per_token must be between 1 and model.n_experts (8), got 9"),
+        ("model.dense_layers=[7]", "model.dense_layers must be layer numbers below 4"),
+        ("model.sparse_step=0", "model.sparse_step must be >= 1"),
+    ],
+)
+def test_a_mixture_tfcli_cannot_build_is_refused_before_anything_is_created(setting, message, tmp_path):
+    result = invoke("pretrain", "--recipe", "moe-mini", "--steps", 1, "--set", setting, "--out", tmp_path / "run")
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_dense_architecture_refuses_a_model_with_experts():
     model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
     with pytest.raises(UserError, match="sets model.n_experts, which transformers' LlamaForCausalLM cannot hold"):

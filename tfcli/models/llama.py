@@ -109,6 +109,10 @@ class LlamaConfig:
         if min(self.attn_softcap, self.logit_softcap, self.attn_scale, self.local_rope_theta) < 0:
             raise ValueError("model.attn_softcap, logit_softcap, attn_scale and local_rope_theta must be >= 0")
         check_rope(self.rope)
+        if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
+            raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
+        if any(not 0 <= i < self.n_layer for i in self.dense_layers):
+            raise ValueError(f"model.dense_layers must be layer numbers below {self.n_layer}")
         if self.n_experts:
             if not 1 <= self.experts_per_token <= self.n_experts:
                 raise ValueError(
@@ -119,8 +123,6 @@ class LlamaConfig:
                 raise ValueError("model.sparse_step must be >= 1, expert_d_ff and shared_expert_d_ff >= 0")
             if not self.expert_d_ff:
                 object.__setattr__(self, "expert_d_ff", self.d_ff)
-        if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
-            raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
 
     def has_experts(self, layer: int) -> bool:
         """Whether this layer's feed-forward is a mixture of experts."""
