@@ -46,7 +46,16 @@ ARCHS = {
         "olmo2", {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
     ),
     "phi3": Arch("phi3", {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, sliding=True),
+    "granite": Arch("granite", permuted=True),
+    "smollm3": Arch("smollm3", permuted=True),
 }
+NOPE_EVERY = 4  # llama.cpp's SmolLM3: every 4th layer without rotary positions
+GRANITE_SCALES = (  # llama.cpp's key, gguf's writer for it, transformers' Granite multiplier
+    ("attention.scale", "add_attention_scale", "attention_multiplier"),
+    ("embedding_scale", "add_embedding_scale", "embedding_multiplier"),
+    ("residual_scale", "add_residual_scale", "residual_multiplier"),
+    ("logit_scale", "add_logit_scale", "logits_scaling"),
+)
 GEMMA_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: all but every n-th layer slide
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rotary base of Gemma 3's sliding layers
 GEMMA_27B_LAYERS = 46  # llama.cpp scales Gemma 2's 27B queries by d / heads, every other Gemma's by head_dim
@@ -77,6 +86,10 @@ def config_extras(arch: str, get, raw: dict, factors: dict) -> dict:
         full.pop("original_max_position_embeddings", None)
         local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
         return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
+    if arch == "granite":
+        return {theirs: get(key) for key, _, theirs in GRANITE_SCALES if get(key) is not None}
+    if arch == "smollm3":
+        return {"no_rope_layers": _smollm3_ropes(raw["num_hidden_layers"])}
     if arch == "phi3":
         out = {
             "partial_rotary_factor": get("rope.dimension_count", raw["head_dim"]) / raw["head_dim"],
@@ -90,8 +103,18 @@ def config_extras(arch: str, get, raw: dict, factors: dict) -> dict:
     return {}
 
 
+def _smollm3_ropes(n: int) -> list[int]:
+    """transformers' no_rope_layers (1: the layer turns) as llama.cpp's SmolLM3 fixes them."""
+    return [int((i + 1) % NOPE_EVERY != 0) for i in range(n)]
+
+
 def check_writable(arch: str, c: dict) -> None:
     """One line for a model llama.cpp's graph for `arch` would run differently."""
+    if arch == "smollm3" and c.get("no_rope_layers") != _smollm3_ropes(c["num_hidden_layers"]):
+        raise UserError(
+            f"GGUF export: llama.cpp's smollm3 leaves rotary positions out of every {NOPE_EVERY}th layer; "
+            "this model's no_rope_layers differ"
+        )
     if c.get("sliding_window") and not ARCHS[arch].sliding:
         raise UserError(f"GGUF export: llama.cpp's {arch} has no sliding window, and this model has one")
     if arch in GEMMA_EVERY:
@@ -120,6 +143,11 @@ def write_extras(arch: str, writer, c: dict) -> dict:
             writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
         if arch == "gemma2" and c.get("attn_logit_softcapping"):
             writer.add_attn_logit_softcapping(float(c["attn_logit_softcapping"]))
+        return {}
+    if arch == "granite":
+        for _, write, theirs in GRANITE_SCALES:
+            if c.get(theirs) is not None:
+                getattr(writer, write)(float(c[theirs]))
         return {}
     if arch != "phi3":
         return {}
