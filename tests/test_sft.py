@@ -106,6 +106,7 @@ def test_trained_tokens_are_each_reply_and_its_end_token(name, train_on, tokeniz
 
 
 def test_a_base_models_example_is_prompt_newline_reply_end_of_text(tokenizer):  # noqa: F811
+    tokenizer.specials = tokenizer.specials.__class__(bos="<s>", eos="</s>")  # not left to an earlier test
     example = DecoderExamples(tokenizer, None, "assistant", 100).example({"prompt": "2+2?", "completion": "4"})
     assert tokenizer.decode(example.ids.tolist(), skip_special_tokens=False) == "2+2?\n4</s>"
     trained = example.ids[example.trained > 0].tolist()

@@ -128,7 +128,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_correct):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scaled = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        # in place: the gradients are this function's own buffers, read once; a new (V, D) product
+        # would fault in fresh pages for every weight of the output layer (1.3 s of a Gemma-3-270M
+        # step, whose 262,144 x 640 output layer is most of its weights)
+        scaled = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))  # noqa: E731
         return scaled(grad_hidden), scaled(grad_weight), None, None, None, None, None
 
 
