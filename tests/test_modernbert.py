@@ -32,10 +32,10 @@ MASK[1, 8:], MASK[2, 5:] = 0, 0  # right padding
 IDS = IDS.masked_fill(MASK == 0, 0)
 
 
-def saved(path, **extra):
+def saved(path, architecture: str = "ModernBertForSequenceClassification", **extra):
     config = transformers.ModernBertConfig(**{**SHAPE, **extra})
     torch.manual_seed(0)
-    model = transformers.ModernBertForSequenceClassification(config).eval()
+    model = getattr(transformers, architecture)(config).eval()
     spread_(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -134,15 +134,7 @@ def saved_masked_lm(path, shared):
     """A tiny ModernBertForMaskedLM with BERT's uncased WordPiece vocabulary ([CLS] [SEP] [MASK])."""
     import shutil
 
-    config = transformers.ModernBertConfig(**{**SHAPE, "vocab_size": 30522, "max_position_embeddings": 128})
-    torch.manual_seed(0)
-    model = transformers.ModernBertForMaskedLM(config).eval()
-    spread_(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(0.4)
-    model.save_pretrained(path)
+    model = saved(path, "ModernBertForMaskedLM", vocab_size=30522, max_position_embeddings=128)
     shutil.copy(shared / "tokenizers" / "bert-base-uncased" / "vocab.txt", path / "vocab.txt")
     return model
 
