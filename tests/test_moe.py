@@ -172,6 +172,7 @@ def test_only_active_experts_count_in_the_flops():
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not implemented"),
         ("olmoe", {"clip_qkv": 8.0}, "clip_qkv 8.0 is not implemented"),
         ("qwen3_moe", {"num_experts_per_tok": 9}, "experts_per_token must be between 1 and model.n_experts (4)"),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window is not implemented"),
     ],
 )
 def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
@@ -279,6 +280,8 @@ def test_lora_on_experts_without_expert_parts_is_refused_in_one_line():
     model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
     with pytest.raises(UserError, match="adapter.experts puts LoRA on the experts' gate, up and down"):
         adapters.apply(model, "lora", AdapterConfig(targets=("q", "v"), experts=True))
+    with pytest.raises(UserError, match="use --train lora or qlora"):  # IA3 has no low-rank adapters
+        adapters.apply(model, "ia3", AdapterConfig(targets=("q", "gate"), experts=True))
     dense = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50))
     with pytest.raises(UserError, match="adapter.experts: this model has no mixture of experts"):
         adapters.apply(dense, "lora", AdapterConfig(targets=("q", "gate"), experts=True))
