@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ GGUF_ARCH = {**{v: k for k, v in MODEL_TYPES.items()}, "mixtral": "llama"}  # tr
 NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)
 MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's names for its experts' parts
+MIXTRAL_PARTS = {v: k for k, v in MIXTRAL.items()}
 LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -514,7 +515,7 @@ def _stacked_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
             out[name] = tensor
             continue
         j, part, kind = rest.split(".")
-        part = {v: k for k, v in MIXTRAL.items()}.get(part, part)
+        part = MIXTRAL_PARTS.get(part, part)
         stacks.setdefault(f"{stem}.experts.{part}.{kind}", {})[int(j)] = tensor
     for name, experts in stacks.items():
         out[name] = torch.stack([experts[j] for j in range(len(experts))])
@@ -613,12 +614,18 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
         writer.add_chat_template(tok.chat_template)
 
 
+@cache
+def _inverse_names(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """transformers' module -> llama.cpp's tensor, per layer and model-wide, for `arch` (once per
+    architecture, not once per tensor)."""
+    layer = {v: k for k, v in _layer_names(arch).items()} | {f"mlp.experts.{v}": k for k, v in EXPERTS.items()}
+    return layer, {v: k for k, v in GLOBAL.items()}
+
+
 def _gguf_name(name: str, arch: str = "llama") -> str:
     """transformers' tensor name (a stack of experts: _stacked_experts') -> llama.cpp's (the inverse of
     _hf_tensors)."""
-    inverse_layer = {v: k for k, v in _layer_names(arch).items()}
-    inverse_global = {v: k for k, v in GLOBAL.items()}
-    inverse_layer |= {f"mlp.experts.{v}": k for k, v in EXPERTS.items()}
+    inverse_layer, inverse_global = _inverse_names(arch)
     if name.startswith("model.layers."):
         _, _, i, rest = name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
