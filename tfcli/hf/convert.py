@@ -41,6 +41,7 @@ class Rule:
     part: tuple[int, int] = (0, 1)  # (i, n): ours is the i-th of n equal row blocks of theirs (Phi-3's gate_up_proj)
     offset: float = 0.0  # ours = theirs + offset (Gemma stores its norms' weights as w, scaling by 1 + w)
     stack: bool = False  # ours stacks theirs along a new first dimension (a mixture's experts: (E, out, in))
+    lead: int = 0  # ours has this many more leading dimensions of size 1 (CLIP's class embedding (D,) -> (1, 1, D))
 
 
 def rule(
@@ -52,8 +53,9 @@ def rule(
     part: tuple[int, int] = (0, 1),
     offset: float = 0.0,
     stack: bool = False,
+    lead: int = 0,
 ) -> Rule:
-    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset, stack)  # type: ignore[arg-type]
+    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset, stack, lead)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -107,6 +109,8 @@ def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
             t = t.chunk(r.part[1], dim=0)[r.part[0]]
         if r.offset:
             t = t + r.offset
+        if r.lead:
+            t = t.reshape((1,) * r.lead + tuple(t.shape))
         out[r.ours] = t.t().contiguous() if r.transpose else t
     return out
 
@@ -121,6 +125,8 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
                 continue
             raise KeyError(r.ours)
         t = state[r.ours].t() if r.transpose else state[r.ours]
+        if r.lead:
+            t = t.reshape(t.shape[r.lead :])
         if r.offset:
             t = t - r.offset
         if r.part[1] > 1:
@@ -138,9 +144,9 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
 # --- directories --------------------------------------------------------------------------------
 
 
-def read_config(path: Path) -> dict:
-    """A directory's config.json, or a one-line error saying what is wrong."""
-    file = Path(path) / CONFIG
+def read_config(path: Path, name: str = CONFIG) -> dict:
+    """A directory's config.json (or another JSON file of it), or a one-line error saying what is wrong."""
+    file = Path(path) / name
     if not file.is_file():
         raise UserError(f"{path}: no config.json; not a Hugging Face model directory")
     try:

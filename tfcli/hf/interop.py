@@ -20,7 +20,9 @@ from . import (
     gguf,
     gpt2,
     granite,
+    idefics3,
     llama,
+    llava,
     modernbert,
     moe,
     olmo2,
@@ -30,6 +32,7 @@ from . import (
     smollm3,
     t5,
     vit,
+    vlm,
 )
 from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
 
@@ -40,6 +43,7 @@ FAMILIES = {
     "modernbert": modernbert,
     "t5": t5,
     "vit": vit,
+    "vlm": llava,
 }  # tfcli family -> its default table
 FAMILIES |= {"generic": generic, "generic-encoder": generic}  # any other architecture transformers ships
 # every table module and the tfcli family its model types build: the llama family's switches take several
@@ -52,6 +56,8 @@ TABLES |= {
     modernbert: "modernbert",
     t5: "t5",
     vit: "vit",
+    llava: "vlm",
+    idefics3: "vlm",
 }
 
 
@@ -95,6 +101,8 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     tensors, no weight read (a memory plan)."""
     raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
     module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
+    if module in (llava, idefics3) and (Path(path) / "preprocessor_config.json").is_file():
+        raw[vlm.PREPROCESSOR] = read_config(path, "preprocessor_config.json")  # how its images are prepared
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
         cfg = module.config_from_hf(raw, state)

@@ -16,6 +16,7 @@ from .llama import Llama, LlamaConfig
 from .modernbert import ModernBert, ModernBertConfig
 from .t5 import T5, T5Config
 from .vit import ViT, ViTConfig
+from .vlm import VisionLanguage, VLMConfig
 
 FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "gpt": (GPTConfig, GPT),
@@ -24,6 +25,7 @@ FAMILIES: dict[str, tuple[type, type[Any]]] = {
     "bert": (BertConfig, Bert),
     "modernbert": (ModernBertConfig, ModernBert),
     "vit": (ViTConfig, ViT),
+    "vlm": (VLMConfig, VisionLanguage),  # a ViT, a projector and a llama-family decoder
     # any other architecture transformers ships, through its own modules (the optional extra)
     "generic": (TransformersConfig, TransformersDecoder),
     "generic-encoder": (TransformersEncoderConfig, TransformersEncoder),

@@ -375,6 +375,7 @@ def _combine(mask: Tensor, allowed: Tensor) -> Tensor:
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
     "relu": F.relu,
     "silu": F.silu,
 }

@@ -229,21 +229,28 @@ class Llama(DecoderTraits, nn.Module):
         doc_ids: Tensor | None = None,
         key_mask: Tensor | None = None,
         shared_prompt: Tensor | None = None,
+        embeds: Tensor | None = None,
     ):
         """input_ids (B, T) -> hidden states (B, T, D); the arguments mean what they mean for GPT
-        (blocks.decoder_positions): caches, every layer's output, packed documents, left padding."""
+        (blocks.decoder_positions): caches, every layer's output, packed documents, left padding.
+        embeds (B, T, D): the input's embeddings in place of embed(input_ids) (a vision-language model
+        puts its image features among them)."""
         cfg = self.cfg
         pos, mask = decoder_positions(input_ids, caches, cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
         pos = pos if pos.dim() == 2 else pos[None]  # (B or 1, T)
         rope = self.rotary(pos)  # each (B or 1, T, rotary_dim)
         local_rope = self.local_rotary(pos) if self.local_rotary is not None else rope
         ropes = [None if i in cfg.nope_layers else local_rope if cfg.window_of(i) else rope for i in range(cfg.n_layer)]
-        x = self.wte(input_ids)  # (B, T, D)
-        if cfg.embed_scale != 1.0:  # Gemma rounds sqrt(d_model) to the weights' precision first
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        x = self.drop(x)
+        x = self.drop(self.embed(input_ids) if embeds is None else embeds)  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None, rope=ropes[i])
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(B, T) -> (B, T, D): the table's rows, scaled where the model scales them."""
+        x = self.wte(input_ids)
+        if self.cfg.embed_scale != 1.0:  # Gemma rounds sqrt(d_model) to the weights' precision first
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
 
     def describe(self) -> str:
         """The banner's line for a mixture of experts ("" for a dense model)."""

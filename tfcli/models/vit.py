@@ -35,6 +35,10 @@ class ViTConfig:
     layer_norm_eps: float = 1e-6
     pos_embed: Literal["learned", "sincos"] = "sincos"  # learned 1-D, or MAE's fixed 2-D sin-cos
     stem: Literal["patch", "conv"] = "patch"  # patchify (P x P, stride P), or Xiao et al.'s 3x3 stride-2 convolutions
+    cls_token: bool = True  # a [CLS] token before the patches (SigLIP: none)
+    patch_bias: bool = True  # the patch projection's bias (CLIP: none)
+    pre_norm: bool = False  # a LayerNorm of the embeddings before the blocks (CLIP's pre_layrnorm)
+    activation: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"  # the MLP's (CLIP: quick_gelu; SigLIP: gelu_tanh)
     decoder_d_model: int = 128
     decoder_n_layer: int = 2
     decoder_n_head: int = 4
@@ -55,6 +59,8 @@ class ViTConfig:
                 raise ValueError(f"model.{name}d_model ({d}) must be divisible by 4 for sin-cos positions")
         if not 0.0 <= self.mask_ratio < 1.0:
             raise ValueError(f"model.mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if not self.cls_token and self.pos_embed == "sincos":
+            raise ValueError("model.pos_embed sincos keeps a row for [CLS]: a ViT without one has learned positions")
         if self.stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
             raise ValueError(
                 f"model.stem conv halves the image log2(patch_size) times: model.patch_size must be a "
@@ -129,12 +135,14 @@ def sincos_2d(grid: int, dim: int) -> Tensor:
 # --- modules ------------------------------------------------------------------------------------
 
 
-def _blocks(n: int, d: int, heads: int, d_ff: int, eps: float, dropout: float) -> nn.ModuleList:
-    """Pre-norm shared blocks with exact GELU, as in ViT and MAE."""
+def _blocks(
+    n: int, d: int, heads: int, d_ff: int, eps: float, dropout: float, activation: str = "gelu"
+) -> nn.ModuleList:
+    """Pre-norm shared blocks (exact GELU in ViT and MAE; CLIP's quick GELU, SigLIP's tanh GELU)."""
     return nn.ModuleList(
         Block(
             Attention(d, heads, bias=True, dropout=dropout),
-            MLP(d, d_ff, activation="gelu", bias=True, dropout=dropout),
+            MLP(d, d_ff, activation=activation, bias=True, dropout=dropout),
             make_norm("layernorm", d, eps),
             make_norm("layernorm", d, eps),
             prenorm=True,
@@ -147,7 +155,7 @@ def _blocks(n: int, d: int, heads: int, d_ff: int, eps: float, dropout: float) -
 def _positions(module: nn.Module, cfg: ViTConfig, dim: int) -> None:
     """Learned 1-D positions (a parameter) or fixed 2-D sin-cos (a buffer, recomputed, not saved)."""
     if cfg.pos_embed == "learned":
-        module.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, dim))
+        module.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + int(cfg.cls_token), dim))
         nn.init.trunc_normal_(module.pos_embed, std=0.02)
     else:
         module.register_buffer("pos_embed", sincos_2d(cfg.grid, dim), persistent=False)
@@ -216,7 +224,9 @@ class ConvStem(nn.Module):
 
 class ViT(nn.Module):
     """ViT encoder: Conv2d patchify (kernel = stride = P) or a convolutional stem, [CLS], positions,
-    pre-norm blocks."""
+    pre-norm blocks. The switches of CLIP's and SigLIP's vision towers (a vision-language model's
+    encoder, models/vlm.py): no [CLS] (SigLIP), no patch bias and a norm before the blocks (CLIP), their
+    activations."""
 
     kind = VISION_ENCODER
     features, layer_features = vision_features, vision_layer_features  # what a classifier / probe reads
@@ -227,33 +237,44 @@ class ViT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = (
-            nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)
+            nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
             if cfg.stem == "patch"
             else ConvStem(cfg)
         )
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model)) if cfg.cls_token else None
         _positions(self, cfg, cfg.d_model)
+        self.pre_norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps) if cfg.pre_norm else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = _blocks(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.layer_norm_eps, cfg.dropout)
+        self.blocks = _blocks(
+            cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff, cfg.layer_norm_eps, cfg.dropout, cfg.activation
+        )
         self.norm = make_norm("layernorm", cfg.d_model, cfg.layer_norm_eps)
         _init_linear_(self)
         if cfg.stem == "patch":
             w = self.patch_embed.weight
             nn.init.xavier_uniform_(w.view(w.size(0), -1))  # like a linear layer on flattened patches
-            nn.init.zeros_(self.patch_embed.bias)
-        nn.init.normal_(self.cls_token, std=0.02)
+            if cfg.patch_bias:
+                nn.init.zeros_(self.patch_embed.bias)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
 
     def embed(self, pixels: Tensor, ids_keep: Tensor | None = None) -> Tensor:
-        """(B, C, H, W) -> (B, 1 + K, D): [CLS] then the kept patches (all N if ids_keep is None)."""
+        """(B, C, H, W) -> (B, 1 + K, D): [CLS] then the kept patches (all N if ids_keep is None); a
+        tower without [CLS], (B, K, D). CLIP's norm of the embeddings applied."""
         B, _, H, W = pixels.shape
         if H != self.cfg.image_size or W != self.cfg.image_size:
             raise ValueError(f"images are {H}x{W}, the model takes {self.cfg.image_size}x{self.cfg.image_size}")
         x = self.tokens(pixels, ids_keep).flatten(2).transpose(1, 2)  # (B, N, D)
-        x = x + self.pos_embed[:, 1:]
+        cls_rows = int(self.cls_token is not None)
+        x = x + self.pos_embed[:, cls_rows:]
         if ids_keep is not None:
             x = torch.gather(x, 1, ids_keep[..., None].expand(-1, -1, x.size(-1)))  # (B, K, D)
-        cls = (self.cls_token + self.pos_embed[:, :1]).expand(B, -1, -1)  # (B, 1, D)
-        return self.drop(torch.cat([cls, x], dim=1))
+        if self.cls_token is not None:
+            cls = (self.cls_token + self.pos_embed[:, :1]).expand(B, -1, -1)  # (B, 1, D)
+            x = torch.cat([cls.to(x.dtype), x], dim=1)
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
+        return self.drop(x)
 
     def describe(self) -> str:
         """A line for the run's banner: the stem, its tokens and its parameters."""

@@ -1,0 +1,122 @@
+"""What LLaVA's and Idefics3's tables share (hf/llava.py, hf/idefics3.py): the decoder read and written
+by its own architecture's table under the vision-language model's prefix, the image processing read
+from preprocessor_config.json, and the export's config, tokenizer and processor files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..data.image_processor import ImageProcessing
+from ..errors import UserError
+from ..models.vlm import VLMConfig
+from . import towers
+from .convert import Export, Rule, json_text  # noqa: F401  (json_text: the tables write files with it)
+
+PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's preprocessor_config.json in the raw config
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
+
+
+def text_table(raw_text: dict):
+    """The table module of the decoder's architecture (llama, qwen2, gemma, ...), a native llama-family one."""
+    from .interop import TABLES, table_of_type
+
+    module = table_of_type(raw_text.get("model_type"), "text_config")
+    if TABLES.get(module) != "llama":
+        raise UserError(
+            f"a vision-language model's decoder must be a llama-family one; {raw_text.get('model_type')!r} is not"
+        )
+    return module
+
+
+def text_config(raw_text: dict, state: dict, theirs: str):
+    """The decoder's LlamaConfig, read by its architecture's table from `text_config` (the weights
+    under `theirs` given to it under a causal LM's names)."""
+    module = text_table(raw_text)
+    own = {k.replace(theirs, "model.", 1): v for k, v in state.items() if k.startswith(theirs)}
+    return module.config_from_hf(raw_text, own)
+
+
+def text_rules(cfg: VLMConfig, theirs: str, head: str) -> list[Rule]:
+    """The decoder's table, its names moved: tfcli's model.* under model.decoder.*, transformers'
+    model.* under `theirs` and lm_head under `head`."""
+    from .interop import table_of_type
+
+    module = table_of_type(cfg.text.hf_model_type, "text_config")
+    moved = []
+    for r in module.rules(cfg.text):
+        names = tuple(
+            head + n[len("lm_head.") :] if n.startswith("lm_head.") else theirs + n[len("model.") :] for n in r.theirs
+        )
+        moved.append(replace(r, ours="model.decoder." + r.ours[len("model.") :], theirs=names))
+    return moved
+
+
+def processing(raw: dict, tower: str, split_default: bool = False) -> ImageProcessing:
+    """The image processing a preprocessor_config.json describes (transformers' defaults for the tower
+    where the directory has none)."""
+    p = raw.get(PREPROCESSOR) or {}
+    vision = raw.get("vision_config") or {}
+    side = vision.get("image_size", 224)
+    resample = p.get("resample", 1 if tower == towers.IDEFICS3 else 3 if tower == towers.CLIP else 2)
+    common = dict(
+        resample=RESAMPLE.get(resample, 3) if isinstance(resample, str) else int(resample),
+        rescale=float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0,
+        mean=tuple(p.get("image_mean") or (CLIP_MEAN if tower == towers.CLIP else (0.5, 0.5, 0.5))),
+        std=tuple(p.get("image_std") or (CLIP_STD if tower == towers.CLIP else (0.5, 0.5, 0.5))),
+    )
+    if p.get("do_normalize") is False:
+        common.update(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    size, crop = p.get("size") or {}, p.get("crop_size") or {}
+    if tower == towers.IDEFICS3:
+        tile = (p.get("max_image_size") or {}).get("longest_edge", side)
+        longest = size.get("longest_edge", 4 * tile)
+        split = p.get("do_image_splitting", split_default)
+        return ImageProcessing("longest_edge", longest, split=bool(split), tile=tile, **common)
+    if "shortest_edge" in size:
+        crop_side = crop.get("height", size["shortest_edge"]) if p.get("do_center_crop", True) else 0
+        return ImageProcessing("shortest_edge", size["shortest_edge"], crop=crop_side, **common)
+    if size or tower == towers.SIGLIP:
+        return ImageProcessing("square", size.get("height", side), **common)
+    return ImageProcessing("shortest_edge", side, crop=side, **common)
+
+
+def processor_json(cfg: VLMConfig, processor_type: str, extra: dict) -> str:
+    """preprocessor_config.json for the run's image processing."""
+    p = cfg.processing
+    out = {
+        "image_processor_type": processor_type,
+        "do_resize": True,
+        "resample": p.resample,
+        "do_rescale": True,
+        "rescale_factor": p.rescale,
+        "do_normalize": True,
+        "image_mean": list(p.mean),
+        "image_std": list(p.std),
+        "do_convert_rgb": True,
+    }
+    if p.resize == "shortest_edge":
+        out.update(size={"shortest_edge": p.size}, do_center_crop=True, crop_size={"height": p.crop, "width": p.crop})
+    elif p.resize == "square":
+        out.update(size={"height": p.size, "width": p.size}, do_center_crop=False)
+    else:
+        out.update(
+            size={"longest_edge": p.size},
+            max_image_size={"longest_edge": p.tile},
+            do_image_splitting=p.split,
+            do_pad=True,
+        )
+    return json_text({**out, **extra})
+
+
+def export_parts(backbone, recipe) -> tuple[dict, Export]:
+    """(the decoder's config.json entries, its architecture's Export: tokenizer files, token ids)."""
+    from . import llama
+    from .interop import table_of_type
+
+    cfg = backbone.cfg
+    module = table_of_type(cfg.text.hf_model_type, "text_config")
+    spec = llama.export(backbone, recipe, to_hf=lambda _: module.config_to_hf(cfg.text))
+    text = {k: v for k, v in spec.config.items() if k != "architectures"}
+    return text, spec
