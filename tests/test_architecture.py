@@ -279,10 +279,19 @@ def test_every_family_declares_what_its_kind_promises():
         "generic-encoder": '{"model_type": "distilbert", "dim": 32, "hidden_dim": 64, "n_layers": 1, "n_heads": 2, '
         '"vocab_size": 32}',
     }
+    from tfcli.models.llama import LlamaConfig
+    from tfcli.models.vit import ViTConfig
+
+    composed = {  # a vision-language model is built from a tower's and a decoder's configs
+        "vlm": {
+            "vision": ViTConfig(**{k: v for k, v in small.items() if k in ViTConfig.__dataclass_fields__}),
+            "text": LlamaConfig(**{k: v for k, v in small.items() if k in LlamaConfig.__dataclass_fields__}),
+        }
+    }
     for family, (config, cls) in FAMILIES.items():
         assert cls.kind in kinds.KINDS and cls.poolings, family
         assert cls.kind == kinds.VISION_ENCODER or (cls.special_tokens and callable(cls.pad_id)), family
-        fields = {k: v for k, v in small.items() if k in config.__dataclass_fields__}
+        fields = {k: v for k, v in small.items() if k in config.__dataclass_fields__} | composed.get(family, {})
         model = cls(config(**fields, **({"hf_config": generic[family]} if family in generic else {})))
         assert isinstance(model, kinds.PROTOCOLS[cls.kind]), family
 

@@ -108,7 +108,8 @@ def test_cli_pretrain_mae_runs_saves_pictures_and_resumes(npz, tmp_path):
     result = invoke("generate", "--checkpoint", out, "--prompt", "hi")
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert (
-        "holds a 'vit' model; generate needs a decoder (gpt, llama, generic) or encoder-decoder (t5)" in result.output
+        "holds a 'vit' model; generate needs a decoder (gpt, llama, vlm, generic) or encoder-decoder (t5)"
+        in result.output
     )
     # tfcli eval mae: held-out reconstruction loss and the picture grid; the run's recon.png is left alone
     before = (out / "recon.png").read_bytes()

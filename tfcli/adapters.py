@@ -209,7 +209,7 @@ class Method:
     new kind of adapter, is one record here."""
 
     name: str
-    apply: Callable[[nn.Module, AdapterConfig], int]  # swap adapters in, freeze the rest; -> linears adapted
+    apply: Callable[..., int]  # (model, cfg, skip: module-name prefixes left alone) -> linears adapted
     backbone_trains: bool = True  # False: the model is frozen and only the task's head trains (a linear probe)
     whole: bool = False  # every weight trains: a run saves its whole model (else only what it trains)
     switchable: bool = False  # its adapters switch off to give the base back (a DPO/GRPO `base` reference)
@@ -220,16 +220,26 @@ class Method:
     memory_hint: str = "--train qlora"  # what a run that does not fit train.memory_limit may try
 
 
-def _full(model: nn.Module, cfg: AdapterConfig) -> int:
+def _full(model: nn.Module, cfg: AdapterConfig, skip: tuple[str, ...] = ()) -> int:
     return 0
 
 
-def _frozen(model: nn.Module, cfg: AdapterConfig) -> int:
+def _frozen(model: nn.Module, cfg: AdapterConfig, skip: tuple[str, ...] = ()) -> int:
     model.requires_grad_(False)
     return 0
 
 
-def _norms_and_biases(model: nn.Module, cfg: AdapterConfig) -> int:
+def _projector(model: nn.Module, cfg: AdapterConfig, skip: tuple[str, ...] = ()) -> int:
+    """LLaVA's first stage: the projector between a vision-language model's tower and decoder alone."""
+    bridge = getattr(model, "projector", None)
+    if bridge is None:
+        raise UserError("this model has no projector (a vision-language model's) to train alone")
+    model.requires_grad_(False)
+    bridge.requires_grad_(True)
+    return 0
+
+
+def _norms_and_biases(model: nn.Module, cfg: AdapterConfig, skip: tuple[str, ...] = ()) -> int:
     model.requires_grad_(False)
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
@@ -244,10 +254,12 @@ def _adapted(wrap: Callable[[nn.Module, list, frozenset, AdapterConfig], nn.Modu
     """A method that swaps `wrap(linear, parts, part names, cfg)` (None: leave it) into the block linears,
     each first frozen in NF4 when `quantize`; the rest of the model frozen."""
 
-    def apply(model: nn.Module, cfg: AdapterConfig) -> int:
+    def apply(model: nn.Module, cfg: AdapterConfig, skip: tuple[str, ...] = ()) -> int:
         model.requires_grad_(False)
         count = 0
         for name, module in list(model.named_modules()):
+            if name.startswith(skip):  # a part left frozen as it is (a vision tower)
+                continue
             parts = linear_parts(model, name, module) if isinstance(module, nn.Linear) else None
             if parts is None:
                 continue
@@ -314,6 +326,7 @@ METHODS = {
         ),
         Method("ia3", _adapted(_ia3), switchable=True),
         Method("bitfit", _norms_and_biases),
+        Method("projector", _projector, memory_hint="a larger train.memory_limit"),
     )
 }
 
@@ -333,18 +346,29 @@ def check_base(name: str, pretrained: bool) -> None:
         )
 
 
-def apply(model: nn.Module, name: str, cfg: AdapterConfig, freeze_router: bool = False) -> int:
+def apply(
+    model: nn.Module, name: str, cfg: AdapterConfig, freeze_router: bool = False, train_vision: bool = False
+) -> int:
     """Apply finetune.train `name` to the model with the recipe's adapter settings: adapters swapped into
     its block linears (lora, qlora, ia3) and what the method does not train frozen; return how many
     linears were adapted. The caller keeps the task's heads trainable. freeze_router: a mixture of
     experts' routers keep their pretrained weights whatever the method (the adapter methods freeze
-    them anyway)."""
+    them anyway). A vision-language model's tower stays frozen, without adapters, unless
+    train_vision; its projector trains with every method that trains the model (as LLaVA's does)."""
+    tower = getattr(model, "vision", None) if getattr(model, "reads_images", False) else None
+    if train_vision and tower is None:
+        raise UserError("finetune.train_vision: this model has no vision tower")
     try:
-        count = method(name).apply(model, cfg)
+        count = method(name).apply(model, cfg, () if train_vision or tower is None else ("vision.",))
     except UserError as e:
         raise UserError(f"--train {name}: {e}") from None
     for layer in moe_layers(model) if freeze_router else ():
         layer.router.requires_grad_(False)
+    if tower is not None:
+        if not train_vision:
+            tower.requires_grad_(False)
+        if method(name).backbone_trains:
+            model.projector.requires_grad_(True)
     return count
 
 

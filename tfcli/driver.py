@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from .bench import in_training
 from .display import console
 from .engine import backbone as backbones
 from .engine import checkpoint, memory, model_source
+from .engine.compose import compose
 from .engine.model_source import ModelSource
 from .engine.perf import peak_memory_mb
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
@@ -52,6 +53,9 @@ class RunRequest:
     quiet: bool = False
     dry_run: bool = False  # print the memory plan and stop: nothing trained or written
     named_code: frozenset[str] = frozenset()  # file.py:function the command line names (plugin.EvalOptions)
+    vision_from: ModelSource | None = (
+        None  # --vision-from: a vision tower composed with --from's decoder (engine/compose.py)
+    )
 
 
 def make_plugin(kind: str, key: str, rt: Runtime, quiet: bool = False, named_code: frozenset = frozenset()) -> Plugin:
@@ -86,12 +90,14 @@ def train(req: RunRequest) -> tuple[Path, list[str]]:
             recipe = keep_global_batch(recipe, ckpt, rt)
         recipe, plan, note = fit_memory(recipe, job, backbone.model, rt, measured_so_far(rt), resumed=ckpt)
         module = trained_module(recipe, job, backbone.model, rt)
-        trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=saves_partial(recipe, source))
+        partial = saves_partial(recipe, source) and vision_source(req) is None  # a composed model has no one base
+        trainer = Trainer(module, job, recipe, run_dir, rt, req.quiet, partial=partial)
         if ckpt is not None:
             trainer.restore(ckpt)  # refuses a checkpoint that does not fit, before anything is written
         created = req.resume is None and not run_dir.exists()  # not an empty --out the user made
         with run_lock(run_dir, rt), removed_on_failure(run_dir, rt, created):
-            write_run_files(recipe, run_dir, rt, backbone, job, source, parameter_counts(module), plan)
+            counts = parameter_counts(module)
+            write_run_files(recipe, run_dir, rt, backbone, job, source, counts, plan, vision_source(req))
             trainer.forget_after(trainer.step)
             if rt.is_main and not req.quiet:
                 console.print(banner(recipe, plugin, module, backbone, run_dir, ckpt, rt))
@@ -254,10 +260,22 @@ def starting_model(
         source = model_source.recorded(recorded)  # a base that moved: the checkpoint says what it needs
         return source, backbones.for_resume(req.resume, req.recipe, ckpt, shapes_only)
     source = req.source or (model_source.resolve(recorded) if recorded else None)
+    req = replace(req, vision_from=vision_source(req))
     if req.recipe.finetune is not None:
         adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
     refuse_what_cannot_fit(source, req.recipe, plugin, rt)  # a dry run too: the same refusal, at the same point
+    if req.vision_from is not None:
+        if source is None:
+            raise UserError("--vision-from joins a vision tower to a decoder: give the decoder with --from")
+        decoder = backbones.load(source, req.recipe, plugin, rt)
+        return source, compose(decoder, req.vision_from, req.recipe.model, req.recipe.train.seed)
     return source, backbones.load(source, req.recipe, plugin, rt, shapes_only)
+
+
+def vision_source(req: RunRequest) -> ModelSource | None:
+    """The vision tower a composed model was joined from: --vision-from, or a resumed run's record of it."""
+    recorded = backbones.recorded(req.resume).get("vision_from") if req.resume else None
+    return req.vision_from or (model_source.resolve(recorded, "--vision-from") if recorded else None)
 
 
 def refuse_what_cannot_fit(source: ModelSource | None, recipe: Recipe, plugin: Plugin, rt: Runtime) -> None:
@@ -277,7 +295,8 @@ def trained_module(recipe: Recipe, job: Job, model, rt: Runtime) -> ObjectiveMod
     forward; what the loss never reads (Job.unread) is frozen. On the CPU each block gives the heap's
     free pages back as it trains (memory.trim_after_each_block: the peak stays at the plan's)."""
     if recipe.finetune is not None:
-        adapters.apply(model, recipe.finetune.train, recipe.adapter or AdapterConfig(), recipe.finetune.freeze_router)
+        ft = recipe.finetune
+        adapters.apply(model, ft.train, recipe.adapter or AdapterConfig(), ft.freeze_router, ft.train_vision)
     for p in job.unread:
         p.requires_grad_(False)
     if rt.device.type == "cpu" and recipe.train.compile != "on":  # a compiled graph would break at each hook
@@ -434,12 +453,16 @@ def write_run_files(
     source: ModelSource | None,
     parameters: dict[str, int],
     plan: memory.Plan,
+    vision_from: ModelSource | None = None,
 ) -> None:
     """The resolved recipe, the tokenizer, the plug-in's files, and run.json: where the model came
-    from, the command line, the versions and the memory plan (rank 0)."""
+    from (and its vision tower, for a composed one), the command line, the versions and the memory
+    plan (rank 0)."""
     if rt.is_main:
         recipes.save(recipe, run_dir / "config.yaml")
         record = {**run_record(run_dir, source, backbone, rt), "parameters": parameters, "memory_plan": plan.as_dict()}
+        if vision_from is not None:
+            record["vision_from"] = str(vision_from.path.resolve())
         (run_dir / backbones.RUN_FILE).write_text(json.dumps(record, indent=1))
         if backbone.tokenizer is not None:
             backbone.tokenizer.save(run_dir)

@@ -6,10 +6,12 @@ loop serves both; only how the next logits are computed differs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from .data.image_prompts import image_prompts
 from .errors import UserError
 from .models import kinds
 from .models.blocks import product_by_slices
@@ -110,13 +112,19 @@ def generate_tokens(
     use_cache: bool = True,
     seed: int | None = None,
     stop_ids: Iterable[int] = (),
+    inputs: dict | None = None,
 ) -> Iterator[int]:
     """Yield new token ids for a decoder (`model(ids, caches) -> hidden`, `model.logits(hidden)`).
 
     prompt (1, T). The model sees at most its context of the latest tokens; once a sequence
     outgrows it, learned positions shift and each step recomputes the window (cache or not).
+    `inputs`: what every pass over the whole prompt reads besides its tokens (a vision-language
+    model's pixel_values); such a prompt never slides out of the window: generation stops at the context.
     """
     ctx = model.cfg.max_seq_len
+    extra = {k: v.to(prompt.device) for k, v in (inputs or {}).items()}
+    if extra:
+        max_new_tokens = max(0, min(max_new_tokens, ctx - prompt.size(1)))
     ids = prompt[:, -ctx:]
     caches = model.new_caches(ctx) if use_cache else None
     logits = decode_logits(model, prompt.device)
@@ -130,10 +138,10 @@ def generate_tokens(
             caches = model.new_caches(ctx)
             pending = ids
         if caches is not None and caches[0].length + pending.size(1) <= ctx:
-            hidden = model(pending, caches)
+            hidden = model(pending, caches, **(extra if caches[0].length == 0 else {}))
         else:
             caches = None  # the window slides: positions change, the cache no longer applies
-            hidden = model(ids[:, -ctx:])
+            hidden = model(ids[:, -ctx:], **extra)
         return logits(hidden[:, -1])
 
     return sampling_loop(
@@ -217,6 +225,7 @@ def generate_batch(
     pad_id: int = 0,
     keep_stop: bool = False,
     finished: Callable[[bool], bool] = bool,
+    inputs: dict | None = None,
 ) -> list[list[int]]:
     """The new ids of every prompt, generated together (B rows, one cache of (B, nh, L, hs) per layer),
     each row ending at its first stop token (included with keep_stop: an on-policy loss trains it) or
@@ -224,8 +233,10 @@ def generate_batch(
     run the same forward passes (FSDP) agree through it. A decoder reads
     the prompts left-padded (pads masked, positions counted per row); an encoder-decoder (a model with
     `encode`) reads them right-padded and starts every row's decoder from `start_id`. Greedy output is
-    the batch-1 output, row by row."""
+    the batch-1 output, row by row. `inputs`: what the prompts' pass reads besides their tokens (a
+    vision-language model's pixel_values, the frames of the rows' image tokens in order)."""
     device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
         raise UserError("every prompt needs at least one token")
@@ -244,7 +255,7 @@ def generate_batch(
         ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
         steps = min(max_new_tokens, model.cfg.max_seq_len - width)
         caches = model.new_caches(width + steps)
-        first = model(ids, caches, key_mask=mask)
+        first = model(ids, caches, key_mask=mask, **inputs)
 
         def step(tokens: Tensor) -> Tensor:
             nonlocal mask, ids, caches
@@ -252,7 +263,7 @@ def generate_batch(
             ids = torch.cat([ids, tokens], dim=1)  # (B, L + 1)
             if stale(model, caches[0].length, ids.size(1)):  # all of it again, into a fresh cache
                 caches = model.new_caches(width + steps)
-                return model(ids, caches, key_mask=mask)[:, -1:]
+                return model(ids, caches, key_mask=mask, **inputs)[:, -1:]
             return model(tokens, caches, key_mask=mask)
 
     return _rows_until_stop(
@@ -287,6 +298,7 @@ def _rows_until_stop(
     device,
     keep_stop: bool = False,
     finished: Callable[[bool], bool] = bool,
+    inputs: dict | None = None,
 ) -> list[list[int]]:
     """Sample every row until each has met a stop token (a finished row's later tokens are dropped)."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -330,10 +342,13 @@ def stream(
     top_p: float,
     use_cache: bool = True,
     seed: int | None = None,
+    images: list[Path] = (),
 ) -> Iterator[str]:
     """The text a run generates after `prompt`, piece by piece: a decoder continues the prompt (which
-    comes first); an encoder-decoder encodes it once and answers (sentinels shown)."""
+    comes first); an encoder-decoder encodes it once and answers (sentinels shown). `images`: a
+    vision-language model reads them where the prompt's markers are (first where it has none)."""
     tok, model = backbone.tokenizer, backbone.model
+    prompts = image_prompts(backbone, list(images))
     device = next(model.parameters()).device
     sampling = dict(
         max_new_tokens=max_new_tokens,
@@ -344,6 +359,11 @@ def stream(
         use_cache=use_cache,
         seed=seed,
     )
+    if prompts is not None:
+        text, refs = prompts.prompt(prompt, list(images))
+        yield prompt
+        yield from continuation(model, tok, tok.encode(text), inputs=prompts.inputs(refs), **sampling)
+        return
     if not kinds.is_seq2seq(model):
         ids = tok.encode(prompt) if prompt else []
         if not ids:
@@ -383,19 +403,29 @@ def reply(
     top_p: float,
     seed: int | None = None,
     use_cache: bool = True,
+    images: list[Path] = (),
 ) -> Iterator[str]:
     """A chat model's next turn, piece by piece: the conversation rendered by `template` (a
     data.chat.ChatTemplate) with the assistant's header, then tokens until an end-of-turn or
     end-of-text token. Oldest exchanges are left out (the system message kept) while the
-    conversation and the reply would not fit the context."""
+    conversation and the reply would not fit the context. `images`: read where the messages' markers
+    are (first in the first user message where none has any); those exchanges are never left out."""
     from .data.chat import stop_ids
 
     tok, model = backbone.tokenizer, backbone.model
     if model.kind != kinds.DECODER:
         raise UserError(f"chat needs a decoder; this is a {backbone.family} ({model.kind})")
-    messages = list(messages)
+    messages, inputs = list(messages), {}
+    prompts = image_prompts(backbone, list(images))
+    if prompts is not None:
+        messages, refs = prompts.messages(messages, list(images))
+        inputs = prompts.inputs(refs)
     ids = template.render(tok, messages, add_generation_prompt=True).ids
-    while len(ids) + max_new_tokens > model.cfg.max_seq_len and sum(m["role"] != "system" for m in messages) > 1:
+    while (
+        not inputs
+        and len(ids) + max_new_tokens > model.cfg.max_seq_len
+        and sum(m["role"] != "system" for m in messages) > 1
+    ):
         first = next(i for i, m in enumerate(messages) if m["role"] != "system")
         del messages[first : first + 2]  # a user turn and the reply to it
         ids = template.render(tok, messages, add_generation_prompt=True).ids
@@ -411,4 +441,5 @@ def reply(
         use_cache=use_cache,
         seed=seed,
         stop_ids=stop_ids(tok),
+        inputs=inputs,
     )

@@ -352,10 +352,10 @@ class TrainConfig:
 class FinetuneConfig:
     """What a task trains and for how long (task recipes only)."""
 
-    train: Literal["all", "head", "lora", "qlora", "ia3", "bitfit"] = field(
+    train: Literal["all", "head", "lora", "qlora", "ia3", "bitfit", "projector"] = field(
         default="all",
         metadata={
-            "help": "what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit"
+            "help": "what trains: all | head (frozen backbone: a linear probe) | lora | qlora (LoRA on an NF4 base) | ia3 | bitfit | projector (a vision-language model's projector alone: LLaVA's first stage)"
         },
     )
     epochs: float = field(
@@ -384,6 +384,13 @@ class FinetuneConfig:
         default=False,
         metadata={
             "help": "a mixture of experts: its routers keep their pretrained weights (lora and qlora freeze them anyway)"
+        },
+    )
+    train_vision: bool = field(
+        default=False,
+        metadata={
+            "help": "a vision-language model: its vision tower trains too (all: every weight; lora, qlora, ia3: "
+            "adapters on its linears too); off: frozen, as LLaVA keeps it"
         },
     )
 

@@ -217,6 +217,7 @@ def run_training(
     quiet: bool,
     dry_run: bool = False,
     code: frozenset[str] = frozenset(),
+    vision: ModelSource | None = None,
 ):
     """Train the run (returns nothing), or with dry_run print its memory plan and return it. `code`: the
     user functions the command line names (named_code)."""
@@ -224,7 +225,7 @@ def run_training(
     from ..driver import RunRequest, train
     from ..driver import dry_run as plan_only
 
-    request = RunRequest(rec, source, out, resume, quiet, dry_run, code)
+    request = RunRequest(rec, source, out, resume, quiet, dry_run, code, vision)
     if dry_run:
         return plan_only(request)
     run_dir, hints = train(request)

@@ -70,6 +70,12 @@ def generate(
         False, "--no-cache", help="Recompute every position each step (for checking the cache)."
     ),
     seed: int | None = SAMPLING_SEED,
+    image: list[Path] = typer.Option(
+        None,
+        "--image",
+        help="A vision-language model: an image it reads, where --prompt says <image> (first where it does not); "
+        "repeat for several.",
+    ),
     images: int = typer.Option(
         0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."
     ),
@@ -120,9 +126,9 @@ def generate(
         if not prompt:
             raise UserError("--chat answers --prompt: give the user's message")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        pieces = reply(backbone, for_model(backbone.tokenizer, chat_template), messages, **sampling)
+        pieces = reply(backbone, for_model(backbone.tokenizer, chat_template), messages, images=image or [], **sampling)
     else:
-        pieces = stream(backbone, prompt, **sampling)
+        pieces = stream(backbone, prompt, images=image or [], **sampling)
     with autocast_context(precision or "fp32", dev):
         for text in pieces:
             sys.stdout.write(text)
@@ -140,6 +146,9 @@ def chat_command(
     top_k: int = TOP_K,
     top_p: float = typer.Option(0.9, help=SAMPLING_HELP["top_p"]),
     system: str | None = typer.Option(None, help="A system message, kept through /reset."),
+    image: list[Path] = typer.Option(
+        None, "--image", help="A vision-language model: an image the conversation is about; repeat for several."
+    ),
     seed: int | None = SAMPLING_SEED,
     device: str | None = DEVICE,
     precision: str | None = PRECISION,
@@ -147,6 +156,7 @@ def chat_command(
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
     Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends."""
     from ..data.chat import for_model
+    from ..data.image_prompts import image_prompts
     from ..engine.runtime import autocast_context
     from ..generate import reply
     from ..models import kinds
@@ -154,6 +164,8 @@ def chat_command(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     backbone, dev = generator("chat", checkpoint, device, (kinds.DECODER,))
     template = for_model(backbone.tokenizer, chat_template)
+    if image:  # read and checked before the first question, not after it
+        image_prompts(backbone, image).refs(image, "--image")
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     sampling = dict(
@@ -186,7 +198,7 @@ def chat_command(
         answer = []
         try:
             with autocast_context(precision or "fp32", dev):
-                for text in reply(backbone, template, messages, **sampling):
+                for text in reply(backbone, template, messages, images=image or [], **sampling):
                     answer.append(text)
                     sys.stdout.write(text)
                     sys.stdout.flush()

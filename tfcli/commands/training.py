@@ -243,6 +243,12 @@ def finetune(
     recipe: str | None = typer.Option(
         None, help="Recipe name or YAML path [default: the task's for the --from model's family]."
     ),
+    vision_from: str | None = typer.Option(
+        None,
+        "--vision-from",
+        help="A ViT (an MAE or image-classify run, or a ViT directory) joined to the --from decoder by a fresh "
+        "projector: a LLaVA-style vision-language model (sft).",
+    ),
     out: Path | None = typer.Option(None, help="Run directory [default: runs/<recipe>-<time>]."),
     resume: str | None = typer.Option(
         None, help="Continue this run from its latest checkpoint; auto: the newest unfinished run of the recipe."
@@ -257,12 +263,14 @@ def finetune(
 ):
     """Finetune a pretrained model on a task."""
     from ..engine import model_source
+    from ..models import COMPOSED
 
     source = model_source.resolve(from_) if from_ else None  # a hub id: its snapshot in the Hugging Face cache
+    vision = model_source.resolve(vision_from, "--vision-from") if vision_from else None
     if task is None and resume in (None, "auto"):
         raise UserError("name the task to finetune on (e.g. tfcli finetune mnli --from RUN), or give --resume RUN")
     key, settings, defaults = task_target(task) if task is not None else (run_task(Path(resume)), {}, {})
-    family = source.family if source else None
+    family = COMPOSED if vision else source.family if source else None
     default = defaults.get(family or "", next(iter(defaults.values()), ""))
     shortcuts = bound_to_task(shortcuts, key, task or key)
     if shortcuts["train.steps"] is not None and shortcuts["finetune.epochs"] is None:
@@ -286,4 +294,4 @@ def finetune(
                 + ", ".join(f"{k}={v}" for k, v in applied.items())
                 + f" (the recipe's methods.{rec.finetune.train}; a flag or --set wins)"
             )
-    return run_training(rec, source, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets))
+    return run_training(rec, source, out, resume_dir, quiet, dry_run, named_code(shortcuts, sets), vision)

@@ -51,6 +51,7 @@ class Example:
     prompt: list[int]
     reply: str
     plain_text: bool = False  # a text row: no prompt to answer, so nothing to generate and score
+    images: tuple = ()  # a vision-language model's: each image's data.image_prompts.ImageRef, in order
 
     @property
     def targets(self) -> int:

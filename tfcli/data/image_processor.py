@@ -16,71 +16,49 @@ the pixels are scaled by `rescale` and normalised by `mean` and `std`, in float3
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..models.vlm import ImageProcessing
 
 MAX_SIDE = 4096  # Idefics3's bound on either side after its first resize
 
 
-@dataclass(frozen=True)
-class ImageProcessing:
-    """How images become a model's pixels (the `model.processing:` section of a vision-language recipe)."""
-
-    resize: Literal["shortest_edge", "square", "longest_edge"] = "square"
-    size: int = 224
-    crop: int = 0  # shortest_edge's centre crop
-    resample: int = 3  # PIL's filter: 0 nearest, 1 Lanczos, 2 bilinear, 3 bicubic
-    rescale: float = 1 / 255
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    split: bool = False  # longest_edge: cut the image into tiles, then the whole image
-    tile: int = 0  # longest_edge: the tiles' side (and the whole image's); the vision tower's image size
-
-    def __post_init__(self):
-        if self.size < 1 or self.crop < 0 or self.tile < 0 or self.resample not in range(6):
-            raise ValueError("model.processing: size >= 1, crop and tile >= 0, resample a PIL filter (0-5)")
-        if self.resize == "longest_edge" and not self.tile:
-            raise ValueError("model.processing.tile must be set for longest_edge resizing")
-        if self.resize == "shortest_edge" and not self.crop:
-            raise ValueError("model.processing.crop must be set for shortest_edge resizing (a square for the tower)")
-
-    def frames(self, image) -> tuple[Tensor, int, int]:
-        """A PIL image -> (frames (F, 3, S, S) float32, tile rows, tile columns); rows = columns = 0
-        when the image is one frame."""
-        pixels = np.asarray(image.convert("RGB"))  # (H, W, 3) uint8
-        rows = cols = 0
-        if self.resize == "shortest_edge":
-            h, w = pixels.shape[:2]
-            short, long = (w, h) if w <= h else (h, w)
-            new_short, new_long = self.size, int(self.size * long / short)
-            pixels = _resize(pixels, (new_long, new_short) if w <= h else (new_short, new_long), self.resample)
-            if self.crop:
-                pixels = _centre_crop(pixels, self.crop)
-            pieces = [pixels]
-        elif self.resize == "square":
-            pieces = [_resize(pixels, (self.size, self.size), self.resample)]
+def frames(p: ImageProcessing, image) -> tuple[Tensor, int, int]:
+    """A PIL image -> (frames (F, 3, S, S) float32, tile rows, tile columns) as `p` prepares it; rows =
+    columns = 0 when the image is one frame."""
+    pixels = np.asarray(image.convert("RGB"))  # (H, W, 3) uint8
+    rows = cols = 0
+    if p.resize == "shortest_edge":
+        h, w = pixels.shape[:2]
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = p.size, int(p.size * long / short)
+        pixels = _resize(pixels, (new_long, new_short) if w <= h else (new_short, new_long), p.resample)
+        pieces = [_centre_crop(pixels, p.crop)]
+    elif p.resize == "square":
+        pieces = [_resize(pixels, (p.size, p.size), p.resample)]
+    else:
+        pixels = _resize(pixels, longest_edge(*pixels.shape[:2], p.size), p.resample)
+        if p.split:
+            pixels = _resize(pixels, tiled(*pixels.shape[:2], p.tile), p.resample)
+            pieces, rows, cols = _tiles(pixels, p.tile, p.resample)
         else:
-            pixels = _resize(pixels, _longest_edge(*pixels.shape[:2], self.size), self.resample)
-            if self.split:
-                pixels = _resize(pixels, _tiled(*pixels.shape[:2], self.tile), self.resample)
-                pieces, rows, cols = _tiles(pixels, self.tile, self.resample)
-            else:
-                pieces = [_resize(pixels, (self.tile, self.tile), self.resample)]
-        mean, std = np.array(self.mean, dtype=np.float32), np.array(self.std, dtype=np.float32)
-        out = [((p.astype(np.float32) * np.float32(self.rescale)) - mean) / std for p in pieces]  # (H, W, 3) each
-        return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2).contiguous(), rows, cols
+            pieces = [_resize(pixels, (p.tile, p.tile), p.resample)]
+    mean, std = np.array(p.mean, dtype=np.float32), np.array(p.std, dtype=np.float32)
+    out = [((piece.astype(np.float32) * np.float32(p.rescale)) - mean) / std for piece in pieces]  # (H, W, 3) each
+    return torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2).contiguous(), rows, cols
 
-    @property
-    def side(self) -> int:
-        """The side of every frame it makes."""
-        return {"shortest_edge": self.crop, "square": self.size, "longest_edge": self.tile}[self.resize]
+
+def grid(p: ImageProcessing, height: int, width: int) -> tuple[int, int]:
+    """(tile rows, tile columns) `p` cuts an image of that size into (0, 0: one frame), without resizing it."""
+    if p.resize != "longest_edge" or not p.split:
+        return 0, 0
+    h, w = tiled(*longest_edge(height, width, p.size), p.tile)
+    return (0, 0) if h <= p.tile and w <= p.tile else (h // p.tile, w // p.tile)
 
 
 def _resize(pixels: np.ndarray, hw: tuple[int, int], resample: int) -> np.ndarray:
@@ -102,7 +80,7 @@ def _centre_crop(pixels: np.ndarray, side: int) -> np.ndarray:
     return pixels[top : top + side, left : left + side]
 
 
-def _longest_edge(h: int, w: int, longest: int) -> tuple[int, int]:
+def longest_edge(h: int, w: int, longest: int) -> tuple[int, int]:
     """Idefics3's first resize: the long side to `longest`, the other in proportion, rounded up to even;
     then both held under MAX_SIDE."""
     ratio = w / h
@@ -120,7 +98,7 @@ def _longest_edge(h: int, w: int, longest: int) -> tuple[int, int]:
     return max(h, 1), max(w, 1)
 
 
-def _tiled(h: int, w: int, tile: int) -> tuple[int, int]:
+def tiled(h: int, w: int, tile: int) -> tuple[int, int]:
     """Both sides up to multiples of the tile, the long side first and the short in proportion."""
     ratio = w / h
     if w >= h:

@@ -77,7 +77,9 @@ def from_run(path: Path, which: str = "best", device: str = "cpu") -> Backbone:
     partial = bool(checkpoint.read_meta(ckpt).get("partial"))
     model = base_model(run, recipe) if partial else build_model(recipe.model)
     if recipe.finetune is not None:
-        adapters.apply(model, recipe.finetune.train, recipe.adapter, recipe.finetune.freeze_router)
+        adapters.apply(
+            model, recipe.finetune.train, recipe.adapter, recipe.finetune.freeze_router, recipe.finetune.train_vision
+        )
     weights = checkpoint.load_weights(ckpt)
     own = {k[len("model.") :]: v for k, v in weights.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(own, strict=False)

@@ -611,7 +611,7 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
 
     def make_trained(probe: nn.Module) -> nn.Module:
         if ft is not None:
-            adapters.apply(probe, ft.train, recipe.adapter, ft.freeze_router)
+            adapters.apply(probe, ft.train, recipe.adapter, ft.freeze_router, ft.train_vision)
         return ObjectiveModule(probe, clone_heads(job.heads), job.loss)
 
     cache: dict = {}

@@ -80,8 +80,13 @@ AUTO_CLASSES = {
 }
 
 
+IMAGE_TEXT = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")  # read images and text
+
+
 def auto_class(architecture: str) -> str:
     """The transformers Auto class that loads `architecture` whole (AutoModel for a bare encoder)."""
+    if architecture in IMAGE_TEXT:
+        return "AutoModelForImageTextToText"
     return next((auto for suffix, auto in AUTO_CLASSES.items() if architecture.endswith(suffix)), "AutoModel")
 
 

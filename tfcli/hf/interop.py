@@ -15,21 +15,15 @@ from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
 from . import (
     bert,
-    gemma,
     generic,
     gguf,
     gpt2,
-    granite,
     idefics3,
     llama,
     llava,
     modernbert,
-    moe,
-    olmo2,
     peft,
-    phi3,
     roberta,
-    smollm3,
     t5,
     vit,
     vlm,
@@ -47,10 +41,8 @@ FAMILIES = {
 }  # tfcli family -> its default table
 FAMILIES |= {"generic": generic, "generic-encoder": generic}  # any other architecture transformers ships
 # every table module and the tfcli family its model types build: the llama family's switches take several
-TABLES = {gpt2: "gpt", llama: "llama", gemma: "llama", olmo2: "llama", phi3: "llama", granite: "llama"}
+TABLES = {gpt2: "gpt", **{module: "llama" for module in vlm.DECODER_TABLES}}
 TABLES |= {
-    smollm3: "llama",
-    moe: "llama",
     bert: "bert",
     roberta: "bert",
     modernbert: "modernbert",

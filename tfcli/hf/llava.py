@@ -1,5 +1,5 @@
-"""LLaVA <-> transformers' LlavaForConditionalGeneration: a CLIP or SigLIP vision tower, a two-layer
-MLP projector and a llama-family decoder (models/vlm.py), as one weight table and config map.
+"""LLaVA <-> transformers' LlavaForConditionalGeneration: a CLIP or SigLIP vision tower (or a ViTModel:
+a model tfcli composed from an MAE run), a two-layer MLP projector and a llama-family decoder (models/vlm.py), as one weight table and config map.
 
 On disk transformers 5 names the parts `vision_tower.*`, `multi_modal_projector.linear_1/2` and
 `language_model.model.*` / `language_model.lm_head` (4.x checkpoints: `vision_tower.vision_model.*`;
@@ -47,7 +47,10 @@ def config_from_hf(raw: dict, state: dict) -> VLMConfig:
     if raw.get("image_grid_pinpoints") or raw.get("model_type") != "llava":
         raise UserError("llava: only LLaVA's single-image layout is supported (not LLaVA-NeXT's tiles)")
     vision_raw = raw.get("vision_config") or {}
-    vision = towers.config_from_hf(vision_raw)
+    if vision_raw.get("model_type") == towers.VIT:
+        vision = towers.vit_config(vision_raw, state, TOWER)
+    else:
+        vision = towers.config_from_hf(vision_raw)
     text = vlm.text_config(raw["text_config"], state, TEXT)
     return VLMConfig(
         vision=vision,
@@ -99,7 +102,9 @@ def export(backbone, recipe) -> Export:
         "vision_feature_select_strategy": "default" if cfg.drop_cls else "full",
         "tie_word_embeddings": cfg.text.tie_word_embeddings,
     }
-    processor_type = "CLIPImageProcessor" if tower == towers.CLIP else "SiglipImageProcessor"
+    processor_type = {towers.CLIP: "CLIPImageProcessor", towers.SIGLIP: "SiglipImageProcessor"}.get(
+        tower, "ViTImageProcessor"
+    )
     files = {**spec.files, "preprocessor_config.json": vlm.processor_json(cfg, processor_type, {})}
     files["processor_config.json"] = vlm.json_text(
         {
@@ -110,4 +115,4 @@ def export(backbone, recipe) -> Export:
             "num_additional_image_tokens": int(cfg.vision.cls_token),
         }
     )
-    return Export(config, files=files)
+    return Export(config, extra_tensors=towers.extra_tensors(cfg.vision, TOWER), files=files)

@@ -1,5 +1,6 @@
-"""The vision towers of vision-language models <-> tfcli's ViT: CLIP's (LLaVA), SigLIP's (LLaVA) and
-Idefics3's (SigLIP's, as SmolVLM holds it). One weight table, their config maps.
+"""The vision towers of vision-language models <-> tfcli's ViT: CLIP's (LLaVA), SigLIP's (LLaVA),
+Idefics3's (SigLIP's, as SmolVLM holds it), and transformers' ViTModel (LLaVA reads any vision model:
+tfcli's own ViT, an MAE run's, is written as one). One weight table, their config maps.
 
 CLIP has a class embedding (D,) and a position table (N + 1, D), no patch bias and a LayerNorm before
 the blocks (`pre_layrnorm`); SigLIP has no [CLS], a patch bias and a position table (N, D). Their
@@ -9,11 +10,16 @@ head a SigLIP vision model may carry is read by no vision-language model and is 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from torch import Tensor
+
 from ..errors import UserError
-from ..models.vit import ViTConfig
+from ..models.vit import ViTConfig, sincos_2d
+from . import vit
 from .convert import Rule, rule
 
-CLIP, SIGLIP, IDEFICS3 = "clip_vision_model", "siglip_vision_model", "idefics3_vision"
+CLIP, SIGLIP, IDEFICS3, VIT = "clip_vision_model", "siglip_vision_model", "idefics3_vision", "vit"
 ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 _BLOCK = (
     ("norm_attn", "layer_norm1"),
@@ -52,18 +58,38 @@ def config_from_hf(raw: dict) -> ViTConfig:
 
 
 def kind_of(cfg: ViTConfig) -> str:
-    """CLIP's tower or SigLIP's, as the config's switches say; one line for a mixture of the two."""
-    if cfg.cls_token and not cfg.patch_bias and cfg.pre_norm:
-        return CLIP
-    if not cfg.cls_token and cfg.patch_bias and not cfg.pre_norm:
-        return SIGLIP
-    raise UserError(
-        "this ViT is neither a CLIP tower ([CLS], no patch bias, a norm before the blocks) nor a SigLIP one "
-        "(none of those): no transformers vision-language model holds it"
+    """The transformers tower a ViT is: CLIP's, SigLIP's, or (tfcli's own: [CLS], a patch bias, no norm
+    before the blocks, as an MAE run has it) transformers' ViTModel, which LLaVA reads as well; one line
+    for what none holds."""
+    if cfg.stem != "patch":
+        raise UserError("a ViT with a convolutional stem (model.stem conv) has no transformers vision tower")
+    switches = (cfg.cls_token, cfg.patch_bias, cfg.pre_norm)
+    kinds = {(True, False, True): CLIP, (False, True, False): SIGLIP, (True, True, False): VIT}
+    if switches not in kinds or (kinds[switches] == VIT and cfg.activation != "gelu"):
+        raise UserError(
+            "this ViT is none of CLIP's tower ([CLS], no patch bias, a norm before the blocks), SigLIP's (no [CLS], "
+            "a patch bias) or transformers' ViTModel ([CLS], a patch bias, exact GELU): no vision-language model holds it"
+        )
+    return kinds[switches]
+
+
+def vit_config(raw: dict, state: dict, theirs: str) -> ViTConfig:
+    """A ViTModel tower's config (its positions sin-cos where the weights under `theirs` are MAE's)."""
+    return vit.config_from_hf(
+        raw, {f"vit.{k[len(theirs) + 1 :]}": v for k, v in state.items() if k.startswith(f"{theirs}.")}
     )
 
 
+def extra_tensors(cfg: ViTConfig, theirs: str) -> dict[str, Tensor]:
+    """What a ViTModel tower stores that tfcli computes: MAE's fixed sin-cos positions."""
+    if kind_of(cfg) == VIT and cfg.pos_embed == "sincos":
+        return {f"{theirs}.embeddings.position_embeddings": sincos_2d(cfg.grid, cfg.d_model)}
+    return {}
+
+
 def config_to_hf(cfg: ViTConfig, model_type: str) -> dict:
+    if model_type == VIT:
+        return {"model_type": VIT, **vit.common(cfg)}
     act = next(k for k, v in ACTIVATIONS.items() if v == cfg.activation)
     out = {
         "model_type": model_type,
@@ -83,6 +109,12 @@ def config_to_hf(cfg: ViTConfig, model_type: str) -> dict:
 
 def rules(cfg: ViTConfig, ours: str, theirs: str) -> list[Rule]:
     """The tower's table: tfcli's `{ours}.*` (a ViT) and transformers' `{theirs}.*` (its vision_model)."""
+    if kind_of(cfg) == VIT:  # ViTModel's names, as hf/vit.py has them under `vit.`
+        return [
+            replace(r, ours=f"{ours}.{r.ours[len('model.') :]}", theirs=tuple(f"{theirs}.{t[4:]}" for t in r.theirs))
+            for r in vit.rules(cfg)
+            if r.ours.startswith("model.")
+        ]
     out = [
         rule(f"{ours}.patch_embed.weight", f"{theirs}.embeddings.patch_embedding.weight"),
         rule(f"{ours}.pos_embed", f"{theirs}.embeddings.position_embedding.weight", lead=1),

@@ -132,7 +132,7 @@ def normalize(state: dict) -> dict:
     return out
 
 
-def _common(cfg: ViTConfig) -> dict:
+def common(cfg: ViTConfig) -> dict:
     return {
         "image_size": cfg.image_size,
         "patch_size": cfg.patch_size,
@@ -166,14 +166,14 @@ def export(backbone, recipe) -> Export:
         label_maps = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
         if getattr(recipe.settings if recipe is not None else None, "pooling", "") == "mean":
             return _dinov2(backbone, recipe, label_maps)
-        config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **_common(cfg), **label_maps}
+        config = {"architectures": ["ViTForImageClassification"], "model_type": "vit", **common(cfg), **label_maps}
     else:
         if cfg.pos_embed == "sincos":
             extra[_DECODER] = sincos_2d(cfg.grid, cfg.decoder_d_model)
         config = {
             "architectures": ["ViTMAEForPreTraining"],
             "model_type": "vit_mae",
-            **_common(cfg),
+            **common(cfg),
             "decoder_hidden_size": cfg.decoder_d_model,
             "decoder_num_hidden_layers": cfg.decoder_n_layer,
             "decoder_num_attention_heads": cfg.decoder_n_head,
@@ -252,7 +252,7 @@ def _dinov2(backbone, recipe, label_maps: dict) -> Export:
     config = {
         "architectures": ["Dinov2ForImageClassification"],
         "model_type": "dinov2",
-        **_common(cfg),
+        **common(cfg),
         "mlp_ratio": cfg.d_ff // cfg.d_model,
         "layerscale_value": 1.0,
         "use_swiglu_ffn": False,

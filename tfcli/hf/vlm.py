@@ -7,33 +7,32 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..data.image_processor import ImageProcessing
 from ..errors import UserError
-from ..models.vlm import VLMConfig
-from . import towers
-from .convert import Export, Rule, json_text  # noqa: F401  (json_text: the tables write files with it)
+from ..models.vlm import ImageProcessing, VLMConfig
+from . import gemma, granite, llama, moe, olmo2, phi3, smollm3, towers
+from .convert import Export, Rule, json_text, refuse_classifier  # noqa: F401  (json_text: the tables write files with it)
 
 PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's preprocessor_config.json in the raw config
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
 
-def text_table(raw_text: dict):
-    """The table module of the decoder's architecture (llama, qwen2, gemma, ...), a native llama-family one."""
-    from .interop import TABLES, table_of_type
+DECODER_TABLES = (llama, gemma, olmo2, phi3, granite, smollm3, moe)  # the llama family's architectures
 
-    module = table_of_type(raw_text.get("model_type"), "text_config")
-    if TABLES.get(module) != "llama":
-        raise UserError(
-            f"a vision-language model's decoder must be a llama-family one; {raw_text.get('model_type')!r} is not"
-        )
+
+def text_table(model_type: str | None):
+    """The table module of the decoder's architecture (llama, qwen2, gemma, ...): a llama-family one."""
+    module = next((m for m in DECODER_TABLES if model_type in m.MODEL_TYPES), None)
+    if module is None:
+        known = ", ".join(t for m in DECODER_TABLES for t in m.MODEL_TYPES)
+        raise UserError(f"a vision-language model's decoder must be a llama-family one ({known}); not {model_type!r}")
     return module
 
 
 def text_config(raw_text: dict, state: dict, theirs: str):
     """The decoder's LlamaConfig, read by its architecture's table from `text_config` (the weights
     under `theirs` given to it under a causal LM's names)."""
-    module = text_table(raw_text)
+    module = text_table(raw_text.get("model_type"))
     own = {k.replace(theirs, "model.", 1): v for k, v in state.items() if k.startswith(theirs)}
     return module.config_from_hf(raw_text, own)
 
@@ -41,9 +40,7 @@ def text_config(raw_text: dict, state: dict, theirs: str):
 def text_rules(cfg: VLMConfig, theirs: str, head: str) -> list[Rule]:
     """The decoder's table, its names moved: tfcli's model.* under model.decoder.*, transformers'
     model.* under `theirs` and lm_head under `head`."""
-    from .interop import table_of_type
-
-    module = table_of_type(cfg.text.hf_model_type, "text_config")
+    module = text_table(cfg.text.hf_model_type)
     moved = []
     for r in module.rules(cfg.text):
         names = tuple(
@@ -112,11 +109,10 @@ def processor_json(cfg: VLMConfig, processor_type: str, extra: dict) -> str:
 
 def export_parts(backbone, recipe) -> tuple[dict, Export]:
     """(the decoder's config.json entries, its architecture's Export: tokenizer files, token ids)."""
-    from . import llama
-    from .interop import table_of_type
-
     cfg = backbone.cfg
-    module = table_of_type(cfg.text.hf_model_type, "text_config")
+    if "classifier.weight" in backbone.heads:
+        refuse_classifier("vision-language", "any", "no transformers vision-language class classifies")
+    module = text_table(cfg.text.hf_model_type)
     spec = llama.export(backbone, recipe, to_hf=lambda _: module.config_to_hf(cfg.text))
     text = {k: v for k, v in spec.config.items() if k != "architectures"}
     return text, spec

@@ -46,6 +46,7 @@ def families_of(wanted: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for k in wanted for f in FAMILIES if kind_of(f) == k)
 
 
+COMPOSED = "vlm"  # the family `finetune --vision-from` composes from a vision run and a decoder (engine/compose.py)
 TEXT_FAMILIES = tuple(f for f in FAMILIES if kind_of(f) != kinds.VISION_ENCODER)  # those with a tokenizer
 
 

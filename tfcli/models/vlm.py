@@ -14,17 +14,45 @@ The model is a decoder to every task: it generates, trains replies and scores li
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from ..data.image_processor import ImageProcessing
 from .blocks import ACTIVATIONS, KVCache
 from .llama import Llama, LlamaConfig
 from .pooling import DecoderTraits
 from .vit import ViT, ViTConfig
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """How images become a model's pixels (the `model.processing:` section of a vision-language recipe;
+    data/image_processor.py does it, as transformers' image processors do)."""
+
+    resize: Literal["shortest_edge", "square", "longest_edge"] = "square"
+    size: int = 224
+    crop: int = 0  # shortest_edge's centre crop
+    resample: int = 3  # PIL's filter: 0 nearest, 1 Lanczos, 2 bilinear, 3 bicubic
+    rescale: float = 1 / 255
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    split: bool = False  # longest_edge: cut the image into tiles, then the whole image
+    tile: int = 0  # longest_edge: the tiles' side (and the whole image's); the vision tower's image size
+
+    def __post_init__(self):
+        if self.size < 1 or self.crop < 0 or self.tile < 0 or self.resample not in range(6):
+            raise ValueError("model.processing: size >= 1, crop and tile >= 0, resample a PIL filter (0-5)")
+        if self.resize == "longest_edge" and not self.tile:
+            raise ValueError("model.processing.tile must be set for longest_edge resizing")
+        if self.resize == "shortest_edge" and not self.crop:
+            raise ValueError("model.processing.crop must be set for shortest_edge resizing (a square for the tower)")
+
+    @property
+    def side(self) -> int:
+        """The side of every frame it makes."""
+        return {"shortest_edge": self.crop, "square": self.size, "longest_edge": self.tile}[self.resize]
 
 
 @dataclass(frozen=True)
@@ -34,7 +62,7 @@ class VLMConfig:
     family: str = "vlm"
     vision: ViTConfig = field(default_factory=lambda: ViTConfig(pos_embed="learned"))
     text: LlamaConfig = field(default_factory=LlamaConfig)
-    processing: ImageProcessing = field(default_factory=ImageProcessing)
+    processing: ImageProcessing = field(default_factory=lambda: ImageProcessing(size=32))
     projector: Literal["mlp", "shuffle"] = "mlp"
     projector_act: Literal["gelu", "gelu_tanh", "silu", "relu"] = "gelu"  # mlp's activation
     projector_bias: bool = True  # mlp's biases
@@ -76,6 +104,10 @@ class VLMConfig:
     @property
     def n_layer(self) -> int:
         return self.text.n_layer
+
+    def with_layers(self, n: int) -> VLMConfig:
+        """The decoder's first n layers and the whole tower (the memory plan probes one and two blocks)."""
+        return replace(self, text=self.text.with_layers(n))
 
     @property
     def image_seq_len(self) -> int:
@@ -160,12 +192,12 @@ class VisionLanguage(DecoderTraits, nn.Module):
 
     def describe(self) -> str:
         cfg = self.cfg
-        tower = sum(p.numel() for p in self.vision.parameters()) / 1e6
-        projector = sum(p.numel() for p in self.projector.parameters()) / 1e6
+        tower = sum(p.numel() for p in self.vision.parameters())
+        projector = sum(p.numel() for p in self.projector.parameters())
         return (
-            f"a vision-language model ({cfg.hf_model_type}): a {tower:.2f}M-parameter ViT "
+            f"a vision-language model ({cfg.hf_model_type}): a {tower:,}-parameter ViT "
             f"({cfg.vision.image_size}px, {cfg.tower_layers} of {cfg.vision.n_layer} blocks read), a "
-            f"{projector:.2f}M {cfg.projector} projector, {cfg.image_seq_len} tokens per frame"
+            f"{projector:,}-parameter {cfg.projector} projector, {cfg.image_seq_len} tokens per frame"
         )
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 METRICS = ("exact", "contains", "final-number")
 _NUMBER = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?")
 
@@ -72,10 +74,12 @@ def generate(
     pad_id: int,
     what: str = "replies",
     seed: int = 0,
+    images: list[tuple] | None = None,
 ) -> list[str]:
     """The reply generated for every prompt (greedy at temperature 0), in the prompts' order. Prompts
     of similar length go together (less padding), `batch_size` at a time, each row ending at its
-    first stop token (end of text, end of turn)."""
+    first stop token (end of text, end of turn). `images`: each prompt's (data.image_prompts.ImageRef),
+    for a vision-language model."""
     from ..display import phase
     from ..generate import generate_batch
 
@@ -84,6 +88,7 @@ def generate(
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     with phase(f"generating {what}", len(prompts), "rows") as advance:
         for group in groups:
+            frames = [ref.pixels() for i in group for ref in (images[i] if images else ())]
             rows = generate_batch(
                 model,
                 [prompts[i] for i in group],
@@ -95,6 +100,7 @@ def generate(
                 seed=seed,
                 start_id=pad_id,
                 pad_id=pad_id,
+                inputs={"pixel_values": torch.cat(frames)} if frames else None,
             )
             for i, ids in zip(group, rows):
                 out[i] = tokenizer.decode(ids).strip()

@@ -22,6 +22,7 @@ from ..data import IGNORE
 from ..data.conversations import DecoderExamples, Example, Seq2SeqExample, Seq2SeqExamples
 from ..data.sampler import Draw, Source
 from ..models import kinds
+from ..models.vlm import image_inputs
 from ..objectives.losses import linear_cross_entropy, lm_head, seq2seq_loss, shift_right
 
 
@@ -29,7 +30,7 @@ def decoder_loss(model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor
     """Mean cross-entropy of the trained tokens, and how many of them the model already predicts.
     Only trained positions go through the LM head: a prompt's positions cost the blocks, not the
     (tokens x vocabulary) projection."""
-    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"))  # (B, T, D)
+    hidden = model(batch["input_ids"], doc_ids=batch.get("doc_ids"), **image_inputs(batch))  # (B, T, D)
     targets = batch["targets"]  # (B, T), IGNORE where nothing is learned
     valid = targets != IGNORE
     head = lm_head(model, hidden[valid])
@@ -63,6 +64,9 @@ def decoder_rows(rows: list[list[Example]], pad_id: int) -> dict[str, Tensor]:
         targets[r, :n] = torch.from_numpy(np.where(trained[1:] > 0, tokens[1:], IGNORE))
         docs[r, :n] = torch.from_numpy(np.repeat(np.arange(len(row)), [len(e.ids) for e in row])[:-1])
     out = {"input_ids": ids, "targets": targets}
+    frames = [image.pixels() for row in rows for e in row for image in e.images]  # each (F_i, C, S, S)
+    if frames:  # a vision-language model's: its image tokens' frames, in the order the tokens come
+        out["pixel_values"] = torch.cat(frames)
     return {**out, "doc_ids": docs} if any(len(row) > 1 for row in rows) else out
 
 

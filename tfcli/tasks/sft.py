@@ -25,6 +25,7 @@ from rich.text import Text
 
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import Examples, Fields, require_targets
+from ..data.image_prompts import ImageExamples, ImagePrompts, readable
 from ..data.sampler import sequential_batches
 from ..display import console, counted, phase
 from ..engine.backbone import from_run
@@ -120,17 +121,23 @@ class SFT(ReplyTask):
                 f"are for decoders"
             )
 
-    def builder(self, recipe, backbone, template: ChatTemplate | None):
+    def builder(self, recipe, backbone, template: ChatTemplate | None, data: str | None = None):
+        """The rows' builder for this model; a model that reads images gets rows with images (their
+        paths relative to the data)."""
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
-        return reply_format(backbone.model).builder(
-            backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format
-        )
+        args = (backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format)
+        if getattr(backbone.model, "reads_images", False):
+            source = Path(data or recipe.data.source)
+            prompts = ImagePrompts(backbone.cfg, backbone.tokenizer)
+            return ImageExamples(*args, prompts=prompts, root=source if source.is_dir() else source.parent)
+        return reply_format(backbone.model).builder(*args)
 
     def examples(
         self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
     ) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
-        return self.read(recipe, self.builder(recipe, backbone, self.template(recipe, backbone)), data, need_train, say)
+        build = self.builder(recipe, backbone, self.template(recipe, backbone), data)
+        return self.read(recipe, build, data, need_train, say)
 
     def split_line(self, split: str, built, where: str, training: bool) -> str:
         """A split's line; a training run's says the share of its tokens that trains."""
@@ -250,6 +257,7 @@ class SFT(ReplyTask):
                     stop_ids(backbone.tokenizer),
                     pad,
                     f"{split} replies",
+                    images=[getattr(x, "images", ()) for x in generated],
                 )
                 if generated
                 else []
@@ -267,7 +275,7 @@ class SFT(ReplyTask):
             lines += [
                 {
                     "split": split,
-                    "prompt": backbone.tokenizer.decode(x.prompt, skip_special_tokens=False),
+                    "prompt": readable(backbone.tokenizer.decode(x.prompt, skip_special_tokens=False)),
                     "reference": x.reply,
                     "prediction": t,
                     "correct": answers.correct(t, x.reply, metric(cfg)),
@@ -304,7 +312,7 @@ def preview(tok, example, colour: bool | None = None) -> Text:
     else:
         runs = [(example.source.tolist(), 0), (example.target.tolist(), 1)]
     for ids, trained in runs:
-        piece = tok.decode(ids, skip_special_tokens=False)
+        piece = readable(tok.decode(ids, skip_special_tokens=False))
         text.append(
             (f"{marks[0]}{piece}{marks[1]}" if trained else piece) + ("" if hasattr(example, "trained") else "\n"),
             style="bold green" if trained else "dim",

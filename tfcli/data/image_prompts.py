@@ -1,0 +1,210 @@
+"""Images in a vision-language model's prompts: rows that name images, the marker where each goes, and
+the image tokens the marker becomes (what transformers' LlavaProcessor and Idefics3Processor write).
+
+Rows, as TRL's vision SFT reads them:
+  {"images": ["cat.png"], "messages": [{"role": "user", "content": [{"type": "image"},
+      {"type": "text", "text": "What is in this picture?"}]}, {"role": "assistant", "content": "a cat"}]}
+  {"image": "cat.png", "prompt": "<image>What is in this picture?", "completion": "a cat"}
+Paths are relative to the data file (or the data folder). Each image part, or `<image>` in a text, is one
+image, in order; a row whose markers and images differ in number, or that names an image that cannot
+be read, stops the run in one line naming the row, before anything is trained or created.
+
+A marker becomes, per model (VLMConfig.hf_model_type):
+  llava     <image> x image_seq_len
+  idefics3  <fake_token_around_image><global-img><image> x image_seq_len<fake_token_around_image>, after
+            one <fake_token_around_image><row_r_col_c><image> x image_seq_len per tile when it is split
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+from ..models.vlm import ImageProcessing
+from .conversations import DecoderExamples, Examples, as_messages, built, row_format
+from .image_processor import frames, grid, open_image
+
+FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
+_REPEATED = re.compile(r"(<[^<>\s]{1,40}>)\1{7,}")
+
+
+def readable(text: str) -> str:
+    """A decoded prompt with every run of one special token (an image's hundreds) written as `<image>x576`."""
+    return _REPEATED.sub(lambda m: f"{m.group(1)}x{len(m.group(0)) // len(m.group(1))}", text)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of an example: read and prepared when its batch is made (not held in memory)."""
+
+    path: Path
+    processing: ImageProcessing
+
+    def pixels(self) -> Tensor:
+        """(F, 3, S, S) frames."""
+        return frames(self.processing, open_image(self.path, str(self.path)))[0]
+
+
+class ImagePrompts:
+    """A vision-language model's image markers and the tokens each becomes."""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.marker = cfg, cfg.image_token
+        needed = [self.marker] + ([FAKE, GLOBAL] if cfg.hf_model_type == "idefics3" else [])
+        missing = [t for t in needed if tokenizer.token_id(t) is None]
+        if missing:
+            raise UserError(f"this model's tokenizer has no {missing[0]} token; it cannot hold an image")
+        if tokenizer.token_id(self.marker) != cfg.image_token_id:
+            raise UserError(
+                f"this model's image token {self.marker} is id {tokenizer.token_id(self.marker)} in its tokenizer, "
+                f"{cfg.image_token_id} in its config (model.image_token_id)"
+            )
+        self.tokenizer = tokenizer
+
+    def image_text(self, rows: int, cols: int) -> str:
+        """What one image's marker becomes."""
+        n = self.cfg.image_seq_len
+        if self.cfg.hf_model_type != "idefics3":
+            return self.marker * n
+        whole = f"{FAKE}{GLOBAL}{self.marker * n}{FAKE}"
+        if not rows:
+            return whole
+        tiles = "".join(
+            "".join(f"{FAKE}<row_{r + 1}_col_{c + 1}>{self.marker * n}" for c in range(cols)) + "\n"
+            for r in range(rows)
+        )
+        return f"{tiles}\n{whole}"
+
+    def expand(self, text: str, grids: list[tuple[int, int]]) -> str:
+        """`text` with its markers, in order, replaced by each image's tokens."""
+        pieces = text.split(self.marker)
+        out = [pieces[0]]
+        for (rows, cols), piece in zip(grids, pieces[1:]):
+            out += [self.image_text(rows, cols), piece]
+        return "".join(out)
+
+    def refs(self, paths: list[Path], where: str) -> tuple[list[ImageRef], list[tuple[int, int]]]:
+        """Each image checked (read whole once) -> (its reference, its tile grid)."""
+        p = self.cfg.processing
+        refs, grids = [], []
+        for path in paths:
+            image = open_image(path, where)
+            refs.append(ImageRef(path, p))
+            grids.append(grid(p, image.height, image.width))
+        return refs, grids
+
+    def prompt(self, text: str, paths: list[Path]) -> tuple[str, list[ImageRef]]:
+        """A prompt typed on the command line with --image: the marker put first where it has none."""
+        if paths and self.marker not in text:
+            text = self.marker * len(paths) + ("\n" + text if text else "")
+        if text.count(self.marker) != len(paths):
+            raise UserError(f"--prompt holds {text.count(self.marker)} {self.marker} markers for {len(paths)} --image")
+        refs, grids = self.refs(paths, "--image")
+        return self.expand(text, grids), refs
+
+    def messages(self, messages: list[dict], paths: list[Path]) -> tuple[list[dict], list[ImageRef]]:
+        """A chat's messages with --image: the markers put first in the first user message where none
+        has any, then expanded."""
+        messages = [dict(m) for m in messages]
+        if paths and not any(self.marker in m["content"] for m in messages):
+            first = next(m for m in messages if m["role"] == "user")
+            first["content"] = self.marker * len(paths) + "\n" + first["content"]
+        found = sum(m["content"].count(self.marker) for m in messages)
+        if found != len(paths):
+            raise UserError(f"the conversation holds {found} {self.marker} markers for {len(paths)} --image")
+        refs, grids = self.refs(paths, "--image")
+        at = 0
+        for m in messages:
+            n = m["content"].count(self.marker)
+            m["content"], at = self.expand(m["content"], grids[at : at + n]), at + n
+        return messages, refs
+
+    def inputs(self, refs: list[ImageRef]) -> dict:
+        """The model inputs of these images: their frames, in order."""
+        return {"pixel_values": torch.cat([r.pixels() for r in refs])} if refs else {}
+
+
+def image_prompts(backbone, paths) -> ImagePrompts | None:
+    """The image prompts of a model that reads images (None without --image); one line for --image
+    given to a model that does not."""
+    if not paths:
+        return None
+    if not getattr(backbone.model, "reads_images", False):
+        raise UserError(f"--image: {backbone.checkpoint} holds a {backbone.family!r} model, which reads no images")
+    return ImagePrompts(backbone.cfg, backbone.tokenizer)
+
+
+def flatten(content, marker: str):
+    """A message's content parts ({"type": "image"} / {"type": "text", "text": ...}) as one text with a
+    marker per image part; a text content as it is."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            out.append(marker)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        else:
+            return None  # not a message of text and images: as_messages skips the row
+    return "".join(out)
+
+
+class ImageExamples(DecoderExamples):
+    """A vision-language model's examples: the decoder's, with each row's images checked and their
+    markers expanded into image tokens; an example carries its images (ImageRef) to its batch."""
+
+    def __init__(self, *args, prompts: ImagePrompts, root: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompts, self.root = prompts, Path(root)
+
+    def build_all(self, rows: list) -> Examples:
+        columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
+        numbered = iter(range(1, len(rows) + 1))
+        return Examples(*built(rows, lambda row: self.numbered(row, next(numbered))), columns=tuple(columns))
+
+    def numbered(self, row: dict, number: int):
+        where = f"row {number}"
+        paths = self.paths(row, where)
+        marker = self.prompts.marker
+        if self.fields.messages in row and isinstance(row[self.fields.messages], list):
+            messages = [
+                {**m, "content": flatten(m.get("content"), marker)} if isinstance(m, dict) else m
+                for m in row[self.fields.messages]
+            ]
+            row = {**row, self.fields.messages: messages}
+        parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
+        if isinstance(parsed, str) and parsed.startswith("skip:"):
+            return parsed
+        texts = [parsed] if isinstance(parsed, str) else [m["content"] for m in parsed]
+        markers = sum(t.count(marker) for t in texts)
+        if markers != len(paths):
+            raise UserError(
+                f"{where}: {len(paths)} image{'s' * (len(paths) != 1)} and {markers} {marker} marker"
+                f'{"s" * (markers != 1)}; put {marker} (or a {{"type": "image"}} content part) where each image goes'
+            )
+        refs, grids = self.prompts.refs(paths, where)
+        if isinstance(parsed, str):
+            parsed = self.prompts.expand(parsed, grids)
+        else:
+            at = 0
+            for m in parsed:
+                n = m["content"].count(marker)
+                m["content"] = self.prompts.expand(m["content"], grids[at : at + n])
+                at += n
+        example = self.within_length(self.build(parsed))
+        return example if isinstance(example, str) else replace(example, images=tuple(refs))
+
+    def paths(self, row: dict, where: str) -> list[Path]:
+        """The row's image files (`images`: a list, or `image`: one), relative to the data."""
+        named = row.get("images", row.get("image", []))
+        named = [named] if isinstance(named, str) else named
+        if not isinstance(named, list) or not all(isinstance(p, str) and p for p in named):
+            raise UserError(f"{where}: images must be a list of file paths (or image: one path)")
+        return [p if p.is_absolute() else self.root / p for p in map(Path, named)]
