@@ -140,6 +140,21 @@ def test_console_script_usage_errors_are_one_line():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args", [["compare", "--task", "nonesuch", "--from", "x", "--out", "o"]])
+def test_a_fresh_process_reaches_the_command_before_any_import_cycle(args, tmp_path):
+    """In a process of its own (the console script), where nothing is imported yet: compare imported
+    torch first from inside tfcli.adapters, and torch's import walked sys.modules, loading the lazy
+    tfcli.recipe, which imports tfcli.adapters half-initialised (an internal error, not this one line)."""
+    result = subprocess.run(
+        [sys.executable, "-c", "from tfcli.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "internal error" not in result.stderr and result.stderr.startswith("error: ")
+
+
 def test_every_subcommand_help_lists_its_options():
     for command in ("pretrain", "finetune", "eval", "generate"):
         result = invoke(command, "--help")

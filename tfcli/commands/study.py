@@ -20,7 +20,7 @@ def compare(
     ),
     train: str | None = typer.Option(
         None,
-        help="The approaches, comma-separated: a finetuning method (all, head, lora, qlora, ia3, bitfit); X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all].",
+        help="The approaches, comma-separated: a finetuning method (all, head, lora, qlora, ia3, bitfit, projector); X+head (a classifier head, e.g. lora+head), X:POOLING (head:mean), Kshot (prompting, nothing trained: 0shot,4shot) [default: all].",
     ),
     budget: str | None = typer.Option(
         None,
@@ -47,6 +47,10 @@ def compare(
     quiet: bool = QUIET,
 ):
     """Finetune (or prompt) every model in every approach to the same budget and tabulate the results."""
+    # torch first, from no half-imported module: its import walks sys.modules and so loads the lazy
+    # tfcli.recipe, which imports tfcli.adapters (compare's first import)
+    import torch  # noqa: F401
+
     from ..display import configure, console
     from . import compare as study
 
