@@ -378,6 +378,9 @@ def test_sft_with_images_trains_evaluates_generates_and_exports(tmp_path, llava_
         input="What colour is this?\n/exit\n",
     )
     assert chat.exit_code == 0, chat.output
+    listed = invoke("runs", tmp_path)
+    assert listed.exit_code == 0 and "vlm" in listed.output and "sft" in listed.output, listed.output
+    assert invoke("plot", tmp_path / "run").exit_code == 0
     exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "hf")
     assert exported.exit_code == 0 and "AutoModelForImageTextToText" in exported.output, exported.output
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
@@ -441,6 +444,12 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
         assert not (tmp_path / name.replace(" ", "-")).exists()
     refused = invoke("generate", "--checkpoint", llava_dir, "--image", tmp_path / "nope.png", "--prompt", "hi")
     assert refused.exit_code == 2 and "--image: image" in refused.output
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Colour?", "chosen": "red", "rejected": "blue"}] * 8)
+    dpo = invoke("finetune", "dpo", "--from", llava_dir, "--data", pairs, "--out", tmp_path / "dpo", "--steps", 1)
+    assert dpo.exit_code == 2 and "dpo of a vision-language model is not supported yet" in dpo.output, dpo.output
+    assert not (tmp_path / "dpo").exists()
+    gguf = invoke("export", "--checkpoint", llava_dir, "--gguf", tmp_path / "m.gguf")
+    assert gguf.exit_code == 2 and "this is a 'llava'" in gguf.output, gguf.output
 
 
 def test_a_vit_run_and_a_decoder_run_compose_a_llava_that_trains_exports_and_resumes(tmp_path, small_text):

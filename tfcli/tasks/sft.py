@@ -106,6 +106,7 @@ class SFT(ReplyTask):
     describe = "supervised finetuning"
     eval_limit_hint = 50
     plain_text = False  # set by setup: every training row is plain text (every token trained)
+    takes_images = True
 
     def text_columns(self, cfg: SFTConfig) -> tuple[str, ...]:
         f = fields(cfg)
