@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,16 @@ def refuse_classifier(family: str, pooling: str, exportable: str) -> None:
         f"this {family} run classifies from --pooling {pooling}, which no transformers class computes "
         f"(an export would load with a random classifier); {exportable}"
     )
+
+
+def renamed(state: dict[str, Tensor], patterns: list[tuple[str, str]]) -> dict[str, Tensor]:
+    """Every name with each (regex, replacement) applied in turn: another version's names -> the table's."""
+    out = {}
+    for k, v in state.items():
+        for pattern, repl in patterns:
+            k = re.sub(pattern, repl, k)
+        out[k] = v
+    return out
 
 
 def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:

@@ -10,12 +10,10 @@ On disk transformers 5 names the parts `vision_tower.*`, `multi_modal_projector.
 
 from __future__ import annotations
 
-import re
-
 from ..errors import UserError
 from ..models.vlm import VLMConfig
 from . import towers, vlm
-from .convert import Export, Rule, rule
+from .convert import Export, Rule, renamed, rule
 
 MODEL_TYPES = ("llava",)
 _MODERN = [  # transformers 5.x in-memory names -> the on-disk names
@@ -29,12 +27,7 @@ TEXT, HEAD, TOWER = "language_model.model.", "language_model.lm_head.", "vision_
 
 
 def normalize(state: dict) -> dict:
-    out = {}
-    for k, v in state.items():
-        for pattern, repl in _MODERN:
-            k = re.sub(pattern, repl, k)
-        out[k] = v
-    return out
+    return renamed(state, _MODERN)
 
 
 def config_from_hf(raw: dict, state: dict) -> VLMConfig:

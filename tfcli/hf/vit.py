@@ -8,14 +8,13 @@ embeddings are recognised on import (and recomputed, not stored in tfcli); expor
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import torch
 
 from ..errors import UserError
 from ..models.vit import ViTConfig, sincos_2d
-from .convert import Export, Rule, json_text, rule
+from .convert import Export, Rule, json_text, renamed, rule
 
 MODEL_TYPES = ("vit", "vit_mae")
 _BLOCK = [
@@ -124,12 +123,7 @@ def normalize(state: dict) -> dict:
     """5.x in-memory names and a bare ViTModel's (no 'vit.' prefix) -> the on-disk names."""
     if not any(k.startswith(("vit.", "decoder.", "classifier.")) for k in state):
         state = {f"vit.{k}": v for k, v in state.items()}
-    out = {}
-    for k, v in state.items():
-        for pattern, repl in _MODERN:
-            k = re.sub(pattern, repl, k)
-        out[k] = v
-    return out
+    return renamed(state, _MODERN)
 
 
 def common(cfg: ViTConfig) -> dict:
