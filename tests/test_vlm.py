@@ -520,3 +520,53 @@ def test_a_vit_run_and_a_decoder_run_compose_a_llava_that_trains_exports_and_res
     resumed = invoke("finetune", "--resume", tmp_path / "again", "--quiet")
     assert resumed.exit_code == 0, resumed.output
     assert train_losses(tmp_path / "run") == train_losses(tmp_path / "again")
+
+
+def test_a_folder_of_images_is_rows_asking_the_question(tmp_path, llava_dir):
+    """Class sub-folders (the reply is the folder's name) with train/ and test/, or images beside a
+    labels file (Hugging Face imagefolder's metadata.csv): SFT rows asking sft.image_question."""
+    from PIL import Image
+
+    for split, n in (("train", 8), ("test", 2)):
+        for colour, channel in (("red", 0), ("blue", 2)):
+            (tmp_path / "classes" / split / colour).mkdir(parents=True)
+            for i in range(n):
+                pixels = np.zeros((24, 24, 3), np.uint8)
+                pixels[..., channel] = 200
+                Image.fromarray(pixels).save(tmp_path / "classes" / split / colour / f"{i}.png")
+    result = invoke(
+        "finetune",
+        "sft",
+        "--from",
+        llava_dir,
+        "--data",
+        tmp_path / "classes",
+        "--train",
+        "lora",
+        "--out",
+        tmp_path / "run",
+        *SFT,
+        "--set",
+        "sft.image_question=Which colour?",
+    )
+    assert result.exit_code == 0, result.output
+    assert "sft train: 16 examples" in result.output and "sft test: 4 examples" in result.output
+    assert "<image>x16Which colour?" in result.output
+    captions = tmp_path / "captions"
+    captions.mkdir()
+    lines = ["file_name,text"]
+    for i in range(4):
+        Image.fromarray(np.full((20, 30, 3), 60 * i, np.uint8)).save(captions / f"{i}.png")
+        lines.append(f"{i}.png,grey number {i}")
+    (captions / "metadata.csv").write_text("\n".join(lines) + "\n")
+    evaluated = invoke(
+        "eval", "sft", "--checkpoint", tmp_path / "run", "--data", captions, "--set", "sft.max_new_tokens=2"
+    )
+    assert evaluated.exit_code == 0, evaluated.output
+    predictions = [
+        json.loads(line) for line in (tmp_path / "run" / "predictions-sft-captions.jsonl").read_text().splitlines()
+    ]
+    assert [p["reference"] for p in predictions] == [f"grey number {i}" for i in range(4)]
+    (captions / "metadata.csv").write_text("name,text\n0.png,x\n")
+    refused = invoke("eval", "sft", "--checkpoint", tmp_path / "run", "--data", captions)
+    assert refused.exit_code == 2 and "needs a file_name column" in refused.output

@@ -139,6 +139,52 @@ def image_prompts(backbone, paths) -> ImagePrompts | None:
     return ImagePrompts(backbone.cfg, backbone.tokenizer)
 
 
+TABLES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")  # split files: a directory of them is no image folder
+LABEL_COLUMNS = ("text", "caption", "label", "answer", "completion")  # a metadata file's reply, the first present
+
+
+def folder_rows(root: Path, question: str, marker: str) -> dict[str, list[dict]] | None:
+    """A folder of images as SFT rows ({split: rows}; None when `root` is not one): class sub-folders
+    (the reply is the folder's name), or images beside a labels file as Hugging Face's imagefolder
+    has it (metadata.jsonl or metadata.csv: `file_name` and the reply in one of LABEL_COLUMNS);
+    train/ and test/ (or val/) sub-folders, when present, are the splits. Each row asks `question`."""
+    from .images import has_images, image_files
+
+    root = Path(root)
+    if not root.is_dir() or any(f.suffix.lower() in TABLES and f.stem != "metadata" for f in root.iterdir()):
+        return None  # not a folder, or a folder of split files (train.jsonl, ...)
+    parts = {p.name.lower(): p for p in root.iterdir() if p.is_dir()}
+    if "train" in parts:
+        held = parts.get("test") or parts.get("val")
+        out = {"train": _folder(parts["train"], question, marker)}
+        return {**out, "test": _folder(held, question, marker)} if held is not None else out
+    if not (_labels_file(root) or image_files(root) or any(has_images(p) for p in parts.values())):
+        return None
+    return {"train": _folder(root, question, marker)}
+
+
+def _labels_file(root: Path) -> Path | None:
+    return next((root / n for n in ("metadata.jsonl", "metadata.csv") if (root / n).is_file()), None)
+
+
+def _folder(root: Path, question: str, marker: str) -> list[dict]:
+    from .images import has_images, image_files
+    from .tables import read_table
+
+    labels = _labels_file(root)
+    prompt = f"{marker}{question}"
+    if labels is None:
+        classes = sorted(p for p in root.iterdir() if p.is_dir() and has_images(p))
+        if not classes:
+            raise UserError(f"{root}: images without a label (class sub-folders, or metadata.jsonl / metadata.csv)")
+        return [{"image": str(f), "prompt": prompt, "completion": c.name} for c in classes for f in image_files(c)]
+    rows, _ = read_table(labels)
+    column = next((c for c in LABEL_COLUMNS if rows and c in rows[0]), None)
+    if not rows or "file_name" not in rows[0] or column is None:
+        raise UserError(f"{labels}: needs a file_name column and the reply in one of {', '.join(LABEL_COLUMNS)}")
+    return [{"image": str(root / r["file_name"]), "prompt": prompt, "completion": str(r[column])} for r in rows]
+
+
 def flatten(content, marker: str):
     """A message's content parts ({"type": "image"} / {"type": "text", "text": ...}) as one text with a
     marker per image part; a text content as it is."""

@@ -247,11 +247,11 @@ def _from_folder(root: Path) -> ImageSplits:
 def _read_folder(root: Path, class_names: list[str] | None) -> tuple[ImageSet, int]:
     """The folder's images, checked now (headers and integrity, never pixels) and decoded per batch;
     unreadable files are left out and counted."""
-    classes = class_names or sorted(p.name for p in root.iterdir() if p.is_dir() and _has_images(p))
+    classes = class_names or sorted(p.name for p in root.iterdir() if p.is_dir() and has_images(p))
     if classes:
-        files = [(f, i) for i, c in enumerate(classes) for f in _image_files(root / c)]
+        files = [(f, i) for i, c in enumerate(classes) for f in image_files(root / c)]
     else:
-        files = [(f, -1) for f in _image_files(root)]
+        files = [(f, -1) for f in image_files(root)]
     kept, labels, sizes = [], [], []
     for f, label in files:
         size = image_size(f)
@@ -288,13 +288,13 @@ def image_size(path: Path) -> tuple[int, int] | None:
     return max(1, round(h * scale)), max(1, round(w * scale))
 
 
-def _image_files(folder: Path) -> list[Path]:
+def image_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in EXTENSIONS)
 
 
-def _has_images(folder: Path) -> bool:
+def has_images(folder: Path) -> bool:
     return any(f.suffix.lower() in EXTENSIONS for f in folder.iterdir() if f.is_file())
 
 

@@ -96,6 +96,15 @@ def raw_splits(
     return _held_out(train, spec.splits[0], val_fraction, seed)
 
 
+def row_splits(rows: dict[str, list[dict]], where: str, train_name: str, fraction: float, seed: int) -> dict:
+    """Rows made in memory ({split: rows}, the training split first) as raw_splits gives a file's; a
+    training split alone has `fraction` of it held out as dev, as one data file has."""
+    out = {split: _numbered(r, 0, f"{where} ({split})") for split, r in rows.items()}
+    if len(out) == 1 and train_name in out:
+        return _held_out(_numbered(rows[train_name], 0, where), train_name, fraction, seed)
+    return out
+
+
 def held_out_rows(path: Path, fraction: float, seed: int) -> list[dict]:
     """The rows of one data file that training holds out (data.val_fraction, seeded by train.seed):
     what an evaluation of the same model without training must score to be compared with it."""

@@ -144,15 +144,18 @@ class ReplyTask(Plugin):
     def template(self, recipe, backbone) -> ChatTemplate | None:
         return template_for(recipe.settings.chat_template, backbone)
 
-    def read(self, recipe, build, data: str | None = None, need_train: bool = True, say: bool = True) -> dict:
-        """Every split's rows (the recipe's data, or `data`) through `build` (.build_all), the training
-        split first: its first finetune.limit rows, or none for an evaluation, whose --data FILE is
-        evaluated whole. One line a split (say): what it holds, and the rows skipped and why."""
+    def read(
+        self, recipe, build, data: str | None = None, need_train: bool = True, say: bool = True, raw: dict | None = None
+    ) -> dict:
+        """Every split's rows (the recipe's data, or `data`; or `raw`, splits already made as raw_splits
+        makes them) through `build` (.build_all), the training split first: its first finetune.limit
+        rows, or none for an evaluation, whose --data FILE is evaluated whole. One line a split (say):
+        what it holds, and the rows skipped and why."""
         d, ft = recipe.data, recipe.finetune
         held_out_file = data if data and not need_train and Path(data).is_file() else ""
         spec = self.data_spec(recipe.settings)
         with phase(f"reading {spec.name} data"):
-            raw = raw_splits(
+            raw = raw or raw_splits(
                 spec,
                 data or d.source,
                 held_out_file or ("" if data else d.val_source),

@@ -25,7 +25,8 @@ from rich.text import Text
 
 from ..data.chat import ChatTemplate, stop_ids
 from ..data.conversations import Examples, Fields, require_targets
-from ..data.image_prompts import ImageExamples, ImagePrompts, readable
+from ..data.image_prompts import ImageExamples, ImagePrompts, folder_rows, readable
+from ..data.labelled import row_splits
 from ..data.sampler import sequential_batches
 from ..display import console, counted, phase
 from ..engine.backbone import from_run
@@ -55,6 +56,10 @@ class SFTConfig(ReplyConfig):
         default="", metadata={"help": 'the column holding the reply ("": the preset\'s, else completion)'}
     )
     text_field: str = field(default="text", metadata={"help": "the column holding plain text (every token trained)"})
+    image_question: str = field(
+        default="What is in this picture?",
+        metadata={"help": "a vision-language model's rows from a folder of images: what each asks"},
+    )
     train_on: Literal["assistant", "all", "last"] = field(
         default="assistant",
         metadata={
@@ -138,7 +143,23 @@ class SFT(ReplyTask):
     ) -> dict[str, Examples]:
         """Every split's examples (the training split first), each split's skipped rows named (say)."""
         build = self.builder(recipe, backbone, self.template(recipe, backbone), data)
-        return self.read(recipe, build, data, need_train, say)
+        return self.read(
+            recipe, build, data, need_train, say, raw=self.image_folder(recipe, backbone, data, need_train)
+        )
+
+    def image_folder(self, recipe, backbone, data: str | None, need_train: bool) -> dict | None:
+        """A folder of images (class sub-folders, or a labels file) as rows asking sft.image_question, for
+        a model that reads images; None for anything else. An evaluation scores every image of a folder
+        without a test split."""
+        folder = data or recipe.data.source
+        if not getattr(backbone.model, "reads_images", False) or not folder:
+            return None
+        rows = folder_rows(Path(folder), recipe.settings.image_question, backbone.cfg.image_token)
+        if rows is None:
+            return None
+        if not need_train and len(rows) == 1:
+            rows = {"train": [], "test": rows["train"]}
+        return row_splits(rows, folder, "train", recipe.data.val_fraction, recipe.train.seed)
 
     def split_line(self, split: str, built, where: str, training: bool) -> str:
         """A split's line; a training run's says the share of its tokens that trains."""
