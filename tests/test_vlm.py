@@ -387,6 +387,38 @@ def test_sft_with_images_trains_evaluates_generates_and_exports(tmp_path, llava_
     assert type(model).__name__ == "LlavaForConditionalGeneration"
 
 
+@pytest.mark.slow  # compare runs each cell in a process of its own; the fast tier keeps the other runs
+def test_compare_puts_the_methods_of_a_vision_language_model_side_by_side(tmp_path, llava_dir):
+    data = image_rows(tmp_path)
+    result = invoke(
+        "compare",
+        "--task",
+        "sft",
+        "--from",
+        llava_dir,
+        "--train",
+        "lora,projector",
+        "--budget",
+        "2steps",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "study",
+        "--set",
+        "sft.chat_template=chatml",
+        "--set",
+        "sft.max_new_tokens=2",
+        "--set",
+        "train.batch_size=4",
+        "--quiet",
+    )
+    assert result.exit_code == 0, result.output
+    table = (tmp_path / "study" / "results.md").read_text()
+    assert "| lora |" in table and "| projector |" in table
+    projector = next(line for line in table.splitlines() if "| projector |" in line)
+    assert "1.86K" in projector  # the projector alone trains: 24 x 32 + 32 and 32 x 32 + 32
+
+
 def test_a_vlm_sft_run_resumes_bit_for_bit(tmp_path, llava_dir):
     import shutil
 
