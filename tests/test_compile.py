@@ -25,6 +25,12 @@ SHIPPED = recipes.available()
 def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
     """(command, extra args) that train recipe `raw` for 2 steps on tiny data."""
     family, plugin = raw["model"]["family"], raw.get("objective") or raw.get("task")
+    if family == "vlm":  # a vision-language model starts from one (a tiny LLaVA) and reads rows with images
+        from .test_vlm import image_rows, save_vlm
+
+        save_vlm("llava-clip", tmp_path / "llava")
+        data = image_rows(tmp_path)
+        return ["finetune", plugin], ["--from", tmp_path / "llava", "--data", data, "--set", "sft.generate_limit=0"]
     if family == "vit":
         npz = tiny_npz(tmp_path / "images.npz", n=8, size=32)
         return (["pretrain", "--objective", plugin] if raw.get("objective") else ["finetune", plugin]), [
@@ -91,11 +97,13 @@ def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_d
     command, extra = data_for(raw, tmp_path, small_text, mnli_dir)
     model = raw["model"]
     shrink = {"model.n_layer": 1, "model.d_model": 64, "model.n_head": 2, "model.d_ff": 128}
+    if model["family"] == "vlm":  # its model is the --from directory's, already tiny
+        shrink = {}
     if model["family"] == "t5":
         shrink["model.n_decoder_layer"] = 1
     if model["family"] == "vit" and raw.get("objective"):
         shrink["model.decoder_n_layer"] = 1
-    if model["family"] != "vit":
+    if model["family"] not in ("vit", "vlm"):
         shrink.update({"data.seq_len": 32})
     args = [
         *command,

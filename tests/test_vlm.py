@@ -378,6 +378,9 @@ def test_sft_with_images_trains_evaluates_generates_and_exports(tmp_path, llava_
         input="What colour is this?\n/exit\n",
     )
     assert chat.exit_code == 0, chat.output
+    peft_dir = invoke("export", "--checkpoint", tmp_path / "run", "--peft", tmp_path / "peft")
+    assert peft_dir.exit_code == 2 and "export --peft of a vision-language model" in peft_dir.output
+    assert not (tmp_path / "peft").exists()
     listed = invoke("runs", tmp_path)
     assert listed.exit_code == 0 and "vlm" in listed.output and "sft" in listed.output, listed.output
     assert invoke("plot", tmp_path / "run").exit_code == 0
@@ -478,7 +481,7 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
     assert refused.exit_code == 2 and "--image: image" in refused.output
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Colour?", "chosen": "red", "rejected": "blue"}] * 8)
     dpo = invoke("finetune", "dpo", "--from", llava_dir, "--data", pairs, "--out", tmp_path / "dpo", "--steps", 1)
-    assert dpo.exit_code == 2 and "dpo of a vision-language model is not supported yet" in dpo.output, dpo.output
+    assert dpo.exit_code == 2 and "describes a 'vlm' model; task 'dpo' trains 'gpt' or 'llama'" in dpo.output
     assert not (tmp_path / "dpo").exists()
     gguf = invoke("export", "--checkpoint", llava_dir, "--gguf", tmp_path / "m.gguf")
     assert gguf.exit_code == 2 and "this is a 'llava'" in gguf.output, gguf.output

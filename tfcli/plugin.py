@@ -134,6 +134,7 @@ class Plugin:
     describe: ClassVar[str] = ""  # a few words for the banner, e.g. "BERT MLM + NSP"
     streaming: ClassVar[bool] = False  # whether it can read data.streaming sources
     reads_text: ClassVar[bool] = True  # False: a text family's model without a tokenizer (ImageGPT reads colours)
+    takes_images: ClassVar[bool] = False  # it trains a model that reads images (models.vlm) on rows that hold them
 
     def __init__(self, rt: Runtime, quiet: bool = False, named_code: frozenset[str] = frozenset()):
         self.rt, self.quiet = rt, quiet
@@ -142,10 +143,15 @@ class Plugin:
 
     def __init_subclass__(cls, **kwargs):
         """A plug-in names model kinds, never families: the families (a new one included) and their
-        shipped default recipes follow from the kinds and the recipe pattern."""
+        shipped default recipes follow from the kinds and the recipe pattern (a family whose models read
+        images only for a plug-in that takes them)."""
         super().__init_subclass__(**kwargs)
-        if "model_kinds" in cls.__dict__ or "recipe_pattern" in cls.__dict__:
-            cls.families = families_of(cls.model_kinds)
+        if "model_kinds" in cls.__dict__ or "recipe_pattern" in cls.__dict__ or "takes_images" in cls.__dict__:
+            cls.families = tuple(
+                f
+                for f in families_of(cls.model_kinds)
+                if cls.takes_images or not getattr(model_class(f), "reads_images", False)
+            )
             cls.recipes = shipped_recipes(cls.recipe_pattern, cls.families)
 
     @classmethod

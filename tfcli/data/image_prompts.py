@@ -9,7 +9,7 @@ Paths are relative to the data file (or the data folder). Each image part, or `<
 image, in order; a row whose markers and images differ in number, or that names an image that cannot
 be read, stops the run in one line naming the row, before anything is trained or created.
 
-A marker becomes, per model (VLMConfig.hf_model_type):
+A marker becomes, per model (VLMConfig.tiled_prompt):
   llava     <image> x image_seq_len
   idefics3  <fake_token_around_image><global-img><image> x image_seq_len<fake_token_around_image>, after
             one <fake_token_around_image><row_r_col_c><image> x image_seq_len per tile when it is split
@@ -55,7 +55,7 @@ class ImagePrompts:
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.marker = cfg, cfg.image_token
-        needed = [self.marker] + ([FAKE, GLOBAL] if cfg.hf_model_type == "idefics3" else [])
+        needed = [self.marker] + ([FAKE, GLOBAL] if cfg.tiled_prompt else [])
         missing = [t for t in needed if tokenizer.token_id(t) is None]
         if missing:
             raise UserError(f"this model's tokenizer has no {missing[0]} token; it cannot hold an image")
@@ -69,7 +69,7 @@ class ImagePrompts:
     def image_text(self, rows: int, cols: int) -> str:
         """What one image's marker becomes."""
         n = self.cfg.image_seq_len
-        if self.cfg.hf_model_type != "idefics3":
+        if not self.cfg.tiled_prompt:
             return self.marker * n
         whole = f"{FAKE}{GLOBAL}{self.marker * n}{FAKE}"
         if not rows:

@@ -167,6 +167,11 @@ def export_peft(backbone, recipe, base: str, out: Path, read_base=None, base_loa
     run) is first written as a transformers directory beside the adapters (OUT-base, `read_base()`
     reading it), and the adapters name that: peft's AutoPeftModel then loads the pair by itself."""
     module = family_module(backbone, "export --peft")
+    if getattr(backbone.model, "reads_images", False):
+        raise UserError(
+            "export --peft of a vision-language model is not supported yet (its projector trains whole, beside "
+            "the adapters); export --hf writes the merged model"
+        )
     auto = {"decoder": "AutoModelForCausalLM", "encoder-decoder": "AutoModelForSeq2SeqLM"}.get(
         backbone.model.kind, "AutoModel"
     )

@@ -116,6 +116,12 @@ class VLMConfig:
         return patches // self.scale_factor**2 if self.projector == "shuffle" else patches
 
     @property
+    def tiled_prompt(self) -> bool:
+        """An image's tokens as Idefics3 writes them (each tile's after its <row_r_col_c>, then the whole
+        image's after <global-img>, between <fake_token_around_image>s); else LLaVA's, the image tokens alone."""
+        return self.hf_model_type == "idefics3"
+
+    @property
     def tower_layers(self) -> int:
         """The tower's blocks the features pass through (the later ones are kept, never run)."""
         return self.feature_layer if self.feature_layer >= 0 else self.vision.n_layer + 1 + self.feature_layer

@@ -96,7 +96,6 @@ class ReplyTask(Plugin):
 
     kind = "task"
     noun: ClassVar[str] = "examples"  # what a split holds, for its line: examples, pairs, prompts
-    takes_images: ClassVar[bool] = False  # its rows may hold images for a model that reads them (sft)
     eval_limit_hint: ClassVar[int] = 0  # the evaluation hint's --limit (0: none)
 
     def __init__(self, *args, **kwargs):
@@ -131,10 +130,7 @@ class ReplyTask(Plugin):
             )
 
     def check(self, recipe, backbone) -> None:
-        """A reply task trains the model itself: there is no head to train alone; a model that reads
-        images trains with a task whose rows hold them."""
-        if getattr(backbone.model, "reads_images", False) and not self.takes_images:
-            raise UserError(f"{self.key} of a vision-language model is not supported yet (sft trains one)")
+        """A reply task trains the model itself: there is no head to train alone."""
         if not method(recipe.finetune.train).backbone_trains:
             raise UserError(
                 f"{self.key} trains the model's replies: there is no classifier head to train alone "
