@@ -45,7 +45,8 @@ TEXT = dict(
 TOWER = dict(
     hidden_size=24, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
 )
-ARCHITECTURES = ("llava-clip", "llava-siglip", "idefics3")
+ARCHITECTURES = ("llava-clip", "llava-siglip", "idefics3", "smolvlm")
+TILED = ("idefics3", "smolvlm")  # SmolVLM: Idefics3's architecture under its own name (SmolVLM2)
 
 
 def tokenizer():
@@ -60,12 +61,13 @@ def hf_vlm(arch: str):
     text = {**TEXT, "vocab_size": tok.vocab_size}
     image_token = tok.token_id("<image>")
     torch.manual_seed(0)
-    if arch == "idefics3":
-        config = transformers.Idefics3Config(
-            text_config=text, vision_config={**TOWER, "model_type": "idefics3_vision"}, image_token_id=image_token
+    if arch in TILED:
+        prefix = "Idefics3" if arch == "idefics3" else "SmolVLM"
+        config = getattr(transformers, f"{prefix}Config")(
+            text_config=text, vision_config={**TOWER, "model_type": f"{arch}_vision"}, image_token_id=image_token
         )
-        model = transformers.Idefics3ForConditionalGeneration(config)
-        processor = transformers.Idefics3ImageProcessorPil(
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+        processor = getattr(transformers, f"{prefix}ImageProcessorPil")(
             size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
         )
     else:
@@ -114,28 +116,28 @@ def photos():
 def hf_inputs(arch, processor, backbone, image, prompt: str = "What is this?"):
     """(transformers' pixel values for one image, the prompt its processor writes: tfcli's expansion
     of the marker, checked against transformers' processor where it ships one for the model)."""
-    out = processor(image, return_tensors="pt", **({"return_row_col_info": True} if arch == "idefics3" else {}))
-    grid = (int(out["rows"][0][0]), int(out["cols"][0][0])) if arch == "idefics3" else (0, 0)
+    out = processor(image, return_tensors="pt", **({"return_row_col_info": True} if arch in TILED else {}))
+    grid = (int(out["rows"][0][0]), int(out["cols"][0][0])) if arch in TILED else (0, 0)
     text = ImagePrompts(backbone.cfg, backbone.tokenizer).expand("<|im_start|>user\n<image>" + prompt, [grid])
     pixels = out["pixel_values"]
     return (pixels.flatten(0, 1) if pixels.dim() == 5 else pixels), torch.tensor([backbone.tokenizer.encode(text)])
 
 
 def theirs_pixels(arch, pixels):
-    return pixels[None] if arch == "idefics3" else pixels
+    return pixels[None] if arch in TILED else pixels
 
 
 def test_image_preprocessing_equals_transformers_on_photographs(pair):
     arch, _, processor, directory, ours = pair
     steps = ours.cfg.processing
     for image in photos():
-        kwargs = {"return_row_col_info": True} if arch == "idefics3" else {}
+        kwargs = {"return_row_col_info": True} if arch in TILED else {}
         want = processor(image, return_tensors="pt", **kwargs)
         frames, rows, cols = image_processor.frames(steps, image)
         reference = want["pixel_values"].flatten(0, 1) if want["pixel_values"].dim() == 5 else want["pixel_values"]
         assert frames.shape == reference.shape
         assert (frames - reference).abs().max() < 1e-5
-        if arch == "idefics3":
+        if arch in TILED:
             assert (
                 (rows, cols)
                 == (want["rows"][0][0], want["cols"][0][0])
@@ -178,6 +180,20 @@ def test_the_image_tokens_are_those_transformers_processor_writes(pair):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.tokenizer.tok, eos_token="<|im_end|>")
     if arch == "idefics3":
         whole = transformers.Idefics3Processor(processor, fast, image_seq_len=ours.cfg.image_seq_len)
+    elif arch == "smolvlm":  # its processor needs num2words and torchvision: its prompt function, with the grid
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        def whole(images, text, return_tensors):
+            out = processor(images, return_tensors="pt", return_row_col_info=True)
+            expanded = get_image_prompt_string(
+                out["rows"][0][0],
+                out["cols"][0][0],
+                ours.cfg.image_seq_len,
+                "<fake_token_around_image>",
+                "<image>",
+                "<global-img>",
+            )
+            return {"input_ids": torch.tensor([ours.tokenizer.encode(text.replace("<image>", expanded))])}
     else:
         whole = transformers.LlavaProcessor(
             processor,
@@ -203,10 +219,10 @@ def test_a_lora_step_gives_the_loss_and_gradients_of_peft(pair):
     ours = for_inference(directory)
     pixels, ids = hf_inputs(arch, processor, ours, photos()[2], "Describe it in detail please.")
     base = transformers.AutoModelForImageTextToText.from_pretrained(directory, attn_implementation="eager")
-    decoder = "language_model" if arch != "idefics3" else "text_model"
+    decoder = "language_model" if arch not in TILED else "text_model"
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=rf".*{decoder}.*\.(q_proj|v_proj)", lora_dropout=0.0)
     theirs = peft.get_peft_model(base, config).train()
-    bridge = "multi_modal_projector" if arch != "idefics3" else "connector"
+    bridge = "multi_modal_projector" if arch not in TILED else "connector"
     for name, p in theirs.named_parameters():
         p.requires_grad_(f".{bridge}." in name or "lora_" in name)
     model = ours.model.train()
@@ -217,7 +233,7 @@ def test_a_lora_step_gives_the_loss_and_gradients_of_peft(pair):
     lora = {n: m for n, m in model.named_modules() if isinstance(m, adapters.LoRALinear)}
     assert lora and all(n.startswith("decoder.") for n in lora)
     stem = lambda name, part: [k for k in params if f".{name}.{part}_proj.lora_" in k]  # noqa: E731
-    prefix = "base_model.model." + ("model.language_model" if arch != "idefics3" else "model.text_model")
+    prefix = "base_model.model." + ("model.language_model" if arch not in TILED else "model.text_model")
     with torch.no_grad():
         for name, module in lora.items():
             layer = name.split(".")[2]
@@ -265,13 +281,13 @@ def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
     name, how = hf.export(ours, None, tmp_path / "out")
     assert name == type(theirs).__name__ and "AutoModelForImageTextToText" in how
     reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
-    again = transformers.AutoProcessor.from_pretrained(tmp_path / "out").image_processor
+    again = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
     pixels, ids = hf_inputs(arch, processor, ours, photos()[1])
     with torch.no_grad():
         want = theirs(input_ids=ids, pixel_values=theirs_pixels(arch, pixels)).logits
         assert (reloaded(input_ids=ids, pixel_values=theirs_pixels(arch, pixels)).logits - want).abs().max() < 1e-4
     image = photos()[1]
-    kwargs = {"return_row_col_info": True} if arch == "idefics3" else {}
+    kwargs = {"return_row_col_info": True} if arch in TILED else {}
     assert torch.equal(
         again(image, return_tensors="pt", **kwargs)["pixel_values"],
         processor(image, return_tensors="pt", **kwargs)["pixel_values"],
@@ -483,6 +499,9 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
     dpo = invoke("finetune", "dpo", "--from", llava_dir, "--data", pairs, "--out", tmp_path / "dpo", "--steps", 1)
     assert dpo.exit_code == 2 and "describes a 'vlm' model; task 'dpo' trains 'gpt' or 'llama'" in dpo.output
     assert not (tmp_path / "dpo").exists()
+    fresh = invoke("finetune", "sft", "--recipe", "sft-vlm-mini", "--data", data, "--out", tmp_path / "fresh")
+    assert fresh.exit_code == 2 and "is built from pretrained parts" in fresh.output, fresh.output
+    assert not (tmp_path / "fresh").exists()
     gguf = invoke("export", "--checkpoint", llava_dir, "--gguf", tmp_path / "m.gguf")
     assert gguf.exit_code == 2 and "this is a 'llava'" in gguf.output, gguf.output
 

@@ -81,7 +81,7 @@ AUTO_CLASSES = {
 }
 
 
-IMAGE_TEXT = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")  # read images and text
+IMAGE_TEXT = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 
 def auto_class(architecture: str) -> str:

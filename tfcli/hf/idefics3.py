@@ -1,4 +1,5 @@
-"""Idefics3 / SmolVLM <-> transformers' Idefics3ForConditionalGeneration: a SigLIP vision tower read
+"""Idefics3 / SmolVLM <-> transformers' Idefics3ForConditionalGeneration and SmolVLMForConditionalGeneration
+(the same architecture under two names: SmolVLM-256M/500M ship as idefics3, SmolVLM2 as smolvlm): a SigLIP vision tower read
 whole (its post-layernorm too), a pixel-shuffle projector (`connector.modality_projection.proj`, no
 bias) and a llama-family decoder (models/vlm.py), as one weight table and config map.
 
@@ -14,7 +15,11 @@ from ..models.vlm import VLMConfig
 from . import towers, vlm
 from .convert import Export, Rule, rule
 
-MODEL_TYPES = ("idefics3",)
+MODEL_TYPES = ("idefics3", "smolvlm")
+NAMES = {  # model_type -> (architecture, the tower's model_type, the processor's class)
+    "idefics3": ("Idefics3ForConditionalGeneration", "idefics3_vision", "Idefics3"),
+    "smolvlm": ("SmolVLMForConditionalGeneration", "smolvlm_vision", "SmolVLM"),
+}
 TEXT, HEAD, TOWER = "model.text_model.", "lm_head.", "model.vision_model"
 
 
@@ -34,7 +39,7 @@ def config_from_hf(raw: dict, state: dict) -> VLMConfig:
         drop_cls=False,
         vision_norm=True,
         image_token_id=int(raw.get("image_token_id", 128257)),
-        hf_model_type="idefics3",
+        hf_model_type=raw["model_type"],
     )
 
 
@@ -56,19 +61,19 @@ def export(backbone, recipe) -> Export:
             f"Idefics3 reads the tower's last layer; this model reads model.feature_layer {cfg.feature_layer}"
         )
     text, spec = vlm.export_parts(backbone, recipe)
-    vision = {**towers.config_to_hf(cfg.vision, towers.IDEFICS3)}
-    vision.pop("vision_use_head", None)
+    model_type = cfg.hf_model_type if cfg.hf_model_type in NAMES else "idefics3"
+    architecture, tower, processor = NAMES[model_type]
     config = {
-        "architectures": ["Idefics3ForConditionalGeneration"],
-        "model_type": "idefics3",
+        "architectures": [architecture],
+        "model_type": model_type,
         "text_config": text,
-        "vision_config": vision,
+        "vision_config": towers.config_to_hf(cfg.vision, tower),
         "image_token_id": cfg.image_token_id,
         "scale_factor": cfg.scale_factor,
         "tie_word_embeddings": cfg.text.tie_word_embeddings,
     }
-    files = {**spec.files, "preprocessor_config.json": vlm.processor_json(cfg, "Idefics3ImageProcessor", {})}
+    files = {**spec.files, "preprocessor_config.json": vlm.processor_json(cfg, f"{processor}ImageProcessor", {})}
     files["processor_config.json"] = vlm.json_text(
-        {"processor_class": "Idefics3Processor", "image_seq_len": cfg.image_seq_len}
+        {"processor_class": f"{processor}Processor", "image_seq_len": cfg.image_seq_len}
     )
     return Export(config, files=files)

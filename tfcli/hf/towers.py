@@ -33,6 +33,7 @@ _BLOCK = (
 def config_from_hf(raw: dict) -> ViTConfig:
     """A vision tower's config dict -> ViTConfig (the MAE decoder fields keep their defaults)."""
     kind = raw.get("model_type", CLIP)
+    kind = IDEFICS3 if kind == "smolvlm_vision" else kind  # SmolVLM's tower is Idefics3's under another name
     if kind not in (CLIP, SIGLIP, IDEFICS3):
         raise UserError(f"vision tower {kind!r} is not supported (tfcli reads {CLIP}, {SIGLIP}, {IDEFICS3})")
     act = raw.get("hidden_act", "quick_gelu" if kind == CLIP else "gelu_pytorch_tanh")

@@ -72,7 +72,9 @@ class VLMConfig:
     vision_norm: bool = False  # the tower's final norm on its features (Idefics3)
     image_token: str = "<image>"  # the token each frame's features replace
     image_token_id: int = -1  # its id in the tokenizer (-1: filled in from the tokenizer)
-    hf_model_type: Literal["llava", "idefics3"] = "llava"  # the transformers architecture it came from / exports as
+    hf_model_type: Literal["llava", "idefics3", "smolvlm"] = (
+        "llava"  # the transformers architecture it came from / exports as
+    )
 
     def __post_init__(self):
         layers = self.vision.n_layer
@@ -119,7 +121,7 @@ class VLMConfig:
     def tiled_prompt(self) -> bool:
         """An image's tokens as Idefics3 writes them (each tile's after its <row_r_col_c>, then the whole
         image's after <global-img>, between <fake_token_around_image>s); else LLaVA's, the image tokens alone."""
-        return self.hf_model_type == "idefics3"
+        return self.hf_model_type in ("idefics3", "smolvlm")
 
     @property
     def tower_layers(self) -> int:
