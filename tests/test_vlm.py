@@ -624,3 +624,15 @@ def test_a_folder_of_images_is_rows_asking_the_question(tmp_path, llava_dir):
     (captions / "metadata.csv").write_text("name,text\n0.png,x\n")
     refused = invoke("eval", "sft", "--checkpoint", tmp_path / "run", "--data", captions)
     assert refused.exit_code == 2 and "needs a file_name column" in refused.output
+
+
+def test_a_vision_language_architecture_with_no_native_family_is_one_line(tmp_path):
+    """LLaVA-NeXT (a config of sub-configs, no layer count of its own) reached the generic path, which
+    reads text models only, and stopped there with an internal error."""
+    config = transformers.LlavaNextConfig(
+        text_config={**TEXT, "vocab_size": 64}, vision_config={**TOWER, "model_type": "clip_vision_model"}
+    )
+    transformers.LlavaNextForConditionalGeneration(config).save_pretrained(tmp_path / "next")
+    result = invoke("generate", "--checkpoint", tmp_path / "next", "--prompt", "hi")
+    assert result.exit_code == 2, result.output
+    assert "'llava_next'" in result.output and "llava, idefics3, smolvlm" in result.output

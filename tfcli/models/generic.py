@@ -78,7 +78,10 @@ class TransformersEncoderConfig(TransformersConfig):
 
 
 def layer_count_key(raw: dict) -> str:
-    return next(k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in raw)
+    found = next((k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in raw), None)
+    if found is None:
+        raise UserError(f"model_type {raw.get('model_type')!r}: its config.json names no layer count tfcli reads")
+    return found
 
 
 def hf_config_object(raw: dict):
