@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..models.vlm import ImageProcessing
-from .conversations import DecoderExamples, Examples, as_messages, built, row_format
+from .conversations import DecoderExamples, Examples
 from .image_processor import frames, grid, open_image
 
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
@@ -118,11 +118,15 @@ class ImagePrompts:
         if found != len(paths):
             raise UserError(f"the conversation holds {found} {self.marker} markers for {len(paths)} --image")
         refs, grids = self.refs(paths, "--image")
+        self.expand_messages(messages, grids)
+        return messages, refs
+
+    def expand_messages(self, messages: list[dict], grids: list[tuple[int, int]]) -> None:
+        """Every message's markers, in order through the conversation, expanded in place."""
         at = 0
         for m in messages:
             n = m["content"].count(self.marker)
             m["content"], at = self.expand(m["content"], grids[at : at + n]), at + n
-        return messages, refs
 
     def inputs(self, refs: list[ImageRef]) -> dict:
         """The model inputs of these images: their frames, in order."""
@@ -211,40 +215,36 @@ class ImageExamples(DecoderExamples):
         self.prompts, self.root = prompts, Path(root)
 
     def build_all(self, rows: list) -> Examples:
-        columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
-        numbered = iter(range(1, len(rows) + 1))
-        return Examples(*built(rows, lambda row: self.numbered(row, next(numbered))), columns=tuple(columns))
+        self.numbers = iter(range(1, len(rows) + 1))  # each row's number, for its one-line errors
+        return super().build_all(rows)
 
-    def numbered(self, row: dict, number: int):
-        where = f"row {number}"
-        paths = self.paths(row, where)
-        marker = self.prompts.marker
-        if self.fields.messages in row and isinstance(row[self.fields.messages], list):
-            messages = [
-                {**m, "content": flatten(m.get("content"), marker)} if isinstance(m, dict) else m
-                for m in row[self.fields.messages]
-            ]
-            row = {**row, self.fields.messages: messages}
-        parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
-        if isinstance(parsed, str) and parsed.startswith("skip:"):
-            return parsed
+    def example(self, row: dict):
+        """The decoder's example of the row, its content parts flattened (images as markers)."""
+        self.where = f"row {next(self.numbers)}"
+        self.named = self.paths(row, self.where)
+        messages = row.get(self.fields.messages)
+        if isinstance(messages, list):
+            marker = self.prompts.marker
+            flat = [{**m, "content": flatten(m.get("content"), marker)} if isinstance(m, dict) else m for m in messages]
+            row = {**row, self.fields.messages: flat}
+        return super().example(row)
+
+    def build(self, parsed):
+        """The row's images checked against its markers and read, the markers expanded, the images carried."""
+        marker, paths = self.prompts.marker, self.named
         texts = [parsed] if isinstance(parsed, str) else [m["content"] for m in parsed]
         markers = sum(t.count(marker) for t in texts)
         if markers != len(paths):
             raise UserError(
-                f"{where}: {len(paths)} image{'s' * (len(paths) != 1)} and {markers} {marker} marker"
+                f"{self.where}: {len(paths)} image{'s' * (len(paths) != 1)} and {markers} {marker} marker"
                 f'{"s" * (markers != 1)}; put {marker} (or a {{"type": "image"}} content part) where each image goes'
             )
-        refs, grids = self.prompts.refs(paths, where)
+        refs, grids = self.prompts.refs(paths, self.where)
         if isinstance(parsed, str):
             parsed = self.prompts.expand(parsed, grids)
         else:
-            at = 0
-            for m in parsed:
-                n = m["content"].count(marker)
-                m["content"] = self.prompts.expand(m["content"], grids[at : at + n])
-                at += n
-        example = self.within_length(self.build(parsed))
+            self.prompts.expand_messages(parsed, grids)
+        example = super().build(parsed)
         return example if isinstance(example, str) else replace(example, images=tuple(refs))
 
     def paths(self, row: dict, where: str) -> list[Path]:

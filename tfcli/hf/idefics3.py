@@ -16,6 +16,7 @@ from . import towers, vlm
 from .convert import Export, Rule, rule
 
 MODEL_TYPES = ("idefics3", "smolvlm")
+READS_PROCESSOR = True  # interop hands it preprocessor_config.json (how its images are prepared)
 NAMES = {  # model_type -> (architecture, the tower's model_type, the processor's class)
     "idefics3": ("Idefics3ForConditionalGeneration", "idefics3_vision", "Idefics3"),
     "smolvlm": ("SmolVLMForConditionalGeneration", "smolvlm_vision", "SmolVLM"),

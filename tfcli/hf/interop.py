@@ -93,7 +93,7 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     tensors, no weight read (a memory plan)."""
     raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
     module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
-    if module in (llava, idefics3) and (Path(path) / "preprocessor_config.json").is_file():
+    if getattr(module, "READS_PROCESSOR", False) and (Path(path) / "preprocessor_config.json").is_file():
         raw[vlm.PREPROCESSOR] = read_config(path, "preprocessor_config.json")  # how its images are prepared
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
