@@ -104,3 +104,112 @@ def test_a_classifier_exports_as_roberta_for_sequence_classification(tmp_path):
     assert arch == "RobertaForSequenceClassification" and reloaded.config.id2label[2] == "c"
     with torch.no_grad():
         assert (reloaded(IDS, attention_mask=MASK).logits - theirs(IDS, attention_mask=MASK).logits).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def roberta_with_tokenizer(tmp_path_factory, shared_data):
+    """A RoBERTa directory as transformers writes one, with a tokenizer of its own: a byte-level BPE with
+    RoBERTa's specials (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask> last) and its pair template, saved by
+    RobertaTokenizerFast beside a tiny RobertaForMaskedLM (its head spread, so that scores differ)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    rows = [json.loads(line) for line in (shared_data / "mnli" / "train.jsonl").read_text().splitlines()[:400]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator([r["premise"] for r in rows], trainer=trainer)
+    tok.add_special_tokens([AddedToken("<mask>", lstrip=True)])  # "? <mask>": the mask takes the space
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    fast = transformers.RobertaTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("roberta") / "model"
+    config = transformers.RobertaConfig(
+        **{**SHAPE, "vocab_size": len(fast), "max_position_embeddings": 130}, type_vocab_size=1
+    )  # one token type, as roberta-base has
+    torch.manual_seed(0)
+    model = transformers.RobertaForMaskedLM(config)
+    spread_(model)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path, rows
+
+
+def test_its_own_tokenizer_encodes_pairs_as_transformers_does(roberta_with_tokenizer):
+    """<s> a </s></s> b </s>, the longer text cut first: the ids RobertaTokenizerFast gives a pair with
+    truncation, at lengths that cut and one that does not."""
+    from tfcli.data.tokenizers import load_tokenizer_files
+    from tfcli.tasks.classify import encode
+
+    path, rows = roberta_with_tokenizer
+    ours, theirs = load_tokenizer_files(str(path), []), transformers.AutoTokenizer.from_pretrained(path)
+    pairs = [(r["premise"], r["hypothesis"]) for r in rows[:100]]
+    for length in (16, 40, 512):
+        want = [theirs(a, b, truncation=True, max_length=length)["input_ids"] for a, b in pairs]
+        assert [list(ids) for ids, _, _ in encode(ours, [(p, 0) for p in pairs], length)] == want
+    assert any(len(w) == 40 for w in [theirs(a, b, truncation=True, max_length=40)["input_ids"] for a, b in pairs])
+
+
+@pytest.mark.slow
+def test_a_roberta_checkpoint_with_its_own_tokenizer_trains_mnli_and_exports(
+    roberta_with_tokenizer, mnli_dir, tmp_path
+):
+    """From the directory alone: MNLI trains with a head, `eval --premise` gives the probabilities that
+    transformers gives the export, read with the export's own tokenizer."""
+    from .conftest import invoke
+
+    path, _ = roberta_with_tokenizer
+    trained = invoke(
+        "finetune", "mnli", "--from", path, "--data", mnli_dir, "--train", "all", "--steps", 3, "--batch-size", 8,
+        "--lr", 1e-3, "--out", tmp_path / "run", "--quiet", "--set", "data.seq_len=48", "--set", "finetune.eval_limit=8",
+    )  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "out")
+    assert exported.exit_code == 0, exported.output
+    premise, hypothesis = "The cat sat on the mat, looking at the birds outside.", "A cat is indoors."
+    said = invoke("eval", "--checkpoint", tmp_path / "run", "--premise", premise, "--hypothesis", hypothesis)
+    assert said.exit_code == 0, said.output
+    ours = {line.split()[0]: float(line.split()[1]) for line in said.output.splitlines() if len(line.split()) == 2}
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        theirs = model(**tok(premise, hypothesis, return_tensors="pt")).logits.softmax(-1)[0]
+    printed = [ours[model.config.id2label[i]] for i in range(3)]  # to 4 decimals
+    assert max(abs(p - q) for p, q in zip(theirs.tolist(), printed)) <= 0.5e-4 + 1e-6
+
+
+def test_cloze_places_spaces_as_byte_level_bpe_does_and_scores_as_roberta_for_masked_lm(roberta_with_tokenizer):
+    """The filled-in template is the ids RobertaTokenizerFast gives "a ? <mask> , b" (a space belongs
+    to the word after it: "Ġ,", "ĠA"), the label words are read as they follow a space ("Ġthe"), and
+    their scores at the mask are RobertaForMaskedLM's logits."""
+    from tfcli.engine.backbone import from_hf
+    from tfcli.objectives.mlm_nsp import SPECIAL_TOKENS, special_ids
+    from tfcli.tasks import cloze
+    from tfcli.tasks.classify import collate
+
+    path, rows = roberta_with_tokenizer
+    backbone, theirs_tok = from_hf(path, SPECIAL_TOKENS), transformers.AutoTokenizer.from_pretrained(path)
+    tok, fields = backbone.tokenizer, ("premise", "hypothesis")
+    filled = {(r["premise"], r["hypothesis"]): f"{r['premise']} ? <mask> , {r['hypothesis']}" for r in rows[:12]}
+    pairs = [p for p, text in filled.items() if len(theirs_tok(text)["input_ids"]) <= 128][:6]  # none cut
+    pieces = cloze.parse_template(cloze.default_template(fields), fields)
+    ids = special_ids(tok)
+    batch = collate(cloze.encode(tok, ids, pieces, fields, [(p, 0) for p in pairs], 128), ids["pad"])
+    want = [theirs_tok(filled[p])["input_ids"] for p in pairs]
+    assert len(pairs) == 6 and [row[: len(w)].tolist() for row, w in zip(batch["input_ids"], want)] == want
+    words = cloze.word_ids(tok, ("the", "a", "and"), cloze.mask_follows_space(pieces))
+    assert words == theirs_tok.convert_tokens_to_ids(["Ġthe", "Ġa", "Ġand"])
+    heads = backbone.model.mlm_heads()
+    heads.load_state_dict({k: v for k, v in backbone.heads.items() if k.startswith("mlm.")})
+    head = cloze.ClozeHead(lambda rows, train: None, ids["mask"], words, heads, 1.0)
+    reference = transformers.AutoModelForMaskedLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ours = head.scores(backbone.model.eval(), heads, batch)  # (6, 3)
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert (ours - logits[batch["input_ids"] == ids["mask"]][:, words]).abs().max() < 1e-4 and ours.std() > 0.1

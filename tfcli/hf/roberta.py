@@ -1,7 +1,7 @@
 """RoBERTa and XLM-RoBERTa <-> transformers' RobertaModel / RobertaForMaskedLM /
 RobertaForSequenceClassification (and XLMRoberta*): BERT's blocks and table under the `roberta.`
-prefix, positions counted from pad id + 1 (`model.position_offset`), one token type, no next-sentence
-head. Its classification head (dense, tanh, out_proj on <s>) is BERT's pooler and classifier: the
+prefix, positions counted from pad id + 1 (`model.position_offset`), one token type (a pair's second
+text is type 0 too: `model.segments` off), no next-sentence head. Its classification head (dense, tanh, out_proj on <s>) is BERT's pooler and classifier: the
 pooler is `classifier.dense`, the classifier `classifier.out_proj`.
 """
 
@@ -20,7 +20,7 @@ _MLM = [("mlm.dense", "lm_head.dense"), ("mlm.norm", "lm_head.layer_norm")]
 
 def config_from_hf(raw: dict, state=None) -> BertConfig:
     cfg = bert.config_from_hf({**raw, "type_vocab_size": raw.get("type_vocab_size", 1)}, state)
-    return replace(cfg, position_offset=raw.get("pad_token_id", 1) + 1, hf_model_type=raw["model_type"])
+    return replace(cfg, position_offset=raw.get("pad_token_id", 1) + 1, segments=False, hf_model_type=raw["model_type"])
 
 
 def config_to_hf(cfg: BertConfig) -> dict:

@@ -44,6 +44,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
     position_offset: int = 0  # RoBERTa: positions count from pad id + 1 (2), so max_seq_len - 2 tokens fit
+    segments: bool = True  # reads a pair's segment ids; RoBERTa does not (its tokenizer gives none: type 0 throughout)
     hf_model_type: str = "bert"  # the Hugging Face architecture it came from / exports as (bert, roberta, ...)
 
     def __post_init__(self):
@@ -115,7 +116,8 @@ class Bert(TextEncoderTraits, nn.Module):
                 f"sequence of {T} tokens is longer than the model's {self.cfg.max_seq_len - offset} positions"
             )
         x = self.wte(input_ids) + self.wpe(torch.arange(offset, offset + T, device=input_ids.device))  # (B, T, D)
-        x = x + (self.wse(token_type_ids) if token_type_ids is not None else self.wse.weight[0])
+        segments = token_type_ids is not None and self.cfg.segments
+        x = x + (self.wse(token_type_ids) if segments else self.wse.weight[0])
         return self.drop(self.ln_emb(x))
 
     def forward(

@@ -319,7 +319,13 @@ class Classify(ClassificationTask):
             examples = cloze.encode(tok, ids, pieces, spec.text_fields, rows, max_length)
             return ExampleSource(examples, lambda ex: collate(ex, ids["pad"]), np.array([len(e[0]) for e in examples]))
 
-        return ClozeHead(make_source, ids["mask"], cloze.word_ids(tok, words), mlm, float(max_length))
+        return ClozeHead(
+            make_source,
+            ids["mask"],
+            cloze.word_ids(tok, words, cloze.mask_follows_space(pieces)),
+            mlm,
+            float(max_length),
+        )
 
     def text_head(self, recipe, backbone, data: TaskData, options: EvalOptions | None) -> TextHead:
         """Text-to-text: the whole model learns the label word; un-finetuned runs are prompted k-shot."""

@@ -6,7 +6,10 @@ mask. Nothing is trained.
     template "{premise} ? [MASK] , {hypothesis}", words yes / maybe / no (entailment / neutral / contradiction)
 
 The template is split into its pieces (text, {field}, [MASK]) and each piece tokenized on its own,
-so a long text is cut by tokens, never the template; WordPiece splits at spaces and punctuation, so
+so a long text is cut by tokens, never the template. A space between pieces goes to the piece after
+it, as byte-level BPE (RoBERTa, ModernBERT) and SentencePiece (XLM-R) attach a space to the word it
+precedes: " ? [MASK] , {b}" is "Ġ?", the mask, "Ġ,", "Ġ" + b's first word, and the label words are
+" yes" / " no" (RoBERTa's "Ġyes"). WordPiece drops the spaces, so for BERT nothing moves. Either way
 the pieces tokenize as the filled-in string would.
 """
 
@@ -39,7 +42,7 @@ def default_template(fields: tuple[str, ...]) -> str:
 def parse_template(template: str, fields: tuple[str, ...]) -> list[str]:
     """The template's pieces in order: literal text, '{field}' or '[MASK]' (checked: one mask, every
     field once, no unknown names)."""
-    pieces = [p for p in _PIECES.split(template) if p.strip()]
+    pieces = [p for p in _PIECES.split(template) if p]  # spaces kept: they say where the spaces go
     named = [p[1:-1] for p in pieces if p.startswith("{")]
     where = f"classify.cloze_template {template!r}"
     if pieces.count(MASK) != 1:
@@ -55,11 +58,33 @@ def parse_template(template: str, fields: tuple[str, ...]) -> list[str]:
     return pieces
 
 
-def word_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
-    """Each label word's one token id (a word the vocabulary splits cannot be scored at one mask)."""
+def placed(pieces: list[str]) -> list[tuple[str, bool]]:
+    """The template's pieces as the filled-in string holds them: each literal text trimmed, and whether a
+    space comes before the piece (the space after a literal, or a space-only piece, moves onto the next)."""
+    out, space = [], False
+    for p in pieces:
+        if p == MASK or p.startswith("{"):
+            out.append((p, space))
+            space = False
+        elif p.strip():
+            out.append((p.strip(), space or p[0].isspace()))
+            space = p[-1].isspace()
+        else:
+            space = True
+    return out
+
+
+def mask_follows_space(pieces: list[str]) -> bool:
+    return dict(placed(pieces))[MASK]
+
+
+def word_ids(tokenizer, words: tuple[str, ...], spaced: bool = True) -> list[int]:
+    """Each label word's one token id, as the word reads at the mask: after a space (`spaced`) " yes", which
+    byte-level BPE and SentencePiece give its own token (a word the vocabulary splits cannot be scored at
+    one mask)."""
     out = []
     for word in words:
-        ids = tokenizer.encode(word)
+        ids = tokenizer.encode(" " * spaced + word)
         if len(ids) != 1:
             raise UserError(
                 f"classify.cloze_words: {word!r} is {len(ids)} tokens in this vocabulary; "
@@ -75,19 +100,24 @@ def encode(
     """(texts, label) rows, texts in `text_fields` order -> ([CLS] filled template [SEP] ids, its length,
     label): the longest text is cut token by token until the row fits; a [MASK] inside a text
     becomes [UNK], so each row has exactly one."""
-    literal = {p: tokenizer.encode(p) for p in pieces if p != MASK and not p.startswith("{")}
-    fixed = 3 + sum(len(literal[p]) for p in pieces if p in literal)  # + [CLS] [MASK] [SEP]
+    laid = placed(pieces)
+    space = {p: s for p, s in laid if p.startswith("{")}
+    literal = {(p, s): tokenizer.encode(" " * s + p) for p, s in laid if p != MASK and not p.startswith("{")}
+    fixed = 3 + sum(len(literal[p]) for p in laid if p in literal)  # + [CLS] [MASK] [SEP]
     if fixed >= max_length:
         raise UserError(f"classify.cloze_template: {fixed} tokens without the texts; data.seq_len is {max_length}")
-    encoded = {f: tokenizer.encode_batch([r[0][i] for r in rows]) for i, f in enumerate(text_fields)}
+    encoded = {
+        f: tokenizer.encode_batch([" " * space["{" + f + "}"] + r[0][i] for r in rows])
+        for i, f in enumerate(text_fields)
+    }
     out = []
     for k, (_, label) in enumerate(rows):
         texts = {f: [ids["unk"] if t == ids["mask"] else t for t in encoded[f][k]] for f in text_fields}
         while fixed + sum(map(len, texts.values())) > max_length:
             max(texts.values(), key=len).pop()
         seq = [ids["cls"]]
-        for p in pieces:
-            seq += [ids["mask"]] if p == MASK else texts[p[1:-1]] if p.startswith("{") else literal[p]
+        for p in laid:
+            seq += [ids["mask"]] if p[0] == MASK else texts[p[0][1:-1]] if p[0].startswith("{") else literal[p]
         seq.append(ids["sep"])
         out.append((np.array(seq, dtype=np.int64), len(seq), label))
     return out
