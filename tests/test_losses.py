@@ -62,9 +62,16 @@ def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monke
 def test_a_frozen_head_gets_no_weight_gradient_and_the_hidden_gradient_is_unchanged(monkeypatch):
     """LoRA and probes freeze the LM head: its (V, D) gradient is not computed at all (a third of the
     head's FLOPs), and the gradient that flows back into the model is the one a trainable head gives."""
-    counted = []
-    real_addmm = torch.Tensor.addmm_
+    counted = []  # the products that write a (V, D) weight gradient
+    real_addmm, real_mm = torch.Tensor.addmm_, torch.mm
+
+    def mm(a, b, **k):
+        out = real_mm(a, b, **k)
+        counted.extend([1] if out.shape == (40, 16) else [])
+        return out
+
     monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: counted.append(1) or real_addmm(self, *a, **k))
+    monkeypatch.setattr(torch, "mm", mm)
     torch.manual_seed(0)
     hidden = torch.randn(3, 5, 16, requires_grad=True)
     weight = torch.randn(40, 16)
@@ -92,3 +99,13 @@ def test_once_a_run_compiles_the_chunked_losses_run_outside_the_compiled_graph()
     explained = torch._dynamo.explain(step)(h, w, t)
     assert explained.graph_break_count >= 1  # the loss is a break between two graphs, not traced into
     assert torch.allclose(torch.compile(step, backend="eager")(h, w, t), step(h, w, t))
+
+
+def test_no_rows_give_a_zero_weight_gradient():
+    """The first chunk's product writes the weight gradient; with no rows at all nothing does, and it is
+    zero (not whatever the uninitialised buffer held)."""
+    weight = torch.randn(40, 16, requires_grad=True)
+    hidden = torch.randn(0, 16, requires_grad=True)
+    loss, _ = linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(weight.grad, torch.zeros_like(weight))

@@ -99,7 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_weight_needed else None
+        # written by the first chunk's product, accumulated by the rest: a zero fill first would be one
+        # more pass over (and, fresh, a page fault for) every weight of the output layer
+        grad_weight = torch.empty_like(weight, dtype=torch.float32) if grad_weight_needed else None
         step = _chunk_rows(v)
         for s in range(0, n, step):
             h = hidden[s : s + step]
@@ -118,9 +120,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 row = (ok.float() / n_valid)[:, None]  # (c, 1)
                 g = probs.to(hidden.dtype)
                 if grad_hidden_needed:
-                    grad_hidden[s : s + step] = (g @ weight.to(hidden.dtype)) * row.to(hidden.dtype)
+                    torch.mm(g, weight.to(hidden.dtype), out=grad_hidden[s : s + step]).mul_(row.to(hidden.dtype))
                 if grad_weight_needed:
-                    grad_weight.addmm_(g.t().float(), h.float() * row)
+                    if s == 0:
+                        torch.mm(g.t().float(), h.float() * row, out=grad_weight)
+                    else:
+                        grad_weight.addmm_(g.t().float(), h.float() * row)
+        if grad_weight_needed and n == 0:
+            grad_weight.zero_()  # no rows, no chunk wrote it
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight_needed else None)
         ctx.mark_non_differentiable(correct)
         return loss_sum / n_valid, correct
