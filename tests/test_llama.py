@@ -213,3 +213,52 @@ def test_ia3_scales_the_narrower_keys_and_values_and_merges_exactly(pair):
         assert not any(isinstance(m, adapters.IA3Linear) for m in ours.modules())
         assert (ours.logits(ours(IDS)) - adapted).abs().max() < 1e-5
         assert (adapted - theirs(IDS).logits).abs().max() > 1e-2
+
+
+def _tied_step(model, batches, plain: bool):
+    """The tied table's gradient after one backward over `batches` (their losses summed), through
+    _TiedLookup or (plain) autograd's own embedding and output layer."""
+    from tfcli.objectives.next_token import loss
+
+    model.zero_grad(set_to_none=True)
+    if plain:
+        model.tied.lookup = lambda ids, w: torch.nn.functional.embedding(ids, w)
+    sum(loss(model, None, b)[0] for b in batches).backward()
+    model.tied.__dict__.pop("lookup", None)
+    return model.wte.weight.grad.clone()
+
+
+def test_a_tied_table_gets_autograds_gradient_with_one_table_sized_tensor():
+    """Tied embeddings on the CPU: the rows' gradient is added into the output layer's in place
+    (_TiedLookup), equal to autograd's own sum of the two; two passes before one backward too (the
+    first pass's output layer read the second's alias); frozen, without gradients or copied, the model
+    reads the table itself."""
+    import copy
+
+    from tfcli.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=32, vocab_size=100, max_seq_len=32, embed_scale=5.7))
+    ids = torch.randint(0, 100, (2, 3, 17))
+    batches = [{"input_ids": i[:, :-1], "targets": i[:, 1:]} for i in ids]
+    for passes in (batches[:1], batches):
+        ours, plain = _tied_step(model, passes, False), _tied_step(model, passes, True)
+        assert (ours - plain).abs().max() < 1e-6 and plain.abs().max() > 1e-3
+    out = model(batches[0]["input_ids"])
+    assert model.tied.alias is not None and copy.deepcopy(model).tied.alias is None
+    model.logits(out).sum().backward()
+    assert model.tied.alias is None  # spent by its backward: nothing reads a used pass again
+    model.zero_grad(set_to_none=True)
+    model(batches[0]["input_ids"]).pow(2).sum().backward()  # no output layer (a classifier's pass)
+    rows = model.wte.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    model.tied.lookup = lambda ids, w: torch.nn.functional.embedding(ids, w)
+    model(batches[0]["input_ids"]).pow(2).sum().backward()
+    assert torch.equal(rows, model.wte.weight.grad) and rows.abs().max() > 0
+    del model.tied.lookup
+    with torch.no_grad():
+        model(batches[0]["input_ids"])
+        assert model.tied.alias is None and model.lm_head_weight is model.wte.weight
+    model.requires_grad_(False)
+    model(batches[0]["input_ids"])
+    assert model.tied.alias is None

@@ -21,6 +21,7 @@ from .blocks import (
     Attention,
     Block,
     KVCache,
+    TiedTable,
     check_config,
     decoder_positions,
     dense_flops_per_token,
@@ -196,6 +197,7 @@ class Llama(DecoderTraits, nn.Module):
         )
         self.ln_f = rms(cfg.d_model)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tied = TiedTable()
         init_normal_(self)
         for moe in moe_layers(self):
             moe.reset_parameters()
@@ -210,7 +212,7 @@ class Llama(DecoderTraits, nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:
-        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return self.tied.head(self.wte.weight) if self.lm_head is None else self.lm_head.weight
 
     def cache_stale(self, cached: int, total: int) -> bool:
         """LongRoPE turns by other frequencies once a sequence outgrows the pretrained context: a cache
@@ -247,7 +249,7 @@ class Llama(DecoderTraits, nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """(B, T) -> (B, T, D): the table's rows, scaled where the model scales them."""
-        x = self.wte(input_ids)
+        x = self.tied.lookup(input_ids, self.wte.weight) if self.lm_head is None else self.wte(input_ids)
         if self.cfg.embed_scale != 1.0:  # Gemma rounds sqrt(d_model) to the weights' precision first
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
