@@ -29,7 +29,19 @@ import torch
 from benchmarks.common import RESULTS, in_fresh_process
 
 PRODUCTS = frozenset(
-    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv", "aten::addmv", "aten::dot"}
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::addmm_",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::baddbmm_",
+        "aten::addbmm",
+        "aten::mv",
+        "aten::addmv",
+        "aten::dot",
+        "aten::_grouped_mm",
+    }
 )
 ATTENTION = frozenset(
     {
