@@ -228,17 +228,22 @@ def _tied_step(model, batches, plain: bool):
     return model.wte.weight.grad.clone()
 
 
-def test_a_tied_table_gets_autograds_gradient_with_one_table_sized_tensor():
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_a_tied_table_gets_autograds_gradient_with_one_table_sized_tensor(family):
     """Tied embeddings on the CPU: the rows' gradient is added into the output layer's in place
     (_TiedLookup), equal to autograd's own sum of the two; two passes before one backward too (the
     first pass's output layer read the second's alias); frozen, without gradients or copied, the model
     reads the table itself."""
     import copy
 
+    from tfcli.models.gpt import GPT, GPTConfig
     from tfcli.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=32, vocab_size=100, max_seq_len=32, embed_scale=5.7))
+    if family == "llama":
+        model = Llama(LlamaConfig(n_layer=2, n_head=2, d_model=32, vocab_size=100, max_seq_len=32, embed_scale=5.7))
+    else:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, vocab_size=100, max_seq_len=32, dropout=0.0))
     ids = torch.randint(0, 100, (2, 3, 17))
     batches = [{"input_ids": i[:, :-1], "targets": i[:, 1:]} for i in ids]
     for passes in (batches[:1], batches):

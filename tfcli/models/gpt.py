@@ -11,6 +11,7 @@ from .blocks import (  # noqa: F401
     Attention,
     Block,
     KVCache,
+    TiedTable,
     check_config,
     decoder_positions,
     dense_flops_per_token,
@@ -65,6 +66,7 @@ class GPT(nn.Module):
             raise ValueError("model.vocab_size must be set (it is filled in from the tokenizer)")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tied = TiedTable()  # the output layer's gradient and the rows' meet in one node
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
@@ -84,7 +86,7 @@ class GPT(nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:
-        return self.wte.weight  # tied, as in GPT-2
+        return self.tied.head(self.wte.weight)  # tied, as in GPT-2
 
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
@@ -107,7 +109,7 @@ class GPT(nn.Module):
         attended to and positions count real tokens only.
         shared_prompt (B, 2): each row a prompt and two replies to it (blocks.two_replies)."""
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, D)
+        x = self.drop(self.tied.lookup(input_ids, self.wte.weight) + self.wpe(pos))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None)
         return through_blocks(x, self.blocks, call, all_layers, self.ln_f)
 
