@@ -75,6 +75,7 @@ def placed(pieces: list[str]) -> list[tuple[str, bool]]:
 
 
 def mask_follows_space(pieces: list[str]) -> bool:
+    """Whether the label word reads after a space at the mask (then " yes", not "yes")."""
     return dict(placed(pieces))[MASK]
 
 
