@@ -21,6 +21,10 @@ import torch
 RESULTS = Path("bench-results")
 ROOT = Path(__file__).resolve().parents[1]
 
+WARMUP = 2  # steps before timing: the first two still place the step's largest buffers (tfcli's CPU tensors
+# go on transparent huge pages, which the kernel compacts for on first use: 1.2 s for Gemma's 671 MB
+# embedding gradient); with one warm-up the first timed step paid it
+
 Step = Callable[[], None]
 Contenders = dict[str, Callable[[], Step]]  # name -> builds that contender's step (models, optimizer, batch)
 

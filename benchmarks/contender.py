@@ -17,9 +17,14 @@ import time
 import torch
 
 
-def main(target: str, name: str, warmup: int, steps: int) -> list[float]:
+def build(target: str, name: str):
+    """Contender `name` of `target` ("module:function" returning Contenders): its step, built."""
     module, function = target.split(":")
-    step = getattr(importlib.import_module(f"benchmarks.{module}"), function)()[name]()
+    return getattr(importlib.import_module(f"benchmarks.{module}"), function)()[name]()
+
+
+def main(target: str, name: str, warmup: int, steps: int) -> list[float]:
+    step = build(target, name)
     for _ in range(warmup):
         step()
     times = []

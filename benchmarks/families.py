@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Contenders, isolated, report, train_step
+from benchmarks.common import WARMUP, Contenders, isolated, report, train_step
 
 BATCH, SEQ = int(os.environ.get("BENCH_FAMILIES_BATCH", 2)), 256
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -85,9 +85,6 @@ SHAPES = {
         max_position_embeddings=4096,
     ),
 }
-WARMUP = 2  # steps before timing: the first two still place the step's largest buffers (tfcli's CPU tensors
-# go on transparent huge pages, which the kernel compacts for on first use: 1.2 s for Gemma's 671 MB
-# embedding gradient); with one warm-up the first timed step paid it
 DIRECTORY = Path(os.environ.get("BENCH_FAMILIES_DIR", Path(tempfile.gettempdir()) / "tfcli-bench-families"))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Contenders, isolated, report, train_step
+from benchmarks.common import WARMUP, Contenders, isolated, report, train_step
 
 BATCH, SEQ = int(os.environ.get("BENCH_MOE_BATCH", 4)), 256
 PROMPT, NEW = 32, 64
@@ -45,9 +45,6 @@ SHAPE = dict(
     router_aux_loss_coef=0.001,
     max_position_embeddings=4096,
 )
-WARMUP = 2  # steps before timing: the first two still place the step's largest buffers (tfcli's CPU tensors
-# go on transparent huge pages, which the kernel compacts for on first use: 1.2 s for Gemma's 671 MB
-# embedding gradient); with one warm-up the first timed step paid it
 DIRECTORY = Path(os.environ.get("BENCH_MOE_DIR", Path(tempfile.gettempdir()) / "tfcli-bench-moe"))
 
 

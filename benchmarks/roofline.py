@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.common import RESULTS, in_fresh_process
+from benchmarks.common import RESULTS, WARMUP, in_fresh_process
 
 PRODUCTS = frozenset(
     {
@@ -61,16 +61,15 @@ TARGETS = {  # benchmark step -> its target ratio (issue 59: 1.3x, issue 60: 1.5
 }
 
 
-def profile(target: str, name: str, warmup: int = 2) -> dict:
+def profile(target: str, name: str, warmup: int = WARMUP) -> dict:
     """One step of contender `name` of `target` under the profiler: seconds in all, in matrix products,
     in fused attention, and the five costliest other operators."""
-    import importlib
-
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
-    module, function = target.split(":")
-    step = getattr(importlib.import_module(f"benchmarks.{module}"), function)()[name]()
+    from benchmarks.contender import build
+
+    step = build(target, name)
     for _ in range(warmup):
         step()
     times = []

@@ -173,9 +173,9 @@ class TiedTable:
     def lookup(self, ids: Tensor, weight: Tensor) -> Tensor:
         """(B, T) -> (B, T, D), the table's rows; the alias kept for `head`."""
         self.alias = None
-        if not (torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu"):
-            return F.embedding(ids, weight)
-        if torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        trains_here = torch.is_grad_enabled() and weight.requires_grad and weight.device.type == "cpu"
+        if not trains_here or distributed or torch.compiler.is_compiling():
             return F.embedding(ids, weight)
         rows, self.alias = _TiedLookup.apply(ids, weight, self)
         return rows

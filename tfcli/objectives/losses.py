@@ -121,11 +121,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = probs.to(hidden.dtype)
                 if grad_hidden_needed:
                     torch.mm(g, weight.to(hidden.dtype), out=grad_hidden[s : s + step]).mul_(row.to(hidden.dtype))
-                if grad_weight_needed:
-                    if s == 0:
-                        torch.mm(g.t().float(), h.float() * row, out=grad_weight)
-                    else:
-                        grad_weight.addmm_(g.t().float(), h.float() * row)
+                if grad_weight_needed:  # beta 0: the first chunk writes it, what the buffer held is ignored
+                    grad_weight.addmm_(g.t().float(), h.float() * row, beta=float(s > 0))
         if grad_weight_needed and n == 0:
             grad_weight.zero_()  # no rows, no chunk wrote it
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight_needed else None)
