@@ -122,6 +122,8 @@ class Settings:
             "train.eval_interval": 10**9,
             "train.ckpt_interval": 10**9,
             "train.eval_batches": 1,
+            "train.activation_checkpointing": "none",  # as the peers run (auto may recompute when activations dominate)
+            "train.memory_limit": 0,
         }
 
 
@@ -163,13 +165,35 @@ def run_tfcli(name: str, settings: Settings, smoke: bool) -> dict:
         cmd = [sys.executable, "-m", "tfcli", "pretrain", "--recipe", family.recipe, "--out", f"{tmp}/run", "--quiet"]
         for k, v in overrides(family, settings, smoke).items():
             cmd += ["--set", f"{k}={v}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-        if out.returncode:
-            raise RuntimeError(f"tfcli pretrain failed: {(out.stderr or out.stdout).strip()[-2000:]}")
-        logs = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
-    train = [m for m in logs if m.get("split") == "train" and m["step"] > settings.warmup]
+        logs = run_logged(cmd, Path(f"{tmp}/run"), settings.warmup + settings.steps, tmp)
+    train = [m for m in logs if m["step"] > settings.warmup]
     rate = statistics.median(m[f"{family.unit}_per_s"] for m in train)
     return {"rate": rate, "peak_mem_mb": max(m["peak_mem_mb"] for m in train)}
+
+
+def run_logged(cmd: list[str], run: Path, last_step: int, cwd: str | Path) -> list[dict]:
+    """Run a tfcli training command until its metrics.jsonl logs `last_step`, then stop it (its final
+    evaluation and checkpoint are not what is measured, and a 0.5B model's take many seconds of a
+    lease) -> its train log lines. A command that ends first must end well."""
+    metrics = run / "metrics.jsonl"
+
+    def train_lines() -> list[dict]:
+        text = metrics.read_text() if metrics.is_file() else ""
+        lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # a line being written waits
+        return [m for m in map(json.loads, lines) if m.get("split") == "train"]
+
+    with tempfile.TemporaryFile("w+") as output:  # a file, not a pipe: a chatty run never blocks on it
+        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        while proc.poll() is None:
+            if (logs := train_lines()) and logs[-1]["step"] >= last_step:
+                proc.kill()
+                proc.wait()
+                return logs
+            time.sleep(0.2)
+        if proc.returncode:
+            output.seek(0)
+            raise RuntimeError(f"{' '.join(cmd[2:4])} failed: {output.read().strip()[-2000:]}")
+    return train_lines()
 
 
 def run_transformers(name: str, settings: Settings, smoke: bool) -> dict:

@@ -1,29 +1,72 @@
-"""The GPU benchmark's harness, run end to end at tiny shapes on the CPU (`--smoke`): a real
-`tfcli pretrain` process and transformers' model in a process of their own, rates and MFU read
-back. It guards the harness that a lent GPU runs, so that a session with one only has to run it."""
+"""The GPU benchmarks' harness, run end to end at tiny shapes on the CPU (`--smoke`): every contender
+of the prepared lease (benchmarks/lease.py, with benchmarks/gpu.py's pretraining contenders) in a
+process of its own, rates and MFU read back. It guards what a lent GPU runs, so that a session with
+one only has to run it."""
 
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import lease
+
+NANOGPT = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "nanoGPT"
 
 
 @pytest.mark.slow
-def test_the_gpu_benchmark_harness_runs_whole_pretrain_steps_against_transformers(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu, "RESULTS", tmp_path)
-    monkeypatch.setenv("NANOGPT", str(tmp_path / "no-nanoGPT"))
-    [result] = gpu.main(smoke=True, names=("gpt",))
-    for who in ("tfcli", "transformers"):
-        assert result[who]["rate"] > 0, result[who]
-        assert 0 < result[who]["mfu"] <= 1
-        assert result[who]["peak_mem_mb"] > 0
-    assert result["flops_per_item"] > 0
-    assert "git clone https://github.com/karpathy/nanoGPT" in result["nanoGPT"]["error"]
-    saved = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
-    assert saved["benchmark"] == "gpu gpt (smoke)" and saved["tfcli"]["rate"] == result["tfcli"]["rate"]
+def test_the_lease_runs_every_kind_of_row_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    """Issue 62's prepared GPU run at tiny shapes: the real `tfcli pretrain` against nanoGPT's own
+    train.py and transformers (benchmarks/gpu.py's contenders), the real `tfcli finetune sft` against peft in a plain loop
+    and TRL's SFTTrainer, tfcli's batched sampler against transformers' generate (the same greedy ids in
+    fp32), the profile: each in a process of its own, read back into one table."""
+    if not (NANOGPT / "train.py").is_file():
+        pytest.skip(f"nanoGPT is not at {NANOGPT}")
+    monkeypatch.setenv("NANOGPT", str(NANOGPT))
+    only = ["gpt2", "sft-lora", "decode-b16", "profile"]
+    rows = lease.main(tmp_path, smoke=True, only=only)
+    assert [(r["section"], r["who"]) for r in rows] == [
+        ("gpt2", "tfcli"),
+        ("gpt2", "nanoGPT"),
+        ("sft-lora", "tfcli"),
+        ("sft-lora", "transformers+peft"),
+        ("decode-b16", "tfcli"),
+        ("decode-b16", "transformers"),
+        ("profile", "tfcli"),
+        ("sft-lora", "trl"),
+        ("gpt2", "transformers"),
+    ]
+    assert not [r for r in rows if "error" in r or "skipped" in r], rows
+    timed = [r for r in rows if r["section"] != "profile"]
+    for r in timed:
+        assert r["rate"] > 0 and r["peak_mem_mb"] > 0, r
+        assert (0 < r["mfu"] <= 1) if r["section"] != "decode-b16" else "mfu" not in r, r
+    table = (tmp_path / "table.md").read_text()
+    assert "| sft-lora | trl |" in table and "| gpt2 | nanoGPT |" in table
+    assert "decode-b16: leading greedy ids equal per row (of the first 8): [8, 8, 8]" in table  # fp32: equal
+    saved = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [s.get("rate") for s in saved] == [r.get("rate") for r in rows]
+    profile = (tmp_path / "profile.txt").read_text()
+    assert "tfcli SFT step" in profile and "greedy decoding" in profile and "host syncs" in profile
+    assert (tmp_path / "log.txt").read_text().count("==== ") == len(rows)
+    assert "torch " in (tmp_path / "versions.txt").read_text()
+
+
+def test_the_lease_lists_what_its_budget_left_out_and_stops_a_contender_at_its_time(tmp_path):
+    """Rows that would start past the budget are listed as skipped (none started); a contender past its
+    time is killed with everything it started, and its row says so."""
+    rows = lease.main(tmp_path, smoke=True, budget=1)
+    assert len(rows) == len(lease.PLAN) and all(r["skipped"].startswith("skipped: ") for r in rows)
+    assert "| decode-b1 | transformers | skipped:" in (tmp_path / "table.md").read_text()
+    work = tmp_path / "work"
+    work.mkdir()
+    lease.prepare(work, lease.SMOKE)
+    t0 = time.perf_counter()
+    result, _ = lease.contender("sft-full", "tfcli", work, lease.SMOKE, timeout=2)
+    assert result == {"error": "stopped after 2 s (its time in the budget)"}
+    assert time.perf_counter() - t0 < 10
 
 
 def test_the_cuda_peak_replay_finds_the_peak_and_what_was_live_there():
