@@ -32,6 +32,23 @@ T5_CONFIG = T5Config(
 )
 
 
+@torch.no_grad()
+def greedy_ids(peer, inputs: torch.Tensor, new: int, keep_from: int, **extra) -> list[list[int]]:
+    """transformers' generate: exactly `new` greedy tokens per row (no EOS stop), with its cache ->
+    each row's ids from `keep_from` (a decoder's prompt length; 1 past an encoder-decoder's start)."""
+    out = peer.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        use_cache=True,
+        pad_token_id=0,
+        **extra,
+    )
+    return out[:, keep_from:].tolist()
+
+
 def hf_generate(class_name: str, ours: torch.nn.Module, inputs: torch.Tensor, keep_from: int, **extra):
     """transformers' generate on `ours`' weights: exactly NEW greedy tokens with its cache -> their ids."""
     import transformers
@@ -39,22 +56,7 @@ def hf_generate(class_name: str, ours: torch.nn.Module, inputs: torch.Tensor, ke
     device = inputs.device
     peer = hf_peer(getattr(transformers, class_name), ours.cpu()).eval().to(device)
     ours.to(device)
-
-    @torch.no_grad()
-    def ids():
-        out = peer.generate(
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            do_sample=False,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            use_cache=True,
-            pad_token_id=0,
-            **extra,
-        )
-        return out[0, keep_from:].tolist()
-
-    return ids
+    return lambda: greedy_ids(peer, inputs, NEW, keep_from, **extra)[0]
 
 
 def decoder(device: str = "cpu") -> Contenders:

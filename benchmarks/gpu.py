@@ -220,7 +220,7 @@ def run_transformers(name: str, settings: Settings, smoke: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _timed(step, settings, items, device)
+    return timed(step, settings.warmup, settings.steps, items, device)
 
 
 def _peer(name: str, cfg, recipe, transformers):
@@ -311,19 +311,21 @@ def run_nanogpt(settings: Settings, smoke: bool) -> dict:
     return {"rate": b * seq / statistics.median(times), "peak_mem_mb": peak}
 
 
-def _timed(step, settings: Settings, items: int, device: torch.device) -> dict:
-    for _ in range(settings.warmup):
+def timed(step, warmup: int, steps: int, items: int, device: torch.device) -> dict:
+    """`step` run `warmup` times, then timed over `steps` (the device drained at both ends) -> items/s
+    and the process's peak memory."""
+    for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
-    for _ in range(settings.steps):
+    for _ in range(steps):
         step()
-    _sync(device)
-    seconds = (time.perf_counter() - t0) / settings.steps
+    sync(device)
+    seconds = (time.perf_counter() - t0) / steps
     return {"rate": items / seconds, "peak_mem_mb": peak_memory_mb(device)}
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT
+from benchmarks.generation import greedy_ids
+from benchmarks.gpu import run_logged, sync, timed
 
 
 @dataclass(frozen=True)
@@ -199,11 +201,6 @@ def sft_flops(work: Path, shapes: Shapes, lora: bool) -> float:
 # ---- contenders: each runs in a process of its own and prints {"rate", "peak_mem_mb", ...} ----------------
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def tfcli_sft(work: Path, shapes: Shapes, lora: bool, compiled: bool) -> dict:
     """The whole `tfcli finetune sft` command, as a user runs it (stopped once it logged the last timed
     step); the rate is the timed steps' tokens over their seconds in its own log."""
@@ -240,8 +237,6 @@ def tfcli_sft(work: Path, shapes: Shapes, lora: bool, compiled: bool) -> dict:
     cmd += ["--batch-size", str(shapes.batch), "--out", str(out), "--quiet"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
-    from benchmarks.gpu import run_logged
-
     train = run_logged(cmd, out, shapes.warmup + shapes.steps, ROOT)
     first, last = next(m for m in train if m["step"] >= shapes.warmup), train[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"]  # the timed steps, from the warm-up's last log line
@@ -282,17 +277,7 @@ def transformers_sft(work: Path, shapes: Shapes, lora: bool, compiled: bool) -> 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(shapes.warmup):
-        step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(shapes.steps):
-        step()
-    sync(device)
-    from tfcli.engine.perf import peak_memory_mb
-
-    rate = shapes.steps * ids.numel() / (time.perf_counter() - t0)
-    return {"rate": rate, "peak_mem_mb": peak_memory_mb(device)}
+    return timed(step, shapes.warmup, shapes.steps, ids.numel(), device)
 
 
 def trl_sft(work: Path, shapes: Shapes, lora: bool) -> dict:
@@ -374,15 +359,7 @@ def decode(work: Path, shapes: Shapes, rows: int, ours: bool) -> dict:
             return [list(generate_tokens(model, prompt, max_new_tokens=new, temperature=0.0))]
         if ours:
             return generate_batch(model, prompt.tolist(), max_new_tokens=new, temperature=0.0)
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            do_sample=False,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            pad_token_id=0,
-        )
-        return out[:, shapes.prompt :].tolist()
+        return greedy_ids(model, prompt, new, shapes.prompt)
 
     run(max(8, shapes.new // 8))  # warm-up: CUDA's kernels and the allocator's blocks
     seconds, ids = [], []
@@ -525,7 +502,10 @@ def contender(section: str, who: str, work: Path, shapes: Shapes, timeout: float
     if proc.returncode:
         lines = (err or out).strip().splitlines() or ["(no output)"]
         return {"error": lines[-1][:400]}, tail
-    return json.loads(out.strip().splitlines()[-1]), tail
+    try:
+        return json.loads(out.strip().splitlines()[-1]), tail
+    except (IndexError, ValueError):  # a run the lease cannot read is a row's error, not the lease's end
+        return {"error": f"no result line in its output: {out.strip()[-200:]!r}"}, tail
 
 
 def versions() -> str:
@@ -614,7 +594,7 @@ def main(
             result, tail = contender(section, who, work, shapes, min(left, shapes.cap))
             row = {"section": section, "who": who, **result, "seconds": round(time.perf_counter() - t0, 1)}
             if "rate" in row and (flops := flops_of(section, work, shapes)):
-                row["mfu"] = row["rate"] * flops / peak
+                row["mfu"] = row["rate"] * flops / peak  # tfcli's count: a failure here is a bug to see
             with open(log, "a") as f:
                 f.write(f"==== {section} / {who} ({row['seconds']} s) ====\n{tail}\n")
         if "profile" in row:

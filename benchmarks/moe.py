@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import WARMUP, Contenders, isolated, report, train_step
+from benchmarks.generation import greedy_ids
 
 BATCH, SEQ = int(os.environ.get("BENCH_MOE_BATCH", 4)), 256
 PROMPT, NEW = 32, 64
@@ -148,20 +149,7 @@ def decode() -> Contenders:
 
     def their_ids():
         model = theirs().eval()
-
-        @torch.no_grad()
-        def ids():
-            out = model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                do_sample=False,
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
-                pad_token_id=0,
-            )
-            return out[0, PROMPT:].tolist()
-
-        return ids
+        return lambda: greedy_ids(model, prompt, NEW, PROMPT)[0]
 
     return {"tfcli": ours_ids, "transformers": their_ids}
 

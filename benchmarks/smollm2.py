@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Contenders, isolated, report, train_step
+from benchmarks.generation import greedy_ids
 
 BATCH, SEQ, NEW = 4, 512, 128
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -120,21 +121,7 @@ def _ours_generate():
 
 def _their_generate():
     model, ids = theirs().eval(), torch.tensor([prompt_ids()])
-
-    @torch.no_grad()
-    def run():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        return out[0, ids.size(1) :].tolist()
-
-    return run
+    return lambda: greedy_ids(model, ids, NEW, ids.size(1), eos_token_id=None)[0]
 
 
 def generation() -> Contenders:
