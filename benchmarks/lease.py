@@ -6,7 +6,8 @@ MFU against the bf16 matmul peak measured first, and `torch.cuda.max_memory_allo
     python -m benchmarks.lease --out DIR              # there: 8.5 minutes at most (--budget seconds)
     python -m benchmarks.lease --smoke --out DIR      # here: the same rows at tiny shapes on the CPU
 
-On the device tool (carry [".whl", "bench-peers"]; the machine has torch with CUDA, not trl or datasets):
+On the device tool (carry [".whl", "bench-peers"]; the machine has torch with CUDA, not trl or datasets; the
+checkout runs in place, not installed):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 -m benchmarks.lease

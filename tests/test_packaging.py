@@ -50,3 +50,16 @@ def test_a_wheel_holds_the_recipes_and_its_tfcli_lists_them(tmp_path):
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith(str(target)), listed.stdout  # the wheel's tfcli, not the checkout's
     assert all(n.removesuffix(".yaml") in listed.stdout for n in shipped[:5])
+
+
+def test_a_checkout_run_in_place_without_installing_finds_its_recipes():
+    """A checkout on PYTHONPATH, never installed (a lent GPU machine has no network to build one): its
+    recipes are read from recipes/ beside tfcli/. `-S` with site-packages on PYTHONPATH keeps torch and the
+    other dependencies importable but not the editable install's finder that maps tfcli.recipes."""
+    import sysconfig
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])}
+    code = "import tfcli.recipe as r; print(r.RECIPES_DIR); print(r.load('gpt2-small').model.n_layer)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, cwd="/")
+    assert out.returncode == 0, out.stderr[-600:]
+    assert out.stdout.split() == [str(REPO / "recipes"), "12"]

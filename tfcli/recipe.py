@@ -31,9 +31,17 @@ from .adapters import METHODS as RECORDS
 from .errors import UserError
 from .models import FAMILIES
 
-RECIPES_DIR = Path(
-    str(importlib.resources.files("tfcli.recipes"))
-)  # recipes/ of the checkout, installed as tfcli.recipes
+
+def _recipes_dir() -> Path:
+    """recipes/ of the checkout, installed as the package tfcli.recipes; a checkout run in place on
+    PYTHONPATH, never installed (a machine with no network to build it), reads it beside tfcli/."""
+    try:
+        return Path(str(importlib.resources.files("tfcli.recipes")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "recipes"
+
+
+RECIPES_DIR = _recipes_dir()
 # field metadata: a path (or comma-separated paths) that a run records absolute, so that it names the
 # same file from any directory; CODE: a list whose file.py:function parts are (a GRPO reward)
 PATH = {"path": "path"}

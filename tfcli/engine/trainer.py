@@ -39,13 +39,13 @@ class ObjectiveModule(nn.Module):
         super().__init__()
         self.model, self.heads = model, heads
         self.loss_fn = loss_fn
-        self._routers: list | None = None  # the model's MoE layers, found at the first pass
+        # the model's MoE layers (adapters are in place before this module is made), found here and not
+        # at the first pass: state a compiled pass sets fails the graph's guard and compiles it again
+        self._routers = moe.moe_layers(model)
 
     def forward(self, batch: Batch, fn: LossFn | None = None):
         if fn is not None:
             return fn(self.model, self.heads, batch)
-        if self._routers is None:
-            self._routers = moe.moe_layers(self.model)
         routers = self._routers
         moe.routing_losses(routers)  # forget what an earlier pass (a recomputation) kept
         loss, metrics = self.loss_fn(self.model, self.heads, batch)
