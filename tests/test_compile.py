@@ -136,8 +136,8 @@ def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_d
 
 def test_a_compiled_training_step_compiles_once():
     """The compiled module's later passes reuse the first pass's graph: no state the first pass set
-    (the MoE layers, found then) fails a guard and compiles the whole model again, which doubled every
-    compiled run's start (seen on step 2 of the GPU lease's SFT rows, at smoke shapes on the CPU). A
+    (the MoE layers, found then) fails a guard and traces the whole model again (seen on step 2 of the
+    GPU lease's SFT rows at smoke shapes on the CPU: 3.6 s more for 24 layers). A
     mixture of experts is left out: its routing breaks the graph (bincount's data-dependent shape) and
     each block's frame compiles once more when the layer index turns dynamic."""
     from tfcli.engine.compiling import keep_out_of_compiled_graphs
