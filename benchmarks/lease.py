@@ -4,6 +4,7 @@ MFU against the bf16 matmul peak measured first, and `torch.cuda.max_memory_allo
 
     make lease-pack                                   # here: nanoGPT and the peers' wheels, git-ignored
     python -m benchmarks.lease --out DIR              # there: 8.5 minutes at most (--budget seconds)
+    python -m benchmarks lease                        # the same, into bench-results/lease
     python -m benchmarks.lease --smoke --out DIR      # here: the same rows at tiny shapes on the CPU
 
 On the device tool (carry [".whl", "bench-peers"]; the machine has torch with CUDA, not trl or datasets; the
@@ -13,18 +14,19 @@ checkout runs in place, not installed):
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 -m benchmarks.lease
       --out $OUT 2>&1 | tee $OUT/console.txt
 
-The rows, most wanted first (a row that would start past the budget is listed as skipped):
+The rows (`--only` takes a row, or row/contender), most wanted first; a row that would start past the
+budget is listed as skipped:
   gpt2        GPT-2 124M pretraining at context 1024, batch 12: `tfcli pretrain --recipe gpt2-small`
-              against nanoGPT's own train.py, both compiled (benchmarks/gpu.py's contenders)
+              against nanoGPT's own train.py, both compiled (benchmarks/gpu.py's contenders);
+              gpt2/transformers, transformers' plain compiled loop, runs last
   sft-full    a Qwen2.5-0.5B-shaped decoder (random weights), batch 8 x 1024, every weight: the whole
   sft-lora    `tfcli finetune sft` command against transformers (+ peft: rank 16 on q k v o gate up
-              down) in a plain loop on one batch kept on the GPU; eager on both sides
+              down) in a plain loop on one batch kept on the GPU; eager on both sides; then
+              sft-full/trl and sft-lora/trl, TRL's SFTTrainer (bf16, no gradient checkpointing)
   decode-b1   greedy decoding of 256 new tokens after a 64-token prompt, batch 1 and 16, bf16 weights
   decode-b16  on both sides: tfcli's sampler (`generate`'s, GRPO's) against transformers' `generate`
   profile     torch.profiler over tfcli's SFT step and its batch-1 decoding: the kernels and host syncs
-  trl         the same SFT rows through TRL's SFTTrainer (bf16, no gradient checkpointing)
-  compiled    sft-full and sft-lora again with torch.compile on both sides
-  gpt2-hf     GPT-2 124M through transformers in a plain compiled loop
+  sft-full-compiled, sft-lora-compiled   the SFT pairs again with torch.compile on both sides
 
 Every contender runs in a process of its own (its peak memory and compiled code are its own). bf16
 autocast with fp32 weights for training on every side; tokens/s from the steps after the warm-up.
@@ -123,6 +125,7 @@ SMOKE = replace(
     budget=600.0,
     cap=120.0,
 )
+OUT = ROOT / "bench-results" / "lease"
 LORA = dict(rank=16, alpha=32, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 PLAN = [
     ("gpt2", "tfcli"),
@@ -559,7 +562,7 @@ def agreement(rows: list[dict]) -> list[str]:
 
 
 def main(
-    out: Path,
+    out: Path = OUT,
     smoke: bool = False,
     budget: float | None = None,
     only: list[str] | None = None,
@@ -611,7 +614,7 @@ def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "lease")
+    parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--budget", type=float, default=None)
     parser.add_argument("--only", default="", help="rows (or row/contender), comma-separated: gpt2,sft-lora/trl")
