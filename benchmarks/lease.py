@@ -197,9 +197,9 @@ def sft_flops(work: Path, shapes: Shapes, lora: bool) -> float:
 
     cfg, _ = read_pretrained(work / "model", False, True)
     with torch.device("meta"):
-        full = build_model(cfg).flops_per_token(shapes.seq)
-    attention = 12.0 * cfg.n_layer * shapes.seq * cfg.n_head * cfg.head_dim
-    return full - 2 * (full - attention) / 6 if lora else full
+        model = build_model(cfg)
+    full, weights = model.flops_per_token(shapes.seq), model.flops_per_token(0)  # 6 N + attention; 6 N
+    return full - weights / 3 if lora else full
 
 
 # ---- contenders: each runs in a process of its own and prints {"rate", "peak_mem_mb", ...} ----------------
@@ -256,11 +256,15 @@ def peer_model(work: Path, shapes: Shapes, lora: bool, device: torch.device):
     if lora:
         import peft
 
-        config = peft.LoraConfig(
-            r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"]
-        )
-        model = peft.get_peft_model(model, config)
+        model = peft.get_peft_model(model, lora_config())
     return model.train()
+
+
+def lora_config():
+    """peft's LoraConfig for tfcli's adapters (LORA): what the peer and TRL are given alike."""
+    import peft
+
+    return peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"])
 
 
 def transformers_sft(work: Path, shapes: Shapes, lora: bool, compiled: bool) -> dict:
@@ -297,13 +301,6 @@ def trl_sft(work: Path, shapes: Shapes, lora: bool) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(work / "model")
     ids = token_batch(shapes, torch.device("cpu"))
     rows = [{"input_ids": ids[i % shapes.batch].tolist()} for i in range(shapes.batch * (shapes.warmup + shapes.steps))]
-    peft_config = None
-    if lora:
-        import peft
-
-        peft_config = peft.LoraConfig(
-            r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"]
-        )
     settings = trainer_args(str(work / f"trl-{'lora' if lora else 'full'}"), 0)
     settings |= {"use_cpu": device.type == "cpu", "bf16": shapes.precision == "bf16"}
     args = trl.SFTConfig(
@@ -322,7 +319,7 @@ def trl_sft(work: Path, shapes: Shapes, lora: bool) -> dict:
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tokenizer,
-        peft_config=peft_config,
+        peft_config=lora_config() if lora else None,
         callbacks=trl_callbacks(losses, times),
     )
     trainer.train()
