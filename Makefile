@@ -39,7 +39,7 @@ bench: install
 bench-data: install
 	$(BIN)/python -m benchmarks data
 
-# issue 62's GPU run (python -m benchmarks.lease, docs/guides/benchmarks.md): what the lent machine lacks,
+# issue 62's GPU run (python -m benchmarks.lease, docs/guides/speed.md): what the lent machine lacks,
 # put in git-ignored folders that the device tool carries. datasets 4.8: its pyarrow floor (21) fits the
 # machine's own pyarrow, 5.x asks for 24, and pyarrow's 55 MB wheel would not fit the 64 MiB carried
 LEASE_WHEELS = transformers==5.24.0 peft==0.21.2 trl==1.16.0 datasets==4.8.0 dill==0.4.1 multiprocess==0.70.19
