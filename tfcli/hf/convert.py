@@ -6,7 +6,7 @@ A family module (gpt2.py, bert.py, t5.py, vit.py) describes itself with:
   rules(cfg)                     the weight table: one Rule per tfcli tensor
   normalize(state)               (optional) older or prefix-less transformers names -> the table's
   export(backbone, recipe)       -> Export: config.json, architecture, extra tensors and files
-  READS_PROCESSOR                (optional) config_from_hf also reads preprocessor_config.json (raw[vlm.PREPROCESSOR])
+  READS_PROCESSOR                (optional) config_from_hf also reads the image processor (raw[vlm.PREPROCESSOR])
 and this module does the rest, the same way for every family: reading a directory (single or
 sharded safetensors, or pytorch_model.bin read with weights_only=True), renaming, fusing and
 splitting q/k/v (by their widths under grouped-query attention), transposing Conv1D weights, and writing a directory transformers loads.

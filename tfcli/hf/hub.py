@@ -24,6 +24,7 @@ FILES = [
     "spiece.model",
     "special_tokens_map.json",
     "preprocessor_config.json",
+    "processor_config.json",
     "modules.json",
     "1_Pooling/config.json",
 ]

@@ -93,8 +93,8 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     tensors, no weight read (a memory plan)."""
     raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
     module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
-    if getattr(module, "READS_PROCESSOR", False) and (Path(path) / "preprocessor_config.json").is_file():
-        raw[vlm.PREPROCESSOR] = read_config(path, "preprocessor_config.json")  # how its images are prepared
+    if getattr(module, "READS_PROCESSOR", False) and not from_gguf:
+        raw[vlm.PREPROCESSOR] = vlm.read_processor(path)  # how its images are prepared
     state = module.normalize(state if state is not None else read_state(path, shapes_only))
     try:
         cfg = module.config_from_hf(raw, state)

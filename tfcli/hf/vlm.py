@@ -6,13 +6,16 @@ from preprocessor_config.json, and the export's config, tokenizer and processor 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from ..errors import UserError
 from ..models.vlm import ImageProcessing, VLMConfig
 from . import gemma, granite, llama, moe, olmo2, phi3, smollm3, towers
-from .convert import Export, Rule, json_text, refuse_classifier  # noqa: F401  (json_text: the tables write files with it)
+from .convert import Export, Rule, json_text, read_config, refuse_classifier  # noqa: F401  (json_text: tables write with it)
 
-PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's preprocessor_config.json in the raw config
+PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's image processor settings in the raw config
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+SOURCE = "__file__"  # the file the settings came from, for the one line that refuses them
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
@@ -50,10 +53,36 @@ def text_rules(cfg: VLMConfig, theirs: str, head: str) -> list[Rule]:
     return moved
 
 
+def read_processor(path: Path) -> dict:
+    """A directory's image processor settings, where transformers writes them: preprocessor_config.json
+    (transformers 4, or an image processor saved alone) or the `image_processor` entry of
+    processor_config.json (transformers 5 saves a whole processor's there). Neither: one line, since
+    defaults would cut and scale images otherwise than the model was trained on."""
+    path = Path(path)
+    if (path / PROCESSOR_FILES[0]).is_file():
+        return {**read_config(path, PROCESSOR_FILES[0]), SOURCE: str(path / PROCESSOR_FILES[0])}
+    if (path / PROCESSOR_FILES[1]).is_file():
+        settings = read_config(path, PROCESSOR_FILES[1]).get("image_processor")
+        if isinstance(settings, dict):
+            return {**settings, SOURCE: str(path / PROCESSOR_FILES[1])}
+    raise UserError(
+        f"{path}: no image processor settings (neither preprocessor_config.json nor an image_processor "
+        "entry in processor_config.json); save the model's processor beside it (processor.save_pretrained)"
+    )
+
+
 def processing(raw: dict, tower: str, split_default: bool = False) -> ImageProcessing:
     """The image processing a preprocessor_config.json describes (transformers' defaults for the tower
-    where the directory has none)."""
+    where the directory has none); a setting it cannot use is one line naming its file."""
     p = raw.get(PREPROCESSOR) or {}
+    try:
+        return _processing(p, raw, tower, split_default)
+    except (ValueError, TypeError, AttributeError) as e:
+        where = p.get(SOURCE, "the image processor settings")
+        raise UserError(f"{where}: {e if isinstance(e, ValueError) else 'a setting of the wrong type'}") from None
+
+
+def _processing(p: dict, raw: dict, tower: str, split_default: bool) -> ImageProcessing:
     vision = raw.get("vision_config") or {}
     side = vision.get("image_size", 224)
     resample = p.get("resample", 1 if tower == towers.IDEFICS3 else 3 if tower == towers.CLIP else 2)
