@@ -636,3 +636,103 @@ def test_a_vision_language_architecture_with_no_native_family_is_one_line(tmp_pa
     result = invoke("generate", "--checkpoint", tmp_path / "next", "--prompt", "hi")
     assert result.exit_code == 2, result.output
     assert "'llava_next'" in result.output and "llava, idefics3, smolvlm" in result.output
+
+
+def test_a_directory_saved_by_transformers_5_is_processed_as_its_processor_says(tmp_path):
+    """transformers 5 saves a whole processor's image settings inside processor_config.json (no
+    preprocessor_config.json): tfcli read defaults instead and cut images into 4x4 tiles where
+    transformers cuts 2x2. A directory with neither file is one line."""
+    model, processor, tok = hf_vlm("idefics3")
+    model.save_pretrained(tmp_path / "m")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|im_end|>")
+    transformers.Idefics3Processor(processor, fast, image_seq_len=4).save_pretrained(tmp_path / "m")
+    tok.tok.save(str(tmp_path / "m" / "tokenizer.json"))  # the processor adds <end_of_utterance>
+    assert not (tmp_path / "m" / "preprocessor_config.json").exists()
+    ours = for_inference(tmp_path / "m")
+    image = photos()[0]
+    want = processor(image, return_tensors="pt", return_row_col_info=True)
+    frames, rows, cols = image_processor.frames(ours.cfg.processing, image)
+    assert (rows, cols) == (want["rows"][0][0], want["cols"][0][0]) == (2, 2)
+    assert (frames - want["pixel_values"].flatten(0, 1)).abs().max() < 1e-5
+    pixels, ids = hf_inputs("idefics3", processor, ours, image)
+    with torch.no_grad():
+        theirs = model(input_ids=ids, pixel_values=pixels[None]).logits
+        assert (ours.model.logits(ours.model(ids, pixel_values=pixels)) - theirs).abs().max() < 1e-4
+    settings = json.loads((tmp_path / "m" / "processor_config.json").read_text())
+    settings["image_processor"]["size"] = {"longest_edge": 0}
+    (tmp_path / "m" / "processor_config.json").write_text(json.dumps(settings))
+    bad = invoke("generate", "--checkpoint", tmp_path / "m", "--prompt", "hi")
+    assert bad.exit_code == 2 and "processor_config.json: model.processing: size >= 1" in bad.output, bad.output
+    (tmp_path / "m" / "processor_config.json").unlink()
+    missing = invoke("generate", "--checkpoint", tmp_path / "m", "--prompt", "hi")
+    assert missing.exit_code == 2 and "no image processor settings" in missing.output, missing.output
+
+
+# llava-hf's chat template: it reads a message's content as parts, images first, and marks the replies
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def test_chat_with_an_image_is_the_prompt_transformers_chat_template_writes(tmp_path):
+    """`generate --chat --image` without a marker put `<image>\\n` before the text, which neither the
+    model's template (an image part) nor training (rows with image parts) writes: the message is now
+    an image part and its text, placed by the template; greedy tokens as transformers' processor and
+    generate give them. Training on the same row renders the same prompt."""
+    from tfcli.data.conversations import Fields
+    from tfcli.data.image_prompts import ImageExamples
+
+    model, processor, tok = hf_vlm("llava-clip")
+    save_vlm("llava-clip", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAVA_TEMPLATE}))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|im_end|>")
+    whole = transformers.LlavaProcessor(
+        processor, fast, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+    )
+    photos()[1].save(tmp_path / "coffee.png")
+    image = tmp_path / "coffee.png"
+    asked = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = whole.apply_chat_template(asked, add_generation_prompt=True)
+    inputs = whole(images=photos()[1], text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, inputs["input_ids"].size(1) :].tolist()
+    ours = for_inference(tmp_path / "m")
+    prompts = ImagePrompts(ours.cfg, ours.tokenizer)
+    messages, refs, marks = prompts.messages([{"role": "user", "content": "What is this?"}], [image])
+    template = ChatTemplate(ours.tokenizer.chat_template)
+    ids = template.render(ours.tokenizer, messages, add_generation_prompt=True, images=marks).ids
+    assert ids == inputs["input_ids"][0].tolist()
+    got = generate_batch(ours.model, [ids], max_new_tokens=8, inputs=prompts.inputs(refs))[0]
+    assert got == want
+    said = invoke(
+        "generate", "--checkpoint", tmp_path / "m", "--chat", "--image", image, "--prompt", "What is this?",
+        "--greedy", "--max-new-tokens", 8,
+    )  # fmt: skip
+    assert said.exit_code == 0 and said.output.strip() == ours.tokenizer.decode(want).strip(), said.output
+    row = {"images": ["coffee.png"], "messages": asked + [{"role": "assistant", "content": "coffee"}]}
+    builder = ImageExamples(ours.tokenizer, template, "assistant", 4096, Fields(), prompts=prompts, root=tmp_path)
+    example = builder.build_all([row]).examples[0]
+    assert example.prompt == ids and example.reply == "coffee"
+    trained = [i for i, t in zip(example.ids.tolist(), example.trained.tolist()) if t]
+    assert ours.tokenizer.decode(trained).strip() == "coffee"
+    chatml = ChatTemplate.load("chatml")  # a template that reads texts: the image part flattened first
+    flat, _, marks = prompts.messages([{"role": "user", "content": "What is this?"}], [image])
+    rendered = chatml.render(ours.tokenizer, flat, add_generation_prompt=True, images=marks)
+    assert "user\n<image>" in readable_text(ours.tokenizer, rendered.ids) and "What is this?" in rendered.text
+    trained_row = ImageExamples(ours.tokenizer, chatml, "assistant", 4096, Fields(), prompts=prompts, root=tmp_path)
+    assert trained_row.build_all([row]).examples[0].prompt == rendered.ids
+
+
+def readable_text(tokenizer, ids) -> str:
+    from tfcli.data.image_prompts import readable
+
+    return readable(tokenizer.decode(ids, skip_special_tokens=False))

@@ -409,18 +409,19 @@ def reply(
     data.chat.ChatTemplate) with the assistant's header, then tokens until an end-of-turn or
     end-of-text token. Oldest exchanges are left out (the system message kept) while the
     conversation and the reply would not fit the context. `images`: read where the messages' markers
-    are (first in the first user message where none has any); those exchanges are never left out."""
+    are, or as image parts of the first user message where none has any (placed by the template, as
+    in training); those exchanges are never left out."""
     from .data.chat import stop_ids
 
     tok, model = backbone.tokenizer, backbone.model
     if model.kind != kinds.DECODER:
         raise UserError(f"chat needs a decoder; this is a {backbone.family} ({model.kind})")
-    messages, inputs = list(messages), {}
+    messages, inputs, marks = list(messages), {}, None
     prompts = image_prompts(backbone, list(images))
     if prompts is not None:
-        messages, refs = prompts.messages(messages, list(images))
+        messages, refs, marks = prompts.messages(messages, list(images))
         inputs = prompts.inputs(refs)
-    ids = template.render(tok, messages, add_generation_prompt=True).ids
+    ids = template.render(tok, messages, add_generation_prompt=True, images=marks).ids
     while (
         not inputs
         and len(ids) + max_new_tokens > model.cfg.max_seq_len

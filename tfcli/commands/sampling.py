@@ -73,8 +73,9 @@ def generate(
     image: list[Path] = typer.Option(
         None,
         "--image",
-        help="A vision-language model: an image it reads, where --prompt says <image> (first where it does not); "
-        "repeat for several.",
+        help="A vision-language model: an image it reads; repeat for several. With --chat, an image part of the "
+        "message, placed by the model's chat template as in training; without, where --prompt says <image>, "
+        "else first, on a line of its own.",
     ),
     images: int = typer.Option(
         0, help="An igpt run: complete the bottom half of N held-out images and draw N samples, as a PNG grid."

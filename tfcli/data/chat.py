@@ -11,8 +11,10 @@ generation prompt are its reply, so no template needs `{% generation %}` markers
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -64,10 +66,29 @@ class ChatTemplate:
             text = template
         return cls(text, str(path))
 
-    def text(self, messages: list[dict], add_generation_prompt: bool = False, **specials: str) -> str:
-        """The conversation as the template writes it (bos_token, eos_token, ... as given)."""
+    @functools.cached_property
+    def reads_parts(self) -> bool:
+        """Whether the template reads a message's content as a list of parts ({"type": "text"} /
+        {"type": "image"}), as vision-language models' templates do, rather than as one text."""
         import jinja2
 
+        probe = "\u2063probe\u2063"
+        try:
+            out = self._template.render(messages=[{"role": "user", "content": [{"type": "text", "text": probe}]}])
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError):
+            return False
+        return probe in out and "'type'" not in out
+
+    def text(
+        self, messages: list[dict], add_generation_prompt: bool = False, marker: str | None = None, **specials: str
+    ) -> str:
+        """The conversation as the template writes it (bos_token, eos_token, ... as given). Content is
+        given to the template in the form it reads: where there are images (`marker`), a template that
+        reads parts gets each text as parts (split at the marker, an image part for each); one that
+        reads texts gets parts joined, an image part written as the marker."""
+        import jinja2
+
+        messages = [{**m, "content": self._content(m["content"], marker)} for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
         except jinja2.exceptions.SecurityError as e:
@@ -77,20 +98,50 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as e:
             raise UserError(f"{self.where}: {short(str(e), 160)}") from None
 
-    def render(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False, **specials: str) -> Rendered:
+    def _content(self, content, marker: str | None):
+        if isinstance(content, list):
+            return content if self.reads_parts else joined(content, marker or "")
+        if not isinstance(content, str) or marker is None or not self.reads_parts:
+            return content
+        pieces = content.split(marker) if marker else [content]
+        parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+        return parts
+
+    def render(
+        self,
+        tokenizer,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        images: ImageMarks | None = None,
+        **specials: str,
+    ) -> Rendered:
         """Ids of the whole conversation and the mask of its assistant replies, each reply's
         end-of-turn token included (whitespace the template writes after it is not). The template
-        sees the tokenizer's own special tokens (bos_token, eos_token, ...) unless given."""
-        check_messages(messages)
+        sees the tokenizer's own special tokens (bos_token, eos_token, ...) unless given. `images`:
+        the template places each image's marker (as it reads parts, or where the text has it), and the
+        markers of the rendered text are then expanded into the images' tokens."""
+        check_messages(messages, parts=images is not None)
         specials = {**tokenizer.specials.to_config(), **specials}
-        text = self.text(messages, add_generation_prompt, **specials)
-        spans = self.assistant_spans(messages, text, **specials)
+        marker = images.marker if images is not None else None
+        text = self.text(messages, add_generation_prompt, marker, **specials)
+        spans = self.assistant_spans(messages, text, marker, **specials)
+        if images is not None:
+            if text.count(marker) != images.count:
+                raise UserError(
+                    f"{self.where}: it writes {text.count(marker)} {marker} markers for {images.count} images"
+                )
+            spans = [(len(images.expand(text[:a])), len(images.expand(text[:b]))) for a, b in spans]
+            text = images.expand(text)
         encoding = tokenizer.tok.encode(text, add_special_tokens=False)
         # a token is the reply's if it overlaps it (" Paris" starts at the space the template writes)
         turns = [next((n for n, (a, b) in enumerate(spans, 1) if s < b and e > a), 0) for s, e in encoding.offsets]
         return Rendered(list(encoding.ids), turns, text)
 
-    def assistant_spans(self, messages: list[dict], text: str, **specials: str) -> list[tuple[int, int]]:
+    def assistant_spans(
+        self, messages: list[dict], text: str, marker: str | None = None, **specials: str
+    ) -> list[tuple[int, int]]:
         """(start, end) characters of every assistant reply in `text`: what rendering messages[:i+1]
         adds to rendering messages[:i], after the generation prompt's header (found by its text:
         templates may write other blank lines around it on the two routes)."""
@@ -98,10 +149,10 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            previous = self.text(messages[:i], **specials)
-            through = self.text(messages[: i + 1], **specials).rstrip()  # templates may end in blank lines
+            previous = self.text(messages[:i], False, marker, **specials)
+            through = self.text(messages[: i + 1], False, marker, **specials).rstrip()  # may end in blank lines
             common = len(os.path.commonprefix([previous, through]))
-            prompted = self.text(messages[:i], add_generation_prompt=True, **specials)
+            prompted = self.text(messages[:i], True, marker, **specials)
             header = prompted[len(os.path.commonprefix([previous, prompted])) :].strip()
             found = through.find(header, common) if header else common
             if found < 0 or not text.startswith(through):
@@ -116,15 +167,48 @@ class ChatTemplate:
         return spans
 
 
-def check_messages(messages: list[dict]) -> None:
-    """Each message a {role, content} with a known role and text content."""
+def check_messages(messages: list[dict], parts: bool = False) -> None:
+    """Each message a {role, content} with a known role and text content (`parts`: or a list of text
+    and image parts, a vision-language model's)."""
     if not messages:
         raise UserError("a conversation needs at least one message")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+            isinstance(content, str) or (parts and joined(content, "") is not None)
+        ):
             raise UserError(
                 f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}"
             )
+
+
+@dataclass(frozen=True)
+class ImageMarks:
+    """A conversation's images, for ChatTemplate.render: the marker the template writes for each, how
+    many there are, and how a rendered text's markers become the images' tokens (in order)."""
+
+    marker: str
+    count: int
+    expand: Callable[[str], str]
+
+
+def joined(content, marker: str) -> str | None:
+    """A message's content as one text: a text as it is, a list of parts joined ({"type": "text"}'s
+    text; `marker` for each {"type": "image"}); None when it is neither."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            out.append(marker)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        else:
+            return None
+    return "".join(out)
 
 
 @lru_cache(maxsize=32)
@@ -141,13 +225,30 @@ def _compile(source: str, where: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()]
+    )
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise UserError(f"{where}: not a valid Jinja template (line {e.lineno}: {short(e.message, 100)})") from None
+
+
+def _generation_tag():
+    """transformers' `{% generation %}...{% endgeneration %}` (marking the assistant's tokens), read as
+    its body: tfcli finds the replies by prefix differencing."""
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def shipped_templates() -> list[str]:

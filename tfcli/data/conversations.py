@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from .chat import ChatTemplate, check_messages
+from .chat import ChatTemplate, ImageMarks, check_messages, joined
 
 TRAIN_ON = ("assistant", "all", "last")
 FORMATS = ("auto", "prompt", "messages", "text")
@@ -125,9 +125,10 @@ def row_format(row: dict, fields: Fields, wanted: str = "auto") -> str:
     return "text"
 
 
-def as_messages(row: dict, fields: Fields, fmt: str) -> list[dict] | str:
+def as_messages(row: dict, fields: Fields, fmt: str, parts: bool = False) -> list[dict] | str:
     """The row as a conversation (prompt rows become [system], user, assistant), its text for a
-    text row, or a string naming why it is skipped (prefixed 'skip:')."""
+    text row, or a string naming why it is skipped (prefixed 'skip:'). `parts`: a message's content
+    may be a list of text and image parts (a vision-language model's rows)."""
     if fmt == "text":
         text = row.get(fields.text)
         return text if isinstance(text, str) and text.strip() else f"skip:no {fields.text!r} text"
@@ -143,7 +144,7 @@ def as_messages(row: dict, fields: Fields, fmt: str) -> list[dict] | str:
     if not isinstance(messages, list) or not messages:
         return f"skip:no {fields.messages!r} list"
     try:
-        check_messages(messages)
+        check_messages(messages, parts)
     except UserError:
         return "skip:a message without role and text content"
     return why_out_of_order(messages) or [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -157,7 +158,7 @@ def why_out_of_order(messages: list[dict]) -> str | None:
         return "skip:roles out of order"
     if not turns or turns[-1]["role"] != "assistant":
         return "skip:no assistant reply at the end"
-    if any(m["role"] == "assistant" and not m["content"].strip() for m in turns):
+    if any(m["role"] == "assistant" and not joined(m["content"], "").strip() for m in turns):
         return "skip:empty reply"
     return None
 
@@ -178,8 +179,10 @@ class ExampleBuilder:
         columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
         return Examples(*built(rows, self.example), columns=tuple(columns))
 
+    reads_parts = False  # rows' messages may hold image parts (ImageExamples)
+
     def example(self, row: dict) -> AnyExample | str:
-        parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt))
+        parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt), self.reads_parts)
         if isinstance(parsed, str) and parsed.startswith("skip:"):
             return parsed
         return self.within_length(self.build(parsed))
@@ -228,8 +231,10 @@ class DecoderExamples(ExampleBuilder):
             return "skip:a conversation needs a chat template (sft.chat_template)"
         return self.plain(parsed[0]["content"], parsed[1]["content"])
 
+    images: ImageMarks | None = None  # the example's images, while it is built (ImageExamples)
+
     def templated(self, messages: list[dict]) -> Example:
-        rendered = self.template.render(self.tok, messages)
+        rendered = self.template.render(self.tok, messages, images=self.images)
         turns = np.array(rendered.turns)  # (T,): 0, or the number of the reply the token belongs to
         if self.train_on == "all":
             trained = np.ones(len(turns), dtype=np.int64)
@@ -238,8 +243,8 @@ class DecoderExamples(ExampleBuilder):
         else:
             trained = (turns > 0).astype(np.int64)
         trained[0] = 0  # the first token is nobody's target
-        prompt = self.template.render(self.tok, messages[:-1], add_generation_prompt=True).ids
-        return Example(np.array(rendered.ids), trained, list(prompt), messages[-1]["content"])
+        prompt = self.template.render(self.tok, messages[:-1], add_generation_prompt=True, images=self.images).ids
+        return Example(np.array(rendered.ids), trained, list(prompt), joined(messages[-1]["content"], ""))
 
     def plain(self, prompt: str, reply: str) -> Example:
         """A base model's example: the prompt and a line break, the reply, end of text."""

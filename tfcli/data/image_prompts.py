@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..models.vlm import ImageProcessing
+from .chat import ImageMarks, joined
 from .conversations import DecoderExamples, Examples
 from .image_processor import frames, grid, open_image
 
@@ -99,7 +100,8 @@ class ImagePrompts:
         return refs, grids
 
     def prompt(self, text: str, paths: list[Path]) -> tuple[str, list[ImageRef]]:
-        """A prompt typed on the command line with --image: the marker put first where it has none."""
+        """A prompt typed on the command line with --image (no chat template): the markers where the
+        text has them, else first, each on a line of its own."""
         if paths and self.marker not in text:
             text = self.marker * len(paths) + ("\n" + text if text else "")
         if text.count(self.marker) != len(paths):
@@ -107,19 +109,24 @@ class ImagePrompts:
         refs, grids = self.refs(paths, "--image")
         return self.expand(text, grids), refs
 
-    def messages(self, messages: list[dict], paths: list[Path]) -> tuple[list[dict], list[ImageRef]]:
-        """A chat's messages with --image: the markers put first in the first user message where none
-        has any, then expanded."""
+    def messages(self, messages: list[dict], paths: list[Path]) -> tuple[list[dict], list[ImageRef], ImageMarks]:
+        """A chat's messages with --image: where no message has a marker, the first user message
+        becomes image parts and its text (as TRL's rows write it), for the chat template to place as
+        it places an image when training; the images' marks for ChatTemplate.render."""
         messages = [dict(m) for m in messages]
-        if paths and not any(self.marker in m["content"] for m in messages):
+        if paths and not any(self.marker in joined(m["content"], self.marker) for m in messages):
             first = next(m for m in messages if m["role"] == "user")
-            first["content"] = self.marker * len(paths) + "\n" + first["content"]
-        found = sum(m["content"].count(self.marker) for m in messages)
+            text = [{"type": "text", "text": first["content"]}] if first["content"] else []
+            first["content"] = [{"type": "image"} for _ in paths] + text
+        found = sum(joined(m["content"], self.marker).count(self.marker) for m in messages)
         if found != len(paths):
             raise UserError(f"the conversation holds {found} {self.marker} markers for {len(paths)} --image")
         refs, grids = self.refs(paths, "--image")
-        self.expand_messages(messages, grids)
-        return messages, refs
+        return messages, refs, self.marks(grids)
+
+    def marks(self, grids: list[tuple[int, int]]) -> ImageMarks:
+        """These images' marker and expansion, for a chat template's rendering."""
+        return ImageMarks(self.marker, len(grids), lambda text: self.expand(text, grids))
 
     def expand_messages(self, messages: list[dict], grids: list[tuple[int, int]]) -> None:
         """Every message's markers, in order through the conversation, expanded in place."""
@@ -189,23 +196,6 @@ def _folder(root: Path, question: str, marker: str) -> list[dict]:
     return [{"image": str(root / r["file_name"]), "prompt": prompt, "completion": str(r[column])} for r in rows]
 
 
-def flatten(content, marker: str):
-    """A message's content parts ({"type": "image"} / {"type": "text", "text": ...}) as one text with a
-    marker per image part; a text content as it is."""
-    if not isinstance(content, list):
-        return content
-    out = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image":
-            out.append(marker)
-        elif kind == "text" and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        else:
-            return None  # not a message of text and images: as_messages skips the row
-    return "".join(out)
-
-
 class ImageExamples(DecoderExamples):
     """A vision-language model's examples: the decoder's, with each row's images checked and their
     markers expanded into image tokens; an example carries its images (ImageRef) to its batch."""
@@ -214,25 +204,24 @@ class ImageExamples(DecoderExamples):
         super().__init__(*args, **kwargs)
         self.prompts, self.root = prompts, Path(root)
 
+    reads_parts = True  # TRL's rows: a message's content a list of text and image parts
+
     def build_all(self, rows: list) -> Examples:
         self.numbers = iter(range(1, len(rows) + 1))  # each row's number, for its one-line errors
         return super().build_all(rows)
 
     def example(self, row: dict):
-        """The decoder's example of the row, its content parts flattened (images as markers)."""
         self.where = f"row {next(self.numbers)}"
         self.named = self.paths(row, self.where)
-        messages = row.get(self.fields.messages)
-        if isinstance(messages, list):
-            marker = self.prompts.marker
-            flat = [{**m, "content": flatten(m.get("content"), marker)} if isinstance(m, dict) else m for m in messages]
-            row = {**row, self.fields.messages: flat}
         return super().example(row)
 
     def build(self, parsed):
-        """The row's images checked against its markers and read, the markers expanded, the images carried."""
+        """The row's images checked against its markers (or image parts) and read, the images carried.
+        With a chat template, the template places each image's marker as training and generation
+        both render it (ChatTemplate.render), then the markers become image tokens; a plain text or
+        a base model's prompt has its markers expanded where they are."""
         marker, paths = self.prompts.marker, self.named
-        texts = [parsed] if isinstance(parsed, str) else [m["content"] for m in parsed]
+        texts = [parsed] if isinstance(parsed, str) else [joined(m["content"], marker) for m in parsed]
         markers = sum(t.count(marker) for t in texts)
         if markers != len(paths):
             raise UserError(
@@ -242,9 +231,15 @@ class ImageExamples(DecoderExamples):
         refs, grids = self.prompts.refs(paths, self.where)
         if isinstance(parsed, str):
             parsed = self.prompts.expand(parsed, grids)
-        else:
+        elif self.template is None:  # a base model's prompt and reply: the markers where the texts have them
+            parsed = [{**m, "content": t} for m, t in zip(parsed, texts)]
             self.prompts.expand_messages(parsed, grids)
-        example = super().build(parsed)
+        else:
+            self.images = self.prompts.marks(grids)
+        try:
+            example = super().build(parsed)
+        finally:
+            self.images = None
         return example if isinstance(example, str) else replace(example, images=tuple(refs))
 
     def paths(self, row: dict, where: str) -> list[Path]:
