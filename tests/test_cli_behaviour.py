@@ -43,7 +43,7 @@ def test_each_method_reads_its_own_defaults_and_the_command_line_wins(tmp_path):
 
     lora = recipes.load("mnli-minilm", {"finetune.train": "lora"})
     assert lora.optim.lr == 1e-3 and lora.settings.pooling == "mean"
-    assert set(lora.adapter.targets) >= {"q", "k", "v", "o", "up", "down"}
+    assert set(lora.adapter.parts) >= {"q", "k", "v", "o", "up", "down"}
     assert recipes.load("mnli-minilm", {"finetune.train": "lora", "optim.lr": 5e-4}).optim.lr == 5e-4
     assert recipes.load("mnli-minilm", {"finetune.train": "bitfit"}).optim.lr == 1e-2
     full = recipes.load("mnli-minilm")

@@ -127,6 +127,62 @@ def test_three_lora_steps_give_the_losses_of_transformers_and_peft(pair):
     assert all(abs(a - b) < 1e-4 for a, b in losses) and losses[2][0] < losses[0][0], losses
 
 
+FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True, bias=False)
+
+
+def test_lora_reaches_every_linear_of_the_layers_as_peft_all_linear(tmp_path):
+    """Falcon's attention is one fused query_key_value, its MLP dense_h_to_4h / dense_4h_to_h: names
+    tfcli has no part for. The llama recipes' LoRA targets (every part) adapted its dense alone (0.06% of
+    the parameters) with no word; all-linear now adapts every linear of the layers as peft's does, with
+    peft's losses, says which in the run's first lines, and targets that match nothing are one line."""
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_from_runs import ROWS
+
+    config = transformers.FalconConfig(vocab_size=VOCAB, **FALCON)
+    torch.manual_seed(0)
+    transformers.FalconForCausalLM(config).save_pretrained(tmp_path / "falcon")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "falcon", attn_implementation="sdpa")
+    theirs = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    ).train()
+    ours = tfcli_model(tmp_path / "falcon")
+    layers = [n for n, m in base.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert adapters.apply(ours, "lora", AdapterConfig(rank=4, alpha=8, dropout=0.0, targets=("all-linear",))) == len(
+        layers
+    ) == 8
+    ours.train()
+    params = dict(theirs.named_parameters())
+    with torch.no_grad():
+        for name, module in ours.named_modules():
+            if isinstance(module, adapters.LoRALinear):
+                stem = "base_model.model." + name[len("inner.") :]
+                params[f"{stem}.lora_B.default.weight"].normal_(0, 0.1)
+                module.lora_a[0].copy_(params[f"{stem}.lora_A.default.weight"])
+                module.lora_b.copy_(params[f"{stem}.lora_B.default.weight"])
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = theirs(ids, labels=ids).loss
+    head = lm_head(ours, ours(ids))
+    got = linear_cross_entropy(head.hidden, head.weight, targets_of(ids))[0]
+    assert abs(got.item() - want.item()) < 1e-4 * max(1.0, abs(want.item()))
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    config = transformers.FalconConfig(vocab_size=tok.vocab_size, **FALCON)
+    transformers.FalconForCausalLM(config).save_pretrained(tmp_path / "model")
+    tok.tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = ["finetune", "sft", "--from", tmp_path / "model", "--data", data, "--train", "lora", "--steps", 1]
+    args += ["--batch-size", 2, "--set", "sft.generate_limit=0", "--set", "finetune.eval_limit=2"]
+    ran = invoke(*args, "--out", tmp_path / "run")
+    assert ran.exit_code == 0, ran.output
+    assert (
+        "adapters on 8 modules: self_attention.query_key_value, self_attention.dense, mlp.dense_h_to_4h, "
+        "mlp.dense_4h_to_h (in each of 2 layers)" in ran.output
+    ), ran.output
+    refused = invoke(*args, "--out", tmp_path / "none", "--set", "adapter.targets=[q,v]")
+    assert refused.exit_code == 2 and "adapter.targets q, v match no linear" in refused.output, refused.output
+    assert "query_key_value" in refused.output and not (tmp_path / "none").exists()
+
+
 def test_remote_code_and_unknown_architectures_are_refused_in_one_line(pair, tmp_path):
     arch, theirs, directory = pair
     raw = json.loads((directory / "config.json").read_text())

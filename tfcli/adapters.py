@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -272,7 +273,11 @@ def _adapted(wrap: Callable[[nn.Module, list, frozenset, AdapterConfig], nn.Modu
                 count += 1
         count += _adapt_experts(model, cfg, wrap is _lora, quantize)
         if not count:
-            raise UserError(f"no {', '.join(cfg.targets)} projections in this model to adapt")
+            found = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise UserError(
+                f"adapter.targets {', '.join(cfg.targets)} match no linear of this model (its linears: "
+                f"{', '.join(found[:8])}{', ...' if len(found) > 8 else ''}); name other parts, or all-linear"
+            )
         return count
 
     return apply
@@ -285,7 +290,7 @@ def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: b
     experts = bool(cfg is not None and cfg.experts)  # IA3 runs without adapter settings
     if experts and not stacks:
         raise UserError("adapter.experts: this model has no mixture of experts")
-    parts = tuple(p for p in ("gate", "up", "down") if p in cfg.targets) if experts else ()
+    parts = tuple(p for p in ("gate", "up", "down") if p in cfg.parts) if experts else ()
     if experts and not (lora and parts):
         raise UserError(
             "adapter.experts puts LoRA on the experts' gate, up and down: use --train lora or qlora with "
@@ -300,7 +305,7 @@ def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: b
 
 
 def _lora(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:
-    return LoRALinear(linear, parts, cfg.targets, cfg) if names & set(cfg.targets) else None
+    return LoRALinear(linear, parts, cfg.parts, cfg) if names & set(cfg.parts) else None
 
 
 def _ia3(linear: nn.Module, parts: list, names: frozenset, cfg: AdapterConfig) -> nn.Module | None:
@@ -370,6 +375,19 @@ def apply(
         if method(name).backbone_trains:
             model.projector.requires_grad_(True)
     return count
+
+
+def adapted_modules(model: nn.Module) -> str:
+    """Which modules carry adapters, for the run's first lines: their names with the layer number
+    left out, and how many there are ("" when none): `12 modules: attn.qkv, mlp.up (in each of 6 layers)`."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (LoRALinear, IA3Linear, ExpertLoRA))]
+    if not names:
+        return ""
+    shapes = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names)  # each layer's names, once
+    stems = [s.split(".*.", 1)[-1] for s in shapes]
+    layers = len(names) // max(len(shapes), 1)
+    each = f" (in each of {layers} layers)" if len(shapes) * layers == len(names) and layers > 1 else ""
+    return f"{len(names)} modules: {', '.join(dict.fromkeys(stems))}{each}"
 
 
 @contextlib.contextmanager

@@ -558,6 +558,7 @@ def banner(
         f"recipe {recipe.name}, run directory [green]{run_dir}[/]"
         + (f" (resuming from {ckpt.name})" if ckpt else "")
         + (f"\n{described}" if described else "")
+        + (f"\nadapters on {adapted}" if (adapted := adapters.adapted_modules(module)) else "")
         + quantized_note(module)
     )
 

@@ -409,6 +409,7 @@ class FinetuneConfig:
 
 
 PARTS = ("q", "k", "v", "o", "up", "gate", "down")  # the linears of the shared block an adapter may target
+ALL_LINEAR = "all-linear"  # peft's name: every linear of the blocks (the generic path's too, named or not)
 
 
 @dataclass(frozen=True)
@@ -421,7 +422,12 @@ class AdapterConfig:
         default=0.0, metadata={"help": "as PEFT; > 0 keeps a dropped-out copy of every adapted input for backward"}
     )
     targets: tuple[str, ...] = field(
-        default=("q", "v"), metadata={"help": "lora's; ia3 scales k, v and the MLP's inner activations"}
+        default=("q", "v"),
+        metadata={
+            "help": "lora's: block parts, or all-linear (every linear of the blocks, as peft's all-linear; on "
+            "the generic path, linears tfcli has no part name for too); ia3 scales k, v and the MLP's inner "
+            "activations"
+        },
     )
     experts: bool = field(
         default=False,
@@ -437,11 +443,17 @@ class AdapterConfig:
         require(self.alpha > 0, "adapter.alpha", "> 0", self.alpha)
         require(0 <= self.dropout < 1, "adapter.dropout", "in [0, 1)", self.dropout)
         require(
-            bool(self.targets) and set(self.targets) <= set(PARTS),
+            bool(self.targets) and (set(self.targets) <= set(PARTS) or tuple(self.targets) == (ALL_LINEAR,)),
             "adapter.targets",
-            f"some of {', '.join(PARTS)}",
+            f"some of {', '.join(PARTS)}, or {ALL_LINEAR} alone",
             list(self.targets),
         )
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The part names the targets cover: all-linear covers every part, and a linear the generic path
+        has no part name for (models.generic.UNNAMED)."""
+        return (*PARTS, "linear") if tuple(self.targets) == (ALL_LINEAR,) else tuple(self.targets)
 
 
 @dataclass(frozen=True)

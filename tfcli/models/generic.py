@@ -29,7 +29,8 @@ LINEAR_PARTS = {
     "c_fc": "up", "c_proj": "down", "lin1": "up", "lin2": "down", "intermediate.dense": "up", "output.dense": "down",
     "attention.output.dense": "o",
 }  # fmt: skip
-SUFFIXES = sorted(LINEAR_PARTS, key=len, reverse=True)  # the longest name that fits decides (output.dense)
+SUFFIXES = sorted(LINEAR_PARTS, key=len, reverse=True)
+UNNAMED = "linear"  # the part of a layer's linear with no name above (recipe.AdapterConfig.parts)  # the longest name that fits decides (output.dense)
 OUTPUT_CHANGES = ("logit_scale", "logits_scaling", "final_logit_softcapping", "output_multiplier_scale")
 
 
@@ -142,11 +143,20 @@ class _Wrapped(nn.Module):
         return next(m for m in self.inner.modules() if isinstance(m, nn.ModuleList) and len(m) == self.cfg.n_layer)
 
     def linear_parts(self, name: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
-        """The adapter part a linear of a decoder layer is, by its transformers name (None: not one)."""
-        if ".layers." not in f".{name}." and ".layer." not in f".{name}." and ".h." not in f".{name}.":
+        """The adapter part a linear of a decoder layer is, by its transformers name; a layer's linear
+        with no part name tfcli knows (Falcon's query_key_value) is UNNAMED, which all-linear targets
+        (None: not a layer's linear, the output layer among them)."""
+        if not name.startswith(self._layer_prefixes()):
             return None
         suffix = next((s for s in SUFFIXES if name.endswith("." + s)), None)
-        return ((LINEAR_PARTS[suffix], module.out_features),) if suffix else None
+        return ((LINEAR_PARTS[suffix] if suffix else UNNAMED, module.out_features),)
+
+    def _layer_prefixes(self) -> tuple[str, ...]:
+        """The module names of its layers ("inner.model.layers.0.", ...), found once."""
+        if not getattr(self, "_prefixes", None):
+            layers = {id(m) for m in self._layers()}
+            self._prefixes = tuple(f"{n}." for n, m in self.named_modules() if id(m) in layers)
+        return self._prefixes
 
     def _recompute(self) -> None:
         """train.activation_checkpointing sets `checkpointing` on each block: transformers' own switch."""
