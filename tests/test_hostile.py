@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from .conftest import invoke, write_jsonl
@@ -418,3 +419,86 @@ def test_chat_says_reset_and_a_data_folder_with_test_and_no_dev_is_taken(tmp_pat
         result = invoke("finetune", *task, "--from", char_model, "--data", folder, "--steps", 1, "--dry-run")
         assert result.exit_code == 0, result.output
         assert "test.jsonl" in result.output, result.output
+
+
+# --- model directories with configs that do not describe what tfcli would run ------------------------
+
+CONFIGS = sorted((HOSTILE / "configs").glob("*.json"))
+
+
+def tiny_directory(model_type: str, path: Path, changes: dict, build: dict | None = None) -> Path:
+    """A tiny random model of `model_type` that transformers writes (the switches the family tests give
+    it, and `build`), a small BPE tokenizer beside it, then config.json changed (a None removes a key)."""
+    transformers = pytest.importorskip("transformers")
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_families import ARCHITECTURES as DENSE
+    from .test_families import BASE
+    from .test_gguf import small_gpt2
+    from .test_moe import ARCHITECTURES as MIXTURES
+
+    tok = load_tokenizer_files(small_gpt2(200), ["<|endoftext|>"])
+    extra = {**DENSE, **MIXTURES}[model_type]
+    layers = {"num_hidden_layers": 3, "num_experts_per_tok": 2} if model_type in MIXTURES else {}
+    shape = {**BASE, **extra, **layers, "vocab_size": tok.vocab_size, **(build or {})}
+    config = transformers.AutoConfig.for_model(model_type, **shape)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_a_config_tfcli_would_run_otherwise_is_one_line(case, tmp_path):
+    """tests/hostile/configs: a layer kind tfcli does not implement (which ran as full attention), a
+    per-layer list shorter than the layers, a zero interval, a head_dim the weights disagree with, no
+    experts, and exports llama.cpp's graphs would run differently."""
+    spec = json.loads(case.read_text())
+    model = tiny_directory(spec["model_type"], tmp_path / "m", spec["set"], spec.get("build"))
+    if spec.get("command") == "export-gguf":
+        result = invoke("export", "--checkpoint", model, "--gguf", tmp_path / "m.gguf")
+        assert not (tmp_path / "m.gguf").exists()
+    else:
+        result = invoke("generate", "--checkpoint", model, "--prompt", "hi", "--max-new-tokens", 2)
+    refused(result, *spec["says"])
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_gguf_whose_expert_count_disagrees_with_its_tensors_names_both(tmp_path):
+    import gguf
+
+    model = tiny_directory("qwen3_moe", tmp_path / "m", {}, {"mlp_only_layers": []})
+    assert invoke("export", "--checkpoint", model, "--gguf", tmp_path / "m.gguf").exit_code == 0
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"), "r+")
+    field = reader.fields["qwen3moe.expert_count"]
+    field.parts[field.data[0]][0] = 3  # written in place: 3 experts said, 4 stacked
+    del reader
+    refused(
+        invoke("generate", "--checkpoint", tmp_path / "m.gguf", "--prompt", "hi"),
+        "qwen3moe.expert_count is 3",
+        "stacks 4 experts",
+    )
+
+
+def test_a_bare_modernbert_model_is_a_base_whose_head_is_built_new(tmp_path, mnli_dir):
+    """ModernBERT embedding models ship as a bare ModernBertModel: refused because "its weights do not fit"
+    (head.dense.weight); it is a base, so its prediction head is initialised fresh, as BERT's pooler."""
+    transformers = pytest.importorskip("transformers")
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    from .test_modernbert import SHAPE
+
+    tok = load_tokenizer_files("builtin:bert-base-uncased", [])
+    config = transformers.ModernBertConfig(**{**SHAPE, "vocab_size": tok.vocab_size})
+    transformers.ModernBertModel(config).save_pretrained(tmp_path / "m")
+    tok.tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    args = ["finetune", "mnli", "--from", tmp_path / "m", "--data", mnli_dir, "--train", "lora", "--steps", 2]
+    args += ["--batch-size", 4, "--quiet", "--set", "data.seq_len=32", "--set", "finetune.eval_limit=4"]
+    result = invoke(*args, "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    first = invoke("eval", "--checkpoint", tmp_path / "run", "--limit", 4, "--quiet")
+    again = invoke("eval", "--checkpoint", tmp_path / "run", "--limit", 4, "--quiet")
+    assert first.exit_code == 0 and first.output == again.output, first.output  # the same fresh head each time

@@ -475,6 +475,9 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
         "unreadable": ({**rows[1], "image": "rows.jsonl"}, "not a readable image"),
         "no marker": ({**rows[1], "prompt": "What colour is this?"}, "1 image and 0 <image> markers"),
     }
+    for hostile in ("escape", "escape_hidden"):  # paths that leave the data's folder: refused unopened
+        bad = json.loads((Path(__file__).parent / "hostile" / "images" / f"{hostile}.jsonl").read_text())
+        cases[hostile] = (bad, "leaves the data's folder")
     for name, (bad, message) in cases.items():
         broken = write_jsonl(tmp_path / f"{name}.jsonl", [rows[0], bad] + rows[2:])
         result = invoke(
@@ -492,7 +495,22 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
         )
         assert result.exit_code == 2, result.output
         assert message in result.output and len(result.output.strip().splitlines()[-1]) < 300
+        assert f"{name}.jsonl: row 2" in result.output or "held-out" in result.output, result.output
         assert not (tmp_path / name.replace(" ", "-")).exists()
+    from tfcli import recipe as recipes
+    from tfcli.data.labelled import held_out_rows
+
+    seed = recipes.load("sft-vlm-mini").train.seed
+    held_out = held_out_rows(Path(data), 0.25, seed)[0]  # a row of the held-out split: named by its file's number
+    number = rows.index(held_out) + 1
+    bad = [{**r, "image": "imgs/nope.png"} if i + 1 == number else r for i, r in enumerate(rows)]
+    held = write_jsonl(tmp_path / "held.jsonl", bad)
+    result = invoke("finetune", "sft", "--from", llava_dir, "--data", held, "--train", "lora", "--out", tmp_path / "h", *SFT)
+    assert result.exit_code == 2 and f"held.jsonl (held-out 0.25): row {number}: image" in result.output, result.output
+    (tmp_path / "empty" / "red").mkdir(parents=True)
+    (tmp_path / "empty" / "blue").mkdir()
+    empty = invoke("finetune", "sft", "--from", llava_dir, "--data", tmp_path / "empty", "--out", tmp_path / "e", *SFT)
+    assert empty.exit_code == 2 and "sub-folders (blue, red) hold no images" in empty.output, empty.output
     refused = invoke("generate", "--checkpoint", llava_dir, "--image", tmp_path / "nope.png", "--prompt", "hi")
     assert refused.exit_code == 2 and "--image: image" in refused.output
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Colour?", "chosen": "red", "rejected": "blue"}] * 8)

@@ -175,7 +175,9 @@ class ExampleBuilder:
         if self.eos is None:
             raise UserError("this tokenizer has no end-of-text token; a reply would have nothing to end with")
 
-    def build_all(self, rows: list) -> Examples:
+    def build_all(self, rows: list, places: list[str] | None = None) -> Examples:
+        """Every row's example; `places` says where each row is (its file and number), for the one-line
+        errors of rows that stop a run (ImageExamples')."""
         columns = dict.fromkeys(k for row in rows[:100] if isinstance(row, dict) for k in row)
         return Examples(*built(rows, self.example), columns=tuple(columns))
 

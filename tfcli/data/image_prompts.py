@@ -17,6 +17,7 @@ A marker becomes, per model (VLMConfig.tiled_prompt):
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -170,6 +171,8 @@ def folder_rows(root: Path, question: str, marker: str) -> dict[str, list[dict]]
         out = {"train": _folder(parts["train"], question, marker)}
         return {**out, "test": _folder(held, question, marker)} if held is not None else out
     if not (_labels_file(root) or image_files(root) or any(has_images(p) for p in parts.values())):
+        if parts:  # class sub-folders with nothing in them: a folder of images, empty
+            raise UserError(f"{root}: its sub-folders ({', '.join(sorted(parts)[:4])}) hold no images")
         return None
     return {"train": _folder(root, question, marker)}
 
@@ -206,12 +209,12 @@ class ImageExamples(DecoderExamples):
 
     reads_parts = True  # TRL's rows: a message's content a list of text and image parts
 
-    def build_all(self, rows: list) -> Examples:
-        self.numbers = iter(range(1, len(rows) + 1))  # each row's number, for its one-line errors
-        return super().build_all(rows)
+    def build_all(self, rows: list, places: list[str] | None = None) -> Examples:
+        self.places = iter(places or [f"row {n}" for n in range(1, len(rows) + 1)])  # for one-line errors
+        return super().build_all(rows, places)
 
     def example(self, row: dict):
-        self.where = f"row {next(self.numbers)}"
+        self.where = next(self.places)
         self.named = self.paths(row, self.where)
         return super().example(row)
 
@@ -243,9 +246,19 @@ class ImageExamples(DecoderExamples):
         return example if isinstance(example, str) else replace(example, images=tuple(refs))
 
     def paths(self, row: dict, where: str) -> list[Path]:
-        """The row's image files (`images`: a list, or `image`: one), relative to the data."""
+        """The row's image files (`images`: a list, or `image`: one), relative to the data; a relative path
+        that leaves the data's folder (`../../etc/passwd`) is refused before anything is opened (an
+        absolute path is taken as given on purpose)."""
         named = row.get("images", row.get("image", []))
         named = [named] if isinstance(named, str) else named
         if not isinstance(named, list) or not all(isinstance(p, str) and p for p in named):
             raise UserError(f"{where}: images must be a list of file paths (or image: one path)")
-        return [p if p.is_absolute() else self.root / p for p in map(Path, named)]
+        out = []
+        for path in map(Path, named):
+            if not path.is_absolute() and ".." in Path(os.path.normpath(path)).parts:
+                raise UserError(
+                    f"{where}: image {str(path)!r} leaves the data's folder {self.root}; put it inside, "
+                    "or give its absolute path"
+                )
+            out.append(path if path.is_absolute() else self.root / path)
+        return out

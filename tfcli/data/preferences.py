@@ -115,7 +115,9 @@ class PairBuilder:
     def __init__(self, examples: ExampleBuilder, fields: PairFields = PairFields()):
         self.examples, self.fields = examples, fields
 
-    def build_all(self, rows: list) -> Pairs:
+    def build_all(self, rows: list, places: list[str] | None = None) -> Pairs:
+        """Every row's pair (`places`, as ExampleBuilder.build_all takes them: a pair row is skipped with
+        its reason, never stops a run, so it is not named)."""
         return Pairs(*built(rows, self.pair))
 
     def pair(self, row: dict) -> Pair | str:

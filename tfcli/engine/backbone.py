@@ -127,14 +127,43 @@ def from_hf(named: Path | ModelSource, specials: list[str], shapes_only: bool = 
 
 
 def load_hf_weights(model, state: dict, path: Path):
-    """A Hugging Face model's weights into ours. A BERT saved without its pooler (BertForMaskedLM)
-    keeps a freshly initialised one, as transformers does; anything else missing is an error."""
+    """A Hugging Face model's weights into ours. A part a base model is saved without (BERT's pooler
+    in BertForMaskedLM, ModernBERT's prediction head in a bare ModernBertModel: the model's
+    `fresh_if_missing`) keeps its fresh initialisation, as transformers does; anything else missing
+    is an error."""
     own = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    wanted = model.state_dict()
+    for name, tensor in own.items():
+        if name in wanted and wanted[name].shape != tensor.shape:
+            raise UserError(
+                f"{path}: its weights do not fit the model its config.json describes ({name} is "
+                f"{tuple(tensor.shape)} in the weights, {tuple(wanted[name].shape)} by config.json's "
+                f"{_sizes_of(name)})"
+            )
     missing, unexpected = model.load_state_dict(own, strict=False)
-    bad = unexpected or [k for k in missing if not k.startswith("pooler.")]
+    fresh = getattr(model, "fresh_if_missing", ())
+    bad = unexpected or [k for k in missing if not k.startswith(fresh)]
     if bad:
         raise UserError(f"{path}: its weights do not fit the model its config.json describes ({bad[0]})")
+    new = sorted({p for p in fresh for k in missing if k.startswith(p)})
+    with torch.random.fork_rng():  # the same fresh weights every time the base is read (eval, resume)
+        torch.manual_seed(0)
+        for prefix in new:
+            for m in model.get_submodule(prefix.rstrip(".")).modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    if new:
+        display.note(f"{path} has no weights for the model's {', '.join(p.rstrip('.') for p in new)}; initialised fresh")
     return model
+
+
+def _sizes_of(name: str) -> str:
+    """The config.json fields that set a tensor's shape, by what the tensor is."""
+    if any(p in name for p in ("attn", "attention", "q_norm", "k_norm")):
+        return "hidden_size, num_attention_heads, num_key_value_heads and head_dim"
+    if any(p in name for p in ("mlp", "ffn", "experts", "router")):
+        return "hidden_size, intermediate_size and expert counts"
+    return "hidden_size and vocab_size"
 
 
 def on_meta(cfg):

@@ -47,11 +47,10 @@ def _layer_types(raw: dict) -> tuple[str, ...]:
     """'sliding' or 'full' per layer: the config's layer_types, or the pattern older configs imply
     (Gemma 2: every other layer slides, from the first; Gemma 3: all but every sliding_window_pattern-th)."""
     n = raw["num_hidden_layers"]
-    types = raw.get("layer_types")
-    if not types:
-        every = 2 if raw["model_type"] == "gemma2" else raw.get("sliding_window_pattern", 6)
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    every = 2 if raw["model_type"] == "gemma2" else raw.get("sliding_window_pattern", 6)
+    if not isinstance(every, int) or every < 1:
+        raise UserError(f"{raw['model_type']}: config.json's sliding_window_pattern must be >= 1, not {every!r}")
+    return llama.layer_kinds(raw, ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:

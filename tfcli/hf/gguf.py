@@ -238,6 +238,7 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
             f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported"
         )
     raw["tie_word_embeddings"] = "output.weight" not in names
+    _check_expert_count(reader, raw, path, arch)
     state = {}
     for t in reader.tensors:
         shape = [int(n) for n in reversed(t.shape)]
@@ -269,6 +270,20 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
             k.endswith("o_proj.bias") for k in state
         )
     return raw, state
+
+
+def _check_expert_count(reader, raw: dict, path: Path, arch: str) -> None:
+    """A file whose expert_count disagrees with its stacked expert tensors: one line naming both counts
+    (a missing expert's tensor, named later, would not say why)."""
+    count = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
+            stacked = int(t.shape[-1])  # GGUF lists dimensions innermost first: the experts' is last
+            if stacked != count:
+                raise UserError(
+                    f"{path}: {arch}.expert_count is {count}, but tensor {t.name} stacks {stacked} experts"
+                )
 
 
 def _layer_names(arch: str) -> dict[str, str]:

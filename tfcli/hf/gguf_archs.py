@@ -115,6 +115,15 @@ def check_writable(arch: str, c: dict) -> None:
             f"GGUF export: llama.cpp's smollm3 leaves rotary positions out of every {NOPE_EVERY}th layer; "
             "this model's no_rope_layers differ"
         )
+    if arch == "gemma2" and not c.get("tie_word_embeddings", True):
+        raise UserError(
+            "GGUF export: llama.cpp's gemma2 reads its output layer from the embedding; this model's is its own"
+        )
+    if arch == "olmoe" and c.get("num_key_value_heads", c["num_attention_heads"]) != c["num_attention_heads"]:
+        raise UserError(
+            "GGUF export: llama.cpp's olmoe norms keys over as many heads as queries; this model groups its "
+            f"key-value heads ({c['num_key_value_heads']} for {c['num_attention_heads']})"
+        )
     if c.get("sliding_window") and not ARCHS[arch].sliding:
         raise UserError(f"GGUF export: llama.cpp's {arch} has no sliding window, and this model has one")
     if arch in GEMMA_EVERY:

@@ -88,24 +88,47 @@ def _rope(raw: dict) -> RopeScaling:
     return replace(rope, original_max=raw["max_position_embeddings"]) if rope.type == "dynamic" else rope
 
 
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}  # transformers' names -> tfcli's
+
+
+def layer_kinds(raw: dict, implied: list[str], n: int | None = None) -> tuple[str, ...]:
+    """'full' or 'sliding' per layer: the config's `layer_types` (else `implied`, the pattern older configs
+    imply), one per layer; a kind tfcli does not implement (Llama 4's chunked_attention) or a list of
+    another length is one line naming the field, where it would silently run as full attention."""
+    n = raw["num_hidden_layers"] if n is None else n
+    types = raw.get("layer_types") or implied
+    where = raw.get("model_type", "this model")
+    if not isinstance(types, list) or len(types) != n:
+        got = len(types) if isinstance(types, list) else type(types).__name__
+        raise UserError(f"{where}: config.json's layer_types has {got} entries for {n} layers")
+    unknown = next((t for t in types if t not in LAYER_KINDS), None)
+    if unknown is not None:
+        raise UserError(
+            f"{where}: config.json's layer_types names {unknown!r}, which tfcli does not implement "
+            f"({', '.join(LAYER_KINDS)} only)"
+        )
+    return tuple(LAYER_KINDS[t] for t in types)
+
+
 def _window(raw: dict) -> int:
     """The sliding window every layer uses (0: none). Mistral slides in every layer; Qwen2/3 only with
     use_sliding_window, from layer max_window_layers on: tfcli's one window per model takes all or none."""
     window = raw.get("sliding_window") or 0
     if raw["model_type"] == "mistral" or not window:
         return window
-    types = raw.get("layer_types") or [
+    implied = [
         "sliding_attention"
         if raw.get("use_sliding_window") and i >= raw.get("max_window_layers", 0)
         else "full_attention"
         for i in range(raw["num_hidden_layers"])
     ]
+    types = layer_kinds(raw, implied)
     if len(set(types)) > 1:
         raise UserError(
-            f"{raw['model_type']}: a sliding window in some layers only ({types.count('sliding_attention')} "
+            f"{raw['model_type']}: a sliding window in some layers only ({types.count('sliding')} "
             f"of {len(types)}) is not supported"
         )
-    return window if types and types[0] == "sliding_attention" else 0
+    return window if types and types[0] == "sliding" else 0
 
 
 def _cannot_express(cfg: LlamaConfig, model_type: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.modernbert import ModernBertConfig
+from . import llama
 from .convert import Export, Rule, refuse_classifier, rule
 
 MODEL_TYPES = ("modernbert",)
@@ -29,7 +30,9 @@ def config_from_hf(raw: dict, state=None) -> ModernBertConfig:
         raise UserError("modernbert: biases on attention but not on the MLP (or the reverse) are not supported")
     n = raw["num_hidden_layers"]
     every = raw.get("global_attn_every_n_layers", 3)
-    types = raw.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(n)]
+    if not isinstance(every, int) or every < 1:
+        raise UserError(f"modernbert: config.json's global_attn_every_n_layers must be >= 1, not {every!r}")
+    types = llama.layer_kinds(raw, ["sliding_attention" if i % every else "full_attention" for i in range(n)])
     return ModernBertConfig(
         n_layer=n,
         n_head=raw["num_attention_heads"],
@@ -44,7 +47,7 @@ def config_from_hf(raw: dict, state=None) -> ModernBertConfig:
         head_bias=bool(raw.get("classifier_bias", False)),
         activation=ACTIVATIONS[act],
         local_window=raw.get("local_attention", 128),
-        layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        layer_types=types,
         global_rope_theta=_rope_theta(raw, "full", "global_rope_theta", 160000.0),
         local_rope_theta=_rope_theta(raw, "sliding", "local_rope_theta", 10000.0),
     )

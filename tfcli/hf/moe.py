@@ -69,9 +69,15 @@ def config_from_hf(raw: dict, state=None) -> LlamaConfig:
         raise UserError(f"{model_type}: use_sliding_window is not implemented for mixtures of experts")
     both = bool(raw.get("attention_bias", False))
     common = llama.common_config(raw)
+    key = "num_experts" if "num_experts" in raw else "num_local_experts"  # transformers 5 writes either
+    n_experts, per_token = raw[key], raw["num_experts_per_tok"]
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise UserError(f"{model_type}: config.json's {key} is {n_experts!r}; a mixture needs at least one expert")
+    if not isinstance(per_token, int) or not 1 <= per_token <= n_experts:
+        raise UserError(f"{model_type}: config.json's num_experts_per_tok must be in 1..{key} ({n_experts})")
     experts = dict(
-        n_experts=raw.get("num_experts") or raw["num_local_experts"],  # transformers 5 writes either
-        experts_per_token=raw["num_experts_per_tok"],
+        n_experts=n_experts,
+        experts_per_token=per_token,
         expert_d_ff=raw.get("moe_intermediate_size") or common["d_ff"],
         norm_topk=model_type == "mixtral" or bool(raw.get("norm_topk_prob", False)),
         router_aux_coef=float(raw.get("router_aux_loss_coef", AUX_DEFAULTS[model_type])),

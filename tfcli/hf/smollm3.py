@@ -17,7 +17,12 @@ normalize = llama.normalize
 def config_from_hf(raw: dict, state=None) -> LlamaConfig:
     n = raw["num_hidden_layers"]
     every = raw.get("no_rope_layer_interval", 4)
+    if not isinstance(every, int) or every < 1:
+        raise UserError(f"smollm3: config.json's no_rope_layer_interval must be >= 1, not {every!r}")
     uses_rope = raw.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(uses_rope, list) or len(uses_rope) != n or any(r not in (0, 1) for r in uses_rope):
+        got = f"{len(uses_rope)} entries" if isinstance(uses_rope, list) else repr(uses_rope)
+        raise UserError(f"smollm3: config.json's no_rope_layers must hold a 0 or 1 for each of {n} layers ({got})")
     if raw.get("use_sliding_window") and raw.get("sliding_window"):
         raise UserError("smollm3: a sliding window is not supported")
     bias = bool(raw.get("attention_bias", False))

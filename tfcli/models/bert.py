@@ -90,6 +90,8 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, attention_mask: Tensor | None, 
 class Bert(TextEncoderTraits, nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is BERT's tanh pooler on [CLS]."""
 
+    fresh_if_missing = ("pooler.",)  # BertForMaskedLM is saved without it: initialised fresh
+
     def __init__(self, cfg: BertConfig):
         super().__init__()
         if cfg.vocab_size <= 0:

@@ -110,6 +110,12 @@ class LlamaConfig:
         if min(self.attn_softcap, self.logit_softcap, self.attn_scale, self.local_rope_theta) < 0:
             raise ValueError("model.attn_softcap, logit_softcap, attn_scale and local_rope_theta must be >= 0")
         check_rope(self.rope)
+        rotated = int(self.head_dim * self.partial_rotary) // 2
+        if self.rope.type == "longrope" and rotated not in {len(self.rope.short_factor), len(self.rope.long_factor)}:
+            raise ValueError(
+                f"longrope has {len(self.rope.short_factor)} factors for {rotated} rotary frequencies "
+                "(head_dim x partial_rotary_factor / 2)"
+            )
         if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
             raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
         if any(not 0 <= i < self.n_layer for i in self.dense_layers):

@@ -89,6 +89,8 @@ class PredictionHead(nn.Module):
 class ModernBert(TextEncoderTraits, nn.Module):
     """Bidirectional encoder. forward() returns hidden states; pool() is the prediction head on [CLS]."""
 
+    fresh_if_missing = ("head.",)  # a bare ModernBertModel (embedding models) has no prediction head
+
     def __init__(self, cfg: ModernBertConfig):
         super().__init__()
         if cfg.vocab_size <= 0:

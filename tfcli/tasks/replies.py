@@ -161,9 +161,9 @@ class ReplyTask(Plugin):
             )
         say = say and self.rt.is_main and not self.quiet
         out = {}
-        for i, (split, (rows, unreadable, where, _)) in enumerate(raw.items()):
+        for i, (split, (rows, unreadable, where, numbers)) in enumerate(raw.items()):
             rows = rows[: ft.limit] if i == 0 and ft.limit > 0 else [] if i == 0 and not need_train else rows
-            out[split] = build.build_all(rows)
+            out[split] = build.build_all(rows, [f"{where}: row {n}" for n in numbers[: len(rows)]])
             out[split].skipped.update({"unreadable line": unreadable} if unreadable else {})
             if say and (rows or need_train):
                 console.print(self.split_line(split, out[split], where, need_train))

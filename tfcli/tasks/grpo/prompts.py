@@ -39,7 +39,9 @@ class PromptBuilder:
         self.tok, self.template, self.cfg, self.longest = tokenizer, template, cfg, longest
         self.prompt_field = fields_of(cfg)[0]
 
-    def build_all(self, rows: list) -> Prompts:
+    def build_all(self, rows: list, places: list[str] | None = None) -> Prompts:
+        """Every row's prompt (`places`, where each row is, as ExampleBuilder.build_all takes them: a prompt
+        row is skipped with its reason, never stops a run, so it is not named)."""
         out = Prompts([])
         for number, row in enumerate(rows, 1):
             built = self.example(row, number) if isinstance(row, dict) else "skip:not a row of fields"
