@@ -7,6 +7,8 @@ A family module (gpt2.py, bert.py, t5.py, vit.py) describes itself with:
   normalize(state)               (optional) older or prefix-less transformers names -> the table's
   export(backbone, recipe)       -> Export: config.json, architecture, extra tensors and files
   READS_PROCESSOR                (optional) config_from_hf also reads the image processor (raw[vlm.PREPROCESSOR])
+  load_state(path, raw, shapes)  (optional) reads the directory's weights itself (the generic path: as
+                                 transformers reads them), instead of this module's read_state
 and this module does the rest, the same way for every family: reading a directory (single or
 sharded safetensors, or pytorch_model.bin read with weights_only=True), renaming, fusing and
 splitting q/k/v (by their widths under grouped-query attention), transposing Conv1D weights, and writing a directory transformers loads.
@@ -69,6 +71,7 @@ class Export:
     files: dict[str, Any] = field(default_factory=dict)  # file name -> text or bytes (tokenizer_config.json, ...)
     rules: list[Rule] | None = None  # another architecture's names than the family's table (e.g. Dinov2)
     loads_with: str = ""  # how to load it, printed by `tfcli export` ("" : the Auto class of its architecture)
+    convert: Any = None  # the state under the table's names -> as the files hold it (the generic path's)
 
 
 AUTO_CLASSES = {

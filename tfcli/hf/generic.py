@@ -86,6 +86,46 @@ def normalize(state: dict) -> dict:
     return state
 
 
+def load_state(path, raw: dict, shapes_only: bool = False) -> dict:
+    """The weights under the names of transformers' module, read as transformers reads them
+    (from_pretrained): its key renames (GPT-NeoX's embed_out), tied weights and the weight conversions
+    transformers 5 makes on load (GLM-4-MoE's and DeepSeek-V3's experts fused into one tensor). A weight
+    the module has and the checkpoint lacks is one line, as for every family (a pooler excepted: the
+    generic encoder reads the first token's state, not transformers' pooler). shapes_only: the module's
+    own shapes, nothing read (a memory plan)."""
+    if shapes_only:
+        return dict(_meta_model(config_from_hf(raw)).inner.state_dict())
+    transformers = transformers_module()
+    auto = getattr(transformers, "AutoModelForCausalLM" if is_decoder(raw) else "AutoModel")
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its notes on what it initialised: said here, once
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with torch.random.fork_rng():  # its initialisation before loading leaves the caller's seed alone
+            model, info = auto.from_pretrained(
+                str(path),
+                config=hf_config_object(raw),
+                attn_implementation="eager",
+                dtype=torch.float32,
+                local_files_only=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+            )
+    except OSError as e:
+        raise UserError(f"{path}: transformers cannot read its weights ({str(e).splitlines()[0][:160]})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    missing = sorted(k for k in info["missing_keys"] if ".pooler." not in f".{k}")
+    if missing:
+        raise UserError(f"not a matching checkpoint: weight {missing[0]!r} is missing")
+    if info.get("mismatched_keys"):
+        name, theirs, ours = next(iter(info["mismatched_keys"]))
+        raise UserError(f"{path}: weight {name!r} is {tuple(theirs)} in the checkpoint, {tuple(ours)} by config.json")
+    return dict(model.state_dict())
+
+
 def export(backbone, recipe) -> Export:
     """The architecture it came as: config.json as read (the number of labels of a classifier run is
     tfcli's own head, not written: transformers' *ForSequenceClassification heads differ by model)."""
@@ -96,4 +136,14 @@ def export(backbone, recipe) -> Export:
         )
     raw = backbone.cfg.raw
     raw.setdefault("architectures", [type(backbone.model.inner).__name__])
-    return Export(raw, rules=rules(backbone.cfg, tied_out=False))
+    return Export(raw, rules=rules(backbone.cfg, tied_out=False), convert=_as_saved(backbone.model.inner))
+
+
+def _as_saved(inner):
+    """The module's weights under the names its checkpoints use (transformers' conversions reverted, as
+    save_pretrained writes them: experts one tensor each again)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 converts nothing on load
+        return None
+    return lambda state: dict(revert_weight_conversion(inner, state))

@@ -95,7 +95,10 @@ def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = Fal
     module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
     if getattr(module, "READS_PROCESSOR", False) and not from_gguf:
         raw[vlm.PREPROCESSOR] = vlm.read_processor(path)  # how its images are prepared
-    state = module.normalize(state if state is not None else read_state(path, shapes_only))
+    if state is None:  # a table module that reads its directory itself (the generic path: as transformers)
+        loader = getattr(module, "load_state", None)
+        state = loader(path, raw, shapes_only) if loader else read_state(path, shapes_only)
+    state = module.normalize(state)
     try:
         cfg = module.config_from_hf(raw, state)
     except KeyError as e:
@@ -139,6 +142,8 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
     check_writable(out)
     spec, state = merged_export(backbone, recipe, "export to Hugging Face")
     state = {**state, **spec.extra_tensors}
+    if spec.convert is not None:
+        state = spec.convert(state)
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     files = {**files, **spec.files}
     if backbone.tokenizer is not None and backbone.tokenizer.chat_template:  # the format the model answers in

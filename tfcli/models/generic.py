@@ -63,9 +63,15 @@ class TransformersConfig:
         return json.loads(self.hf_config)
 
     def with_layers(self, n: int):
-        """Its first n layers (the memory plan probes one and two blocks)."""
+        """Its first n layers (the memory plan probes one and two blocks): every per-layer list of the
+        config (layer_types, ...) cut to n too, or repeated where n is more, so transformers' own checks
+        of their lengths hold."""
         raw = self.raw
+        old = raw[layer_count_key(raw)]
         raw[layer_count_key(raw)] = n
+        for key, value in raw.items():
+            if isinstance(value, list) and len(value) == old and key != "architectures" and old:
+                raw[key] = [value[i % old] for i in range(n)]
         return replace(self, hf_config=json.dumps(raw, sort_keys=True), n_layer=n)
 
     @property
@@ -95,6 +101,17 @@ def hf_config_object(raw: dict):
         )
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version", "auto_map")}
     return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def build_inner(auto, config) -> tuple[nn.Module, str]:
+    """(transformers' module of `config`, the attention it runs): PyTorch's fused attention (sdpa) where
+    the architecture has it, else its own eager attention (DeBERTa-v2, BLOOM, GPT-Neo have no other)."""
+    try:
+        return auto.from_config(config, attn_implementation="sdpa"), "sdpa"
+    except ValueError as e:
+        if "sdpa" not in str(e).lower() and "scaled_dot_product" not in str(e).lower():
+            raise
+    return auto.from_config(config, attn_implementation="eager"), "eager"
 
 
 class _Cache:
@@ -127,8 +144,12 @@ class _Wrapped(nn.Module):
         config = hf_config_object(cfg.raw)
         if any(config.to_dict().get(k) not in (None, 1.0, 0.0) for k in OUTPUT_CHANGES):
             raise UserError(f"{config.model_type}: its output layer scales or caps the logits, which {NATIVE_ONLY}")
-        self.inner = getattr(transformers, auto).from_config(config, attn_implementation="sdpa")
+        self.inner, self.attention = build_inner(getattr(transformers, auto), config)
         self._recomputing = False
+
+    def describe(self) -> str:
+        """The run's first lines say whose module it is and which attention it runs."""
+        return f"transformers' {type(self.inner).__name__}, {self.attention} attention"
 
     def decoder_layers(self) -> list[nn.Module]:
         """Its transformer layers, in order: what FSDP shards one by one and recomputation recomputes
