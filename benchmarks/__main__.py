@@ -27,6 +27,7 @@ ALL = [
     "grpo",
     "evals",
     "lowbit",
+    "llamacpp",
     "gpu",
     "gpu_fit",
 ]
