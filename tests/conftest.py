@@ -329,3 +329,46 @@ def hf_llama_dir(path: Path, max_positions: int = 128, hidden: int = 32, inner: 
     model.save_pretrained(path)
     tok.tok.save(str(path / "tokenizer.json"))
     return path
+
+
+TEXTS = ("a short one", "and then a rather longer sentence than the first")
+
+
+def transformers_runs_the_export(out: Path) -> None:
+    """An export as a user takes it: the model by its config's architecture, no weight left out, its
+    tokenizer (or processor) from the same folder, and a padded batch of two through both: the short
+    row's outputs equal its outputs alone (the padding is masked)."""
+    import transformers
+    from PIL import Image
+
+    from tfcli.hf.convert import auto_class
+
+    arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+    model, info = getattr(transformers, auto_class(arch)).from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"], info["missing_keys"]
+    model.eval()
+    images = [Image.fromarray(np.full((40, 56, 3), 60 * i, np.uint8)) for i in (1, 3)]
+    if auto_class(arch) == "AutoModelForImageTextToText":
+        processor = transformers.AutoProcessor.from_pretrained(out)
+        texts = [processor.image_token + t for t in TEXTS]
+        batch = processor(images=images, text=texts, padding=True, return_tensors="pt")
+        alone = processor(images=images[:1], text=texts[:1], return_tensors="pt")
+    elif "Image" in auto_class(arch) or "ViT" in arch:
+        processor = transformers.AutoImageProcessor.from_pretrained(out)
+        batch, alone = processor(images, return_tensors="pt"), processor(images[:1], return_tensors="pt")
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        cut = dict(truncation=True, max_length=16, return_tensors="pt")  # within the tiniest context
+        batch, alone = tok(list(TEXTS), padding=True, **cut), tok(TEXTS[:1], **cut)
+        assert batch["attention_mask"][0].sum() < batch["attention_mask"][1].sum()  # the first row is padded
+        if auto_class(arch) == "AutoModelForSeq2SeqLM":
+            for inputs in (batch, alone):
+                inputs["decoder_input_ids"] = torch.zeros(len(inputs["input_ids"]), 1, dtype=torch.long)
+    with torch.no_grad():
+        together, single = model(**batch), model(**alone)
+    name = next(k for k in ("logits", "last_hidden_state", "pooler_output") if getattr(single, k, None) is not None)
+    got, want = getattr(together, name)[0], getattr(single, name)[0]
+    if got.dim() > 1 and got.shape != want.shape:  # per-token outputs: the short row's own positions
+        got = got[: want.shape[0]]
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), (arch, (got - want).abs().max())

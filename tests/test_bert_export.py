@@ -9,7 +9,7 @@ from tfcli.engine.backbone import from_run
 from tfcli.objectives.mlm_nsp import build_heads
 from tfcli.tasks.heads import features
 
-from .conftest import invoke, tiny_bert_recipe
+from .conftest import invoke, tiny_bert_recipe, transformers_runs_the_export
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,6 +75,7 @@ def test_exported_finetuned_run_loads_in_bert_for_sequence_classification(mlm_ru
     )
     assert result.exit_code == 0, result.output
     assert invoke("export", "--hf", tmp_path / "hf", "--checkpoint", run).exit_code == 0
+    transformers_runs_the_export(tmp_path / "hf")
     hf = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.id2label == {0: "entailment", 1: "neutral", 2: "contradiction"}
     loaded = from_run(run, which="best")

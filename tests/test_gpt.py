@@ -90,6 +90,9 @@ def test_export_writes_a_directory_transformers_loads_with_identical_logits(tmp_
         assert (ours.logits(ours(ids)) - hf(ids).logits).abs().max().item() < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("ROMEO:")["input_ids"] == load_run(tmp_path / "run").tokenizer.encode("ROMEO:")
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
 
 
 def test_the_cpu_decoding_head_gives_the_models_logits():

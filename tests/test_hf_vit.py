@@ -70,6 +70,9 @@ def test_finetune_from_a_hf_directory_and_export_as_vit_for_image_classification
     assert result.exit_code == 0, result.output
     result = invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf")
     assert result.exit_code == 0 and "ViTForImageClassification" in result.output, result.output
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
     mean_run = tmp_path / "ft-mean"
     assert (
         invoke(

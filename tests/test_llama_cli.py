@@ -140,6 +140,9 @@ def test_export_loads_in_transformers_as_llama_with_the_same_logits(llama_run, t
         assert (theirs(ids).logits - ours.logits(ours(ids))).abs().max() < 1e-5
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.decode(tok("The answer is").input_ids) == "The answer is"
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ def test_a_roberta_checkpoint_with_its_own_tokenizer_trains_mnli_and_exports(
 ):
     """From the directory alone: MNLI trains with a head, `eval --premise` gives the probabilities that
     transformers gives the export, read with the export's own tokenizer."""
-    from .conftest import invoke
+    from .conftest import invoke, transformers_runs_the_export
 
     path, _ = roberta_with_tokenizer
     trained = invoke(
@@ -172,6 +172,7 @@ def test_a_roberta_checkpoint_with_its_own_tokenizer_trains_mnli_and_exports(
     assert trained.exit_code == 0, trained.output
     exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "out")
     assert exported.exit_code == 0, exported.output
+    transformers_runs_the_export(tmp_path / "out")  # its tokenizer pads (there was no tokenizer_config.json)
     premise, hypothesis = "The cat sat on the mat, looking at the birds outside.", "A cat is indoors."
     said = invoke("eval", "--checkpoint", tmp_path / "run", "--premise", premise, "--hypothesis", hypothesis)
     assert said.exit_code == 0, said.output

@@ -277,6 +277,9 @@ def test_finetune_sft_then_eval_export_and_chat(tmp_path, chat_model):
     exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "hf")
     assert exported.exit_code == 0, exported.output
     assert "<|im_start|>" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
     chat = invoke(
         "chat", "--checkpoint", tmp_path / "hf", "--greedy", "--max-new-tokens", 4, input="What is 2 plus 3?\n/exit\n"
     )

@@ -271,6 +271,9 @@ def test_export_a_t5_run_that_transformers_loads(span_run, tmp_path):
     loaded = load_run(span_run)
     ids = loaded.tokenizer.encode(text) + [loaded.tokenizer.eos_id]
     assert tok(text).input_ids == ids  # the exported tokenizer appends </s>, as T5's do
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
     x, dec = torch.tensor([ids]), torch.tensor([[tok.pad_token_id, 5, 9]])
     with torch.no_grad():
         ours = loaded.model.logits(loaded.model(x, None, dec))

@@ -404,6 +404,9 @@ def test_sft_with_images_trains_evaluates_generates_and_exports(tmp_path, llava_
     assert exported.exit_code == 0 and "AutoModelForImageTextToText" in exported.output, exported.output
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "LlavaForConditionalGeneration"
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")
 
 
 @pytest.mark.slow  # compare runs each cell in a process of its own; the fast tier keeps the other runs
@@ -579,6 +582,9 @@ def test_a_vit_run_and_a_decoder_run_compose_a_llava_that_trains_exports_and_res
     assert json.loads((tmp_path / "run" / "run.json").read_text())["vision_from"] == str((tmp_path / "mae").resolve())
     exported = invoke("export", "--checkpoint", tmp_path / "run", "--hf", tmp_path / "hf")
     assert exported.exit_code == 0, exported.output
+    from .conftest import transformers_runs_the_export
+
+    transformers_runs_the_export(tmp_path / "hf")  # the tower's pooler was "MISSING": written whole now
     theirs = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
     pixels = image_processor.frames(run.cfg.processing, photos()[0])[0]
     ids = torch.tensor([run.tokenizer.encode("<image>" * run.cfg.image_seq_len + " a picture of")])

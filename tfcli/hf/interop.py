@@ -146,12 +146,24 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
         state = spec.convert(state)
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     files = {**files, **spec.files}
-    if backbone.tokenizer is not None and backbone.tokenizer.chat_template:  # the format the model answers in
-        base = json.loads(files.get(CONFIG_FILE, "{}"))
-        files[CONFIG_FILE] = config_text(backbone.tokenizer.specials, backbone.tokenizer.chat_template, base)
+    if backbone.tokenizer is not None:  # its special tokens (transformers pads with pad_token) and template
+        files[CONFIG_FILE] = tokenizer_config(backbone, json.loads(files.get(CONFIG_FILE, "{}")))
     write_dir(out, spec.config, state, files)
     arch = spec.config["architectures"][0]
     return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"
+
+
+def tokenizer_config(backbone, base: dict) -> str:
+    """tokenizer_config.json of an export: the family's own keys (`base`), the tokenizer's special
+    tokens, a pad token (its end of text where it names none: transformers' tokenizer cannot pad a
+    batch without one) and its chat template (the format the model answers in)."""
+    tok = backbone.tokenizer
+    base = {"tokenizer_class": "PreTrainedTokenizerFast", **base}
+    base.setdefault("model_max_length", getattr(backbone.cfg, "max_seq_len", None) or 512)
+    specials = tok.specials
+    if specials.pad is None and "pad_token" not in base and tok.eos_id is not None:
+        base["pad_token"] = tok.tok.id_to_token(tok.eos_id)
+    return config_text(specials, tok.chat_template, base)
 
 
 def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import Tensor
 
 from ..errors import UserError
@@ -82,10 +83,16 @@ def vit_config(raw: dict, state: dict, theirs: str) -> ViTConfig:
 
 
 def extra_tensors(cfg: ViTConfig, theirs: str) -> dict[str, Tensor]:
-    """What a ViTModel tower stores that tfcli computes: MAE's fixed sin-cos positions."""
-    if kind_of(cfg) == VIT and cfg.pos_embed == "sincos":
-        return {f"{theirs}.embeddings.position_embeddings": sincos_2d(cfg.grid, cfg.d_model)}
-    return {}
+    """What a ViTModel tower stores that tfcli computes (MAE's fixed sin-cos positions) or has no use
+    for: the pooler transformers' ViTModel builds from its config, which a vision-language model never
+    reads (it reads hidden states), written as zeros so that the tower loads whole."""
+    if kind_of(cfg) != VIT:
+        return {}
+    d = cfg.d_model
+    out = {f"{theirs}.pooler.dense.weight": torch.zeros(d, d), f"{theirs}.pooler.dense.bias": torch.zeros(d)}
+    if cfg.pos_embed == "sincos":
+        out[f"{theirs}.embeddings.position_embeddings"] = sincos_2d(cfg.grid, cfg.d_model)
+    return out
 
 
 def config_to_hf(cfg: ViTConfig, model_type: str) -> dict:
