@@ -573,6 +573,10 @@ def test_a_vit_run_and_a_decoder_run_compose_a_llava_that_trains_exports_and_res
     result = invoke(*args, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     assert "training 2,112 of" in result.output  # the projector alone: 32x32 + 32 and 32x32 + 32
+    assert "the projector between" in result.output and "is new" in result.output
+    from tfcli import recipe as recipes
+
+    assert recipes.load("sft-vlm-mini", {"finetune.train": "projector"}).optim.lr == 1e-3  # not SFT's 2e-5
     from tfcli.engine.backbone import from_run
 
     run, vit, llama = from_run(tmp_path / "run"), from_run(tmp_path / "mae"), from_run(decoder)

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 from tokenizers import AddedToken
 
+from ..display import note
 from ..errors import UserError
 from ..models.llama import Llama
 from ..models.vit import ViT
@@ -60,6 +61,10 @@ def compose(decoder: Backbone, vision_source: ModelSource, template, seed: int) 
     model = VisionLanguage(cfg)
     model.vision.load_state_dict(vision.model.state_dict())
     model.decoder.load_state_dict(grown.state_dict())
+    note(
+        f"the projector between {vision_source} and the decoder is new (initialised from train.seed); "
+        "--train projector trains it alone first, as LLaVA's first stage does"
+    )
     return Backbone(model, tok, decoder.source)
 
 
