@@ -178,6 +178,15 @@ def test_lora_reaches_every_linear_of_the_layers_as_peft_all_linear(tmp_path):
         "adapters on 8 modules: self_attention.query_key_value, self_attention.dense, mlp.dense_h_to_4h, "
         "mlp.dense_4h_to_h (in each of 2 layers)" in ran.output
     ), ran.output
+    import subprocess
+    import sys
+
+    said = subprocess.run(
+        [sys.executable, "-m", "tfcli", "generate", "--checkpoint", tmp_path / "model", "--prompt", "hi",
+         "--greedy", "--max-new-tokens", "3"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert said.returncode == 0 and said.stdout.startswith("hi"), said.stderr
+    assert said.stderr.strip() == "", said.stderr  # no torchao, _pytree or deprecation notes around the answer
     refused = invoke(*args, "--out", tmp_path / "none", "--set", "adapter.targets=[q,v]")
     assert refused.exit_code == 2 and "adapter.targets q, v match no linear" in refused.output, refused.output
     assert "query_key_value" in refused.output and not (tmp_path / "none").exists()
@@ -248,6 +257,8 @@ def test_an_encoder_with_no_fused_attention_runs_its_own_and_says_so(tmp_path, m
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "transformers' DebertaV2Model, eager attention" in result.output
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["limit"] == 4  # the final report scores eval_limit's sample, not every held-out row
 
 
 def test_the_memory_plans_probes_cut_every_per_layer_list(tmp_path):

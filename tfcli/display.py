@@ -164,11 +164,15 @@ class TrainDisplay:
             _state["progress"] = None
             self.progress.stop()
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, first: dict | None = None) -> None:
         """Every optimizer step: move the bar (the loss beside it is the last logged one: reading it
-        every step would make the host wait for the device)."""
+        every step would make the host wait for the device). `first`: a log window's first step's
+        metrics, whose loss is read once while no line has given one yet, so that a run shorter than
+        its log interval shows its loss from the first step."""
         if self.progress:
             self.progress.update(self.task, completed=step)
+            if first is not None and "loss" in first and not self.progress.tasks[0].fields.get("loss"):
+                self.progress.update(self.task, loss=f"loss {float(first['loss']):.4f}")
 
     def update(self, step: int, record: dict, eta_s: float) -> None:
         """At a log interval: the full line."""

@@ -386,7 +386,10 @@ class FinetuneConfig:
     )
     report_limit: int = field(
         default=0,
-        metadata={"help": "the final report (eval.json) on a balanced sample of N examples of each split (0 = all)"},
+        metadata={
+            "help": "the final report (eval.json) on a balanced sample of N examples of each split (0 = "
+            "finetune.eval_limit's N when that is set, else all)"
+        },
     )
     freeze_router: bool = field(
         default=False,
@@ -401,6 +404,13 @@ class FinetuneConfig:
             "adapters on its linears too); off: frozen, as LLaVA keeps it"
         },
     )
+
+    @property
+    def report_size(self) -> int:
+        """How many examples of each split the final report scores (0: all): report_limit, else the
+        sample the run evaluated on (eval_limit): a short run that asked for a sample is not held up
+        by scoring every held-out row at its end."""
+        return self.report_limit or self.eval_limit
 
     def __post_init__(self):
         for name in ("epochs", "limit", "eval_limit", "report_limit"):

@@ -243,7 +243,7 @@ class Trainer:
                 metrics, items = self._train_step()
                 self.step += 1
                 window.add(self.step, metrics, items * self.rt.world_size)
-                display.step(self.step)
+                display.step(self.step, metrics if window.steps == 1 else None)
                 if self.step % self.tc.log_interval == 0 or self.step == self.tc.steps:
                     self._log(window, peak, display)
                     window = self.window = _Window()

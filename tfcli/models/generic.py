@@ -11,6 +11,7 @@ replies, an output layer with a bias, scale or cap the fused losses cannot see, 
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,13 @@ OUTPUT_CHANGES = ("logit_scale", "logits_scaling", "final_logit_softcapping", "o
 
 
 def transformers_module():
+    try:
+        from .nf4 import quiet_torchao
+
+        for module in ("torchao", "torchao.prototype.mx_formats.config"):  # what transformers' quantizers
+            quiet_torchao(module)  # import, first, without torchao's notes on CUDA libraries and torch's
+    except ImportError:
+        pass
     try:
         import transformers
     except ImportError:
@@ -146,6 +154,8 @@ class _Wrapped(nn.Module):
             raise UserError(f"{config.model_type}: its output layer scales or caps the logits, which {NATIVE_ONLY}")
         self.inner, self.attention = build_inner(getattr(transformers, auto), config)
         self._recomputing = False
+        forward = inspect.signature(self.inner.base_model.forward).parameters
+        self.cache_argument = "cache" if "cache" in forward else "past_key_values"  # transformers 5.x / 4.x
 
     def describe(self) -> str:
         """The run's first lines say whose module it is and which attention it runs."""
@@ -234,7 +244,7 @@ class TransformersDecoder(DecoderTraits, _Wrapped):
             input_ids=input_ids,
             attention_mask=key_mask,
             position_ids=position_ids,
-            past_key_values=caches[0].cache if caches else None,
+            **{self.cache_argument: caches[0].cache if caches else None},
             use_cache=caches is not None,
             output_hidden_states=all_layers,
         )

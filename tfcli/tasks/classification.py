@@ -208,9 +208,9 @@ class ClassificationTask(Plugin):
 
     def report(self, recipe, run_dir: Path) -> dict[str, Any]:
         """The best checkpoint on every evaluation split (all of it, or finetune.report_limit examples
-        of each): printed, and saved as eval.json."""
+        of each, else eval_limit's): printed, and saved as eval.json."""
         backbone = from_run(run_dir)
-        limit = recipe.finetune.report_limit
+        limit = recipe.finetune.report_size
         results = self.score(recipe, backbone, EvalOptions(limit=limit))  # the sample `tfcli eval --limit N` scores
         self.show(results)
         (Path(run_dir) / "eval.json").write_text(

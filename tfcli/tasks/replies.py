@@ -84,11 +84,11 @@ def summary_line(label: str, count: int, noun: str, skipped, where: str) -> str:
 
 
 def report_rows(recipe) -> int:
-    """How many held-out examples the final report scores: finetune.report_limit, else a proportionate
+    """How many held-out examples the final report scores: finetune.report_limit (or eval_limit), else
     as many as the run trained on (steps x batch x accumulation), at least REPORT_FLOOR: a two-step
     smoke run is not held up by thousands of generations."""
     t = recipe.train
-    return recipe.finetune.report_limit or max(REPORT_FLOOR, t.steps * t.batch_size * t.grad_accum)
+    return recipe.finetune.report_size or max(REPORT_FLOOR, t.steps * t.batch_size * t.grad_accum)
 
 
 class ReplyTask(Plugin):
