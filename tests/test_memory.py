@@ -144,6 +144,49 @@ def test_the_probes_extrapolate_to_the_full_models_own_count(small_text):
     assert on.step < off.step  # recomputation keeps less
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_large_vocabulary_is_allocated_not_computed_and_counts_the_same(small_text, monkeypatch, tied):
+    """A Gemma-3-270M-shaped --dry-run took minutes: its probes computed the 262k-vocabulary output
+    layer and loss for every chunk of rows. Those ops now run once each and are otherwise allocated
+    with their shapes alone: the probe counts the very same bytes, for both settings of recomputation
+    (the time it saves is measured in the results page, not here)."""
+    from tfcli import recipe as recipes
+    from tfcli.engine.trainer import ObjectiveModule, build_optimizer
+    from tfcli.objectives.losses import next_token_loss
+
+    rec = recipes.from_dict(tiny_llama_recipe(small_text))
+    cfg = dataclasses.replace(rec.model, n_layer=2, vocab_size=40000, tie_word_embeddings=tied)
+    ids = torch.randint(0, 40000, (64, 32), generator=torch.Generator().manual_seed(0))  # loss chunks: 838 x 2 + 372
+    step = memory.Step(
+        cfg=cfg,
+        blocks=2,
+        make_trained=lambda m: ObjectiveModule(m, torch.nn.ModuleDict(), next_token_loss),
+        frozen={},
+        batch={"input_ids": ids, "targets": ids},
+        optimizer=lambda m: build_optimizer(m, rec),
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+    )
+    assert memory.large_vocab(cfg) == 40000
+    allocated = []
+    original = memory.LiveBytes._allocated_only
+
+    def counted(self, func, args, kwargs):
+        out = original(self, func, args, kwargs)
+        allocated.append(out is not None)
+        return out
+
+    for ckpt in (False, True):
+        monkeypatch.setattr(memory.LiveBytes, "_allocated_only", counted)
+        fast, fast_grads = memory.probe_figures(step, 1, ckpt)
+        monkeypatch.setattr(memory, "LARGE_VOCAB", 10**9)  # every op computed, as before
+        full, full_grads = memory.probe_figures(step, 1, ckpt)
+        monkeypatch.undo()
+        assert fast == full and fast_grads == full_grads
+        assert sum(allocated) > 5  # the second chunk's products and passes were not computed
+        allocated.clear()
+
+
 def test_a_probe_costs_one_forward_and_backward_and_starts_from_the_first_steps_states(small_text):
     """Every run plans, so the probes' cost is paid by every run: one counted pass per probe depth; the
     optimizer's states (as a first step leaves them) come from a step on zero gradients, not a pass."""

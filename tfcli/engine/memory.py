@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..adapters import method
 from ..errors import UserError
@@ -44,18 +44,56 @@ class LiveBytes(TorchDispatchMode):
     their storage (counted once); a storage is forgotten when it is freed. `held` tensors exist already
     (weights, optimizer states): an op that updates them in place creates nothing."""
 
-    def __init__(self, held: Iterable[Tensor] = ()):
+    def __init__(self, held: Iterable[Tensor] = (), shapes_only_at: int = 0):
         super().__init__()
         self.live, self.peak = 0, 0
         self._held: dict[int, int] = {}  # id of a live storage -> its bytes
         self._known = {id(t.untyped_storage()) for t in held}
+        self.shapes_only_at = shapes_only_at  # see _allocated_only
+        self._computed: set = set()  # the (op, shapes) _allocated_only has let run once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = self._allocated_only(func, args, kwargs) if self.shapes_only_at else None
+        if out is None:
+            out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
                 self._count(t)
         return out
+
+    def _allocated_only(self, func, args, kwargs):
+        """An op on a tensor with a dimension of `shapes_only_at` (a large vocabulary: the output layer's
+        products and the loss's passes over its logits, most of a probe's time) allocates what it would
+        and computes nothing after its first time (each op and shapes run once, so that the compute
+        libraries hold the buffers the run's will): its output shapes come from the op's meta kernel,
+        its values are zeros, an in-place or out= op leaves its tensor as it is. The bytes counted are
+        the same; nothing the plan reads depends on those values (the routing of a mixture reads the
+        blocks' own, computed). None: compute it (a view, an op on other tensors, one with no meta
+        kernel, or the first of its kind)."""
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if func.is_view or not any(self.shapes_only_at in t.shape for t in flat):
+            return None
+        key = (func, *(tuple(t.shape) for t in flat))
+        if key not in self._computed:  # each kind once for real: the libraries keep what its kernels use
+            self._computed.add(key)
+            return None
+        if "out" in kwargs:
+            return kwargs["out"]
+        if func._schema.name.endswith("_") or any(a.alias_info and a.alias_info.is_write for a in func._schema.arguments):
+            return args[0]
+        to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
+        try:
+            shaped = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except Exception:  # no meta kernel, or a shape that depends on values
+            return None
+        device = flat[0].device
+        return tree_map(
+            lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
+            if isinstance(m, Tensor)
+            else m,
+            shaped,
+        )
 
     def _count(self, t: Tensor) -> None:
         if type(t) is not Tensor and hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (torchao's)
@@ -298,7 +336,7 @@ def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures
         try:
             opt = step.optimizer(trained)
             first_update(trained, opt)
-            counter = LiveBytes(held_tensors(trained, opt, *swapped.values()))
+            counter = LiveBytes(held_tensors(trained, opt, *swapped.values()), shapes_only_at=large_vocab(step.cfg))
             with counter:  # the gradients are alive at the end of the backward pass: counted
                 backward(trained, step)
             update(opt)
@@ -312,6 +350,17 @@ def probe_figures(step: Step, blocks: int, checkpointing: bool) -> tuple[Figures
         finally:
             step.frozen.update(originals)
     return figures, float(grads)
+
+
+LARGE_VOCAB = 16384  # a vocabulary from which the probes allocate its products without computing them
+
+
+def large_vocab(cfg) -> int:
+    """The model's vocabulary when the output layer's work dominates a probe (LiveBytes._allocated_only),
+    else 0: smaller vocabularies are computed as they are."""
+    text = getattr(cfg, "text", cfg)  # a vision-language model's decoder
+    vocab = getattr(text, "vocab_size", 0) or 0
+    return vocab if vocab >= LARGE_VOCAB else 0
 
 
 def held_tensors(*objects) -> list[Tensor]:
