@@ -36,6 +36,18 @@ def test_the_site_builds_strictly_with_every_command_in_its_reference(tmp_path):
     assert "Usage: tfcli recipes show " in page
 
 
+def test_the_committed_command_line_reference_is_the_apps(monkeypatch):
+    """docs/reference/cli.md read empty on GitHub (the reference was written only when the site was
+    built): it is committed, and it is what the app prints now (`python docs/hooks/cli_reference.py`
+    writes it again)."""
+    monkeypatch.syspath_prepend(str(REPO / "docs" / "hooks"))
+    import cli_reference
+
+    page = cli_reference.PAGE.read_text()
+    assert "## `tfcli finetune`" in page and "## `tfcli models`" in page
+    assert cli_reference.with_reference(page) == page, "run: python docs/hooks/cli_reference.py"
+
+
 def test_the_readme_is_a_short_front_door_that_links_to_existing_pages():
     import re
 

@@ -35,8 +35,9 @@ def test_a_hub_id_resolves_from_the_cache_offline(hf_cache):
 def test_an_uncached_hub_id_offline_is_one_line_naming_the_cache(hf_cache):
     with pytest.raises(
         UserError, match=r"--from acme/absent: not a local path, and not in the Hugging Face cache .*hub"
-    ):
+    ) as refused:
         model_source.resolve("acme/absent")
+    assert "`hf download acme/absent --local-dir DIR`" in str(refused.value)  # how to get it for offline use
 
 
 def test_an_unreachable_hub_is_one_line(hf_cache, monkeypatch):

@@ -1,10 +1,15 @@
-"""mkdocs hook: the command-line reference page is generated from the typer app at build time, so it
-can never disagree with `tfcli --help`. The page's marker `<!-- cli-reference -->` becomes each
-command's help text, in the order `tfcli --help` lists them (a group's subcommands after it)."""
+"""The command-line reference page, generated from the typer app: each command's help text, in the
+order `tfcli --help` lists them (a group's subcommands after it), between the page's markers
+`<!-- cli-reference -->` and `<!-- /cli-reference -->`. The page is committed with it, so that it reads
+on GitHub too (tests/test_docs.py fails when it disagrees with the app: `python docs/hooks/cli_reference.py`
+writes it again), and the mkdocs hook regenerates it when the site is built."""
 
 from __future__ import annotations
 
-MARKER = "<!-- cli-reference -->"
+from pathlib import Path
+
+MARKER, END = "<!-- cli-reference -->", "<!-- /cli-reference -->"
+PAGE = Path(__file__).resolve().parents[1] / "reference" / "cli.md"
 WIDTH = 100
 
 
@@ -31,5 +36,18 @@ def reference() -> str:
     return "\n".join(_help(root.get_command(ctx, name), ["tfcli", name], ctx) for name in root.list_commands(ctx))
 
 
+def with_reference(markdown: str) -> str:
+    """The page with the generated reference between its markers (what was there before replaced)."""
+    if MARKER not in markdown:
+        return markdown
+    head, _, rest = markdown.partition(MARKER)
+    tail = rest.partition(END)[2] if END in rest else rest
+    return f"{head}{MARKER}\n\n{reference()}\n{END}{tail}"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return markdown.replace(MARKER, reference()) if MARKER in markdown else markdown
+    return with_reference(markdown)
+
+
+if __name__ == "__main__":
+    PAGE.write_text(with_reference(PAGE.read_text()))

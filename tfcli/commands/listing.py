@@ -120,5 +120,5 @@ def models():
         f"Every task trains with --train {' | '.join(adapters.METHODS)} where its kind allows. +gguf: "
         "GGUF files read and written (llama.cpp's architecture of that name). generic, "
         "generic-encoder: any other architecture transformers ships, through its own modules "
-        "(pip install 'tfcli[transformers]'); a native family is always preferred."
+        "(pip install 'tfcli\\[transformers]'); a native family is always preferred."
     )

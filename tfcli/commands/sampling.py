@@ -174,8 +174,10 @@ def chat_command(
     )
     interactive = sys.stdin.isatty()
     if interactive:
+        about = f" about {', '.join(str(p) for p in image)}" if image else ""
         sys.stdout.write(
-            f"chatting with {backbone.checkpoint} (Ctrl-C stops a reply, /reset starts over, /exit or Ctrl-D ends)\n"
+            f"chatting with {backbone.checkpoint}{about} (Ctrl-C stops a reply, /reset starts over, /exit or "
+            "Ctrl-D ends)\n"
         )
     while True:
         if interactive:

@@ -45,10 +45,14 @@ def snapshot(source: str, flag: str = "--from") -> Path:
         return Path(snapshot_download(source, allow_patterns=FILES, local_files_only=True))
     except Exception:
         pass  # not (fully) in the cache: try the hub
+    offline = (
+        f"; on a machine that reaches the hub, `hf download {source} --local-dir DIR` (or the same with "
+        f"HF_HOME set to the cache you copy over) fetches it, then give {flag} DIR"
+    )
     if constants.HF_HUB_OFFLINE:
         raise UserError(
             f"{flag} {source}: not a local path, and not in the Hugging Face cache "
-            f"{constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set)"
+            f"{constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set){offline}"
         )
     try:
         path = Path(snapshot_download(source, allow_patterns=FILES, etag_timeout=10))
@@ -59,5 +63,5 @@ def snapshot(source: str, flag: str = "--from") -> Path:
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else e.__class__.__name__
         raise UserError(
             f"{flag} {source}: not a local path, not in the Hugging Face cache {constants.HF_HUB_CACHE}, "
-            f"and the hub did not give it ({reason})"
+            f"and the hub did not give it ({reason}){offline}"
         ) from None

@@ -7,6 +7,7 @@ builds from a row (examples, pairs, prompts), its loss and its metrics."""
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,10 +220,13 @@ class ReplyTask(Plugin):
         """The final report of the run's best checkpoint: eval.json."""
         (Path(run_dir) / "eval.json").write_text(json.dumps({"checkpoint": str(checkpoint), **results}, indent=1))
 
+    an_image = None  # a training image, for a vision-language model's chat hint (set by the task's setup)
+
     def hints(self, run_dir) -> list[str]:
         limit = f" --limit {self.eval_limit_hint}" if self.eval_limit_hint else ""
+        image = f" --image {shlex.quote(str(self.an_image))}" if self.an_image else ""
         return [
             f"evaluate it:  tfcli eval --checkpoint {run_dir}{limit}",
-            f"chat with it: tfcli chat --checkpoint {run_dir}",
+            f"chat with it: tfcli chat --checkpoint {run_dir}{image}",
             f"export it:    tfcli export --checkpoint {run_dir} --hf {Path(run_dir).name}-hf",
         ]

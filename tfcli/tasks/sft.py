@@ -177,6 +177,7 @@ class SFT(ReplyTask):
         (train_split, train), *held_out = splits.items()
         require_targets(train_split, train)
         self.plain_text = all(e.plain_text for e in train.examples)  # every token trained
+        self.an_image = next((e.images[0].path for e in train.examples if getattr(e, "images", ())), None)
         if self.rt.is_main and not self.quiet:
             console.print(preview(backbone.tokenizer, train.examples[0]))
         pad = type(backbone.model).pad_id(backbone.tokenizer)
