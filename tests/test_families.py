@@ -352,6 +352,7 @@ def test_models_lists_the_architectures_each_family_reads():
     for arch in ARCHITECTURES:
         assert arch in result.output.replace("\n", " ").replace("│", " ")
     assert "any other architecture transformers ships" in " ".join(result.output.replace("│", " ").split())
+    assert "pip install 'tfcli[transformers]'" in " ".join(result.output.split())  # rich's markup ate [...]
 
 
 TRANSFORMERS_READS = {  # settings transformers' GGUF loader takes as its defaults, set its way

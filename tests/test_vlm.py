@@ -362,6 +362,8 @@ def test_sft_with_images_trains_evaluates_generates_and_exports(tmp_path, llava_
     assert result.exit_code == 0, result.output
     assert "<image>x16What colour is this?" in result.output  # the preview folds an image's tokens
     assert "a vision-language model (llava)" in result.output and "recipe sft-vlm-mini" in result.output
+    hint = next(line for line in result.output.splitlines() if line.startswith("chat with it:"))
+    assert "--image" in hint and Path(hint.split("--image ")[1].strip()).is_file()  # a hint that runs
     losses = train_losses(tmp_path / "run")
     assert np.mean([losses[s] for s in (6, 7, 8)]) < np.mean([losses[s] for s in (1, 2, 3)])
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
