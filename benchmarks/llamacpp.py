@@ -57,7 +57,11 @@ def spread(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and not name.endswith("bias"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) - (1.0 if "gemma" in type(model).__name__.lower() else 0.0))
+                p.copy_(
+                    1.0
+                    + 0.1 * torch.randn(p.shape, generator=g)
+                    - (1.0 if "gemma" in type(model).__name__.lower() else 0.0)
+                )
             else:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 

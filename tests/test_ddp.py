@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import read_metrics, tiny_gpt_recipe
+from .conftest import near, read_metrics, tiny_gpt_recipe
 
 pytestmark = pytest.mark.slow  # the whole module is left out of the fast tier
 
@@ -124,7 +124,7 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
     """FSDP2 on 2 processes (gloo) at the global batch of one process: the same losses; its step-4
     checkpoint resumed by one process, and a one-process checkpoint resumed under FSDP, continue them."""
     one, fsdp = train_rows(one_process_run), train_rows(fsdp_run)
-    assert sorted(one) == sorted(fsdp) and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    assert sorted(one) == sorted(fsdp) and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
     # the held-out blocks do not split evenly over 2 ranks x 4, yet every evaluation ran and agrees
     val_one, val_fsdp = val_rows(one_process_run), val_rows(fsdp_run)
     assert sorted(val_fsdp) == [4, 8, 12] and all(abs(val_one[s] - val_fsdp[s]) < 0.02 for s in val_one), (
@@ -143,9 +143,9 @@ def test_fsdp_matches_one_process_and_its_checkpoints_move_between_strategies(tm
         run = copied_back_to(source, tmp_path / name, 4)
         run_tfcli(["pretrain", "--resume", run, "--quiet", *extra], nproc=nproc)
         resumed = train_rows(run)
-        assert all(abs(resumed[s] - one[s]) < 1e-5 for s in range(5, 13)), (name, resumed, one)
+        assert all(near(resumed[s], one[s], 1e-5) for s in range(5, 13)), (name, resumed, one)
         if name == "fsdp-then-fsdp":  # the same processes: the uninterrupted run's losses exactly
-            assert all(abs(resumed[s] - fsdp[s]) < 1e-6 for s in range(5, 13)), (resumed, fsdp)
+            assert all(near(resumed[s], fsdp[s], 1e-6) for s in range(5, 13)), (resumed, fsdp)
 
 
 def test_a_sharded_checkpoint_exports_a_directory_transformers_loads(tmp_path, fsdp_run):
@@ -215,7 +215,7 @@ def test_resume_on_another_number_of_processes_continues_the_same_global_batches
     run_tfcli(["pretrain", "--resume", run, "--quiet"], nproc=2)
     one, moved = train_rows(one_process_run), train_rows(run)
     assert sorted(moved) == list(range(1, 13))
-    assert all(abs(one[s] - moved[s]) < 1e-5 for s in one), (one, moved)
+    assert all(near(one[s], moved[s], 1e-5) for s in one), (one, moved)
 
 
 def test_two_nodes_rendezvous_on_localhost(tmp_path, gpt_recipe, one_process_run):
@@ -259,7 +259,7 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path, gpt_recipe, one_process_run
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outputs
     one, two = train_rows(one_process_run), train_rows(tmp_path / "two-nodes")
-    assert sorted(one) == sorted(two) and all(abs(one[s] - two[s]) < 1e-5 for s in one)
+    assert sorted(one) == sorted(two) and all(near(one[s], two[s], 1e-5) for s in one)
 
 
 def test_a_collective_that_times_out_ends_the_run_in_one_line_naming_the_rank(tmp_path):
@@ -311,7 +311,7 @@ def test_a_dpo_reference_is_sharded_under_fsdp_and_trains_as_one_process(tmp_pat
     run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
-    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    assert sorted(one) == [1, 2, 3, 4] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
     script = tmp_path / "shares.py"
     script.write_text(
         "import json, torch\n"
@@ -374,14 +374,14 @@ def test_qlora_under_ddp_and_fsdp_trains_as_one_process_and_a_sharded_run_resume
     for strategy in ("ddp", "fsdp"):
         run_tfcli([*common, "--out", tmp_path / strategy, "--batch-size", 2, "--set", f"train.strategy={strategy}"], 2)
     one, ddp, two = (train_rows(tmp_path / name) for name in ("one", "ddp", "fsdp"))
-    assert sorted(one) == [1, 2, 3, 4] and all(abs(one[s] - ddp[s]) < 1e-5 for s in one), (one, ddp)
-    assert all(abs(one[s] - two[s]) < 1e-5 for s in one), (one, two)
+    assert sorted(one) == [1, 2, 3, 4] and all(near(one[s], ddp[s], 1e-5) for s in one), (one, ddp)
+    assert all(near(one[s], two[s], 1e-5) for s in one), (one, two)
     assert len(list((tmp_path / "fsdp" / "checkpoints" / "step-0000002" / "shards").glob("*.safetensors"))) == 2
     run = copied_back_to(tmp_path / "fsdp", tmp_path / "on-one", 2)  # DCP reshards the adapters' shares; the
     # base is read and quantized again
     run_tfcli(["finetune", "--resume", run, "--quiet", "--batch-size", 4, "--set", "train.strategy=auto"], nproc=1)
     resumed = train_rows(run)
-    assert all(abs(resumed[s] - two[s]) < 1e-5 for s in (3, 4)), (resumed, two)
+    assert all(near(resumed[s], two[s], 1e-5) for s in (3, 4)), (resumed, two)
     script = tmp_path / "shares.py"
     script.write_text(
         "import json, torch\n"

@@ -27,7 +27,7 @@ from tfcli.objectives.losses import IGNORE, linear_cross_entropy, lm_head  # noq
 from tfcli.plugin import Backbone  # noqa: E402
 from tfcli.recipe import AdapterConfig  # noqa: E402
 
-from .conftest import invoke  # noqa: E402
+from .conftest import close, invoke  # noqa: E402
 from .test_llama import spread_, tfcli_model  # noqa: E402
 
 VOCAB = 96
@@ -269,7 +269,7 @@ def test_a_gguf_export_has_llama_cpps_names_and_reads_back_with_the_same_logits(
     again = tfcli_model_from_gguf(out)
     assert again.cfg == ours.cfg
     with torch.no_grad():
-        assert (again.logits(again(IDS)) - ours.logits(ours(IDS))).abs().max() < 1e-5
+        assert close(again.logits(again(IDS)), ours.logits(ours(IDS)), 1e-5)
     if arch.startswith("gemma"):  # llama.cpp's Gemma norms hold the 1 + w they scale by
         stored = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
         hf_weight = theirs.model.layers[0].input_layernorm.weight.detach().numpy()

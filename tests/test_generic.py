@@ -22,7 +22,7 @@ from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.objectives.losses import linear_cross_entropy, lm_head  # noqa: E402
 from tfcli.recipe import AdapterConfig  # noqa: E402
 
-from .conftest import invoke, write_jsonl  # noqa: E402
+from .conftest import close, invoke, near, write_jsonl  # noqa: E402
 from .test_families import targets_of  # noqa: E402
 from .test_llama import spread_, tfcli_model  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_an_architecture_with_no_native_family_reads_as_the_generic_decoder(pair
     ours = tfcli_model(directory)
     assert ours.cfg.family == "generic" and ours.kind == "decoder"
     with torch.no_grad():
-        assert (ours.logits(ours(IDS)) - theirs(IDS).logits).abs().max() < 1e-5
+        assert close(ours.logits(ours(IDS)), theirs(IDS).logits, 1e-5)
 
 
 def test_greedy_generation_through_the_cache_equals_generate(pair):
@@ -114,7 +114,7 @@ def test_three_lora_steps_give_the_losses_of_transformers_and_peft(pair):
     opt_theirs = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
     opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
     losses = []
-    for step in range(3):  # one batch, seen three times: its loss falls whatever the order tests ran in
+    for _ in range(3):  # one batch, seen three times: its loss falls whatever the order tests ran in
         ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(10))
         want = theirs(ids, labels=ids).loss
         head = lm_head(ours, ours(ids))
@@ -148,9 +148,11 @@ def test_lora_reaches_every_linear_of_the_layers_as_peft_all_linear(tmp_path):
     ).train()
     ours = tfcli_model(tmp_path / "falcon")
     layers = [n for n, m in base.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
-    assert adapters.apply(ours, "lora", AdapterConfig(rank=4, alpha=8, dropout=0.0, targets=("all-linear",))) == len(
-        layers
-    ) == 8
+    assert (
+        adapters.apply(ours, "lora", AdapterConfig(rank=4, alpha=8, dropout=0.0, targets=("all-linear",)))
+        == len(layers)
+        == 8
+    )
     ours.train()
     params = dict(theirs.named_parameters())
     with torch.no_grad():
@@ -423,4 +425,4 @@ def test_fsdp_shards_its_decoder_layers_and_trains_as_one_process(tmp_path):
     run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
-    assert sorted(one) == [1, 2, 3] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    assert sorted(one) == [1, 2, 3] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)

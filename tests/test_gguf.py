@@ -22,7 +22,7 @@ from tfcli.hf import interop as hf
 from tfcli.models.llama import Llama, LlamaConfig
 from tfcli.plugin import Backbone
 
-from .conftest import invoke
+from .conftest import close, invoke
 from .test_llama import spread_
 
 TEXTS = [
@@ -104,7 +104,7 @@ def test_tfcli_and_transformers_read_a_written_gguf_alike(arch, cfg, tmp_path):
     assert hf.export_gguf(ours, None, out, "f32") == arch and out.is_file()
     back = for_inference(out)
     assert back.cfg == ours.cfg
-    assert (logits(back.model) - want).abs().max() < 1e-5
+    assert close(logits(back.model), want, 1e-5)
     assert back.tokenizer.chat_template == ours.tokenizer.chat_template
     assert back.tokenizer.specials == ours.tokenizer.specials
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()

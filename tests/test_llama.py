@@ -21,6 +21,8 @@ from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 from tfcli.recipe import AdapterConfig  # noqa: E402
 
+from .conftest import close  # noqa: E402
+
 BASE = dict(
     vocab_size=96,
     hidden_size=32,
@@ -104,7 +106,7 @@ def test_logits_match_transformers(pair):
         want = theirs(IDS).logits
         got = ours.logits(ours(IDS))
     assert got.shape == want.shape == (2, 24, 96)
-    assert (got - want).abs().max() < 1e-5
+    assert close(got, want, 1e-5)
     assert want.std() > 0.5  # not a model whose logits are all alike
 
 
@@ -138,7 +140,7 @@ def test_export_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
     name, reloaded = export_and_reload(ours, tmp_path / "out")
     assert name == type(theirs).__name__ and type(reloaded) is type(theirs)
     with torch.no_grad():
-        assert (reloaded(IDS).logits - theirs(IDS).logits).abs().max() < 1e-5
+        assert close(reloaded(IDS).logits, theirs(IDS).logits, 1e-5)
 
 
 def test_a_lora_model_merges_and_exports_with_its_logits(pair, tmp_path):
@@ -158,7 +160,7 @@ def test_a_lora_model_merges_and_exports_with_its_logits(pair, tmp_path):
     assert not any(isinstance(m, adapters.LoRALinear) for m in ours.modules())
     with torch.no_grad():
         merged = ours.logits(ours(IDS))
-        assert (reloaded(IDS).logits - merged).abs().max() < 1e-5
+        assert close(reloaded(IDS).logits, merged, 1e-5)
         assert (merged - adapted).abs().max() < 1e-4  # folding W + BA rounds once more
 
 
@@ -186,7 +188,7 @@ def test_rope_scalings_match_transformers(rope, tmp_path):
         ours.cfg = replace(ours.cfg, max_seq_len=24)
         ids = IDS
     with torch.no_grad():
-        assert (ours.logits(ours(ids)) - theirs(ids).logits).abs().max() < 1e-5
+        assert close(ours.logits(ours(ids)), theirs(ids).logits, 1e-5)
 
 
 def test_grouped_query_attention_is_checked():
@@ -211,7 +213,7 @@ def test_ia3_scales_the_narrower_keys_and_values_and_merges_exactly(pair):
         adapted = ours.logits(ours(IDS))
         adapters.merge(ours)
         assert not any(isinstance(m, adapters.IA3Linear) for m in ours.modules())
-        assert (ours.logits(ours(IDS)) - adapted).abs().max() < 1e-5
+        assert close(ours.logits(ours(IDS)), adapted, 1e-5)
         assert (adapted - theirs(IDS).logits).abs().max() > 1e-2
 
 
@@ -248,7 +250,7 @@ def test_a_tied_table_gets_autograds_gradient_with_one_table_sized_tensor(family
     batches = [{"input_ids": i[:, :-1], "targets": i[:, 1:]} for i in ids]
     for passes in (batches[:1], batches):
         ours, plain = _tied_step(model, passes, False), _tied_step(model, passes, True)
-        assert (ours - plain).abs().max() < 1e-6 and plain.abs().max() > 1e-3
+        assert close(ours, plain, 1e-6) and plain.abs().max() > 1e-3
     out = model(batches[0]["input_ids"])
     assert model.tied.alias is not None and copy.deepcopy(model).tied.alias is None
     model.logits(out).sum().backward()

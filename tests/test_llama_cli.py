@@ -16,7 +16,7 @@ from tfcli import recipe as recipes
 from tfcli.driver import RunRequest, train
 from tfcli.engine import checkpoint
 
-from .conftest import invoke, read_metrics, tiny_gpt_recipe, train_losses
+from .conftest import close, invoke, near, read_metrics, tiny_gpt_recipe, train_losses
 from .test_ddp import run_tfcli, train_rows
 
 TINY_LLAMA = {
@@ -115,7 +115,7 @@ def test_fsdp_on_two_processes_matches_one(tmp_path, small_text):
     )
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == sorted(fsdp) == [1, 2, 3, 4]
-    assert all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    assert all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
 
 
 def test_generate_streams_greedy_text(llama_run):
@@ -137,7 +137,7 @@ def test_export_loads_in_transformers_as_llama_with_the_same_logits(llama_run, t
     ours = for_inference(llama_run, device="cpu").model.eval()
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (theirs(ids).logits - ours.logits(ours(ids))).abs().max() < 1e-5
+        assert close(theirs(ids).logits, ours.logits(ours(ids)), 1e-5)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.decode(tok("The answer is").input_ids) == "The answer is"
     from .conftest import transformers_runs_the_export

@@ -20,7 +20,7 @@ from tfcli.models import moe  # noqa: E402
 from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 
-from .conftest import invoke  # noqa: E402
+from .conftest import close, invoke, near  # noqa: E402
 from .test_families import BASE as DENSE  # noqa: E402
 from .test_families import (  # noqa: E402
     assert_greedy_generation_matches,
@@ -92,7 +92,7 @@ def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gra
     got = our_loss(ours, IDS)
     extra, metrics = moe.routing_losses(layers)
     (got + extra).backward()
-    assert abs(metrics["router_aux"].item() - out.aux_loss.item()) < 1e-5
+    assert near(metrics["router_aux"].item(), out.aux_loss.item())
     assert out.aux_loss.item() > 1.0  # random routers are unbalanced: the loss is not at its floor
     assert abs((got + extra).item() - out.loss.item()) < 1e-4
     grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.table_of_type(arch, None))
@@ -244,7 +244,7 @@ def test_lora_on_experts_matches_a_per_expert_lora_written_out_and_merges_exactl
         adapters.merge(model)
         after = model.logits(model(ids))
     assert (before - base).abs().max() > 1e-3  # the expert adapters change the model
-    assert (after - before).abs().max() < 1e-5 and stack.adapters is None
+    assert close(after, before, 1e-5) and stack.adapters is None
 
 
 def test_qlora_holds_the_experts_in_nf4_and_full_training_can_freeze_the_router():
@@ -263,7 +263,7 @@ def test_qlora_holds_the_experts_in_nf4_and_full_training_can_freeze_the_router(
     with torch.no_grad():
         got = model.logits(model(ids))
         plain = x @ stack.gate[1].get_original_weight().t()  # the 4-bit weight, dequantized
-        assert (stack.product(x, [0, 5, 0, 0], "gate") - plain).abs().max() < 1e-5  # B = 0: the base expert alone
+        assert close(stack.product(x, [0, 5, 0, 0], "gate"), plain, 1e-5)  # B = 0: the base expert alone
     assert 0 < (got - want).abs().max() < 0.25 * want.abs().max()  # 4-bit weights: close, not equal
     loss = model.logits(model(ids)).logsumexp(-1).mean()
     loss.backward()
@@ -381,7 +381,7 @@ def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(trai
     run_tfcli([*common, "--out", tmp_path / "one", "--batch-size", 4], nproc=1)
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
-    assert sorted(one) == [1, 2, 3] and all(abs(one[s] - fsdp[s]) < 1e-5 for s in one), (one, fsdp)
+    assert sorted(one) == [1, 2, 3] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
@@ -405,7 +405,7 @@ def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     assert again.cfg.router_aux_coef == moe_table.AUX_DEFAULTS[arch]  # a training setting no GGUF key holds
     assert replace(again.cfg, router_aux_coef=ours.cfg.router_aux_coef) == ours.cfg
     with torch.no_grad():
-        assert (again.logits(again(IDS)) - ours.logits(ours(IDS))).abs().max() < 1e-5
+        assert close(again.logits(again(IDS)), ours.logits(ours(IDS)), 1e-5)
 
 
 def _tokenizer():

@@ -10,7 +10,7 @@ import torch
 
 from tfcli.engine.backbone import from_run
 
-from .conftest import hf_llama_dir, invoke
+from .conftest import close, hf_llama_dir, invoke
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -73,7 +73,7 @@ def test_a_lora_run_exports_adapters_peft_applies_to_the_base(hf_llama, mnli_dir
         ours = from_run(run).model
         want = ours.logits(ours(ids))
     assert (want - before).abs().max() > 1e-3  # the adapters learned something
-    assert (theirs - want).abs().max() < 1e-5
+    assert close(theirs, want, 1e-5)
 
 
 @pytest.mark.slow  # whole suite only: other fast tests exercise its modules

@@ -27,7 +27,7 @@ from tfcli.generate import generate_batch  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
 from tfcli.hf import towers  # noqa: E402
 
-from .conftest import invoke, train_losses, write_jsonl  # noqa: E402
+from .conftest import close, invoke, train_losses, write_jsonl  # noqa: E402
 from .test_llama import spread_  # noqa: E402
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<image>", "<fake_token_around_image>", "<global-img>"]
@@ -136,7 +136,7 @@ def test_image_preprocessing_equals_transformers_on_photographs(pair):
         frames, rows, cols = image_processor.frames(steps, image)
         reference = want["pixel_values"].flatten(0, 1) if want["pixel_values"].dim() == 5 else want["pixel_values"]
         assert frames.shape == reference.shape
-        assert (frames - reference).abs().max() < 1e-5
+        assert close(frames, reference, 1e-5)
         if arch in TILED:
             assert (
                 (rows, cols)
@@ -510,7 +510,9 @@ def test_bad_images_and_rows_without_the_marker_are_one_line_and_create_nothing(
     number = rows.index(held_out) + 1
     bad = [{**r, "image": "imgs/nope.png"} if i + 1 == number else r for i, r in enumerate(rows)]
     held = write_jsonl(tmp_path / "held.jsonl", bad)
-    result = invoke("finetune", "sft", "--from", llava_dir, "--data", held, "--train", "lora", "--out", tmp_path / "h", *SFT)
+    result = invoke(
+        "finetune", "sft", "--from", llava_dir, "--data", held, "--train", "lora", "--out", tmp_path / "h", *SFT
+    )
     assert result.exit_code == 2 and f"held.jsonl (held-out 0.25): row {number}: image" in result.output, result.output
     (tmp_path / "empty" / "red").mkdir(parents=True)
     (tmp_path / "empty" / "blue").mkdir()
@@ -683,7 +685,7 @@ def test_a_directory_saved_by_transformers_5_is_processed_as_its_processor_says(
     want = processor(image, return_tensors="pt", return_row_col_info=True)
     frames, rows, cols = image_processor.frames(ours.cfg.processing, image)
     assert (rows, cols) == (want["rows"][0][0], want["cols"][0][0]) == (2, 2)
-    assert (frames - want["pixel_values"].flatten(0, 1)).abs().max() < 1e-5
+    assert close(frames, want["pixel_values"].flatten(0, 1), 1e-5)
     pixels, ids = hf_inputs("idefics3", processor, ours, image)
     with torch.no_grad():
         theirs = model(input_ids=ids, pixel_values=pixels[None]).logits
@@ -724,7 +726,11 @@ def test_chat_with_an_image_is_the_prompt_transformers_chat_template_writes(tmp_
     (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAVA_TEMPLATE}))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|im_end|>")
     whole = transformers.LlavaProcessor(
-        processor, fast, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        processor,
+        fast,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
         chat_template=LLAVA_TEMPLATE,
     )
     photos()[1].save(tmp_path / "coffee.png")

@@ -174,8 +174,10 @@ def check_messages(messages: list[dict], parts: bool = False) -> None:
         raise UserError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
-            isinstance(content, str) or (parts and joined(content, "") is not None)
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ROLES
+            or not (isinstance(content, str) or (parts and joined(content, "") is not None))
         ):
             raise UserError(
                 f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}"

@@ -153,7 +153,9 @@ def load_hf_weights(model, state: dict, path: Path):
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
     if new:
-        display.note(f"{path} has no weights for the model's {', '.join(p.rstrip('.') for p in new)}; initialised fresh")
+        display.note(
+            f"{path} has no weights for the model's {', '.join(p.rstrip('.') for p in new)}; initialised fresh"
+        )
     return model
 
 

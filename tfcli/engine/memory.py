@@ -80,7 +80,9 @@ class LiveBytes(TorchDispatchMode):
             return None
         if "out" in kwargs:
             return kwargs["out"]
-        if func._schema.name.endswith("_") or any(a.alias_info and a.alias_info.is_write for a in func._schema.arguments):
+        if func._schema.name.endswith("_") or any(
+            a.alias_info and a.alias_info.is_write for a in func._schema.arguments
+        ):
             return args[0]
         to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
         try:
@@ -89,9 +91,11 @@ class LiveBytes(TorchDispatchMode):
             return None
         device = flat[0].device
         return tree_map(
-            lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
-            if isinstance(m, Tensor)
-            else m,
+            lambda m: (
+                torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
+                if isinstance(m, Tensor)
+                else m
+            ),
             shaped,
         )
 

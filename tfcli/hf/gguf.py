@@ -281,9 +281,7 @@ def _check_expert_count(reader, raw: dict, path: Path, arch: str) -> None:
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
             stacked = int(t.shape[-1])  # GGUF lists dimensions innermost first: the experts' is last
             if stacked != count:
-                raise UserError(
-                    f"{path}: {arch}.expert_count is {count}, but tensor {t.name} stacks {stacked} experts"
-                )
+                raise UserError(f"{path}: {arch}.expert_count is {count}, but tensor {t.name} stacks {stacked} experts")
 
 
 def _layer_names(arch: str) -> dict[str, str]:
