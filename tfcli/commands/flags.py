@@ -60,7 +60,10 @@ def _path(module: str) -> Path:
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
+@functools.cache
 def _source(module: str) -> ast.Module:
+    """A module's syntax tree, parsed once: every command-line start reads the recipe fields' help from
+    a dozen modules hundreds of times (1.4 s a start when each read parsed the file again)."""
     return ast.parse(_path(module).read_text())
 
 
