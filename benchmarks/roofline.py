@@ -14,6 +14,7 @@ come from the profiled step, the seconds from the faster of two unprofiled steps
 
     python -m benchmarks roofline                                   # the issue-59/60 speed targets (6 min)
     BENCH_ROOFLINE=families:gemma3_full python -m benchmarks roofline
+    BENCH_ROOFLINE_VOCAB=262144 ...   # and the output layer's products by shape (a vocabulary of 262,144)
 """
 
 from __future__ import annotations
@@ -78,13 +79,14 @@ def profile(target: str, name: str, warmup: int = WARMUP) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     plain = min(times)
-    with profiler(activities=[ProfilerActivity.CPU]) as prof:
+    with profiler(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         step()
         profiled = time.perf_counter() - t0
     self_us: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         self_us[event.key] += event.self_cpu_time_total
+    head = output_layer_products(prof, int(os.environ.get("BENCH_ROOFLINE_VOCAB", "0")))
     products = sum(v for k, v in self_us.items() if k in PRODUCTS) / 1e6
     attention = sum(v for k, v in self_us.items() if k in ATTENTION) / 1e6
     profiled_total = sum(self_us.values()) / 1e6
@@ -98,7 +100,25 @@ def profile(target: str, name: str, warmup: int = WARMUP) -> dict:
         "products_s": products * plain / profiled,
         "attention_s": attention * plain / profiled,
         "others": [(k, round(v, 3)) for v, k in others],
+        "output_layer": [(shapes, round(v * plain / profiled, 3)) for shapes, v in head],
     }
+
+
+def output_layer_products(prof, vocab: int) -> list[tuple[str, float]]:
+    """The matrix products of the output layer by input shapes (seconds, the profiled step's): those
+    with the vocabulary among their dimensions, or a tile of it (tfcli's loss over the vocabulary in
+    tiles of losses._tile's columns). Empty without BENCH_ROOFLINE_VOCAB."""
+    if not vocab:
+        return []
+    from tfcli.objectives import losses
+
+    widths = {vocab} | {losses._tile(rows, vocab)[1] for rows in (128, 256, 512, 1024, 2048, 4096)}
+    out = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        dims = {d for shape in event.input_shapes or [] for d in shape}
+        if event.key in PRODUCTS and dims & widths:
+            out.append((f"{event.count} x {event.key} {event.input_shapes}", event.self_cpu_time_total / 1e6))
+    return sorted(out, key=lambda x: -x[1])
 
 
 def main() -> None:
@@ -129,6 +149,8 @@ def main() -> None:
         )
         for side, result in sides.items():
             print(f"  {side} costliest others: " + ", ".join(f"{k} {v:.2f}s" for k, v in result["others"]))
+            for shapes, seconds in result["output_layer"]:
+                print(f"  {side} output layer: {seconds:.2f}s {shapes}")
         RESULTS.mkdir(exist_ok=True)
         with open(RESULTS / "results.jsonl", "a") as f:
             record = {

@@ -136,9 +136,9 @@ def test_sequence_logprobs_equal_the_full_logits_way_values_and_gradients():
     grads = torch.autograd.grad((ours * torch.tensor([1.0, -2.0, 0.5])).sum(), (hidden, weight))
     assert ours.shape == (3,) and torch.allclose(ours, ref, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
-    old = losses._chunk_rows
-    losses._chunk_rows = lambda vocab: 4  # several chunks: the same
+    old = losses.ROW_BLOCK, losses.MIN_COLUMNS, losses.TILE_ELEMENTS
+    losses.ROW_BLOCK, losses.MIN_COLUMNS, losses.TILE_ELEMENTS = 4, 9, 36  # several row blocks and tiles: the same
     try:
         assert torch.allclose(losses.sequence_logprobs(hidden, weight, targets), ref, atol=1e-5)
     finally:
-        losses._chunk_rows = old
+        losses.ROW_BLOCK, losses.MIN_COLUMNS, losses.TILE_ELEMENTS = old

@@ -515,7 +515,7 @@ from tfcli.objectives.losses import token_logprobs
 memory.follow_the_plan()  # blocks of 1 MB and more are mapped and unmapped: resident memory follows them
 g = torch.Generator().manual_seed(0)
 h = torch.randn(4, 1024, 64, generator=g, requires_grad=True)
-w = torch.randn(8192, 64, generator=g)  # one chunk of logits: 4,096 x 8,192 fp32 = 128 MB
+w = torch.randn(8192, 64, generator=g)  # 4,096 rows against 8,192 columns, in tiles
 t = torch.randint(0, 8192, (4, 1024), generator=g)
 if sys.argv[1] == "forward":  # a reference's pass
     run = lambda: torch.no_grad()(token_logprobs)(h, w, t)
@@ -544,8 +544,12 @@ print(resident, counter.peak)
 def test_the_log_probs_allocate_what_the_plan_counts_one_chunk_at_a_time():
     """token_logprobs (DPO's and GRPO's log pi) computed logsumexp over each (c, V) chunk of logits, which
     allocates a copy of the chunk inside the op that no tensor count sees: the plan under-counted a
-    reference's pass by a chunk, 128 MB here. Forward and backward now hold one chunk at a time."""
-    chunk = 128 * 2**20
+    reference's pass by a chunk, 128 MB then. Forward and backward hold one tile of logits at a time
+    (4,096 rows x 1,024 columns, 16 MB), and the process's resident peak is what the count says."""
+    from tfcli.objectives import losses
+
+    rows, cols = losses._tile(4096, 8192)
+    chunk = rows * cols * 4
     for what in ("forward", "backward"):
         out = subprocess.run([sys.executable, "-c", RESIDENT_PEAK, what], capture_output=True, text=True, cwd=REPO)
         assert out.returncode == 0, out.stderr

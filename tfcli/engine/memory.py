@@ -64,15 +64,18 @@ class LiveBytes(TorchDispatchMode):
 
     def _allocated_only(self, func, args, kwargs):
         """An op on a tensor with a dimension of `shapes_only_at` (a large vocabulary: the output layer's
-        products and the loss's passes over its logits, most of a probe's time) allocates what it would
+        products and the loss's passes over its logits, most of a probe's time), or one of the loss's
+        loops over the vocabulary's tiles (losses.in_vocabulary_tiles), allocates what it would
         and computes nothing after its first time (each op and shapes run once, so that the compute
         libraries hold the buffers the run's will): its output shapes come from the op's meta kernel,
         its values are zeros, an in-place or out= op leaves its tensor as it is. The bytes counted are
         the same; nothing the plan reads depends on those values (the routing of a mixture reads the
         blocks' own, computed). None: compute it (a view, an op on other tensors, one with no meta
         kernel, or the first of its kind)."""
+        from ..objectives.losses import in_vocabulary_tiles
+
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if func.is_view or not any(self.shapes_only_at in t.shape for t in flat):
+        if func.is_view or not (in_vocabulary_tiles() or any(self.shapes_only_at in t.shape for t in flat)):
             return None
         key = (func, *(tuple(t.shape) for t in flat))
         if key not in self._computed:  # each kind once for real: the libraries keep what its kernels use
@@ -672,9 +675,13 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
     def after_probes() -> float:
         """The process once the probes have run a training step and freed it: what the compute libraries
         keep from their first step (thread pools, kernels' buffers), which a lean process (a resumed run)
-        has not paid for when the plan starts."""
+        has not paid for when the plan starts. The loss's reused buffer of logits is given back first:
+        the probes' step counted it, and the run's first step allocates it again."""
         import gc
 
+        from ..objectives import losses
+
+        losses.release_buffers()
         gc.collect()
         returned_to_os()
         return resident_bytes() - held

@@ -1,13 +1,23 @@
 """Cross-entropy through a (large-vocabulary) output projection without materialising all logits.
 
 Training a small model on a 50k vocabulary spends most of its time and memory on the
-(tokens x vocab) logits. `linear_cross_entropy` walks the rows in chunks and, while the chunk's
-logits are at hand, computes the loss and both gradients (softmax - one-hot), so the full logits
-tensor, its log-softmax and their backward passes never exist. Same FLOPs, far less memory traffic.
+(tokens x vocab) logits. Two ways through them, neither holding more than a tile of logits:
+
+- a head that trains (its weight gradient wanted): the rows in chunks; while a chunk's logits are at
+  hand the loss and both gradients (softmax - one-hot) come from them, three products a chunk;
+- a frozen head (LoRA, QLoRA, IA3, a probe), an evaluation, the token log-probabilities: every row at
+  once against the vocabulary in tiles, with an online log-sum-exp (Cut Cross-Entropy's and Liger's
+  fused linear cross-entropy's way; the hidden states' gradient accumulated as flash attention
+  accumulates its output, rescaled as the running maximum moves). Each product then has all the rows
+  and a few thousand columns: on a 2-core EPYC, [512 x 640] @ [640 x 8192] tiles run the 262k
+  vocabulary's products 1.2-1.5x faster than 128-row chunks do (docs/results/measured.md).
+
+Same FLOPs, far less memory traffic than the full logits, their log-softmax and their backward passes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -18,11 +28,69 @@ from ..data import IGNORE  # noqa: F401  (the objectives import it from here too
 from ..engine.compiling import eager
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(64, (1 << 25) // max(vocab, 1))  # about 128 MB of fp32 logits per chunk
+CHUNK_ELEMENTS = 1 << 25  # a trained head's chunk of logits: 128 MB of fp32 ...
+EFFICIENT_ROWS = 512  # ... or this many rows, where more: the rows a product needs to run at the
+# machine's speed (on a 2-core EPYC, [128 x 640] @ [640 x 262,144] runs 25% slower a row than 512 rows,
+# 256 rows 8%; 512 is within 3% of 1,024: docs/results/measured.md)
 
 
-_cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk used, then kept (at most ~128 MB)
+def _chunk_rows(vocab: int, rows: int = 0) -> int:
+    """Rows of a trained head's chunk of logits: CHUNK_ELEMENTS' worth, at least EFFICIENT_ROWS (a
+    262k vocabulary's chunk is then 512 MB), and for `rows` rows in all the chunks of equal size (no
+    short last chunk). Fewer rows a step (micro-batches, which the memory plan chooses when a run does
+    not fit its limit) make smaller chunks."""
+    most = max(EFFICIENT_ROWS, CHUNK_ELEMENTS // max(vocab, 1))
+    if rows <= most:
+        return max(rows, 1)
+    return -(-rows // -(-rows // most))
+
+
+TILE_ELEMENTS = 1 << 22  # a tile's logits: 16 MB of fp32 (512 rows x 8,192 columns, 4,096 x 1,024)
+ROW_BLOCK = 4096  # rows a tile takes at most: more rows, more blocks (each its own online softmax)
+MIN_COLUMNS = 1024  # a tile narrower than this runs its products at a fraction of the machine's speed
+
+
+def _tile(rows: int, vocab: int) -> tuple[int, int]:
+    """(rows, vocabulary columns) of one tile of logits: every row up to ROW_BLOCK, as many columns as
+    TILE_ELEMENTS leaves them, at least MIN_COLUMNS."""
+    r = max(1, min(rows, ROW_BLOCK))
+    return r, max(1, min(vocab, max(MIN_COLUMNS, TILE_ELEMENTS // r)))
+
+
+_cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk or tile used, then kept (<= ~128 MB)
+_tiling = [0]  # > 0 while a loop over the vocabulary's tiles runs (what the memory plan's probes ask)
+
+
+def in_vocabulary_tiles() -> bool:
+    """Whether the op being run is one of a loop over the vocabulary's tiles: the memory plan's probes
+    allocate such ops' repeats without computing them (engine/memory.py, LiveBytes)."""
+    return _tiling[0] > 0
+
+
+@contextlib.contextmanager
+def _tiles():
+    _tiling[0] += 1
+    try:
+        yield
+    finally:
+        _tiling[0] -= 1
+
+
+def release_buffers() -> None:
+    """Give the reused buffer of logits back (the memory plan, once its probes have run)."""
+    _cpu_chunk["logits"] = torch.empty(0)
+
+
+def _cpu_logits(h: Tensor, w: Tensor) -> Tensor:
+    """h @ w.T in fp32: on the CPU (fp32 inputs) into the one reused buffer (see _chunk_probs), else a
+    new tensor."""
+    c, v = h.size(0), w.size(0)
+    if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32:
+        return (h @ w.t()).float()
+    buf = _cpu_chunk["logits"]
+    if buf.numel() < c * v:
+        buf = _cpu_chunk["logits"] = torch.empty(c * v)
+    return torch.mm(h, w.t(), out=buf[: c * v].view(c, v))
 
 
 class LMHead(NamedTuple):
@@ -78,6 +146,146 @@ def _chunk_probs(
     return logits.div_(logits.sum(-1, keepdim=True)), slope
 
 
+class _Online(NamedTuple):
+    """What one pass over the vocabulary's tiles leaves per row: the log-sum-exp of the (capped,
+    tempered) logits, the target's logit, the cap's slope there, and (asked for) the argmax and
+    sum_v softmax_v * slope_v * w_v (the hidden state's gradient, but for its target's term)."""
+
+    lse: Tensor
+    target: Tensor
+    target_slope: Tensor | None
+    argmax: Tensor | None
+    numerator: Tensor | None
+
+
+class _Running:
+    """One row block's running state over the vocabulary's tiles: the maximum logit, the sum of
+    exponentials below it, the target's logit and the cap's slope there, the argmax, and the gradient's
+    numerator sum_v exp(x_v - max) slope_v w_v, each moved on tile by tile (Milakov and Gimelshein's
+    online softmax; the numerator rescaled as flash attention rescales its output)."""
+
+    def __init__(self, h: Tensor, softcap: float, numerator: bool, argmax: bool):
+        n, f32 = h.size(0), dict(dtype=torch.float32, device=h.device)
+        self.dtype = h.dtype
+        self.max = torch.full((n,), float("-inf"), **f32)
+        self.total, self.target = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        self.target_slope = torch.ones(n, **f32) if softcap else None
+        self.best = torch.full((n,), float("-inf"), **f32) if argmax else None
+        self.best_at = torch.zeros(n, dtype=torch.long, device=h.device) if argmax else None
+        self.numerator = torch.zeros(n, h.size(1), **f32) if numerator else None
+
+    def add(self, logits: Tensor, slope: Tensor | None, w: Tensor, first: int, safe: Tensor) -> None:
+        """One tile: `logits` (n, c) of the vocabulary's columns from `first` on (consumed in place),
+        `w` their rows of the weight, `safe` the targets."""
+        local = safe - first
+        hit = (local >= 0) & (local < w.size(0))
+        at = local.clamp(0, w.size(0) - 1)[:, None]
+        self.target = torch.where(hit, logits.gather(1, at).squeeze(1), self.target)
+        if self.target_slope is not None:
+            self.target_slope = torch.where(hit, slope.gather(1, at).squeeze(1), self.target_slope)
+        if self.best is not None:
+            top, where = logits.max(1)
+            better = top > self.best
+            self.best, self.best_at = (
+                torch.where(better, top, self.best),
+                torch.where(better, where + first, self.best_at),
+            )
+        peak = torch.maximum(self.max, logits.amax(1))
+        scale = (self.max - peak).exp_()  # the running sums at the new maximum (exp(-inf) = 0 at first)
+        probs = logits.sub_(peak[:, None]).exp_()  # exp(x - max), in place
+        self.total.mul_(scale).add_(probs.sum(1))
+        self.max = peak
+        if self.numerator is not None:
+            if slope is not None:
+                probs.mul_(slope)
+            self.numerator.mul_(scale[:, None])
+            if probs.dtype == w.dtype == torch.float32:
+                self.numerator.addmm_(probs, w)
+            else:
+                self.numerator.add_(torch.mm(probs.to(self.dtype), w.to(self.dtype)).float())
+
+    def result(self) -> _Online:
+        gradient = self.numerator / self.total[:, None] if self.numerator is not None else None
+        return _Online(self.max + self.total.log(), self.target, self.target_slope, self.best_at, gradient)
+
+
+def _online_pass(
+    h: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, numerator: bool, argmax: bool
+) -> _Online:
+    """One row block against every vocabulary tile (see the module's docstring); nothing of the
+    vocabulary's width outlives its tile."""
+    state, cols = _Running(h, softcap, numerator, argmax), _tile(h.size(0), weight.size(0))[1]
+    with _tiles():
+        for first in range(0, weight.size(0), cols):
+            w = weight[first : first + cols]
+            logits = _cpu_logits(h, w)  # (n, c)
+            slope = _capped(logits, softcap)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            state.add(logits, slope, w, first, safe)
+    return state.result()
+
+
+def _online(
+    hidden: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, numerator: bool, argmax: bool
+) -> _Online:
+    """_online_pass over blocks of at most ROW_BLOCK rows (each row's softmax is its own), joined."""
+    rows = _tile(hidden.size(0), weight.size(0))[0]
+    if hidden.size(0) <= rows:
+        return _online_pass(hidden, weight, safe, softcap, temperature, numerator, argmax)
+    parts = [
+        _online_pass(hidden[s : s + rows], weight, safe[s : s + rows], softcap, temperature, numerator, argmax)
+        for s in range(0, hidden.size(0), rows)
+    ]
+    return _Online(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
+
+
+class _FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy and the hidden states' gradient for a head whose weight does not train, in one
+    online pass over the vocabulary's tiles (two products a tile, every row in each)."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_needed: bool, with_accuracy: bool, softcap: float
+    ):
+        valid = targets != IGNORE
+        n_valid = valid.sum().clamp(min=1)
+        safe = targets.clamp(min=0)
+        if hidden.size(0) == 0:
+            ctx.save_for_backward(torch.zeros_like(hidden) if grad_needed else None)
+            zero = torch.zeros((), dtype=torch.long, device=hidden.device)
+            ctx.mark_non_differentiable(zero)
+            return hidden.new_zeros((), dtype=torch.float32), zero
+        out = _online(hidden, weight, safe, softcap, 1.0, grad_needed, with_accuracy)
+        loss = ((out.lse - out.target) * valid).sum() / n_valid
+        correct = (
+            ((out.argmax == safe) & valid).sum()
+            if with_accuracy
+            else torch.zeros((), dtype=torch.long, device=hidden.device)
+        )
+        grad_hidden = None
+        if grad_needed:  # d loss / d h = (sum_v p_v slope_v w_v - slope_t w_t) / n_valid, ignored rows 0
+            picked = weight[safe].float()
+            if out.target_slope is not None:
+                picked.mul_(out.target_slope[:, None])
+            grad_hidden = out.numerator.sub_(picked).mul_((valid.float() / n_valid)[:, None]).to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return (
+            (None if grad_hidden is None else grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -102,7 +310,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # written by the first chunk's product, accumulated by the rest: a zero fill first would be one
         # more pass over (and, fresh, a page fault for) every weight of the output layer
         grad_weight = torch.empty_like(weight, dtype=torch.float32) if grad_weight_needed else None
-        step = _chunk_rows(v)
+        step = _chunk_rows(v, n)
         for s in range(0, n, step):
             h = hidden[s : s + step]
             t, ok = safe[s : s + step], valid[s : s + step]
@@ -154,55 +362,85 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, hidden.size(-1))
     t = targets.reshape(-1)
     grad = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(
-        h, weight, t, grad and hidden.requires_grad, grad and weight.requires_grad, with_accuracy, softcap
-    )
+    if not (grad and weight.requires_grad):  # a frozen head or no gradient: the vocabulary in tiles
+        return _FrozenHeadCrossEntropy.apply(h, weight, t, grad and hidden.requires_grad, with_accuracy, softcap)
+    return _LinearCrossEntropy.apply(h, weight, t, hidden.requires_grad, True, with_accuracy, softcap)
 
 
 class _LinearTokenLogProbs(torch.autograd.Function):
-    """log softmax(hidden @ weight.T)[target] per row, in chunks of rows: the logits of a chunk exist
-    only while it is computed, forward and again in backward (recomputed: memory over FLOPs)."""
+    """log softmax(hidden @ weight.T)[target] per row: forward, one online pass over the vocabulary's
+    tiles (the rows' log-sum-exp kept); backward, the tiles again (recomputed: memory over FLOPs), each
+    tile's share of the weight's gradient written once and the hidden states' added up."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float, temperature: float):
         # hidden (N, D), weight (V, D), targets (N,) with IGNORE where a row has no target
-        out = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
         safe = targets.clamp(min=0)
-        step = _chunk_rows(weight.size(0))
-        for s in range(0, hidden.size(0), step):
-            logits = (hidden[s : s + step] @ weight.t()).float()  # (c, V)
-            if _capped(logits, softcap) is not None and temperature != 1.0:
-                logits.div_(temperature)
-            # log p = x_t - max - log sum exp(x - max), as torch.logsumexp computes it, but in place:
-            # logsumexp allocates a hidden (c, V) temporary that no tensor count (the memory plan) sees
-            logits.sub_(logits.amax(-1, keepdim=True))
-            picked = logits.gather(1, safe[s : s + step, None]).squeeze(1)  # (c,) x_t - max
-            out[s : s + step] = picked - logits.exp_().sum(-1).log()
-        out.masked_fill_(targets == IGNORE, 0.0)
-        ctx.save_for_backward(hidden, weight, targets)
+        if hidden.size(0):
+            out = _online(hidden, weight, safe, softcap, temperature, numerator=False, argmax=False)
+            logp, lse = out.target - out.lse, out.lse
+        else:
+            logp = lse = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+        logp = logp.masked_fill(targets == IGNORE, 0.0)
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.softcap, ctx.temperature = softcap, temperature
-        return out
+        return logp
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        hidden, weight, targets = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        safe, valid = targets.clamp(min=0), targets != IGNORE
-        step = _chunk_rows(weight.size(0))
-        for s in range(0, hidden.size(0), step):
-            h = hidden[s : s + step]
-            g, slope = _chunk_probs(h, weight, step, ctx.softcap, ctx.temperature)
-            g = g.neg_()  # (c, V): d logp / d logits = onehot - p
-            g[torch.arange(len(h), device=h.device), safe[s : s + step]] += 1.0
-            g *= (grad_out[s : s + step] * valid[s : s + step])[:, None]
+        hidden, weight, targets, lse = ctx.saved_tensors
+        n = hidden.size(0)
+        grad_hidden = (
+            torch.zeros(n, hidden.size(1), dtype=torch.float32, device=hidden.device)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        grad_weight = torch.empty_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        safe, row = targets.clamp(min=0), grad_out * (targets != IGNORE)  # (N,) each row's upstream gradient
+        with _tiles():
+            _tiled_backward(hidden, weight, safe, row, lse, ctx.softcap, ctx.temperature, grad_hidden, grad_weight)
+        if grad_weight is not None and n == 0:
+            grad_weight.zero_()
+        return (
+            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def _tiled_backward(hidden, weight, safe, row, lse, softcap, temperature, grad_hidden, grad_weight) -> None:
+    """The token log-probabilities' gradients, tile by tile: each row's upstream gradient `row` times
+    (onehot - softmax) through the cap and the temperature, into grad_hidden (added up over the
+    vocabulary) and grad_weight (each tile's rows written by the first row block, added to after)."""
+    n, v = hidden.size(0), weight.size(0)
+    rows, cols = _tile(n, v)
+    for s in range(0, n, rows):
+        h, t, g_row, m = hidden[s : s + rows], safe[s : s + rows], row[s : s + rows], lse[s : s + rows]
+        for first in range(0, v, cols):
+            w = weight[first : first + cols]
+            logits = _cpu_logits(h, w)
+            slope = _capped(logits, softcap)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            g = logits.sub_(m[:, None]).exp_().neg_()  # d logp / d logits = onehot - p
+            local = t - first
+            hit = ((local >= 0) & (local < w.size(0))).float()
+            g.scatter_add_(1, local.clamp(0, w.size(0) - 1)[:, None], hit[:, None])
+            g.mul_(g_row[:, None])
             if slope is not None:
-                g.mul_(slope).div_(ctx.temperature)  # through the temperature and the cap
+                g.mul_(slope)
+            if temperature != 1.0:
+                g.div_(temperature)
             if grad_hidden is not None:
-                grad_hidden[s : s + step] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[s : s + rows].add_(torch.mm(g.to(weight.dtype), w).float())
             if grad_weight is not None:
-                grad_weight.addmm_(g.t(), h.float())
-        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None
+                part = torch.mm(g.t(), h.float())
+                if s == 0:
+                    grad_weight[first : first + cols] = part
+                else:
+                    grad_weight[first : first + cols] += part
 
 
 @eager
