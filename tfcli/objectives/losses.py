@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
 from ..engine.compiling import eager
 
-
 CHUNK_ELEMENTS = 1 << 25  # a trained head's chunk of logits: 128 MB of fp32 ...
 EFFICIENT_ROWS = 512  # ... or this many rows, where more: the rows a product needs to run at the
 # machine's speed (on a 2-core EPYC, [128 x 640] @ [640 x 262,144] runs 25% slower a row than 512 rows,
