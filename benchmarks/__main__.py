@@ -33,7 +33,10 @@ ALL = [
 ]
 
 if __name__ == "__main__":
+    from benchmarks.common import machine_line
+
     torch.set_num_threads(2)
+    print(machine_line())  # every ratio below holds for this machine
     names = sys.argv[1:] or ALL
     for name in names:
         try:

@@ -25,6 +25,42 @@ WARMUP = 2  # steps before timing: the first two still place the step's largest 
 # go on transparent huge pages, which the kernel compacts for on first use: 1.2 s for Gemma's 671 MB
 # embedding gradient); with one warm-up the first timed step paid it
 
+
+def machine() -> dict:
+    """What a figure was measured on, recorded beside it (a ratio holds for its machine, not in
+    general): the CPU's model, its cores and those this process may use, the BLAS torch calls, torch's
+    threads and version; the GPU where one is visible."""
+    import re
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out = {
+        "cpu": cpu or __import__("platform").processor() or "unknown",
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "blas": blas.group(1) if blas else "unknown",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def machine_line() -> str:
+    m = machine()
+    gpu = f", {m['gpu']}" if "gpu" in m else ""
+    return (
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), BLAS {m['blas']}, "
+        f"{m['threads']} torch threads, torch {m['torch']}{gpu}"
+    )
+
+
 Step = Callable[[], None]
 Contenders = dict[str, Callable[[], Step]]  # name -> builds that contender's step (models, optimizer, batch)
 
@@ -89,6 +125,7 @@ def report(
         "ratio": round(ratio, 3),
         "target": target,
         "torch_threads": torch.get_num_threads(),
+        "machine": machine(),
     }
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:

@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.common import RESULTS, WARMUP, in_fresh_process
+from benchmarks.common import RESULTS, WARMUP, in_fresh_process, machine, machine_line
 
 PRODUCTS = frozenset(
     {
@@ -123,6 +123,7 @@ def output_layer_products(prof, vocab: int) -> list[tuple[str, float]]:
 
 def main() -> None:
     torch.set_num_threads(2)
+    print(machine_line())
     targets = os.environ.get("BENCH_ROOFLINE", ",".join(TARGETS)).split(",")
     for target in targets:
         if target.startswith("moe:"):
@@ -158,6 +159,7 @@ def main() -> None:
                 "ratio": round(ratio, 3),
                 "bound": round(bound, 3),
                 "bound_with_attention": round(with_attention, 3),
+                "machine": machine(),
             }
             f.write(json.dumps({**record, "tfcli": ours, "transformers": peer}) + "\n")
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT
+from benchmarks.common import RESULTS, ROOT, machine
 
 SKIP = 3  # steps left out of the speed medians: both processes are still warming their allocators
 
@@ -282,5 +282,5 @@ def report(
     }
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "results.jsonl", "a") as f:
-        f.write(json.dumps(result) + "\n")
+        f.write(json.dumps({**result, "machine": machine()}) + "\n")
     return result
