@@ -33,7 +33,7 @@ from ..models import TEXT_FAMILIES, build_model, transformer_blocks
 from ..models.moe import moe_layers
 from ..models.nf4 import NF4Linear
 from ..recipe import parse_limit
-from . import optimizers
+from . import optimizers, scratch
 
 MARGIN = 0.9  # train.memory_limit auto: this share of what the device has
 DEPTH_FIELDS = ("n_layer", "n_decoder_layer", "decoder_n_layer")  # the block counts a probe shrinks
@@ -65,17 +65,15 @@ class LiveBytes(TorchDispatchMode):
     def _allocated_only(self, func, args, kwargs):
         """An op on a tensor with a dimension of `shapes_only_at` (a large vocabulary: the output layer's
         products and the loss's passes over its logits, most of a probe's time), or one of the loss's
-        loops over the vocabulary's tiles (losses.in_vocabulary_tiles), allocates what it would
+        loops over the vocabulary's tiles (scratch.in_repeated_ops), allocates what it would
         and computes nothing after its first time (each op and shapes run once, so that the compute
         libraries hold the buffers the run's will): its output shapes come from the op's meta kernel,
         its values are zeros, an in-place or out= op leaves its tensor as it is. The bytes counted are
         the same; nothing the plan reads depends on those values (the routing of a mixture reads the
         blocks' own, computed). None: compute it (a view, an op on other tensors, one with no meta
         kernel, or the first of its kind)."""
-        from ..objectives.losses import in_vocabulary_tiles
-
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if func.is_view or not (in_vocabulary_tiles() or any(self.shapes_only_at in t.shape for t in flat)):
+        if func.is_view or not (scratch.in_repeated_ops() or any(self.shapes_only_at in t.shape for t in flat)):
             return None
         key = (func, *(tuple(t.shape) for t in flat))
         if key not in self._computed:  # each kind once for real: the libraries keep what its kernels use
@@ -679,9 +677,7 @@ def planner(recipe, job, model: nn.Module, rt, reading, dry_run: bool = False, r
         the probes' step counted it, and the run's first step allocates it again."""
         import gc
 
-        from ..objectives import losses
-
-        losses.release_buffers()
+        scratch.release_buffers()
         gc.collect()
         returned_to_os()
         return resident_bytes() - held

@@ -17,7 +17,6 @@ Same FLOPs, far less memory traffic than the full logits, their log-softmax and 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 
 from ..data import IGNORE  # noqa: F401  (the objectives import it from here too)
 from ..engine.compiling import eager
+from ..engine.scratch import releases_after_probes, repeated_ops
 
 CHUNK_ELEMENTS = 1 << 25  # a trained head's chunk of logits: 128 MB of fp32 ...
 EFFICIENT_ROWS = 512  # ... or this many rows, where more: the rows a product needs to run at the
@@ -49,32 +49,19 @@ ROW_BLOCK = 4096  # rows a tile takes at most: more rows, more blocks (each its 
 MIN_COLUMNS = 1024  # a tile narrower than this runs its products at a fraction of the machine's speed
 
 
-def _tile(rows: int, vocab: int) -> tuple[int, int]:
+def _tile(rows: int, vocab: int, device: torch.device | None = None) -> tuple[int, int]:
     """(rows, vocabulary columns) of one tile of logits: every row up to ROW_BLOCK, as many columns as
-    TILE_ELEMENTS leaves them, at least MIN_COLUMNS."""
+    TILE_ELEMENTS leaves them, at least MIN_COLUMNS. On a GPU a tile is a chunk's 128 MB: each tile is
+    a few kernel launches, which the host pays for (not measured there yet)."""
+    elements = CHUNK_ELEMENTS if device is not None and device.type == "cuda" else TILE_ELEMENTS
     r = max(1, min(rows, ROW_BLOCK))
-    return r, max(1, min(vocab, max(MIN_COLUMNS, TILE_ELEMENTS // r)))
+    return r, max(1, min(vocab, max(MIN_COLUMNS, elements // r)))
 
 
 _cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk or tile used, then kept (<= ~128 MB)
-_tiling = [0]  # > 0 while a loop over the vocabulary's tiles runs (what the memory plan's probes ask)
 
 
-def in_vocabulary_tiles() -> bool:
-    """Whether the op being run is one of a loop over the vocabulary's tiles: the memory plan's probes
-    allocate such ops' repeats without computing them (engine/memory.py, LiveBytes)."""
-    return _tiling[0] > 0
-
-
-@contextlib.contextmanager
-def _tiles():
-    _tiling[0] += 1
-    try:
-        yield
-    finally:
-        _tiling[0] -= 1
-
-
+@releases_after_probes
 def release_buffers() -> None:
     """Give the reused buffer of logits back (the memory plan, once its probes have run)."""
     _cpu_chunk["logits"] = torch.empty(0)
@@ -213,8 +200,8 @@ def _online_pass(
 ) -> _Online:
     """One row block against every vocabulary tile (see the module's docstring); nothing of the
     vocabulary's width outlives its tile."""
-    state, cols = _Running(h, softcap, numerator, argmax), _tile(h.size(0), weight.size(0))[1]
-    with _tiles():
+    state, cols = _Running(h, softcap, numerator, argmax), _tile(h.size(0), weight.size(0), h.device)[1]
+    with repeated_ops():
         for first in range(0, weight.size(0), cols):
             w = weight[first : first + cols]
             logits = _cpu_logits(h, w)  # (n, c)
@@ -229,7 +216,7 @@ def _online(
     hidden: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, numerator: bool, argmax: bool
 ) -> _Online:
     """_online_pass over blocks of at most ROW_BLOCK rows (each row's softmax is its own), joined."""
-    rows = _tile(hidden.size(0), weight.size(0))[0]
+    rows = _tile(hidden.size(0), weight.size(0), hidden.device)[0]
     if hidden.size(0) <= rows:
         return _online_pass(hidden, weight, safe, softcap, temperature, numerator, argmax)
     parts = [
@@ -396,7 +383,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         )
         grad_weight = torch.empty_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         safe, row = targets.clamp(min=0), grad_out * (targets != IGNORE)  # (N,) each row's upstream gradient
-        with _tiles():
+        with repeated_ops():
             _tiled_backward(hidden, weight, safe, row, lse, ctx.softcap, ctx.temperature, grad_hidden, grad_weight)
         if grad_weight is not None and n == 0:
             grad_weight.zero_()
@@ -414,7 +401,7 @@ def _tiled_backward(hidden, weight, safe, row, lse, softcap, temperature, grad_h
     (onehot - softmax) through the cap and the temperature, into grad_hidden (added up over the
     vocabulary) and grad_weight (each tile's rows written by the first row block, added to after)."""
     n, v = hidden.size(0), weight.size(0)
-    rows, cols = _tile(n, v)
+    rows, cols = _tile(n, v, hidden.device)
     for s in range(0, n, rows):
         h, t, g_row, m = hidden[s : s + rows], safe[s : s + rows], row[s : s + rows], lse[s : s + rows]
         for first in range(0, v, cols):
