@@ -195,7 +195,7 @@ def sft_flops(work: Path, shapes: Shapes, lora: bool) -> float:
     from tfcli.hf.interop import read_pretrained
     from tfcli.models import build_model
 
-    cfg, _ = read_pretrained(work / "model", False, True)
+    cfg, _ = read_pretrained(work / "model", shapes_only=True)
     with torch.device("meta"):
         model = build_model(cfg)
     full, weights = model.flops_per_token(shapes.seq), model.flops_per_token(0)  # 6 N + attention; 6 N

@@ -23,6 +23,7 @@ from tfcli.engine import model_source
 from tfcli.engine.runtime import to_device
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
+from tfcli.hf import llama as llama_table
 from tfcli.recipe import AdapterConfig
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
@@ -171,7 +172,7 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
         "logps/rejected",
     ):
         assert float(metrics[name]) == pytest.approx(their_metrics[name], abs=1e-5), name
-    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, hf.llama.rules(model.cfg))
+    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
     assert set(grads) == set(their_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)

@@ -176,7 +176,7 @@ def test_a_training_step_gives_the_loss_and_gradients_of_transformers(pair):
     got = our_loss(ours, IDS)
     got.backward()
     assert abs(got.item() - want.item()) < 1e-4
-    grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.table_of_type(arch, None))
+    grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.registry.NATIVE[arch].table)
     reference = {n: p.grad for n, p in theirs.named_parameters()}
     if theirs.config.tie_word_embeddings:
         reference.pop("lm_head.weight", None)
@@ -200,7 +200,7 @@ def test_a_lora_step_gives_the_loss_and_gradients_of_peft(pair):
     ).train()
     adapters.apply(ours, "lora", AdapterConfig(rank=4, alpha=8, dropout=0.0, targets=targets))
     ours.train()
-    rules = {r.ours: r for r in hf.table_of_type(arch, None).rules(ours.cfg)}
+    rules = {r.ours: r for r in hf.registry.NATIVE[arch].table.rules(ours.cfg)}
     params = dict(peft_model.named_parameters())
     lora = {n: m for n, m in ours.named_modules() if isinstance(m, adapters.LoRALinear)}
     with torch.no_grad():  # the same adapters on both sides, B non-zero

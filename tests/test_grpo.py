@@ -18,6 +18,7 @@ from tfcli.engine.trainer import ObjectiveModule
 from tfcli.errors import UserError
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
+from tfcli.hf import llama as llama_table
 from tfcli.tasks import rewards as rewarding
 from tfcli.tasks.grpo import GRPOConfig, GRPOLoss, Prompt, Rollouts, advantages, nanstd
 
@@ -76,7 +77,7 @@ def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb):
     perturb(model)
     loss, loss_metrics = GRPOLoss(cfg)(model, None, rollout)
     loss.backward()
-    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, hf.llama.rules(model.cfg))
+    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
     return float(loss.detach()), {**metrics, **loss_metrics}, grads, rollout
 
 
@@ -161,7 +162,7 @@ def perturb_hf(model, perturb, backbone):
     delta = {f"model.{n}": p.detach() - before[n] for n, p in shadow.named_parameters()}
     with torch.no_grad():
         params = dict(model.named_parameters())
-        for name, d in convert.to_hf(delta, hf.llama.rules(shadow.cfg)).items():
+        for name, d in convert.to_hf(delta, llama_table.rules(shadow.cfg)).items():
             params[name].add_(d)
 
 

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from tfcli.errors import UserError  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
+from tfcli.hf import modernbert as modernbert_table  # noqa: E402
 from tfcli.models import build_model  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
 
@@ -73,7 +74,7 @@ def test_the_encoder_and_its_classifier_match_transformers(tmp_path):
 def test_a_classification_step_gives_transformers_loss_and_gradients(tmp_path):
     theirs = saved(tmp_path / "m", num_labels=3).train()
     cfg, ours, heads = read(tmp_path / "m")
-    assert_a_classification_step_matches(theirs, ours, heads, hf.modernbert.rules(cfg), IDS, MASK)
+    assert_a_classification_step_matches(theirs, ours, heads, modernbert_table.rules(cfg), IDS, MASK)
 
 
 def test_a_classifier_exports_as_modernbert_for_sequence_classification(tmp_path):

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from tfcli.hf import convert  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
+from tfcli.hf import roberta as roberta_table  # noqa: E402
 from tfcli.models import build_model  # noqa: E402
 from tfcli.models.bert import MLMHead  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
@@ -72,7 +73,7 @@ def test_the_encoder_and_the_mlm_head_match_transformers(kind, tmp_path):
 def test_a_classification_step_gives_transformers_loss_and_gradients(tmp_path):
     theirs = saved("roberta", 1, tmp_path / "cls", num_labels=3).train()
     cfg, ours, heads = read(tmp_path / "cls")
-    assert_a_classification_step_matches(theirs, ours, heads, hf.roberta.rules(cfg, classifier=True), IDS, MASK)
+    assert_a_classification_step_matches(theirs, ours, heads, roberta_table.rules(cfg, classifier=True), IDS, MASK)
 
 
 def assert_a_classification_step_matches(theirs, ours, heads: dict, rules, ids, mask) -> None:

@@ -264,7 +264,7 @@ def test_a_lora_step_gives_the_loss_and_gradients_of_peft(pair):
             module.lora_b.grad - torch.cat([params[f"{a}.lora_B.default.weight"].grad for a in ats])
         ).abs().max() < 1e-4
     mine = {f"model.{n}": p.grad for n, p in model.named_parameters() if n.startswith("projector.")}
-    rules = [r for r in hf.table_of_type(ours.cfg.hf_model_type, None).rules(ours.cfg) if r.ours in mine]
+    rules = [r for r in hf.registry.NATIVE[ours.cfg.hf_model_type].table.rules(ours.cfg) if r.ours in mine]
     from tfcli.hf.convert import to_hf
 
     named = to_hf(mine, rules)

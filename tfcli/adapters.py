@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import UserError
-from .models import nf4
+from .models import kinds, nf4
 from .models.blocks import MLP, Attention, linear
 from .models.moe import StackedExperts, moe_layers
 
@@ -360,7 +360,7 @@ def apply(
     experts' routers keep their pretrained weights whatever the method (the adapter methods freeze
     them anyway). A vision-language model's tower stays frozen, without adapters, unless
     train_vision; its projector trains with every method that trains the model (as LLaVA's does)."""
-    tower = getattr(model, "vision", None) if getattr(model, "reads_images", False) else None
+    tower = getattr(model, "vision", None) if kinds.reads_images(model) else None
     if train_vision and tower is None:
         raise UserError("finetune.train_vision: this model has no vision tower")
     try:

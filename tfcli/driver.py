@@ -36,7 +36,7 @@ from .engine.perf import peak_memory_mb
 from .engine.runtime import Runtime, resolve_precision, setup_runtime, teardown
 from .engine.trainer import ObjectiveModule, Trainer
 from .errors import UserError
-from .models import kind_of, model_class
+from .models import kind_of, kinds, model_class
 from .models.nf4 import NF4Linear
 from .plugin import Backbone, EvalOptions, Job, Plugin
 from .recipe import AdapterConfig, Recipe
@@ -263,7 +263,7 @@ def starting_model(
     req = replace(req, vision_from=vision_source(req))
     if req.recipe.finetune is not None:
         adapters.check_base(req.recipe.finetune.train, pretrained=source is not None)
-    if source is None and getattr(model_class(req.recipe.model.family), "reads_images", False):
+    if source is None and kinds.reads_images(model_class(req.recipe.model.family)):
         raise UserError(
             "a vision-language model is built from pretrained parts: give --from (a LLaVA or SmolVLM directory, or "
             "a run of one), or --from DECODER --vision-from VIT_RUN"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .data.sampler import Source
 from .engine.runtime import Runtime
-from .models import families_of, model_class
+from .models import families_of, kinds, model_class
 from .recipe import shipped_recipes
 
 Batch = dict[str, Tensor]
@@ -148,9 +148,7 @@ class Plugin:
         super().__init_subclass__(**kwargs)
         if "model_kinds" in cls.__dict__ or "recipe_pattern" in cls.__dict__ or "takes_images" in cls.__dict__:
             cls.families = tuple(
-                f
-                for f in families_of(cls.model_kinds)
-                if cls.takes_images or not getattr(model_class(f), "reads_images", False)
+                f for f in families_of(cls.model_kinds) if cls.takes_images or not kinds.reads_images(model_class(f))
             )
             cls.recipes = shipped_recipes(cls.recipe_pattern, cls.families)
 

@@ -97,23 +97,23 @@ def models():
     import torch  # noqa: F401  (loaded before tfcli's own modules: see commands/common.py's lazy recipe module)
     from rich.table import Column, Table
 
-    from .. import adapters, registry
+    from .. import adapters
+    from .. import registry as plugin_registry
     from ..display import console
-    from ..hf import gguf
-    from ..hf.interop import TABLES
+    from ..hf import registry
     from ..models import FAMILIES, kind_of
 
     def plugins(kind: str, family: str) -> str:
         """The tasks that train a family's model (given with --from); the objectives with a recipe for it
         (pretraining builds the model from a recipe)."""
-        classes = {k: registry.plugin_class(kind, k) for k in registry.known(kind)}
+        classes = {k: plugin_registry.plugin_class(kind, k) for k in plugin_registry.known(kind)}
         takes = {k: c.recipes if kind == "objective" else c.families for k, c in classes.items()}
         return ", ".join(k for k, of in takes.items() if family in of) or "-"
 
     table = Table(Column("family", no_wrap=True), "kind", "Hugging Face model_type (in and out)", "pretrain", "tasks")
     for family in FAMILIES:
-        types = [t for module, f in TABLES.items() if f == family for t in module.MODEL_TYPES]
-        read = [t + (" +gguf" if t in gguf.GGUF_ARCH else "") for t in types] or ["any other transformers ships"]
+        types = [r.model_type + (" +gguf" if r.gguf else "") for r in registry.of_family(family)]
+        read = types or ["any other transformers ships"]
         table.add_row(family, kind_of(family), ", ".join(read), plugins("objective", family), plugins("task", family))
     console.print(table)
     console.print(

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..models import kinds
 from ..models.vlm import ImageProcessing
 from .chat import ImageMarks, joined
 from .conversations import DecoderExamples, Examples
@@ -146,7 +147,7 @@ def image_prompts(backbone, paths) -> ImagePrompts | None:
     given to a model that does not."""
     if not paths:
         return None
-    if not getattr(backbone.model, "reads_images", False):
+    if not kinds.reads_images(backbone.model):
         raise UserError(f"--image: {backbone.checkpoint} holds a {backbone.family!r} model, which reads no images")
     return ImagePrompts(backbone.cfg, backbone.tokenizer)
 

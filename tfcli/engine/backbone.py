@@ -56,7 +56,7 @@ def base_model(run_dir: Path, recipe):
     if source.is_run:
         model = adapters.merge(from_run(source.path).model)  # a base that was itself adapted
     else:
-        cfg, state = interop.read_pretrained(source.path, source.is_gguf)
+        cfg, state = interop.read_pretrained(source.path, source.raw_config, source.is_gguf)
         model = load_hf_weights(build_model(cfg), state, source.path)
     if model.cfg != recipe.model:
         raise UserError(f"{run_dir}: its base model {named} is no longer the model the run trained on")
@@ -111,7 +111,7 @@ def from_hf(named: Path | ModelSource, specials: list[str], shapes_only: bool = 
     shapes_only: the model on the meta device, no weight read (a memory plan)."""
     source = named if isinstance(named, ModelSource) else model_source.resolve(named, "--from")
     with phase(f"reading {source.path}"):
-        cfg, state = interop.read_pretrained(source.path, source.is_gguf, shapes_only)
+        cfg, state = interop.read_pretrained(source.path, source.raw_config, source.is_gguf, shapes_only)
     if source.is_gguf:
         tok = gguf.read_tokenizer(source.path)
     else:
@@ -216,7 +216,7 @@ def meta_model(source: ModelSource | None, recipe, plugin):
         return on_meta(cfg if getattr(cfg, "vocab_size", 1) > 0 else recipes.replace(cfg, vocab_size=1))
     if source.is_run:
         return run_on_meta(source)[1]
-    return on_meta(interop.read_pretrained(source.path, source.is_gguf, shapes_only=True)[0])
+    return on_meta(interop.read_pretrained(source.path, source.raw_config, source.is_gguf, shapes_only=True)[0])
 
 
 def run_on_meta(source: ModelSource) -> tuple[Path, nn.Module]:

@@ -59,12 +59,23 @@ class ModelSource:
             return recipes.load_resolved(self.run_dir / "config.yaml")
         return gguf.read_config(self.path) if self.is_gguf else convert.read_config(self.path)
 
+    @property
+    def raw_config(self) -> dict | None:
+        """A directory's parsed config.json, which the loaders take rather than reading it again (None
+        for a run or a GGUF file, whose loaders read their own)."""
+        return self.config if self.kind == HF else None
+
+    @cached_property
+    def record(self):
+        """The architecture record (hf/record.py) of a directory or GGUF file; None for a run."""
+        return None if self.is_run else interop.record_of_config(self.config, self.path)
+
     @cached_property
     def family(self) -> str:
         """The tfcli model family it holds (refused in one line when tfcli has none for it)."""
         if self.is_run:
             return self.config.model.family
-        return interop.family_of_config(self.config, self.path)
+        return self.record.family
 
     def __str__(self) -> str:
         return str(self.path)

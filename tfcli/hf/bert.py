@@ -12,7 +12,6 @@ from ..errors import UserError
 from ..models.bert import BertConfig
 from .convert import Export, Rule, json_text, refuse_classifier, rule
 
-MODEL_TYPES = ("bert",)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _EMBED = [
     ("wte.weight", "embeddings.word_embeddings.weight"),

@@ -1,12 +1,11 @@
 """Hugging Face directories <-> tfcli weights: one engine; each family supplies only tables.
 
-A family module (gpt2.py, bert.py, t5.py, vit.py) describes itself with:
-  MODEL_TYPES                    the transformers `model_type`s it reads
+A table module (gpt2.py, bert.py, t5.py, vit.py, ...) supplies what record.Table declares, for the
+architectures whose records (hf/registry.py) name it:
   config_from_hf(raw, state)     config.json (+ weights, for what only they tell) -> tfcli model config
   rules(cfg)                     the weight table: one Rule per tfcli tensor
-  normalize(state)               (optional) older or prefix-less transformers names -> the table's
   export(backbone, recipe)       -> Export: config.json, architecture, extra tensors and files
-  READS_PROCESSOR                (optional) config_from_hf also reads the image processor (raw[vlm.PREPROCESSOR])
+  normalize(state)               (optional) older or prefix-less transformers names -> the table's
   load_state(path, raw, shapes)  (optional) reads the directory's weights itself (the generic path: as
                                  transformers reads them), instead of this module's read_state
 and this module does the rest, the same way for every family: reading a directory (single or

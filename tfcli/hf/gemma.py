@@ -13,8 +13,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
-ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 HELD = ("activation", "norms", "layer_types", "local_rope_theta", "embed_scale", "attn_scale")
 HELD_BY = {"gemma2": (*HELD, "attn_softcap", "logit_softcap"), "gemma3_text": HELD}
 normalize = llama.normalize
@@ -55,10 +53,10 @@ def _layer_types(raw: dict) -> tuple[str, ...]:
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
-    llama.refuse_switches(cfg, ARCHITECTURES[model_type], HELD_BY[model_type])
+    llama.refuse_switches(cfg, llama.architecture(model_type), HELD_BY[model_type])
     if cfg.norms != "both" or cfg.activation != "gelu_tanh" or cfg.qk_norm != (model_type == "gemma3_text"):
-        raise UserError(f"this model's norms or MLP are not {ARCHITECTURES[model_type]}'s")
-    out = llama.common_to_hf(cfg, ARCHITECTURES[model_type])
+        raise UserError(f"this model's norms or MLP are not {llama.architecture(model_type)}'s")
+    out = llama.common_to_hf(cfg, llama.architecture(model_type))
     del out["hidden_act"]
     layer_types = cfg.layer_types or ("sliding" if cfg.sliding_window else "full",) * cfg.n_layer
     out.update(

@@ -18,10 +18,7 @@ from ..models.generic import (
     layer_count_key,
     transformers_module,
 )
-from . import idefics3, llava
 from .convert import Export, Rule, rule
-
-MODEL_TYPES: tuple[str, ...] = ()  # any model_type transformers ships that no native table reads (interop)
 
 
 def is_decoder(raw: dict) -> bool:
@@ -40,10 +37,9 @@ def config_from_hf(raw: dict, state=None) -> TransformersConfig:
         )
     config = hf_config_object(raw)  # checks the model_type is transformers' own
     if "vision_config" in raw or "text_config" in raw:  # a config of sub-configs: a multimodal model
-        native = ", ".join(llava.MODEL_TYPES + idefics3.MODEL_TYPES)
         raise UserError(
             f"model_type {raw.get('model_type')!r} is a vision-language (or other multimodal) model with no native "
-            f"family (tfcli's: {native}); the generic path reads text models only"
+            f"family (`tfcli models` lists the native ones); the generic path reads text models only"
         )
     kind = TransformersConfig if is_decoder(raw) else TransformersEncoderConfig
     get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), 0)  # noqa: E731

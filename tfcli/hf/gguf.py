@@ -25,14 +25,15 @@ from torch import Tensor
 
 from ..data.special_tokens import SpecialTokens
 from ..errors import UserError
+from . import registry
 from .gguf_archs import ARCHS, check_writable, config_extras, rope_dimensions, write_extras
 
 SUFFIX = ".gguf"
-# GGUF general.architecture -> transformers model_type (llama with experts: Mixtral); gguf_archs.py
-# says how each differs from the llama architecture
-MODEL_TYPES = {arch: a.model_type for arch, a in ARCHS.items()}
+# GGUF general.architecture -> transformers model_type (llama with experts: Mixtral), from the records;
+# gguf_archs.py says how each differs from the llama architecture
+MODEL_TYPES = registry.gguf_model_types()
 ARCHITECTURES = tuple(MODEL_TYPES)
-GGUF_ARCH = {**{v: k for k, v in MODEL_TYPES.items()}, "mixtral": "llama"}  # transformers model_type -> GGUF's
+GGUF_ARCH = {r.model_type: r.gguf for r in registry.RECORDS if r.gguf}  # transformers model_type -> GGUF's
 # llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
 NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)

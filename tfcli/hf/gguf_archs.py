@@ -1,7 +1,7 @@
-"""llama.cpp's architectures as hf/gguf.py reads and writes them: for each, the transformers model_type
-it is, where its tensor names differ from the llama architecture's, how its stored values differ
-(llama's q/k rows interleaved for its rotary layout; Gemma's norms stored as the 1 + w they scale by),
-and the config keys beyond the ones every architecture shares, both ways.
+"""llama.cpp's architectures as hf/gguf.py reads and writes them (the transformers model_type each
+is: its record's `gguf`, hf/registry.py): where its tensor names differ from the llama architecture's,
+how its stored values differ (llama's q/k rows interleaved for its rotary layout; Gemma's norms stored
+as the 1 + w they scale by), and the config keys beyond the ones every architecture shares, both ways.
 
 What llama.cpp's graph fixes rather than reads from a key (Gemma 2's alternating sliding layers, Gemma
 3's five sliding layers in six and their rotary base of 10,000, Gemma's query scale) is taken as it
@@ -26,7 +26,6 @@ GEMMA_NORMS = {  # Gemma's four norms per block, by llama.cpp's names
 
 @dataclass(frozen=True)
 class Arch:
-    model_type: str  # transformers'
     layer: dict[str, str] = field(default_factory=dict)  # GGUF layer tensor -> transformers module, over gguf.LAYER
     norm_offset: float = 0.0  # stored = transformers' + offset for every *norm.weight (Gemma: 1 + w)
     permuted: bool = False  # q/k rows in llama.cpp's interleaved rotary order (the llama architecture)
@@ -34,20 +33,18 @@ class Arch:
 
 
 ARCHS = {
-    "llama": Arch("llama", permuted=True),
-    "qwen2": Arch("qwen2"),
-    "qwen3": Arch("qwen3"),
-    "qwen2moe": Arch("qwen2_moe"),
-    "qwen3moe": Arch("qwen3_moe"),
-    "olmoe": Arch("olmoe"),
-    "gemma2": Arch("gemma2", GEMMA_NORMS, norm_offset=1.0, sliding=True),
-    "gemma3": Arch("gemma3_text", GEMMA_NORMS, norm_offset=1.0, sliding=True),
-    "olmo2": Arch(
-        "olmo2", {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-    ),
-    "phi3": Arch("phi3", {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, sliding=True),
-    "granite": Arch("granite", permuted=True),
-    "smollm3": Arch("smollm3", permuted=True),
+    "llama": Arch(permuted=True),
+    "qwen2": Arch(),
+    "qwen3": Arch(),
+    "qwen2moe": Arch(),
+    "qwen3moe": Arch(),
+    "olmoe": Arch(),
+    "gemma2": Arch(GEMMA_NORMS, norm_offset=1.0, sliding=True),
+    "gemma3": Arch(GEMMA_NORMS, norm_offset=1.0, sliding=True),
+    "olmo2": Arch({"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}),
+    "phi3": Arch({"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, sliding=True),
+    "granite": Arch(permuted=True),
+    "smollm3": Arch(permuted=True),
 }
 NOPE_EVERY = 4  # llama.cpp's SmolLM3: every 4th layer without rotary positions
 GRANITE_SCALES = (  # llama.cpp's key, gguf's writer for it, transformers' Granite multiplier

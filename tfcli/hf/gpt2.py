@@ -10,7 +10,6 @@ from ..errors import UserError
 from ..models.gpt import GPTConfig
 from .convert import Export, Rule, json_text, refuse_classifier, rule
 
-MODEL_TYPES = ("gpt2",)
 _LAYER = [
     ("norm_attn", "ln_1", False),
     ("attn.qkv", "attn.c_attn", True),

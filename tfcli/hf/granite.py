@@ -10,7 +10,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule
 
-MODEL_TYPES = ("granite",)
 ARCHITECTURE = "GraniteForCausalLM"
 normalize = llama.normalize
 

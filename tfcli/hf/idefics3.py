@@ -15,8 +15,6 @@ from ..models.vlm import VLMConfig
 from . import towers, vlm
 from .convert import Export, Rule, rule
 
-MODEL_TYPES = ("idefics3", "smolvlm")
-READS_PROCESSOR = True  # interop hands it the image processor's settings (vlm.read_processor)
 NAMES = {  # model_type -> (architecture, the tower's model_type, the processor's class)
     "idefics3": ("Idefics3ForConditionalGeneration", "idefics3_vision", "Idefics3"),
     "smolvlm": ("SmolVLMForConditionalGeneration", "smolvlm_vision", "SmolVLM"),

@@ -5,6 +5,7 @@ One engine (convert.py) and one table module per family; nothing here is family-
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -13,99 +14,45 @@ from torch import Tensor
 from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
-from . import (
-    bert,
-    generic,
-    gguf,
-    gpt2,
-    idefics3,
-    llama,
-    llava,
-    modernbert,
-    peft,
-    roberta,
-    t5,
-    vit,
-    vlm,
-)
-from .convert import auto_class, check_writable, read_config, read_state, to_hf, to_tfcli, write_dir
-
-FAMILIES = {
-    "gpt": gpt2,
-    "llama": llama,
-    "bert": bert,
-    "modernbert": modernbert,
-    "t5": t5,
-    "vit": vit,
-    "vlm": llava,
-}  # tfcli family -> its default table
-FAMILIES |= {"generic": generic, "generic-encoder": generic}  # any other architecture transformers ships
-# every table module and the tfcli family its model types build: the llama family's switches take several
-TABLES = {gpt2: "gpt", **{module: "llama" for module in vlm.DECODER_TABLES}}
-TABLES |= {
-    bert: "bert",
-    roberta: "bert",
-    modernbert: "modernbert",
-    t5: "t5",
-    vit: "vit",
-    llava: "vlm",
-    idefics3: "vlm",
-}
+from ..models import kinds
+from . import gguf, peft, registry, vlm
+from .convert import auto_class, check_writable, read_config, to_hf, to_tfcli, write_dir
+from .record import Record
 
 
-def table_of_type(model_type: str | None, where: Path, remote: bool = False):
-    """The table module that reads a transformers model_type: a native family's, else the generic path's
-    for any other type transformers ships (the optional extra); or one line naming what tfcli reads.
-    `remote`: the config names code of its own (auto_map), which is never run."""
-    for module in TABLES:
-        if model_type in module.MODEL_TYPES:
-            return module
-    known = ", ".join(t for m in TABLES for t in m.MODEL_TYPES)
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(
-            f"{where}: model_type {model_type!r} has no native family (native: {known}); any other "
-            f"architecture transformers ships runs with pip install 'tfcli[transformers]'"
-        ) from None
-    if model_type in transformers.CONFIG_MAPPING:
-        return generic
-    if remote:
-        raise UserError(
-            f"{where}: model_type {model_type!r} asks for remote code (auto_map); tfcli never runs a checkpoint's code"
-        )
-    raise UserError(
-        f"{where}: model_type {model_type!r} is not supported (native: {known}; nor does transformers ship it)"
-    )
+def record_of_config(raw: dict, where: Path) -> Record:
+    """The record of a transformers config.json (by its model_type): hf/registry.py."""
+    return registry.record_of(raw, where)
 
 
 def family_of_config(raw: dict, where: Path) -> str:
     """The tfcli family of a transformers config.json (by its model_type)."""
-    module = table_of_type(raw.get("model_type"), where, bool(raw.get("auto_map")))
-    if module is generic:
-        return "generic" if generic.is_decoder(raw) else "generic-encoder"
-    return TABLES[module]
+    return record_of_config(raw, where).family
 
 
-def read_pretrained(path: Path, from_gguf: bool = False, shapes_only: bool = False):
+def read_pretrained(path: Path, raw: dict | None = None, from_gguf: bool = False, shapes_only: bool = False):
     """A local transformers directory or a GGUF file (`from_gguf`, as engine.model_source found it) ->
-    (tfcli model config, state dict with model.* and heads.* names); shapes_only: the state as meta
-    tensors, no weight read (a memory plan)."""
-    raw, state = gguf.read(Path(path), shapes_only) if from_gguf else (read_config(path), None)
-    module = table_of_type(raw.get("model_type"), path, bool(raw.get("auto_map")))
-    if getattr(module, "READS_PROCESSOR", False) and not from_gguf:
+    (tfcli model config, state dict with model.* and heads.* names). `raw`: its config.json as the
+    caller parsed it already (engine.model_source reads it once per command); shapes_only: the state
+    as meta tensors, no weight read (a memory plan)."""
+    path = Path(path)
+    if from_gguf:
+        raw, state = gguf.read(path, shapes_only)
+    else:
+        raw, state = copy.deepcopy(raw) if raw is not None else read_config(path), None
+    record = registry.record_of(raw, path)
+    if record.reads_images and not from_gguf:
         raw[vlm.PREPROCESSOR] = vlm.read_processor(path)  # how its images are prepared
-    if state is None:  # a table module that reads its directory itself (the generic path: as transformers)
-        loader = getattr(module, "load_state", None)
-        state = loader(path, raw, shapes_only) if loader else read_state(path, shapes_only)
-    state = module.normalize(state)
+    if state is None:
+        state = record.read_state(path, raw, shapes_only)
+    state = record.normalize(state)
     try:
-        cfg = module.config_from_hf(raw, state)
+        cfg = record.table.config_from_hf(raw, state)
     except KeyError as e:
         raise UserError(f"{path}/config.json lacks {e.args[0]!r}") from None
     except ValueError as e:
         raise UserError(f"{path}/config.json: {e}") from None
-    return cfg, to_tfcli(state, module.rules(cfg))
+    return cfg, to_tfcli(state, record.table.rules(cfg))
 
 
 def tfcli_state(backbone) -> dict[str, Tensor]:
@@ -118,12 +65,11 @@ def tfcli_state(backbone) -> dict[str, Tensor]:
 
 def family_module(backbone, what: str):
     """The table module of the architecture a backbone exports as (a llama-family model's
-    hf_model_type), or one line saying `what` is not available for it."""
-    module = FAMILIES.get(backbone.family)
-    if module is None:
+    hf_model_type, else its family's default), or one line saying `what` is not available for it."""
+    record = registry.exported_as(backbone.family, getattr(backbone.cfg, "hf_model_type", None))
+    if record is None:
         raise UserError(f"{what} is not available for {backbone.family!r} models")
-    model_type = getattr(backbone.cfg, "hf_model_type", None)
-    return table_of_type(model_type, Path(".")) if model_type else module
+    return record.table
 
 
 def merged_export(backbone, recipe, what: str):
@@ -184,7 +130,7 @@ def export_peft(backbone, recipe, base: str, out: Path, read_base=None, base_loa
     run) is first written as a transformers directory beside the adapters (OUT-base, `read_base()`
     reading it), and the adapters name that: peft's AutoPeftModel then loads the pair by itself."""
     module = family_module(backbone, "export --peft")
-    if getattr(backbone.model, "reads_images", False):
+    if kinds.reads_images(backbone.model):
         raise UserError(
             "export --peft of a vision-language model is not supported yet (its projector trains whole, beside "
             "the adapters); export --hf writes the merged model"

@@ -18,14 +18,6 @@ from ..models.llama import LlamaConfig
 from ..models.rotary import RopeScaling, rope_scaling_of
 from .convert import Export, Rule, refuse_classifier, rule
 
-MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
 
 def common_config(raw: dict, tie_default: bool = False, activation: str = "silu") -> dict:
     """The LlamaConfig fields every llama-family config.json names the same way."""
@@ -175,16 +167,23 @@ def refuse_switches(cfg: LlamaConfig, architecture: str, held: tuple[str, ...] =
         )
 
 
+def architecture(model_type: str) -> str:
+    """The transformers class a native model_type's export writes (its record's, hf/registry.py)."""
+    from . import registry
+
+    return registry.architecture(model_type)
+
+
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
     reason = _cannot_express(cfg, model_type)
     if reason:
         raise UserError(
-            f"this llama-family model has {reason}, which transformers' {ARCHITECTURES[model_type]} "
+            f"this llama-family model has {reason}, which transformers' {architecture(model_type)} "
             f"cannot hold; set model.hf_model_type to one that can (llama, qwen2, mistral, qwen3)"
         )
-    refuse_switches(cfg, ARCHITECTURES[model_type])
-    out = common_to_hf(cfg, ARCHITECTURES[model_type])
+    refuse_switches(cfg, architecture(model_type))
+    out = common_to_hf(cfg, architecture(model_type))
     if model_type in ("llama", "qwen3"):
         out["attention_bias"] = cfg.out_bias
     if model_type == "llama":

@@ -15,8 +15,6 @@ from ..models.vlm import VLMConfig
 from . import towers, vlm
 from .convert import Export, Rule, renamed, rule
 
-MODEL_TYPES = ("llava",)
-READS_PROCESSOR = True  # interop hands it the image processor's settings (vlm.read_processor)
 _MODERN = [  # transformers 5.x in-memory names -> the on-disk names
     (r"^model\.language_model\.", "language_model.model."),
     (r"^lm_head\.", "language_model.lm_head."),

@@ -11,7 +11,6 @@ from ..models.modernbert import ModernBertConfig
 from . import llama
 from .convert import Export, Rule, refuse_classifier, rule
 
-MODEL_TYPES = ("modernbert",)
 ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 

@@ -18,13 +18,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule, rule
 
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-ARCHITECTURES = {
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
 normalize = llama.normalize
 AUX_DEFAULTS = {
     "qwen3_moe": 0.001,
@@ -99,13 +92,13 @@ def config_from_hf(raw: dict, state=None) -> LlamaConfig:
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
-    arch = ARCHITECTURES[model_type]
+    arch = llama.architecture(model_type)
     llama.refuse_switches(cfg, arch, ("n_experts", "qk_norm_whole") if model_type == "olmoe" else ("n_experts",))
     reason = _cannot_express(cfg, model_type)
     if reason:
         raise UserError(
             f"this mixture of experts has {reason}, which transformers' {arch} cannot hold; set "
-            f"model.hf_model_type to one that can ({', '.join(MODEL_TYPES)})"
+            f"model.hf_model_type to one that can ({', '.join(AUX_DEFAULTS)})"
         )
     out = llama.common_to_hf(cfg, arch)
     out.update(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_coef)

@@ -9,7 +9,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule
 
-MODEL_TYPES = ("olmo2",)
 ARCHITECTURE = "Olmo2ForCausalLM"
 normalize = llama.normalize
 

@@ -11,7 +11,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule
 
-MODEL_TYPES = ("phi3",)
 ARCHITECTURE = "Phi3ForCausalLM"
 normalize = llama.normalize
 

@@ -13,7 +13,6 @@ from ..models.bert import BertConfig
 from . import bert
 from .convert import Export, Rule, refuse_classifier, rule
 
-MODEL_TYPES = ("roberta", "xlm-roberta")
 PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
 _MLM = [("mlm.dense", "lm_head.dense"), ("mlm.norm", "lm_head.layer_norm")]
 

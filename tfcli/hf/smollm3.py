@@ -9,7 +9,6 @@ from ..models.llama import LlamaConfig
 from . import llama
 from .convert import Export, Rule
 
-MODEL_TYPES = ("smollm3",)
 ARCHITECTURE = "SmolLM3ForCausalLM"
 normalize = llama.normalize
 

@@ -14,7 +14,6 @@ from ..errors import UserError
 from ..models.t5 import T5Config
 from .convert import Export, Rule, json_text, refuse_classifier, rule
 
-MODEL_TYPES = ("t5",)
 _MLP = {"gated-gelu": {"gate": "wi_0", "up": "wi_1", "down": "wo"}, "relu": {"up": "wi", "down": "wo"}}
 
 

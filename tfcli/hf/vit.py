@@ -16,7 +16,6 @@ from ..errors import UserError
 from ..models.vit import ViTConfig, sincos_2d
 from .convert import Export, Rule, json_text, renamed, rule
 
-MODEL_TYPES = ("vit", "vit_mae")
 _BLOCK = [
     ("norm_attn", "layernorm_before"),
     ("norm_mlp", "layernorm_after"),

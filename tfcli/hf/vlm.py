@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.vlm import ImageProcessing, VLMConfig
-from . import gemma, granite, llama, moe, olmo2, phi3, smollm3, towers
+from . import llama, towers
 from .convert import Export, Rule, json_text, read_config, refuse_classifier  # noqa: F401  (json_text: tables write with it)
 
 PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's image processor settings in the raw config
@@ -20,16 +20,11 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
 
-DECODER_TABLES = (llama, gemma, olmo2, phi3, granite, smollm3, moe)  # the llama family's architectures
-
-
 def text_table(model_type: str | None):
     """The table module of the decoder's architecture (llama, qwen2, gemma, ...): a llama-family one."""
-    module = next((m for m in DECODER_TABLES if model_type in m.MODEL_TYPES), None)
-    if module is None:
-        known = ", ".join(t for m in DECODER_TABLES for t in m.MODEL_TYPES)
-        raise UserError(f"a vision-language model's decoder must be a llama-family one ({known}); not {model_type!r}")
-    return module
+    from . import registry
+
+    return registry.decoder_record(model_type).table
 
 
 def text_config(raw_text: dict, state: dict, theirs: str):

@@ -6,6 +6,7 @@ Each family's model class declares:
   special_tokens  what a tokenizer trained for it must hold (pad, end of text, ...)
   poolings        the features a classifier head may read, the first being `auto`'s choice
   pad_id(tok)     the token its batches are padded with
+  reads_images    (optional, False when not declared) whether it takes pixels beside its text
 and `models.transformer_blocks` finds its blocks (what FSDP shards and activation checkpointing
 recomputes) by type, whatever the family.
 """
@@ -29,6 +30,12 @@ def is_seq2seq(model) -> bool:
     """How the model is given a prompt and a target: the prompt to its encoder and the target to its
     decoder (an encoder-decoder), rather than both in one sequence (a decoder)."""
     return model.kind == ENCODER_DECODER
+
+
+def reads_images(model) -> bool:
+    """Whether a model (or a family's model class) takes images beside its text, as its class declares
+    (models/vlm.py): the one way tasks, data and export ask it."""
+    return bool(getattr(model, "reads_images", False))
 
 
 @runtime_checkable

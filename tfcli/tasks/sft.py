@@ -132,7 +132,7 @@ class SFT(ReplyTask):
         paths relative to the data)."""
         cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
         args = (backbone.tokenizer, template, cfg.train_on, length, fields(cfg), cfg.format)
-        if getattr(backbone.model, "reads_images", False):
+        if kinds.reads_images(backbone.model):
             source = Path(data or recipe.data.source)
             prompts = ImagePrompts(backbone.cfg, backbone.tokenizer)
             return ImageExamples(*args, prompts=prompts, root=source if source.is_dir() else source.parent)
@@ -152,7 +152,7 @@ class SFT(ReplyTask):
         a model that reads images; None for anything else. An evaluation scores every image of a folder
         without a test split."""
         folder = data or recipe.data.source
-        if not getattr(backbone.model, "reads_images", False) or not folder:
+        if not kinds.reads_images(backbone.model) or not folder:
             return None
         rows = folder_rows(Path(folder), recipe.settings.image_question, backbone.cfg.image_token)
         if rows is None:
