@@ -446,3 +446,44 @@ def test_only_model_source_works_out_what_a_path_is():
         if pattern.search(line)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+RECORDS_HOME = ("hf/registry.py", "hf/traits.py", "hf/record.py")  # where architectures are declared
+
+
+def test_no_module_compares_a_transformers_model_type_outside_the_records():
+    """How architectures differ is declared in their records (hf/registry.py, with hf/traits.py):
+    the tables read the record's fields, so no `model_type == "qwen2"`, `model_type in (...)` or
+    `hf_model_type == ...` test is left anywhere in tfcli/ (issue 71)."""
+    import re
+
+    from tfcli.hf import registry
+
+    types = "|".join(re.escape(t) for t in registry.NATIVE)
+    forbidden = [
+        re.compile(r"""model_type\W{0,3}\s*(==|!=)\s*["'A-Z]"""),
+        re.compile(r"model_type\W{0,3}\s+(not\s+)?in\s*[(\[{]"),
+        re.compile(rf"""(==|!=)\s*["']({types})["']"""),
+    ]
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if str(path.relative_to(PACKAGE)) in RECORDS_HOME:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if any(p.search(line) for p in forbidden):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_models_knows_only_tfclis_own_fields():
+    """transformers' config keys (rope_parameters, rope_scaling, layer_types, ...) are read in hf/
+    (hf/positions.py for the positions); models/ builds from tfcli's own config fields."""
+    keys = ("rope_parameters", "rope_scaling", '"rope_theta"', "max_window_layers", "use_sliding_window")
+    offenders = [
+        f"{path.relative_to(PACKAGE)}: {key}"
+        for path in (PACKAGE / "models").glob("*.py")
+        if path.name != "generic.py"  # the generic path hands transformers its own config whole
+        for key in keys
+        if key in path.read_text()
+    ]
+    assert not offenders, offenders

@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 
 from tfcli.errors import UserError  # noqa: E402
 from tfcli.hf import interop as hf  # noqa: E402
-from tfcli.hf import moe as moe_table  # noqa: E402
 from tfcli.models import moe  # noqa: E402
 from tfcli.models.llama import Llama, LlamaConfig  # noqa: E402
 from tfcli.plugin import Backbone  # noqa: E402
@@ -403,7 +402,9 @@ def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     again = tfcli_model_from_gguf(out)
     from dataclasses import replace
 
-    assert again.cfg.router_aux_coef == moe_table.AUX_DEFAULTS[arch]  # a training setting no GGUF key holds
+    assert (
+        again.cfg.router_aux_coef == hf.registry.decoder_traits(arch).experts.aux_default
+    )  # a training setting no GGUF key holds
     assert replace(again.cfg, router_aux_coef=ours.cfg.router_aux_coef) == ours.cfg
     with torch.no_grad():
         assert close(again.logits(again(IDS)), ours.logits(ours(IDS)), 1e-5)

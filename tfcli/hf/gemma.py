@@ -10,51 +10,51 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.llama import LlamaConfig
-from . import llama
+from . import llama, positions, registry
 from .convert import Export, Rule
+from .traits import Decoder
 
-HELD = ("activation", "norms", "layer_types", "local_rope_theta", "embed_scale", "attn_scale")
-HELD_BY = {"gemma2": (*HELD, "attn_softcap", "logit_softcap"), "gemma3_text": HELD}
 normalize = llama.normalize
 
 
 def config_from_hf(raw: dict, state=None) -> LlamaConfig:
-    gemma3 = raw["model_type"] == "gemma3_text"
+    traits = registry.decoder_traits(raw["model_type"])
     if raw.get("use_bidirectional_attention"):
         raise UserError(f"{raw['model_type']}: bidirectional attention (EmbeddingGemma) is not supported")
-    local = llama.rope_parameters(raw, "sliding_attention")
+    local = positions.rope_parameters(raw, "sliding_attention")
     return LlamaConfig(
         **llama.common_config(raw, tie_default=True, activation="gelu_tanh"),
         norms="both",
         qkv_bias=bool(raw.get("attention_bias", False)),
         out_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=gemma3,
+        qk_norm=traits.value("qk_norm"),
         sliding_window=raw.get("sliding_window") or 0,
-        layer_types=_layer_types(raw),
+        layer_types=_layer_types(raw, traits),
         local_rope_theta=float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
-        if gemma3
+        if traits.reads("rope_local_base_freq")
         else 0.0,
         embed_scale=raw["hidden_size"] ** 0.5,
         attn_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5,
-        attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if not gemma3 else 0.0,
+        attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if traits.reads("attn_logit_softcapping") else 0.0,
         logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
     )
 
 
-def _layer_types(raw: dict) -> tuple[str, ...]:
+def _layer_types(raw: dict, traits: Decoder) -> tuple[str, ...]:
     """'sliding' or 'full' per layer: the config's layer_types, or the pattern older configs imply
     (Gemma 2: every other layer slides, from the first; Gemma 3: all but every sliding_window_pattern-th)."""
     n = raw["num_hidden_layers"]
-    every = 2 if raw["model_type"] == "gemma2" else raw.get("sliding_window_pattern", 6)
+    every = raw.get("sliding_window_pattern", 6) if traits.reads("sliding_window_pattern") else 2
     if not isinstance(every, int) or every < 1:
         raise UserError(f"{raw['model_type']}: config.json's sliding_window_pattern must be >= 1, not {every!r}")
-    return llama.layer_kinds(raw, ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
+    return positions.layer_kinds(raw, ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
-    llama.refuse_switches(cfg, llama.architecture(model_type), HELD_BY[model_type])
-    if cfg.norms != "both" or cfg.activation != "gelu_tanh" or cfg.qk_norm != (model_type == "gemma3_text"):
+    traits = registry.decoder_traits(model_type)
+    llama.refuse_switches(cfg, llama.architecture(model_type), traits.holds)
+    if cfg.norms != "both" or cfg.activation != "gelu_tanh" or cfg.qk_norm != traits.value("qk_norm"):
         raise UserError(f"this model's norms or MLP are not {llama.architecture(model_type)}'s")
     out = llama.common_to_hf(cfg, llama.architecture(model_type))
     del out["hidden_act"]
@@ -68,7 +68,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         final_logit_softcapping=cfg.logit_softcap or None,
         attn_logit_softcapping=cfg.attn_softcap or None,
     )
-    if model_type == "gemma3_text":
+    if traits.reads("rope_local_base_freq"):  # Gemma 3's sliding layers turn by their own base
         full = {"rope_type": "default", "rope_theta": cfg.rope.theta, **out.pop("rope_scaling", {})}
         local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope.theta}
         out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}

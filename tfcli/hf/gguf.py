@@ -26,9 +26,11 @@ from torch import Tensor
 from ..data.special_tokens import SpecialTokens
 from ..errors import UserError
 from . import registry
-from .gguf_archs import ARCHS, check_writable, config_extras, rope_dimensions, write_extras
+from .gguf_archs import ARCHS, NO_PREFIX_SPACE, PREFIX_NORMALIZER, rope_dimensions
+from .traits import Experts
 
 SUFFIX = ".gguf"
+SENTENCEPIECE, BYTE_BPE = "llama", "gpt2"  # tokenizer.ggml.model's names for the two tokenizers read
 # GGUF general.architecture -> transformers model_type (llama with experts: Mixtral), from the records;
 # gguf_archs.py says how each differs from the llama architecture
 MODEL_TYPES = registry.gguf_model_types()
@@ -37,8 +39,12 @@ GGUF_ARCH = {r.model_type: r.gguf for r in registry.RECORDS if r.gguf}  # transf
 # llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
 NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)
-MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's names for its experts' parts
-MIXTRAL_PARTS = {v: k for k, v in MIXTRAL.items()}
+DENSE = Experts()  # the default names (a dense model has no experts to name)
+MIXTURES = [r.traits.experts for r in registry.RECORDS if r.traits is not None and r.traits.experts is not None]
+# every architecture's names for its experts' parts and feed-forward block -> the default ones (Mixtral's
+# w1 / w3 / w2 under block_sparse_moe: gate_proj / up_proj / down_proj under mlp)
+EXPERT_PARTS = {theirs: part for e in MIXTURES for theirs, part in zip(e.parts, Experts().parts)}
+EXPERT_BLOCKS = {e.block for e in MIXTURES} - {Experts().block}
 LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -186,22 +192,21 @@ def _config(meta: dict, path: Path, layers_with_experts: set[int] | None = None,
             "factor": get("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": get("rope.scaling.original_context_length", 0),
         }
-    raw.update(config_extras(arch, get, raw, factors or {}))
+    raw.update(ARCHS[arch].config_extras(get, raw, factors or {}))
     return raw
 
 
 def _experts(arch: str, get, raw: dict, layers_with_experts: set[int] | None) -> dict:
     """A mixture's config.json entries from a GGUF's expert_* keys (and, for Qwen's, which layers hold
     experts: the others are dense)."""
-    out = {"num_experts_per_tok": get("expert_used_count"), "norm_topk_prob": NORM_TOPK[arch]}
-    if arch == "llama":
-        out.update(model_type="mixtral", num_local_experts=get("expert_count"))
-        return out
-    out["num_experts"] = get("expert_count")
-    if arch in ("qwen2moe", "qwen3moe"):
+    model_type = registry.gguf_model_type(arch, experts=True)  # llama with experts: Mixtral
+    kind = registry.decoder_traits(model_type).experts or Experts()
+    out = {"model_type": model_type, "num_experts_per_tok": get("expert_used_count"), "norm_topk_prob": NORM_TOPK[arch]}
+    out[kind.count_key] = get("expert_count")
+    if kind.qwen_layout:
         dense = sorted(set(range(raw["num_hidden_layers"])) - (layers_with_experts or set()))
         out.update(moe_intermediate_size=get("expert_feed_forward_length"), mlp_only_layers=dense)
-    if arch == "qwen2moe":
+    if kind.shared_expert:
         out["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length", 0)
     return out
 
@@ -233,7 +238,8 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
         if t.name.startswith("rope_factors_")
     }
     raw = _config(meta, path, routed, factors)
-    arch, mixtral = meta.get("general.architecture"), raw["model_type"] == "mixtral"
+    arch, traits = meta.get("general.architecture"), registry.decoder_traits(raw["model_type"])
+    expert_names = traits.experts or DENSE  # how transformers names its experts' parts
     if "rope_freqs.weight" in names:
         raise UserError(
             f"{path}: rope frequency factors (Llama 3.1's rope scaling as llama.cpp stores it) are not supported"
@@ -247,7 +253,7 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
             continue
         if shapes_only:
             meta_tensor = torch.empty(shape, device="meta")
-            state.update(_hf_tensors(t.name, meta_tensor, path, mixtral, arch))
+            state.update(_hf_tensors(t.name, meta_tensor, path, expert_names, arch))
             continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -264,12 +270,11 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
         if ARCHS[arch].norm_offset and t.name.endswith("norm.weight"):
             values = values - np.float32(ARCHS[arch].norm_offset)
         tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
-        state.update(_hf_tensors(t.name, tensor, path, mixtral, arch))
+        state.update(_hf_tensors(t.name, tensor, path, expert_names, arch))
     raw["qkv_bias"] = any(k.endswith("q_proj.bias") for k in state)  # Qwen2-MoE's name for it
     if raw["qkv_bias"]:
-        raw["attention_bias"] = raw["model_type"] not in ("qwen2", "qwen2_moe") and any(
-            k.endswith("o_proj.bias") for k in state
-        )
+        own = traits.value("qkv_bias") or traits.reads("qkv_bias")  # Qwen2's q/k/v biases: no attention_bias
+        raw["attention_bias"] = not own and any(k.endswith("o_proj.bias") for k in state)
     return raw, state
 
 
@@ -290,18 +295,20 @@ def _layer_names(arch: str) -> dict[str, str]:
     return {**LAYER, **ARCHS[arch].layer}
 
 
-def _hf_tensors(name: str, tensor: Tensor, path: Path, mixtral: bool, arch: str = "llama") -> dict[str, Tensor]:
+def _hf_tensors(
+    name: str, tensor: Tensor, path: Path, names: Experts = DENSE, arch: str = "llama"
+) -> dict[str, Tensor]:
     """One GGUF tensor under transformers' name(s): a stack of experts (E, out, in) as one tensor per
-    expert."""
+    expert, its parts named as the architecture names them (`names`)."""
     parts, layer = name.split("."), _layer_names(arch)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
-        block, part = ("block_sparse_moe", MIXTRAL[EXPERTS[parts[2]]]) if mixtral else ("mlp", EXPERTS[parts[2]])
+        block, part = names.block, names.parts[list(EXPERTS).index(parts[2])]
         stem = f"model.layers.{parts[1]}.{block}.experts"
         return {f"{stem}.{j}.{part}.{parts[3]}": expert for j, expert in enumerate(tensor.unbind(0))}
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
         module = layer[parts[2]]
-        if mixtral and parts[2] == "ffn_gate_inp":
-            module = "block_sparse_moe.gate"
+        if parts[2] == "ffn_gate_inp":
+            module = f"{names.block}.gate"
         if parts[2] == "ffn_gate_inp_shexp":
             tensor = tensor.reshape(1, -1)  # (1, D) in transformers, a vector in some converters' files
         return {f"model.layers.{parts[1]}.{module}.{parts[3]}": tensor}
@@ -331,7 +338,7 @@ def tokenizer(meta: dict, path: Path):
             f"Gemma and Phi-3 files have)"
         )
     tokens, merges = list(meta.get("tokenizer.ggml.tokens") or []), list(meta.get("tokenizer.ggml.merges") or [])
-    if kind == "llama":
+    if kind == SENTENCEPIECE:
         return _finish(sentencepiece(meta, tokens, merges, path), meta, tokens, None)
     if not tokens or not merges:
         raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
@@ -383,9 +390,6 @@ def _finish(tok, meta: dict, tokens: list[str], spelled: set[str] | None):
     return TextTokenizer(tok, specials, template if isinstance(template, str) else None)
 
 
-GEMMAS = ("gemma", "gemma2", "gemma3")
-
-
 def sentencepiece(meta: dict, tokens: list[str], merges: list[str], path: Path):
     """tokenizer.ggml.model 'llama': SentencePiece's BPE as transformers' LlamaTokenizer builds it (a
     leading "▁" and "▁" for spaces, byte fallback through <0xNN> tokens), the merges the file gives or,
@@ -395,9 +399,9 @@ def sentencepiece(meta: dict, tokens: list[str], merges: list[str], path: Path):
 
     if not tokens:
         raise UserError(f"{path}: GGUF lacks tokenizer.ggml.tokens")
-    arch = meta.get("general.architecture")
+    arch = ARCHS.get(meta.get("general.architecture"), ARCHS["llama"])
     scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-    if arch in GEMMAS:  # runs of spaces stored as spaces; merges in file order
+    if arch.tokenizer == NO_PREFIX_SPACE:  # runs of spaces stored as spaces; merges in file order
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = [-float(i) for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -405,10 +409,12 @@ def sentencepiece(meta: dict, tokens: list[str], merges: list[str], path: Path):
     unk = tokens[meta["tokenizer.ggml.unknown_token_id"]] if "tokenizer.ggml.unknown_token_id" in meta else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if arch in GEMMAS:  # no prefix space: spaces become "▁" where they are (GemmaTokenizer)
+    if arch.tokenizer == NO_PREFIX_SPACE:  # no prefix space: spaces become "▁" where they are (GemmaTokenizer)
         tok.normalizer = normalizers.Replace(" ", "\u2581")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    elif arch == "phi3":  # the prefix space from a normalizer, as Phi-3's own tokenizer.json has it
+    elif (
+        arch.tokenizer == PREFIX_NORMALIZER
+    ):  # the prefix space from a normalizer, as Phi-3's own tokenizer.json has it
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         steps.append(decoders.Strip(" ", 1, 0))
     else:  # Llama 2, Mistral: LlamaTokenizer's
@@ -459,7 +465,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
     arch = GGUF_ARCH.get(hf_config["model_type"])
     if arch is None:
         raise UserError(f"GGUF export writes {', '.join(GGUF_ARCH)} models; this is a {hf_config['model_type']}")
-    check_writable(arch, hf_config)
+    ARCHS[arch].check_writable(hf_config)
     _check_experts(hf_config, arch)
     hf_state = _stacked_experts(hf_state)
     out = Path(out)
@@ -469,7 +475,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     _write_metadata(writer, hf_config, tok, vocab, arch)
-    extra = write_extras(arch, writer, hf_config)
+    extra = ARCHS[arch].write_extras(writer, hf_config)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     for name, tensor in hf_state.items():
         values = tensor.detach().float().cpu().numpy()
@@ -509,7 +515,8 @@ def _check_experts(c: dict, arch: str) -> None:
     """One line for a mixture llama.cpp's architecture cannot run as it is."""
     if not (c.get("num_experts") or c.get("num_local_experts")):
         return
-    norm = c["model_type"] == "mixtral" or bool(c.get("norm_topk_prob"))
+    kind = registry.decoder_traits(c["model_type"]).experts or Experts()
+    norm = kind.renormalises or bool(c.get("norm_topk_prob"))
     if norm != NORM_TOPK[arch]:
         raise UserError(
             f"GGUF export: llama.cpp's {arch} {'renormalises' if NORM_TOPK[arch] else 'keeps'} the top-k "
@@ -529,7 +536,7 @@ def _stacked_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
             out[name] = tensor
             continue
         j, part, kind = rest.split(".")
-        part = MIXTRAL_PARTS.get(part, part)
+        part = EXPERT_PARTS.get(part, part)
         stacks.setdefault(f"{stem}.experts.{part}.{kind}", {})[int(j)] = tensor
     for name, experts in stacks.items():
         out[name] = torch.stack([experts[j] for j in range(len(experts))])
@@ -556,7 +563,7 @@ def _vocab(tok) -> dict:
     tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     special = {a["content"] for a in raw.get("added_tokens") or [] if a.get("special")}
-    out = {"tokens": tokens, "merges": merges, "special": special, "kind": "llama" if sentencepiece else "gpt2"}
+    out = {"tokens": tokens, "merges": merges, "special": special, "kind": SENTENCEPIECE if sentencepiece else BYTE_BPE}
     if sentencepiece:  # llama.cpp merges SentencePiece pieces by score: the earlier a merge, the higher
         rank = {"".join(m.split(" ", 1)): i for i, m in reversed(list(enumerate(merges)))}
         out["scores"] = [-float(rank[t]) if t in rank else 0.0 for t in tokens]
@@ -577,7 +584,11 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
     writer.add_rope_dimension_count(rope_dimensions(c))
     full = (c.get("rope_parameters") or {}).get("full_attention") or {}  # Gemma 3's global layers
     writer.add_rope_freq_base(float(c.get("rope_theta") or full.get("rope_theta") or 10000.0))
-    scaling = {} if arch == "phi3" else c.get("rope_scaling") or (full if full.get("rope_type") != "default" else {})
+    scaling = (
+        {}
+        if ARCHS[arch].own_rope_keys
+        else c.get("rope_scaling") or (full if full.get("rope_type") != "default" else {})
+    )
     if scaling.get("rope_type") in ("linear", "yarn"):
         writer.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
         writer.add_rope_scaling_factor(float(scaling["factor"]))
@@ -598,7 +609,7 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model(vocab["kind"])
     writer.add_token_list(vocab["tokens"])
-    if vocab["kind"] == "gpt2":
+    if vocab["kind"] == BYTE_BPE:
         writer.add_tokenizer_pre("default")
         writer.add_token_merges(vocab["merges"])
     else:  # SentencePiece: scores instead of merges, the <0xNN> pieces marked as bytes
@@ -609,7 +620,7 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
             gguf.TokenType.CONTROL
             if t in vocab["special"]
             else gguf.TokenType.BYTE
-            if vocab["kind"] == "llama" and byte.match(t)
+            if vocab["kind"] == SENTENCEPIECE and byte.match(t)
             else gguf.TokenType.NORMAL
             for t in vocab["tokens"]
         ]
@@ -643,6 +654,8 @@ def _gguf_name(name: str, arch: str = "llama") -> str:
     if name.startswith("model.layers."):
         _, _, i, rest = name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{inverse_layer[module.replace('block_sparse_moe.', 'mlp.')]}.{kind}"
+        block, _, inner = module.partition(".")
+        module = f"{Experts().block}.{inner}" if block in EXPERT_BLOCKS else module
+        return f"blk.{i}.{inverse_layer[module]}.{kind}"
     module, kind = name.rsplit(".", 1)
     return f"{inverse_global[module]}.{kind}"

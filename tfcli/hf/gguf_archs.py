@@ -22,30 +22,6 @@ GEMMA_NORMS = {  # Gemma's four norms per block, by llama.cpp's names
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-
-
-@dataclass(frozen=True)
-class Arch:
-    layer: dict[str, str] = field(default_factory=dict)  # GGUF layer tensor -> transformers module, over gguf.LAYER
-    norm_offset: float = 0.0  # stored = transformers' + offset for every *norm.weight (Gemma: 1 + w)
-    permuted: bool = False  # q/k rows in llama.cpp's interleaved rotary order (the llama architecture)
-    sliding: bool = False  # llama.cpp runs a sliding window for it
-
-
-ARCHS = {
-    "llama": Arch(permuted=True),
-    "qwen2": Arch(),
-    "qwen3": Arch(),
-    "qwen2moe": Arch(),
-    "qwen3moe": Arch(),
-    "olmoe": Arch(),
-    "gemma2": Arch(GEMMA_NORMS, norm_offset=1.0, sliding=True),
-    "gemma3": Arch(GEMMA_NORMS, norm_offset=1.0, sliding=True),
-    "olmo2": Arch({"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}),
-    "phi3": Arch({"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, sliding=True),
-    "granite": Arch(permuted=True),
-    "smollm3": Arch(permuted=True),
-}
 NOPE_EVERY = 4  # llama.cpp's SmolLM3: every 4th layer without rotary positions
 GRANITE_SCALES = (  # llama.cpp's key, gguf's writer for it, transformers' Granite multiplier
     ("attention.scale", "add_attention_scale", "attention_multiplier"),
@@ -53,41 +29,156 @@ GRANITE_SCALES = (  # llama.cpp's key, gguf's writer for it, transformers' Grani
     ("residual_scale", "add_residual_scale", "residual_multiplier"),
     ("logit_scale", "add_logit_scale", "logits_scaling"),
 )
-GEMMA_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: all but every n-th layer slide
+# how a SentencePiece file's spaces are read: LlamaTokenizer's prefix space (Llama 2, Mistral), none and
+# runs of spaces kept (Gemma's), the prefix space from a normalizer (Phi-3's tokenizer.json)
+PREFIX_SPACE, NO_PREFIX_SPACE, PREFIX_NORMALIZER = "prefix-space", "no-prefix-space", "prefix-normalizer"
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rotary base of Gemma 3's sliding layers
 GEMMA_27B_LAYERS = 46  # llama.cpp scales Gemma 2's 27B queries by d / heads, every other Gemma's by head_dim
 
 
-def gemma_query_scalar(n_layer: int, d: int, n_head: int, head_dim: int, arch: str) -> int:
-    """The query_pre_attn_scalar llama.cpp's Gemma graphs use (they read no key for it)."""
-    return d // n_head if arch == "gemma2" and n_layer == GEMMA_27B_LAYERS else head_dim
+@dataclass(frozen=True)
+class Arch:
+    """One llama.cpp architecture: llama's, and the fields and methods where another differs."""
+
+    name: str  # general.architecture
+    layer: dict[str, str] = field(default_factory=dict)  # GGUF layer tensor -> transformers module, over gguf.LAYER
+    norm_offset: float = 0.0  # stored = transformers' + offset for every *norm.weight (Gemma: 1 + w)
+    permuted: bool = False  # q/k rows in llama.cpp's interleaved rotary order (the llama architecture)
+    sliding: bool = False  # llama.cpp runs a sliding window for it
+    tokenizer: str = PREFIX_SPACE  # a SentencePiece file's spaces (gguf.sentencepiece)
+    own_rope_keys: bool = False  # its rope scaling is written by write_extras, not the shared keys (Phi-3)
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
+        """The config.json entries beyond the shared ones (get: a key of the file's arch; factors:
+        Phi-3's rope_factors_long / _short tensors, as lists)."""
+        return {}
+
+    def check_writable(self, c: dict) -> None:
+        """One line for a model llama.cpp's graph for this architecture would run differently."""
+        if c.get("sliding_window") and not self.sliding:
+            raise UserError(f"GGUF export: llama.cpp's {self.name} has no sliding window, and this model has one")
+
+    def write_extras(self, writer, c: dict) -> dict:
+        """Its keys beyond the shared ones; -> tensors it holds beyond the weights."""
+        return {}
 
 
-def config_extras(arch: str, get, raw: dict, factors: dict) -> dict:
-    """The config.json entries of `arch` beyond the shared ones (get: a key of the file's arch;
-    factors: Phi-3's rope_factors_long / _short tensors, as lists)."""
-    if arch in GEMMA_EVERY:
-        n, every = raw["num_hidden_layers"], GEMMA_EVERY[arch]
+@dataclass(frozen=True)
+class Gemma(Arch):
+    """Gemma 2 / 3: the sliding pattern, query scale and (Gemma 3) local rotary base are fixed by the graph."""
+
+    every: int = 2  # all but every n-th layer slide
+    attn_softcap: bool = False  # scores soft-capped (Gemma 2)
+    local_rope: bool = False  # the sliding layers turn by their own base (Gemma 3)
+    tied_output: bool = False  # the graph reads its output layer from the embedding (Gemma 2)
+    wide_queries: int = 0  # a model of this many layers scales queries by d / heads (Gemma 2 27B)
+
+    def query_scalar(self, n_layer: int, d: int, n_head: int, head_dim: int) -> int:
+        """The query_pre_attn_scalar llama.cpp's Gemma graphs use (they read no key for it)."""
+        return d // n_head if self.wide_queries and n_layer == self.wide_queries else head_dim
+
+    def layer_types(self, n: int) -> list[str]:
+        return ["sliding_attention" if (i + 1) % self.every else "full_attention" for i in range(n)]
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
+        n = raw["num_hidden_layers"]
         out = {
             "hidden_activation": "gelu_pytorch_tanh",
             "sliding_window": get("attention.sliding_window"),
-            "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)],
-            "query_pre_attn_scalar": gemma_query_scalar(
-                n, raw["hidden_size"], raw["num_attention_heads"], raw["head_dim"], arch
+            "layer_types": self.layer_types(n),
+            "query_pre_attn_scalar": self.query_scalar(
+                n, raw["hidden_size"], raw["num_attention_heads"], raw["head_dim"]
             ),
             "final_logit_softcapping": get("final_logit_softcapping"),
         }
-        if arch == "gemma2":
-            return {**out, "attn_logit_softcapping": get("attn_logit_softcapping")}
+        if self.attn_softcap:
+            out["attn_logit_softcapping"] = get("attn_logit_softcapping")
+        if not self.local_rope:
+            return out
         full = {"rope_type": "default", "rope_theta": raw["rope_theta"], **raw.pop("rope_scaling", {})}
         full.pop("original_max_position_embeddings", None)
         local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
         return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
-    if arch == "granite":
+
+    def check_writable(self, c: dict) -> None:
+        if self.tied_output and not c.get("tie_word_embeddings", True):
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} reads its output layer from the embedding; this model's is "
+                "its own"
+            )
+        super().check_writable(c)
+        n = c["num_hidden_layers"]
+        if c.get("layer_types") != self.layer_types(n):
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} slides in all but every {self.every}th layer; this model "
+                "does not"
+            )
+        want = self.query_scalar(n, c["hidden_size"], c["num_attention_heads"], c["head_dim"])
+        if c.get("query_pre_attn_scalar") != want:
+            raise UserError(f"GGUF export: llama.cpp's {self.name} scales queries by {want}^-0.5; this model does not")
+        local = (c.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
+        if self.local_rope and local != GEMMA3_LOCAL_THETA:
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} turns its sliding layers by 10000, this model by {local}"
+            )
+
+    def write_extras(self, writer, c: dict) -> dict:
+        writer.add_sliding_window(int(c["sliding_window"] or 0))
+        if c.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+        if self.attn_softcap and c.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(float(c["attn_logit_softcapping"]))
+        return {}
+
+
+@dataclass(frozen=True)
+class Granite(Arch):
+    """Granite: its four multipliers as keys of their own."""
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
         return {theirs: get(key) for key, _, theirs in GRANITE_SCALES if get(key) is not None}
-    if arch == "smollm3":
+
+    def write_extras(self, writer, c: dict) -> dict:
+        for _, write, theirs in GRANITE_SCALES:
+            if c.get(theirs) is not None:
+                getattr(writer, write)(float(c[theirs]))
+        return {}
+
+
+@dataclass(frozen=True)
+class SmolLM3(Arch):
+    """SmolLM3: llama.cpp leaves rotary positions out of every NOPE_EVERY-th layer, reading no key."""
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
         return {"no_rope_layers": _smollm3_ropes(raw["num_hidden_layers"])}
-    if arch == "phi3":
+
+    def check_writable(self, c: dict) -> None:
+        if c.get("no_rope_layers") != _smollm3_ropes(c["num_hidden_layers"]):
+            raise UserError(
+                f"GGUF export: llama.cpp's smollm3 leaves rotary positions out of every {NOPE_EVERY}th layer; "
+                "this model's no_rope_layers differ"
+            )
+        super().check_writable(c)
+
+
+@dataclass(frozen=True)
+class OLMoE(Arch):
+    """OLMoE: llama.cpp norms the keys over as many heads as the queries."""
+
+    def check_writable(self, c: dict) -> None:
+        if c.get("num_key_value_heads", c["num_attention_heads"]) != c["num_attention_heads"]:
+            raise UserError(
+                "GGUF export: llama.cpp's olmoe norms keys over as many heads as queries; this model groups its "
+                f"key-value heads ({c['num_key_value_heads']} for {c['num_attention_heads']})"
+            )
+        super().check_writable(c)
+
+
+@dataclass(frozen=True)
+class Phi3(Arch):
+    """Phi-3 / Phi-4: partial rotary, an optional sliding window, LongRoPE's factors as tensors."""
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
         out = {
             "partial_rotary_factor": get("rope.dimension_count", raw["head_dim"]) / raw["head_dim"],
             "sliding_window": get("attention.sliding_window") or None,
@@ -97,7 +188,29 @@ def config_extras(arch: str, get, raw: dict, factors: dict) -> dict:
         if factors:
             out["rope_scaling"] = {"rope_type": "longrope", **factors}
         return out
-    return {}
+
+    def write_extras(self, writer, c: dict) -> dict:
+        import numpy as np
+
+        writer.add_sliding_window(int(c.get("sliding_window") or 0))  # 0: none (Phi-4)
+        original = c.get("original_max_position_embeddings") or c["max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(int(original))
+        scaling = c.get("rope_scaling") or {}
+        if not scaling:
+            return {}
+        if scaling.get("rope_type") != "longrope":
+            raise UserError(
+                f"GGUF export: Phi-3's rope scaling {scaling.get('rope_type')!r} has no GGUF form tfcli writes"
+            )
+        scale = c["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            scaling.get("attention_factor")
+            or (math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        )
+        return {
+            f"rope_factors_{kind}.weight": np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+            for kind in ("long", "short")
+        }
 
 
 def _smollm3_ropes(n: int) -> list[int]:
@@ -105,74 +218,34 @@ def _smollm3_ropes(n: int) -> list[int]:
     return [int((i + 1) % NOPE_EVERY != 0) for i in range(n)]
 
 
-def check_writable(arch: str, c: dict) -> None:
-    """One line for a model llama.cpp's graph for `arch` would run differently."""
-    if arch == "smollm3" and c.get("no_rope_layers") != _smollm3_ropes(c["num_hidden_layers"]):
-        raise UserError(
-            f"GGUF export: llama.cpp's smollm3 leaves rotary positions out of every {NOPE_EVERY}th layer; "
-            "this model's no_rope_layers differ"
-        )
-    if arch == "gemma2" and not c.get("tie_word_embeddings", True):
-        raise UserError(
-            "GGUF export: llama.cpp's gemma2 reads its output layer from the embedding; this model's is its own"
-        )
-    if arch == "olmoe" and c.get("num_key_value_heads", c["num_attention_heads"]) != c["num_attention_heads"]:
-        raise UserError(
-            "GGUF export: llama.cpp's olmoe norms keys over as many heads as queries; this model groups its "
-            f"key-value heads ({c['num_key_value_heads']} for {c['num_attention_heads']})"
-        )
-    if c.get("sliding_window") and not ARCHS[arch].sliding:
-        raise UserError(f"GGUF export: llama.cpp's {arch} has no sliding window, and this model has one")
-    if arch in GEMMA_EVERY:
-        n, every = c["num_hidden_layers"], GEMMA_EVERY[arch]
-        fixed = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-        if c.get("layer_types") != fixed:
-            raise UserError(
-                f"GGUF export: llama.cpp's {arch} slides in all but every {every}th layer; this model does not"
-            )
-        want = gemma_query_scalar(n, c["hidden_size"], c["num_attention_heads"], c["head_dim"], arch)
-        if c.get("query_pre_attn_scalar") != want:
-            raise UserError(f"GGUF export: llama.cpp's {arch} scales queries by {want}^-0.5; this model does not")
-        local = (c.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
-        if arch == "gemma3" and local != GEMMA3_LOCAL_THETA:
-            raise UserError(f"GGUF export: llama.cpp's gemma3 turns its sliding layers by 10000, this model by {local}")
-
-
-def write_extras(arch: str, writer, c: dict) -> dict:
-    """`arch`'s keys beyond the shared ones; -> tensors it holds beyond the weights (Phi-3's LongRoPE
-    factors)."""
-    import numpy as np
-
-    if arch in GEMMA_EVERY:
-        writer.add_sliding_window(int(c["sliding_window"] or 0))
-        if c.get("final_logit_softcapping"):
-            writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
-        if arch == "gemma2" and c.get("attn_logit_softcapping"):
-            writer.add_attn_logit_softcapping(float(c["attn_logit_softcapping"]))
-        return {}
-    if arch == "granite":
-        for _, write, theirs in GRANITE_SCALES:
-            if c.get(theirs) is not None:
-                getattr(writer, write)(float(c[theirs]))
-        return {}
-    if arch != "phi3":
-        return {}
-    writer.add_sliding_window(int(c.get("sliding_window") or 0))  # 0: none (Phi-4)
-    original = c.get("original_max_position_embeddings") or c["max_position_embeddings"]
-    writer.add_rope_scaling_orig_ctx_len(int(original))
-    scaling = c.get("rope_scaling") or {}
-    if not scaling:
-        return {}
-    if scaling.get("rope_type") != "longrope":
-        raise UserError(f"GGUF export: Phi-3's rope scaling {scaling.get('rope_type')!r} has no GGUF form tfcli writes")
-    scale = c["max_position_embeddings"] / original
-    writer.add_rope_scaling_attn_factors(
-        scaling.get("attention_factor") or (math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+OLMO2_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+ARCHS = {
+    a.name: a
+    for a in (
+        Arch("llama", permuted=True),
+        Arch("qwen2"),
+        Arch("qwen3"),
+        Arch("qwen2moe"),
+        Arch("qwen3moe"),
+        OLMoE("olmoe"),
+        Gemma(
+            "gemma2",
+            GEMMA_NORMS,
+            1.0,
+            sliding=True,
+            tokenizer=NO_PREFIX_SPACE,
+            attn_softcap=True,
+            tied_output=True,
+            wide_queries=GEMMA_27B_LAYERS,
+        ),
+        Gemma("gemma3", GEMMA_NORMS, 1.0, sliding=True, tokenizer=NO_PREFIX_SPACE, every=6, local_rope=True),
+        Arch("olmo2", OLMO2_NORMS),
+        Phi3("phi3", PHI3_FUSED, sliding=True, tokenizer=PREFIX_NORMALIZER, own_rope_keys=True),
+        Granite("granite", permuted=True),
+        SmolLM3("smollm3", permuted=True),
     )
-    return {
-        f"rope_factors_{kind}.weight": np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
-        for kind in ("long", "short")
-    }
+}
 
 
 def rope_dimensions(c: dict) -> int:

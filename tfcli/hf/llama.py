@@ -10,13 +10,14 @@ Llama's attention_bias), per-head q/k norms (Qwen3), a sliding window (Mistral).
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from ..data.special_tokens import config_text
 from ..errors import UserError
 from ..models.llama import LlamaConfig
-from ..models.rotary import RopeScaling, rope_scaling_of
+from . import positions, registry
 from .convert import Export, Rule, refuse_classifier, rule
+from .traits import Decoder
 
 
 def common_config(raw: dict, tie_default: bool = False, activation: str = "silu") -> dict:
@@ -38,7 +39,7 @@ def common_config(raw: dict, tie_default: bool = False, activation: str = "silu"
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", tie_default)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        rope=_rope(raw),
+        rope=positions.rope_of(raw),
         hf_model_type=raw["model_type"],
         activation=activation,
     )
@@ -48,90 +49,23 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 
 
 def config_from_hf(raw: dict, state=None) -> LlamaConfig:
-    model_type = raw["model_type"]
-    both = bool(raw.get("attention_bias", False))  # Llama, Qwen3: on q, k, v and o alike
-    return LlamaConfig(
-        **common_config(raw),
-        qkv_bias=model_type == "qwen2" or both,
-        out_bias=both,
-        qk_norm=model_type == "qwen3",
-        sliding_window=_window(raw),
-    )
+    traits = registry.decoder_traits(raw["model_type"])
+    both = traits.reads("attention_bias") and bool(raw.get("attention_bias", False))  # on q, k, v and o alike
+    switches = {"qkv_bias": both, "out_bias": both, "qk_norm": False, **dict(traits.fixed)}
+    return LlamaConfig(**common_config(raw), **switches, sliding_window=positions.window_of(raw, traits))
 
 
-def rope_parameters(raw: dict, kind: str = "") -> dict:
-    """A config's rope settings: transformers 5's `rope_parameters` (per layer type where the model has
-    several: `kind`), or the older `rope_theta` + `rope_scaling`."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if kind and isinstance(params.get(kind), dict):
-        params = params[kind]
-    return dict(params)
-
-
-def _rope(raw: dict) -> RopeScaling:
-    """Dynamic NTK scaling grows theta past max_position_embeddings: kept as the rope's own trained
-    length, so that raising tfcli's model.max_seq_len (the context) is what lets it grow."""
-    params = rope_parameters(raw, "full_attention")
-    if "original_max_position_embeddings" not in params and raw.get("original_max_position_embeddings"):
-        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3
-    if params.get("rope_type", params.get("type")) == "longrope" and not params.get("factor"):
-        params["factor"] = raw["max_position_embeddings"] / params["original_max_position_embeddings"]
-    rope = rope_scaling_of(raw.get("rope_theta") or 10000.0, params)
-    return replace(rope, original_max=raw["max_position_embeddings"]) if rope.type == "dynamic" else rope
-
-
-LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}  # transformers' names -> tfcli's
-
-
-def layer_kinds(raw: dict, implied: list[str], n: int | None = None) -> tuple[str, ...]:
-    """'full' or 'sliding' per layer: the config's `layer_types` (else `implied`, the pattern older configs
-    imply), one per layer; a kind tfcli does not implement (Llama 4's chunked_attention) or a list of
-    another length is one line naming the field, where it would silently run as full attention."""
-    n = raw["num_hidden_layers"] if n is None else n
-    types = raw.get("layer_types") or implied
-    where = raw.get("model_type", "this model")
-    if not isinstance(types, list) or len(types) != n:
-        got = len(types) if isinstance(types, list) else type(types).__name__
-        raise UserError(f"{where}: config.json's layer_types has {got} entries for {n} layers")
-    unknown = next((t for t in types if t not in LAYER_KINDS), None)
-    if unknown is not None:
-        raise UserError(
-            f"{where}: config.json's layer_types names {unknown!r}, which tfcli does not implement "
-            f"({', '.join(LAYER_KINDS)} only)"
-        )
-    return tuple(LAYER_KINDS[t] for t in types)
-
-
-def _window(raw: dict) -> int:
-    """The sliding window every layer uses (0: none). Mistral slides in every layer; Qwen2/3 only with
-    use_sliding_window, from layer max_window_layers on: tfcli's one window per model takes all or none."""
-    window = raw.get("sliding_window") or 0
-    if raw["model_type"] == "mistral" or not window:
-        return window
-    implied = [
-        "sliding_attention"
-        if raw.get("use_sliding_window") and i >= raw.get("max_window_layers", 0)
-        else "full_attention"
-        for i in range(raw["num_hidden_layers"])
-    ]
-    types = layer_kinds(raw, implied)
-    if len(set(types)) > 1:
-        raise UserError(
-            f"{raw['model_type']}: a sliding window in some layers only ({types.count('sliding')} "
-            f"of {len(types)}) is not supported"
-        )
-    return window if types and types[0] == "sliding" else 0
-
-
-def _cannot_express(cfg: LlamaConfig, model_type: str) -> str:
-    """Why `model_type` cannot hold this model exactly ("" if it can)."""
-    if cfg.qk_norm != (model_type == "qwen3"):
+def _cannot_express(cfg: LlamaConfig, traits: Decoder) -> str:
+    """Why the architecture of `traits` cannot hold this model exactly ("" if it can)."""
+    if cfg.qk_norm != traits.value("qk_norm"):
         return "q/k norms" if cfg.qk_norm else "no q/k norms"
-    if model_type == "qwen2":
+    if traits.value("qkv_bias"):  # q/k/v biases always, none on the output (Qwen2)
         return "" if cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias else "its biases"
-    if cfg.qkv_bias != cfg.out_bias or (cfg.mlp_bias and model_type != "llama"):
+    if cfg.qkv_bias != cfg.out_bias or (cfg.qkv_bias and not traits.reads("attention_bias")):
         return "its biases"
-    if cfg.sliding_window and model_type != "mistral":
+    if cfg.mlp_bias and not traits.reads("mlp_bias"):
+        return "its biases"
+    if cfg.sliding_window and not traits.reads("sliding_window"):
         return "a sliding window"
     return ""
 
@@ -169,29 +103,37 @@ def refuse_switches(cfg: LlamaConfig, architecture: str, held: tuple[str, ...] =
 
 def architecture(model_type: str) -> str:
     """The transformers class a native model_type's export writes (its record's, hf/registry.py)."""
-    from . import registry
-
     return registry.architecture(model_type)
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
-    reason = _cannot_express(cfg, model_type)
+    traits = registry.decoder_traits(model_type)
+    reason = _cannot_express(cfg, traits)
     if reason:
         raise UserError(
             f"this llama-family model has {reason}, which transformers' {architecture(model_type)} "
-            f"cannot hold; set model.hf_model_type to one that can (llama, qwen2, mistral, qwen3)"
+            f"cannot hold; set model.hf_model_type to one that can ({', '.join(registry.same_table(model_type))})"
         )
-    refuse_switches(cfg, architecture(model_type))
-    out = common_to_hf(cfg, architecture(model_type))
-    if model_type in ("llama", "qwen3"):
+    refuse_switches(cfg, architecture(model_type), traits.holds)
+    return {**common_to_hf(cfg, architecture(model_type)), **optional_keys(cfg, traits)}
+
+
+def optional_keys(cfg: LlamaConfig, traits: Decoder) -> dict:
+    """The optional config.json entries an architecture reads (traits.keys), as this model sets them."""
+    out: dict = {}
+    if traits.reads("attention_bias"):
         out["attention_bias"] = cfg.out_bias
-    if model_type == "llama":
+    if traits.reads("qkv_bias"):
+        out["qkv_bias"] = cfg.qkv_bias
+    if traits.reads("mlp_bias"):
         out["mlp_bias"] = cfg.mlp_bias
-    if model_type == "mistral":
+    if traits.reads("sliding_window"):
         out["sliding_window"] = cfg.sliding_window or None
-    if model_type in ("qwen2", "qwen3"):
+    if traits.reads("use_sliding_window"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if traits.reads("clip_qkv"):
+        out["clip_qkv"] = None
     return out
 
 
@@ -219,28 +161,13 @@ def common_to_hf(cfg: LlamaConfig, architecture: str) -> dict:
         "initializer_range": 0.02,
     }
     if cfg.rope.type != "default":
-        out["rope_scaling"] = _rope_to_hf(cfg.rope)
+        out["rope_scaling"] = positions.rope_to_hf(cfg.rope)
     return out
 
 
 def _trained_length(cfg: LlamaConfig) -> int:
     """transformers' dynamic rope grows past max_position_embeddings, which must stay the trained length."""
     return cfg.rope.original_max if cfg.rope.type == "dynamic" and cfg.rope.original_max else cfg.max_seq_len
-
-
-def _rope_to_hf(r: RopeScaling) -> dict:
-    out = {"rope_type": r.type, "factor": r.factor}
-    if r.original_max and r.type != "dynamic":
-        out["original_max_position_embeddings"] = r.original_max
-    if r.type == "llama3":
-        out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
-    if r.type == "yarn":
-        out.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
-    if r.type == "longrope":
-        out.update(short_factor=list(r.short_factor), long_factor=list(r.long_factor))
-    if r.attention_factor and r.type in ("yarn", "longrope"):
-        out["attention_factor"] = r.attention_factor
-    return out
 
 
 # each block's norms, by where they are (LlamaConfig.norms): tfcli's name -> transformers'
@@ -258,8 +185,8 @@ NORMS = {
 
 def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, experts=None) -> list[Rule]:
     """The weight table. norm_offset: what transformers' norm weights lack of tfcli's (Gemma's 1 + w);
-    fused: q/k/v and gate/up in one transformers projection each (Phi-3); experts: how the architecture
-    names a mixture of experts' parts (hf/moe.py's ExpertNames) where the config has them."""
+    fused: q/k/v and gate/up in one transformers projection each (Phi-3); experts(ours, layer): a
+    mixture of experts' table in a layer that has one (hf/moe.py: expert_rules)."""
     norm = lambda ours, theirs: rule(ours, theirs, offset=norm_offset)  # noqa: E731
     out = [rule("model.wte.weight", "model.embed_tokens.weight"), norm("model.ln_f.weight", "model.norm.weight")]
     if not cfg.tie_word_embeddings:
@@ -276,7 +203,7 @@ def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, exper
         out.append(rule(f"{ours}.attn.out.weight", f"{theirs}.self_attn.o_proj.weight"))
         out += [rule(f"{ours}.attn.out.bias", f"{theirs}.self_attn.o_proj.bias")] if cfg.out_bias else []
         if cfg.has_experts(i):
-            out += experts.rules(cfg, f"{ours}.mlp", theirs)
+            out += experts(f"{ours}.mlp", theirs)
         else:
             out += mlp_rules(f"{ours}.mlp", f"{theirs}.mlp", fused, cfg.mlp_bias)
         out += [

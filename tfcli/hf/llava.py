@@ -36,10 +36,10 @@ def config_from_hf(raw: dict, state: dict) -> VLMConfig:
     strategy = raw.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise UserError(f"llava: vision_feature_select_strategy {strategy!r} is not supported (default, full)")
-    if raw.get("image_grid_pinpoints") or raw.get("model_type") != "llava":
+    if raw.get("image_grid_pinpoints"):
         raise UserError("llava: only LLaVA's single-image layout is supported (not LLaVA-NeXT's tiles)")
     vision_raw = raw.get("vision_config") or {}
-    if vision_raw.get("model_type") == towers.VIT:
+    if towers.is_vit_model(vision_raw.get("model_type")):
         vision = towers.vit_config(vision_raw, state, TOWER)
     else:
         vision = towers.config_from_hf(vision_raw)
@@ -94,9 +94,7 @@ def export(backbone, recipe) -> Export:
         "vision_feature_select_strategy": "default" if cfg.drop_cls else "full",
         "tie_word_embeddings": cfg.text.tie_word_embeddings,
     }
-    processor_type = {towers.CLIP: "CLIPImageProcessor", towers.SIGLIP: "SiglipImageProcessor"}.get(
-        tower, "ViTImageProcessor"
-    )
+    processor_type = towers.TOWERS[tower].processor
     files = {**spec.files, "preprocessor_config.json": vlm.processor_json(cfg, processor_type, {})}
     files["processor_config.json"] = vlm.json_text(
         {

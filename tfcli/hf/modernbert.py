@@ -8,17 +8,10 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.modernbert import ModernBertConfig
-from . import llama
+from . import positions
 from .convert import Export, Rule, refuse_classifier, rule
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
-
-
-def _rope_theta(raw: dict, kind: str, old: str, default: float) -> float:
-    params = (raw.get("rope_parameters") or {}).get(f"{kind}_attention") or {}
-    if params.get("rope_type", "default") != "default":
-        raise UserError(f"modernbert: rope_type {params['rope_type']!r} is not supported (supported: default)")
-    return float(params.get("rope_theta") or raw.get(old) or default)
 
 
 def config_from_hf(raw: dict, state=None) -> ModernBertConfig:
@@ -31,7 +24,7 @@ def config_from_hf(raw: dict, state=None) -> ModernBertConfig:
     every = raw.get("global_attn_every_n_layers", 3)
     if not isinstance(every, int) or every < 1:
         raise UserError(f"modernbert: config.json's global_attn_every_n_layers must be >= 1, not {every!r}")
-    types = llama.layer_kinds(raw, ["sliding_attention" if i % every else "full_attention" for i in range(n)])
+    types = positions.layer_kinds(raw, ["sliding_attention" if i % every else "full_attention" for i in range(n)])
     return ModernBertConfig(
         n_layer=n,
         n_head=raw["num_attention_heads"],
@@ -47,8 +40,8 @@ def config_from_hf(raw: dict, state=None) -> ModernBertConfig:
         activation=ACTIVATIONS[act],
         local_window=raw.get("local_attention", 128),
         layer_types=types,
-        global_rope_theta=_rope_theta(raw, "full", "global_rope_theta", 160000.0),
-        local_rope_theta=_rope_theta(raw, "sliding", "local_rope_theta", 10000.0),
+        global_rope_theta=positions.layer_rope_theta(raw, "full", "global_rope_theta", 160000.0),
+        local_rope_theta=positions.layer_rope_theta(raw, "sliding", "local_rope_theta", 10000.0),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..models.llama import LlamaConfig
-from . import llama
+from . import llama, positions
 from .convert import Export, Rule
 
 ARCHITECTURE = "Phi3ForCausalLM"
@@ -16,7 +16,7 @@ normalize = llama.normalize
 
 
 def config_from_hf(raw: dict, state=None) -> LlamaConfig:
-    partial = raw.get("partial_rotary_factor") or llama.rope_parameters(raw).get("partial_rotary_factor") or 1.0
+    partial = raw.get("partial_rotary_factor") or positions.rope_parameters(raw).get("partial_rotary_factor") or 1.0
     return LlamaConfig(
         **llama.common_config(raw),
         sliding_window=raw.get("sliding_window") or 0,

@@ -42,6 +42,7 @@ class Record:
     architecture: str = ""  # the transformers class an export writes ("": chosen by the run's head)
     gguf: str = ""  # llama.cpp's general.architecture for it ("": no GGUF in or out)
     reads_images: bool = False  # its directory's image processor settings go to config_from_hf
+    traits: Any = None  # what its table reads of how it differs from its group (hf/traits.py)
 
     @property
     def table(self) -> Table:

@@ -10,23 +10,71 @@ from pathlib import Path
 from ..errors import UserError
 from . import generic
 from .record import Record
+from .traits import Decoder, Experts
 
+# fmt: off
+HELD_BY_GEMMA = ("activation", "norms", "layer_types", "local_rope_theta", "embed_scale", "attn_scale")
 RECORDS: tuple[Record, ...] = (
     Record("gpt2", "GPT-2", "gpt", "gpt2", "GPT2LMHeadModel"),
-    Record("llama", "Llama", "llama", "llama", "LlamaForCausalLM", gguf="llama"),
-    Record("qwen2", "Qwen2", "llama", "llama", "Qwen2ForCausalLM", gguf="qwen2"),
-    Record("mistral", "Mistral", "llama", "llama", "MistralForCausalLM"),
-    Record("qwen3", "Qwen3", "llama", "llama", "Qwen3ForCausalLM", gguf="qwen3"),
-    Record("gemma2", "Gemma 2", "llama", "gemma", "Gemma2ForCausalLM", gguf="gemma2"),
-    Record("gemma3_text", "Gemma 3", "llama", "gemma", "Gemma3ForCausalLM", gguf="gemma3"),
-    Record("olmo2", "OLMo 2", "llama", "olmo2", "Olmo2ForCausalLM", gguf="olmo2"),
-    Record("phi3", "Phi-3 / Phi-4", "llama", "phi3", "Phi3ForCausalLM", gguf="phi3"),
-    Record("smollm3", "SmolLM3", "llama", "smollm3", "SmolLM3ForCausalLM", gguf="smollm3"),
-    Record("granite", "Granite", "llama", "granite", "GraniteForCausalLM", gguf="granite"),
-    Record("qwen3_moe", "Qwen3-MoE", "llama", "moe", "Qwen3MoeForCausalLM", gguf="qwen3moe"),
-    Record("qwen2_moe", "Qwen2-MoE", "llama", "moe", "Qwen2MoeForCausalLM", gguf="qwen2moe"),
-    Record("mixtral", "Mixtral", "llama", "moe", "MixtralForCausalLM", gguf="llama"),
-    Record("olmoe", "OLMoE", "llama", "moe", "OlmoeForCausalLM", gguf="olmoe"),
+    Record(
+        "llama", "Llama", "llama", "llama", "LlamaForCausalLM", gguf="llama",
+        traits=Decoder(keys=("attention_bias", "mlp_bias")),
+    ),
+    Record(
+        "qwen2", "Qwen2", "llama", "llama", "Qwen2ForCausalLM", gguf="qwen2",
+        traits=Decoder(fixed=(("qkv_bias", True),), keys=("use_sliding_window",)),
+    ),
+    Record("mistral", "Mistral", "llama", "llama", "MistralForCausalLM", traits=Decoder(keys=("sliding_window",))),
+    Record(
+        "qwen3", "Qwen3", "llama", "llama", "Qwen3ForCausalLM", gguf="qwen3",
+        traits=Decoder(fixed=(("qk_norm", True),), keys=("attention_bias", "use_sliding_window")),
+    ),
+    Record(
+        "gemma2", "Gemma 2", "llama", "gemma", "Gemma2ForCausalLM", gguf="gemma2",
+        traits=Decoder(
+            holds=(*HELD_BY_GEMMA, "attn_softcap", "logit_softcap"), keys=("attention_bias", "attn_logit_softcapping")
+        ),
+    ),
+    Record(
+        "gemma3_text", "Gemma 3", "llama", "gemma", "Gemma3ForCausalLM", gguf="gemma3",
+        traits=Decoder(
+            fixed=(("qk_norm", True),),
+            holds=HELD_BY_GEMMA,
+            keys=("attention_bias", "sliding_window_pattern", "rope_local_base_freq"),
+        ),
+    ),
+    Record("olmo2", "OLMo 2", "llama", "olmo2", "Olmo2ForCausalLM", gguf="olmo2", traits=Decoder()),
+    Record("phi3", "Phi-3 / Phi-4", "llama", "phi3", "Phi3ForCausalLM", gguf="phi3", traits=Decoder()),
+    Record("smollm3", "SmolLM3", "llama", "smollm3", "SmolLM3ForCausalLM", gguf="smollm3", traits=Decoder()),
+    Record("granite", "Granite", "llama", "granite", "GraniteForCausalLM", gguf="granite", traits=Decoder()),
+    Record(
+        "qwen3_moe", "Qwen3-MoE", "llama", "moe", "Qwen3MoeForCausalLM", gguf="qwen3moe",
+        traits=Decoder(
+            fixed=(("qk_norm", True),),
+            keys=("attention_bias", "use_sliding_window"),
+            experts=Experts(qwen_layout=True),
+        ),
+    ),
+    Record(
+        "qwen2_moe", "Qwen2-MoE", "llama", "moe", "Qwen2MoeForCausalLM", gguf="qwen2moe",
+        traits=Decoder(keys=("qkv_bias", "use_sliding_window"), experts=Experts(qwen_layout=True, shared_expert=True)),
+    ),
+    Record(
+        "mixtral", "Mixtral", "llama", "moe", "MixtralForCausalLM", gguf="llama",
+        traits=Decoder(
+            keys=("sliding_window",),
+            experts=Experts("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", renormalises=True),
+        ),
+    ),
+    Record(
+        "olmoe", "OLMoE", "llama", "moe", "OlmoeForCausalLM", gguf="olmoe",
+        traits=Decoder(
+            fixed=(("qk_norm", True), ("qk_norm_whole", True)),
+            holds=("qk_norm_whole",),
+            keys=("attention_bias", "clip_qkv"),
+            experts=Experts(aux_default=0.01),
+        ),
+    ),
     Record("bert", "BERT", "bert", "bert"),
     Record("roberta", "RoBERTa", "bert", "roberta"),
     Record("xlm-roberta", "XLM-RoBERTa", "bert", "roberta"),
@@ -38,6 +86,7 @@ RECORDS: tuple[Record, ...] = (
     Record("idefics3", "Idefics3", "vlm", "idefics3", "Idefics3ForConditionalGeneration", reads_images=True),
     Record("smolvlm", "SmolVLM", "vlm", "idefics3", "SmolVLMForConditionalGeneration", reads_images=True),
 )
+# fmt: on
 NATIVE = {r.model_type: r for r in RECORDS}
 DEFAULT_TABLES = {  # tfcli family -> the record a run built from a recipe (no model_type of its own) exports as
     "gpt": "gpt2",
@@ -124,9 +173,28 @@ def gguf_model_types() -> dict[str, str]:
     return out
 
 
+def gguf_model_type(arch: str, experts: bool = False) -> str:
+    """The model_type a llama.cpp architecture reads as: of the records naming it, the one with experts
+    where the file has them (llama with experts: Mixtral), else the first."""
+    named = [r for r in RECORDS if r.gguf == arch]
+    with_experts = [r for r in named if r.traits is not None and (r.traits.experts is not None) == experts]
+    return (with_experts or named)[0].model_type
+
+
 def architecture(model_type: str) -> str:
     """The transformers class a native model_type's causal-LM export writes."""
     return NATIVE[model_type].architecture
+
+
+def decoder_traits(model_type: str) -> Decoder:
+    """How a llama-family architecture differs from Llama's (its record's traits)."""
+    return NATIVE[model_type].traits
+
+
+def same_table(model_type: str) -> tuple[str, ...]:
+    """The model_types read by the same table as `model_type` (what an export may be set to instead)."""
+    table = NATIVE[model_type].table_module
+    return tuple(r.model_type for r in RECORDS if r.table_module == table)
 
 
 def architectures_markdown() -> str:

@@ -16,7 +16,6 @@ from .convert import Export, Rule, json_text, read_config, refuse_classifier  # 
 PREPROCESSOR = "__preprocessor__"  # where interop puts a directory's image processor settings in the raw config
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 SOURCE = "__file__"  # the file the settings came from, for the one line that refuses them
-CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
 
@@ -78,19 +77,19 @@ def processing(raw: dict, tower: str, split_default: bool = False) -> ImageProce
 
 
 def _processing(p: dict, raw: dict, tower: str, split_default: bool) -> ImageProcessing:
-    vision = raw.get("vision_config") or {}
+    vision, t = raw.get("vision_config") or {}, towers.tower(tower)
     side = vision.get("image_size", 224)
-    resample = p.get("resample", 1 if tower == towers.IDEFICS3 else 3 if tower == towers.CLIP else 2)
+    resample = p.get("resample", t.resample)
     common = dict(
         resample=RESAMPLE.get(resample, 3) if isinstance(resample, str) else int(resample),
         rescale=float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0,
-        mean=tuple(p.get("image_mean") or (CLIP_MEAN if tower == towers.CLIP else (0.5, 0.5, 0.5))),
-        std=tuple(p.get("image_std") or (CLIP_STD if tower == towers.CLIP else (0.5, 0.5, 0.5))),
+        mean=tuple(p.get("image_mean") or t.mean),
+        std=tuple(p.get("image_std") or t.std),
     )
     if p.get("do_normalize") is False:
         common.update(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
     size, crop = p.get("size") or {}, p.get("crop_size") or {}
-    if tower == towers.IDEFICS3:
+    if t.resize == "tiles":
         tile = (p.get("max_image_size") or {}).get("longest_edge", side)
         longest = size.get("longest_edge", 4 * tile)
         split = p.get("do_image_splitting", split_default)
@@ -98,7 +97,7 @@ def _processing(p: dict, raw: dict, tower: str, split_default: bool) -> ImagePro
     if "shortest_edge" in size:
         crop_side = crop.get("height", size["shortest_edge"]) if p.get("do_center_crop", True) else 0
         return ImageProcessing("shortest_edge", size["shortest_edge"], crop=crop_side, **common)
-    if size or tower == towers.SIGLIP:
+    if size or t.resize == "square":
         return ImageProcessing("square", size.get("height", side), **common)
     return ImageProcessing("shortest_edge", side, crop=side, **common)
 

@@ -26,7 +26,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A config's rope parameters (transformers' `rope_parameters` / `rope_scaling`)."""
+    """A model's rope: its base and frequency scaling (hf/positions.py reads it from a transformers config)."""
 
     theta: float = 10000.0
     type: str = "default"
@@ -139,28 +139,3 @@ class Rotary(nn.Module):
         angles = positions[..., None].float() * inv_freq  # (B, T, hs/2)
         emb = torch.cat((angles, angles), dim=-1)  # (B, T, hs)
         return emb.cos() * self.attention_scale, emb.sin() * self.attention_scale
-
-
-def rope_scaling_of(theta: float, params: dict | None) -> RopeScaling:
-    """A transformers config's rope settings (`rope_parameters`, or the older `rope_theta` +
-    `rope_scaling`) -> RopeScaling. Unknown rope types are refused by check_rope."""
-    p = dict(params or {})
-    if p.get("mscale") and p.get("mscale_all_dim") and not p.get("attention_factor"):  # DeepSeek's yarn
-        factor = float(p.get("factor") or 1.0)
-        mscale = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
-        p["attention_factor"] = mscale(p["mscale"]) / mscale(p["mscale_all_dim"])
-    kind = p.get("rope_type") or p.get("type") or "default"
-    return RopeScaling(
-        theta=float(p.get("rope_theta") or theta),
-        type=kind,
-        factor=float(p.get("factor") or 1.0),
-        original_max=int(p.get("original_max_position_embeddings") or 0),
-        low_freq_factor=float(p.get("low_freq_factor") or 1.0),
-        high_freq_factor=float(p.get("high_freq_factor") or 4.0),
-        beta_fast=float(p.get("beta_fast") or 32.0),
-        beta_slow=float(p.get("beta_slow") or 1.0),
-        attention_factor=float(p.get("attention_factor") or 0.0),
-        truncate=bool(p.get("truncate", True)),
-        short_factor=tuple(float(f) for f in p.get("short_factor") or ()),
-        long_factor=tuple(float(f) for f in p.get("long_factor") or ()),
-    )

@@ -120,8 +120,9 @@ class VLMConfig:
     @property
     def tiled_prompt(self) -> bool:
         """An image's tokens as Idefics3 writes them (each tile's after its <row_r_col_c>, then the whole
-        image's after <global-img>, between <fake_token_around_image>s); else LLaVA's, the image tokens alone."""
-        return self.hf_model_type in ("idefics3", "smolvlm")
+        image's after <global-img>, between <fake_token_around_image>s): the prompt of the models that read
+        images through the pixel-shuffle projector; else LLaVA's, the image tokens alone."""
+        return self.projector == "shuffle"
 
     @property
     def tower_layers(self) -> int:
