@@ -107,3 +107,19 @@ def test_a_checkpoints_config_json_is_read_once_per_command(tmp_path, config_rea
         result = invoke(*args)
         assert result.exit_code == 0, result.output
         assert config_reads.count(mine) == 1, (args[0], config_reads)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
+def test_an_export_its_class_cannot_hold_is_refused_not_written_without_its_biases(model_type):
+    """transformers' Mistral and Mixtral have no attention biases; a model with them exported as either
+    was written without them (its records now say which config.json keys each class reads)."""
+    from tfcli.errors import UserError
+    from tfcli.models.llama import LlamaConfig
+
+    mixture = dict(n_experts=2, experts_per_token=1, expert_d_ff=64) if model_type == "mixtral" else {}
+    cfg = LlamaConfig(
+        n_layer=1, n_head=2, d_model=32, d_ff=64, vocab_size=32, qkv_bias=True, out_bias=True,
+        hf_model_type=model_type, **mixture, norm_topk=True,
+    )  # fmt: skip
+    with pytest.raises(UserError, match="its biases"):
+        registry.NATIVE[model_type].table.config_to_hf(cfg)
