@@ -12,13 +12,33 @@ from .conftest import tiny_gpt_recipe
 
 @pytest.mark.parametrize("name", recipes.available())
 def test_every_shipped_recipe_validates_and_pins_every_field(name):
+    """Every hyperparameter is pinned in the file (or what it extends); a model's architecture
+    switches (models/llama.py: SWITCHES) are its family's defaults unless the recipe changes one."""
     rec = recipes.load(name)
     raw = recipes.load_raw(name)  # the file with what it extends
     resolved = recipes.to_dict(rec)
     for section in ("model", "optim", "schedule", "train", rec.plugin, "finetune", "adapter"):
         if section in resolved:
-            missing = set(resolved[section]) - set(raw.get(section, {}))
+            switches = set(getattr(type(rec.model), "SWITCHES", ())) if section == "model" else set()
+            missing = set(resolved[section]) - set(raw.get(section, {})) - switches
             assert not missing, f"{name}: {section} does not pin {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", recipes.available())
+def test_a_recipe_names_an_architecture_switch_only_to_change_it(name):
+    """A new switch touches no recipe (issue 71): none sets one to its default, so each switch a recipe
+    names is what sets that model apart (moe-mini's experts, a Qwen3 q/k norm)."""
+    import dataclasses
+
+    from tfcli.models.llama import SWITCHES, LlamaConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig) if f.name in SWITCHES}
+    raw = recipes.load_raw(name)
+    sections = [raw.get("model") or {}, (raw.get("model") or {}).get("text") or {}]
+    for section in sections:
+        for key in set(section) & set(SWITCHES):
+            default = list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key]
+            assert section[key] != default, f"{name}: model.{key} is set to its default {default!r}"
 
 
 def test_the_plugin_key_is_validated_with_the_known_keys(tmp_path):

@@ -11,7 +11,7 @@ only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -33,11 +33,24 @@ from .moe import MoE, Routing, moe_layers
 from .pooling import DecoderTraits
 from .rotary import RopeScaling, Rotary, check_rope
 
+# The architecture switches: Llama's behaviour by default, set by the architecture a checkpoint comes
+# from (hf/registry.py). A recipe names one only to change it, so a new switch touches no recipe
+# (tests/test_recipe.py); a run's config.yaml records every value.
+SWITCHES = (
+    "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sliding_window", "activation", "norms", "qk_norm_whole",
+    "layer_types", "local_rope_theta", "nope_layers", "partial_rotary", "embed_scale", "residual_scale",
+    "attn_scale", "logit_scale", "attn_softcap", "logit_softcap", "n_experts", "experts_per_token",
+    "expert_d_ff", "norm_topk", "shared_expert_d_ff", "sparse_step", "dense_layers", "router_aux_coef",
+    "router_z_coef",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape of a llama-family decoder. vocab_size 0: from the tokenizer; n_kv_head 0: n_head (no
     grouping); head_dim 0: d_model // n_head."""
+
+    SWITCHES: ClassVar[tuple[str, ...]] = SWITCHES
 
     family: str = "llama"
     n_layer: int = 4
