@@ -570,3 +570,27 @@ def test_an_internal_error_is_one_line_naming_the_traceback_file(capfd, monkeypa
     assert code == 1 and err.count("\n") == 1
     assert "internal error (ZeroDivisionError: division by zero)" in err and str(tmp_path / "last-error.txt") in err
     assert "ZeroDivisionError" in (tmp_path / "last-error.txt").read_text()
+
+
+def test_run_files_are_replaced_whole_so_another_rank_never_reads_half_of_one(tmp_path):
+    """Resuming on two processes, rank 1 read run.json while rank 0 wrote it again, and stopped with
+    "run.json: unreadable" (seen once in the suite): run.json and config.yaml are written to a
+    temporary file and moved over the old one, so a reader holds the old text or the new."""
+    import json
+
+    from tfcli import recipe as recipes
+    from tfcli.engine.checkpoint import write_atomic
+
+    path = tmp_path / "run.json"
+    path.write_text('{"from": "a"}')
+    with open(path) as reader:  # opened before the write, read after it
+        write_atomic(path, '{"from": "b"}')
+        assert json.load(reader) == {"from": "a"}
+    assert json.loads(path.read_text()) == {"from": "b"}
+    config = tmp_path / "config.yaml"
+    recipes.save(recipes.load("gpt-mini"), config)
+    with open(config) as reader:
+        recipes.save(recipes.load("llama-mini"), config)
+        assert "family: gpt" in reader.read()
+    assert recipes.load_resolved(config).model.family == "llama"
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -468,7 +468,7 @@ def write_run_files(
         record = {**run_record(run_dir, source, backbone, rt), "parameters": parameters, "memory_plan": plan.as_dict()}
         if vision_from is not None:
             record["vision_from"] = str(vision_from.path.resolve())
-        (run_dir / backbones.RUN_FILE).write_text(json.dumps(record, indent=1))
+        checkpoint.write_atomic(run_dir / backbones.RUN_FILE, json.dumps(record, indent=1))
         if backbone.tokenizer is not None:
             backbone.tokenizer.save(run_dir)
         for name, data in job_files(job).items():

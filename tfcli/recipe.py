@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import importlib.resources
 import math
+import os
 import re
 import types
 import typing
@@ -732,8 +733,11 @@ def changes(before: Recipe, after: Recipe) -> list[tuple[str, Any, Any]]:
 
 
 def save(recipe: Recipe, path: Path) -> None:
-    """A run's resolved recipe (its method's fields applied, the table left out)."""
-    path.write_text(yaml.safe_dump(to_dict(recipe, methods=False), sort_keys=False))
+    """A run's resolved recipe (its method's fields applied, the table left out), replaced whole: the
+    other ranks of a resumed run read it while rank 0 writes it again."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(recipe, methods=False), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def load_resolved(path: Path) -> Recipe:

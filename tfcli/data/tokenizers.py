@@ -8,6 +8,7 @@ The objective decides the special tokens (GPT: <|endoftext|>; BERT: [CLS] [SEP] 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -59,10 +60,16 @@ class TextTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: Path) -> None:
-        """tokenizer.json, and tokenizer_config.json when there are special tokens or a template to keep."""
-        self.tok.save(str(Path(directory) / TOKENIZER_FILE))
+        """tokenizer.json, and tokenizer_config.json when there are special tokens or a template to keep;
+        each replaced whole (the other ranks of a resumed run read them while rank 0 writes them again)."""
+        directory = Path(directory)
+        tmp = directory / f".{TOKENIZER_FILE}.tmp"
+        self.tok.save(str(tmp))
+        os.replace(tmp, directory / TOKENIZER_FILE)
         if self.specials != SpecialTokens() or self.chat_template:
-            (Path(directory) / CONFIG_FILE).write_text(config_text(self.specials, self.chat_template))
+            tmp = directory / f".{CONFIG_FILE}.tmp"
+            tmp.write_text(config_text(self.specials, self.chat_template))
+            os.replace(tmp, directory / CONFIG_FILE)
 
     def fingerprint(self) -> str:
         import hashlib

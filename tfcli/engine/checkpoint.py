@@ -49,7 +49,9 @@ FILES = (WEIGHTS, STATE_TENSORS, STATE, META)
 LOCK = ".lock"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Replace a file whole: a reader (another rank resuming the run) sees the old text or the new,
+    never a truncated file."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -177,9 +179,9 @@ def save(
         final = root / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomic(root / "latest", name)
+        write_atomic(root / "latest", name)
         if best:
-            _write_atomic(root / "best", name)
+            write_atomic(root / "best", name)
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         shutil.rmtree(staging(run_dir, step, create=False), ignore_errors=True)
         previous = read_pointer(root / "latest")
