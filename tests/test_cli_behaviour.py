@@ -298,3 +298,20 @@ def test_tfcli_starts_without_importing_torchs_compiler_or_its_distributed_check
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_set_train_steps_wins_over_the_recipes_epochs_as_the_steps_flag_does(tmp_path):
+    """`--steps 2` trained 2 steps, `--set train.steps=2` silently trained finetune.epochs' worth."""
+    from .conftest import hf_llama_dir, write_jsonl
+
+    model = hf_llama_dir(tmp_path / "m")
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a b", "completion": " c d"}] * 64)
+    for flags in (["--steps", "2"], ["--set", "train.steps=2"]):
+        result = invoke("finetune", "sft", "--from", model, "--data", rows, "--dry-run", *flags)
+        assert result.exit_code == 0, result.output
+        assert "2 steps" in result.output, (flags, result.output)
+    both = invoke(
+        "finetune", "sft", "--from", model, "--data", rows, "--dry-run", "--set", "train.steps=2",
+        "--set", "finetune.epochs=2",
+    )  # fmt: skip
+    assert both.exit_code == 0 and "16 steps" in both.output, both.output  # epochs named too: they decide

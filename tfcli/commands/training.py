@@ -284,6 +284,9 @@ def finetune(
         **{f"{key}.{k}": v for k, v in settings.items()},
     }
     sets = overrides(set_, ctx.args)
+    named = {recipes.parse_override(s)[0] for s in sets}
+    if "train.steps" in named and "finetune.epochs" not in named and shortcuts["finetune.epochs"] is None:
+        shortcuts = {**shortcuts, "finetune.epochs": 0.0}  # --set train.steps wins as --steps does
     rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if resume_dir is None and not quiet:
         given = {recipes.parse_override(s)[0] for s in sets} | {k for k, v in shortcuts.items() if v is not None}
