@@ -92,10 +92,30 @@ def config_reads(monkeypatch):
     return reads
 
 
-def test_a_checkpoints_config_json_is_read_once_per_command(tmp_path, config_reads):
+def tiny_gpt_neox(path: Path) -> Path:
+    """A tiny GPT-NeoX directory (the generic path: transformers reads its weights) with GPT-2's tokenizer."""
+    import torch
+    import transformers
+
+    from tfcli.data.tokenizers import load_tokenizer_files
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    config = transformers.GPTNeoXConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(path)
+    tok.tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["native", "generic"])
+def test_a_checkpoints_config_json_is_read_once_per_command(tmp_path, config_reads, kind):
     """The memory plan, the family check, the recipe choice, loading and export take the ModelSource,
-    which parsed config.json once (the plan, the family and the load each read it again before)."""
-    model = hf_llama_dir(tmp_path / "m")
+    which parsed config.json once (the plan, the family and the load each read it again before); the
+    generic path hands transformers the parsed config too."""
+    model = hf_llama_dir(tmp_path / "m") if kind == "native" else tiny_gpt_neox(tmp_path / "m")
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a b", "completion": " c d"}] * 8)
     mine = (model / "config.json").resolve()
     for args in (
