@@ -432,3 +432,20 @@ def test_fsdp_shards_its_decoder_layers_and_trains_as_one_process(tmp_path):
     run_tfcli([*common, "--out", tmp_path / "fsdp", "--batch-size", 2, "--set", "train.strategy=fsdp"], nproc=2)
     one, fsdp = train_rows(tmp_path / "one"), train_rows(tmp_path / "fsdp")
     assert sorted(one) == [1, 2, 3] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
+
+
+def test_a_generic_mixtures_flops_count_the_experts_a_token_meets_and_no_lookup_table(tmp_path):
+    """MFU on the generic path counted every expert and the input table: a tiny gpt-oss read 65% MFU on
+    two CPU cores, gpt-oss-20b (3.6B of 21B parameters active) would read about six times too high.
+    Of E experts a token meets k; an untied input table is a lookup."""
+    config = transformers.AutoConfig.for_model("gpt_oss", vocab_size=VOCAB, pad_token_id=0, **CONVERTED["gpt_oss"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    ours = tfcli_model(tmp_path / "m")
+    inner = ours.inner
+    experts = [m for n, m in inner.named_modules() if n.endswith(".experts")]
+    assert len(experts) == 2 and all(m.gate_up_proj.shape[0] == 4 for m in experts)
+    every = sum(p.numel() for p in ours.parameters())
+    idle = sum(p.numel() for m in experts for p in m.parameters()) * (4 - 2) / 4
+    table = inner.get_input_embeddings().weight.numel()  # untied: the output layer is its own tensor
+    attention = 12.0 * 2 * 16 * 32
+    assert ours.flops_per_token(16) == pytest.approx(6.0 * (every - table - idle) + attention)

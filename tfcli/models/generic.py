@@ -200,7 +200,31 @@ class _Wrapped(nn.Module):
             self._recomputing = wanted
 
     def flops_per_token(self, seq_len: int, target_len: int = 0) -> float:
-        return dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model)
+        """6 N + attention, N the weights a token meets: not the input table where the output layer is
+        a tensor of its own (a lookup multiplies nothing), and of a mixture's experts the k of E it is
+        routed to (every expert counted, gpt-oss-20b's MFU read six times too high)."""
+        table, head = self.inner.get_input_embeddings(), self.inner.get_output_embeddings()
+        lookups = (table,) if table is not None and (head is None or head.weight is not table.weight) else ()
+        flops = dense_flops_per_token(self, self.cfg.n_layer, seq_len, self.cfg.d_model, lookups)
+        return flops - 6.0 * self._idle_expert_parameters()
+
+    def _idle_expert_parameters(self) -> float:
+        """Of each module named `experts` (E experts, a list of modules or stacked parameters), the
+        (E - k) / E share a token is not routed to (k: the config's num_experts_per_tok)."""
+        k = self.cfg.raw.get("num_experts_per_tok") or 0
+        idle = 0.0
+        for name, module in self.inner.named_modules():
+            if not k or name.rsplit(".", 1)[-1] != "experts":
+                continue
+            own = list(module.parameters())
+            n = (
+                len(module)
+                if isinstance(module, nn.ModuleList)
+                else max((p.shape[0] for p in own if p.dim() >= 2), default=0)
+            )
+            if n > k:
+                idle += sum(p.numel() for p in own) * (n - k) / n
+        return idle
 
 
 class TransformersDecoder(DecoderTraits, _Wrapped):
