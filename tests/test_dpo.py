@@ -28,7 +28,7 @@ from tfcli.recipe import AdapterConfig
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
 
-from .conftest import DEVICE, invoke, read_metrics, train_losses, write_jsonl
+from .conftest import DEVICE, close, invoke, read_metrics, train_losses, write_jsonl
 from .test_gguf import chat_gguf_file, tiny_backbone
 
 PAIRS = [
@@ -93,6 +93,9 @@ def test_hh_dialogues_and_trl_formats_become_pairs():
     )
 
 
+TRAINERS: list = []  # the last TRL trainer trl_batch_loss built
+
+
 def trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type: str, beta: float):
     """TRL's DPOTrainer on the same weights (exported), the same token ids: (loss, metrics, grads by
     transformers' names)."""
@@ -139,6 +142,8 @@ def trl_batch_loss(tmp_path, backbone, reference, pairs, loss_type: str, beta: f
             }
         )
     batch = trainer.data_collator(rows)
+    trainer.last_batch = dict(batch)  # kept for the loss-family test, which reuses this trainer
+    TRAINERS.append(trainer)
     model.train()
     loss = trainer.compute_loss(model, batch)
     loss.backward()
@@ -412,3 +417,42 @@ def test_no_held_out_pairs_trains_without_evaluation_and_says_so(tmp_path, chat_
     assert "no held-out examples" in result.output and "without held-out evaluation" in result.output, result.output
     assert not [m for m in read_metrics(tmp_path / "run") if m["split"] == "val"]
     assert not (tmp_path / "run" / "eval.json").exists()
+
+
+LOSS_FAMILY = {  # TRL 1.16's DPO loss types beyond sigmoid and ipo: label smoothing where they read it
+    "hinge": 0.0, "robust": 0.1, "exo_pair": 0.1, "nca_pair": 0.0, "bco_pair": 0.0, "sppo_hard": 0.0,
+    "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0, "sigmoid_norm": 0.0,
+}  # fmt: skip
+
+
+def test_every_loss_of_trls_dpo_family_gives_its_loss_and_gradients(tmp_path):
+    """Each loss type, on the same weights and pairs as TRL's DPOTrainer (its loss_type, label_smoothing
+    and discopop_tau set on one trainer): the same loss and gradients."""
+    trl = pytest.importorskip("trl")
+    backbone = tiny_backbone()
+    pairs = tiny_pairs(backbone)
+    reference = copy.deepcopy(backbone.model).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in backbone.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    beta = 0.2
+    trl_batch_loss(tmp_path, backbone, reference, pairs, "sigmoid", beta)  # builds TRL's side once
+    trainer = TRAINERS[-1]
+    model = backbone.model.train()
+    batch = PairBatches(pairs, type(model).pad_id(backbone.tokenizer)).batch(every_pair(len(pairs)))
+    assert isinstance(trainer, trl.DPOTrainer)
+    for loss_type, smoothing in LOSS_FAMILY.items():
+        trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = [loss_type], [1.0], smoothing
+        trainer.model.zero_grad()
+        theirs = trainer.compute_loss(trainer.model, dict(trainer.last_batch))
+        theirs.backward()
+        their_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        cfg = DPOConfig(beta=beta, loss=loss_type, label_smoothing=smoothing)
+        ours, _ = Preference(cfg, "copy", {"reference": reference})(model, None, batch)
+        ours.backward()
+        assert float(ours) == pytest.approx(float(theirs), abs=1e-5), loss_type
+        grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
+        for name, g in grads.items():  # within 1e-5 of the gradient's own size (sppo_hard's are large)
+            assert close(g, their_grads[name], 1e-5), (loss_type, name, (g - their_grads[name]).abs().max())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -49,6 +50,12 @@ from .replies import ReplyConfig, ReplyTask
 from .reply_batches import PairBatches, count_tokens, pair_count, shared_length
 
 REFERENCE_FILE = "reference_logps.json"
+# TRL's DPO losses of one pair each (DPOConfig.loss_type), as TRL 1.16 computes them; sigmoid keeps
+# conservative DPO's label smoothing, which TRL's sigmoid has dropped
+LOSSES = (
+    "sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+    "apo_down", "discopop", "sigmoid_norm",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,10 +65,17 @@ class DPOConfig(ReplyConfig):
     presets: ClassVar[bool] = False  # no preset of pairs yet
 
     beta: float = field(default=0.1, metadata={"help": "how far the model may move from the reference (higher: less)"})
-    loss: Literal["sigmoid", "ipo"] = field(default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo"})
-    label_smoothing: float = field(
-        default=0.0, metadata={"help": "conservative DPO: the share of preference labels taken as flipped"}
+    loss: Literal[LOSSES] = field(  # type: ignore[valid-type]
+        default="sigmoid",
+        metadata={"help": "sigmoid (DPO), ipo, or another of TRL's DPO losses (docs/guides/dpo.md)"},
     )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "the share of preference labels taken as flipped (sigmoid: conservative DPO; robust; exo_pair)"
+        },
+    )
+    discopop_tau: float = field(default=0.05, metadata={"help": "discopop: the temperature of its blend"})
     reference: Literal["auto", "copy", "base", "precompute"] = field(
         default="auto", metadata={"help": "auto: base for lora/qlora/ia3, else copy"}
     )
@@ -76,6 +90,9 @@ class DPOConfig(ReplyConfig):
         super().__post_init__()
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)
         require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)", self.label_smoothing)
+        if self.loss == "exo_pair":
+            require(self.label_smoothing > 0, "dpo.label_smoothing", "> 0 for exo_pair (its log eps)", 0.0)
+        require(self.discopop_tau > 0, "dpo.discopop_tau", "> 0", self.discopop_tau)
 
 
 def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -110,13 +127,7 @@ def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig)
     """policy, reference, lengths (2B,): chosen rows first -> (mean loss, TRL's metrics)."""
     pc, pr = policy.chunk(2)
     chosen, rejected = pc - reference.chunk(2)[0], pr - reference.chunk(2)[1]  # log-ratios (B,)
-    if cfg.loss == "ipo":
-        lc, lr = lengths.chunk(2)
-        delta = chosen / lc.clamp(min=1) - rejected / lr.clamp(min=1)  # TRL: averaged over the reply's tokens
-        per_pair = (delta - 1 / (2 * cfg.beta)) ** 2
-    else:
-        h = cfg.beta * (chosen - rejected)
-        per_pair = -(1 - cfg.label_smoothing) * F.logsigmoid(h) - cfg.label_smoothing * F.logsigmoid(-h)
+    per_pair = pair_loss(cfg, chosen, rejected, lengths)
     rc, rr = cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
     loss = per_pair.mean()
     return loss, {
@@ -128,6 +139,42 @@ def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig)
         "logps/chosen": pc.detach().mean(),
         "logps/rejected": pr.detach().mean(),
     }
+
+
+def pair_loss(cfg: DPOConfig, chosen: Tensor, rejected: Tensor, lengths: Tensor) -> Tensor:
+    """(B,) each pair's loss from its log-ratios log pi - log ref (chosen, rejected) and its replies'
+    trained tokens (`lengths`, chosen first), by dpo.loss. Those that average over the reply's tokens
+    (ipo, sigmoid_norm) do so as TRL does; the others read the summed log-ratios."""
+    beta, eps, name = cfg.beta, cfg.label_smoothing, cfg.loss
+    h = beta * (chosen - rejected)
+    if name in ("ipo", "sigmoid_norm"):
+        lc, lr = lengths.chunk(2)
+        d = chosen / lc.clamp(min=1) - rejected / lr.clamp(min=1)  # averaged over the reply's tokens
+        return (d - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * d)
+    if name == "sigmoid":  # with label smoothing: conservative DPO
+        return -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+    if name == "hinge":
+        return torch.relu(1 - h)
+    if name == "robust":  # an unbiased estimate under eps flipped labels (Chowdhury et al.)
+        return (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+    if name == "exo_pair":  # EXO: KL from the model's pair distribution to [(1 - eps), eps]
+        return torch.sigmoid(h) * (F.logsigmoid(h) - math.log1p(-eps)) + torch.sigmoid(-h) * (
+            F.logsigmoid(-h) - math.log(eps)
+        )
+    rc, rr = beta * chosen, beta * rejected
+    if name == "nca_pair":
+        return -F.logsigmoid(rc) - 0.5 * F.logsigmoid(-rc) - 0.5 * F.logsigmoid(-rr)
+    if name == "bco_pair":
+        return -F.logsigmoid(rc) - F.logsigmoid(-rr)
+    if name == "sppo_hard":  # SPPO with hard win probabilities: 1 for the chosen, 0 for the rejected
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    if name == "apo_zero":  # APO: raise the chosen, lower the rejected
+        return 1 - torch.sigmoid(rc) + torch.sigmoid(rr)
+    if name == "apo_down":  # APO: lower both, the rejected more
+        return torch.sigmoid(rc) + 1 - torch.sigmoid(h)
+    # discopop: logistic and exponential blended by sigmoid(h / tau) (Chris Lu et al.)
+    blend = torch.sigmoid(h / cfg.discopop_tau)
+    return -F.logsigmoid(h) * (1 - blend) + torch.exp(-h) * blend
 
 
 class Preference:
