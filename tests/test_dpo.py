@@ -456,3 +456,12 @@ def test_every_loss_of_trls_dpo_family_gives_its_loss_and_gradients(tmp_path):
         grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
         for name, g in grads.items():  # within 1e-5 of the gradient's own size (sppo_hard's are large)
             assert close(g, their_grads[name], 1e-5), (loss_type, name, (g - their_grads[name]).abs().max())
+
+
+def test_exo_pair_without_label_smoothing_is_one_line():
+    """EXO's loss reads log(eps): with dpo.label_smoothing 0 it is infinite, so the recipe says so."""
+    with pytest.raises(recipes.RecipeError, match=r"^dpo.label_smoothing must be > 0 for exo_pair"):
+        recipes.load("dpo-llama-mini", {"dpo.loss": "exo_pair"})
+    assert (
+        recipes.load("dpo-llama-mini", {"dpo.loss": "exo_pair", "dpo.label_smoothing": 0.1}).settings.loss == "exo_pair"
+    )
