@@ -247,14 +247,19 @@ def test_code_outside_models_and_hf_asks_a_models_kind_never_its_family_name():
         re.compile(r"family\s+(not\s+)?in\s*[(\[{]"),
         re.compile(rf"""["']({names})["']"""),
     ]
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.parent.name in ("models", "hf"):
-            continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if any(p.search(line) for p in forbidden):
-                offenders.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    offenders = lines_matching(forbidden, skip=lambda path: path.parent.name in ("models", "hf"))
     assert not offenders, "\n".join(offenders)
+
+
+def lines_matching(patterns: list, skip) -> list[str]:
+    """'file:line: text' of every line of tfcli/ that a pattern finds, in the files `skip` does not skip."""
+    return [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if not skip(path)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(p.search(line) for p in patterns)
+    ]
 
 
 def test_every_family_declares_what_its_kind_promises():
@@ -465,13 +470,7 @@ def test_no_module_compares_a_transformers_model_type_outside_the_records():
         re.compile(r"model_type\W{0,3}\s+(not\s+)?in\s*[(\[{]"),
         re.compile(rf"""(==|!=)\s*["']({types})["']"""),
     ]
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if str(path.relative_to(PACKAGE)) in RECORDS_HOME:
-            continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if any(p.search(line) for p in forbidden):
-                offenders.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    offenders = lines_matching(forbidden, skip=lambda path: str(path.relative_to(PACKAGE)) in RECORDS_HOME)
     assert not offenders, "\n".join(offenders)
 
 

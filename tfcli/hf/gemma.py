@@ -53,10 +53,10 @@ def _layer_types(raw: dict, traits: Decoder) -> tuple[str, ...]:
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
     traits = registry.decoder_traits(model_type)
-    llama.refuse_switches(cfg, llama.architecture(model_type), traits.holds)
+    llama.refuse_switches(cfg, registry.architecture(model_type), traits.holds)
     if cfg.norms != "both" or cfg.activation != "gelu_tanh" or cfg.qk_norm != traits.value("qk_norm"):
-        raise UserError(f"this model's norms or MLP are not {llama.architecture(model_type)}'s")
-    out = llama.common_to_hf(cfg, llama.architecture(model_type))
+        raise UserError(f"this model's norms or MLP are not {registry.architecture(model_type)}'s")
+    out = llama.common_to_hf(cfg, registry.architecture(model_type))
     del out["hidden_act"]
     layer_types = cfg.layer_types or ("sliding" if cfg.sliding_window else "full",) * cfg.n_layer
     out.update(

@@ -101,22 +101,17 @@ def refuse_switches(cfg: LlamaConfig, architecture: str, held: tuple[str, ...] =
         )
 
 
-def architecture(model_type: str) -> str:
-    """The transformers class a native model_type's export writes (its record's, hf/registry.py)."""
-    return registry.architecture(model_type)
-
-
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
     traits = registry.decoder_traits(model_type)
     reason = _cannot_express(cfg, traits)
     if reason:
         raise UserError(
-            f"this llama-family model has {reason}, which transformers' {architecture(model_type)} "
+            f"this llama-family model has {reason}, which transformers' {registry.architecture(model_type)} "
             f"cannot hold; set model.hf_model_type to one that can ({', '.join(registry.same_table(model_type))})"
         )
-    refuse_switches(cfg, architecture(model_type), traits.holds)
-    return {**common_to_hf(cfg, architecture(model_type)), **optional_keys(cfg, traits)}
+    refuse_switches(cfg, registry.architecture(model_type), traits.holds)
+    return {**common_to_hf(cfg, registry.architecture(model_type)), **optional_keys(cfg, traits)}
 
 
 def optional_keys(cfg: LlamaConfig, traits: Decoder) -> dict:

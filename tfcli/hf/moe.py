@@ -77,7 +77,7 @@ def config_from_hf(raw: dict, state=None) -> LlamaConfig:
 def config_to_hf(cfg: LlamaConfig) -> dict:
     model_type = cfg.hf_model_type
     traits = registry.decoder_traits(model_type)
-    kind, arch = traits.experts, llama.architecture(model_type)
+    kind, arch = traits.experts, registry.architecture(model_type)
     llama.refuse_switches(cfg, arch, ("n_experts", *traits.holds))
     reason = _cannot_express(cfg, traits)
     if reason:
@@ -98,10 +98,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         )
     if kind.shared_expert:
         out["shared_expert_intermediate_size"] = cfg.shared_expert_d_ff
-    out.update(llama.optional_keys(cfg, traits))
-    if traits.reads("attention_bias"):
-        out["attention_bias"] = cfg.qkv_bias
-    return out
+    return {**out, **llama.optional_keys(cfg, traits)}  # attention_bias: q/k/v's and o's are equal here
 
 
 def _cannot_express(cfg: LlamaConfig, traits: Decoder) -> str:
