@@ -59,6 +59,28 @@ def test_the_reused_cpu_chunk_buffer_gives_every_call_its_own_exact_result(monke
         assert torch.equal(grad, copy)
 
 
+def test_a_chunk_buffer_larger_than_the_kept_size_is_given_back_before_the_backward_pass(monkeypatch):
+    """A 262k vocabulary's 512-row chunk is 512 MB: kept between calls it stays held through the
+    backward pass and the optimizer's step, the training step's peak. Chunks of at most
+    CHUNK_ELEMENTS keep their buffer (reused, no page faults); larger ones give it back when the
+    loss's forward is done, with the loss and gradients unchanged."""
+    monkeypatch.setattr(losses, "_chunk_rows", lambda vocab, rows=0: 6)
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 6 * 40)
+    torch.manual_seed(0)
+    for vocab, kept in ((40, 6 * 40), (41, 0)):
+        monkeypatch.setattr(losses, "_cpu_chunk", {"logits": torch.empty(0)})
+        hidden = torch.randn(12, 8, requires_grad=True)
+        weight = torch.randn(vocab, 8, requires_grad=True)
+        targets = torch.randint(0, vocab, (12,))
+        loss, _ = linear_cross_entropy(hidden, weight, targets)
+        assert losses._cpu_chunk["logits"].numel() == kept
+        loss.backward()
+        logits = hidden @ weight.t()
+        hidden.grad, reference_grad = None, hidden.grad
+        F.cross_entropy(logits, targets).backward()
+        assert torch.allclose(hidden.grad, reference_grad, atol=1e-6)
+
+
 def test_a_frozen_head_gets_no_weight_gradient_and_the_hidden_gradient_is_unchanged(monkeypatch):
     """LoRA and probes freeze the LM head: its (V, D) gradient is not computed at all (a third of the
     head's FLOPs), and the gradient that flows back into the model is the one a trainable head gives."""

@@ -58,13 +58,23 @@ def _tile(rows: int, vocab: int, device: torch.device | None = None) -> tuple[in
     return r, max(1, min(vocab, max(MIN_COLUMNS, elements // r)))
 
 
-_cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk or tile used, then kept (<= ~128 MB)
+_cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk or tile used; kept up to
+# CHUNK_ELEMENTS (128 MB of fp32) between calls, larger given back once the call's chunks are done
 
 
 @releases_after_probes
 def release_buffers() -> None:
     """Give the reused buffer of logits back (the memory plan, once its probes have run)."""
     _cpu_chunk["logits"] = torch.empty(0)
+
+
+def _keep_at_most(elements: int) -> None:
+    """Give the reused buffer back where it outgrew `elements`: a 262k vocabulary's 512-row chunk is
+    512 MB, which would otherwise stay held through the backward pass and the optimizer's step, the
+    step's peak (faulting it in afresh costs ~0.15 s a step on a 2-core EPYC, 2% of a Gemma-3-270M
+    step: docs/results/measured.md)."""
+    if _cpu_chunk["logits"].numel() > elements:
+        release_buffers()
 
 
 def _cpu_logits(h: Tensor, w: Tensor) -> Tensor:
@@ -319,6 +329,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(g.t().float(), h.float() * row, beta=float(s > 0))
         if grad_weight_needed and n == 0:
             grad_weight.zero_()  # no rows, no chunk wrote it
+        _keep_at_most(CHUNK_ELEMENTS)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight_needed else None)
         ctx.mark_non_differentiable(correct)
         return loss_sum / n_valid, correct
