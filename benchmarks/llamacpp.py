@@ -43,6 +43,7 @@ ARCHITECTURES = {  # transformers model_type -> what sets it apart, within what 
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=4, intermediate_size=32),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, tie_word_embeddings=False),
 }
 REFUSED = {  # settings llama.cpp's graph fixes: the export refuses them (the row checks that it does)
     "gemma2 untied": ("gemma2", dict(num_hidden_layers=4, query_pre_attn_scalar=16, tie_word_embeddings=False)),

@@ -16,6 +16,7 @@ the same losses after (1e-4)).
   moe-full       benchmarks/moe.py's Qwen3-MoE shape (6 layers of 8 experts, top 2; GPT-2's tokenizer)
                  full SFT, batch 8 x 512 (not in the default set)
   moe-lora       the same, --train lora (attention only, the default for a mixture)
+  gpt-oss-lora   benchmarks/moe.py's gpt-oss shape (6 layers of 8 biased experts, top 2, sinks), --train lora
   minilm-mnli-real  the same on ../shared/data/mnli (42k pairs, mostly far shorter than 128 tokens:
                  the plan, made for the longest batch, is an upper bound there; not in the default set)
 
@@ -97,6 +98,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
     from benchmarks.moe import sft_directory
 
     moe_sft = [*sft[:3], str(sft_directory()), *sft[4:]]  # benchmarks/moe.py's Qwen3-MoE shape, GPT-2's tokenizer
+    oss_sft = [*sft[:3], str(sft_directory("gpt_oss")), *sft[4:]]  # its gpt-oss shape
     return {
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
@@ -109,6 +111,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "minilm-mnli": [*mnli, str(data / "mnli")],
         "moe-full": [*moe_sft, "--train", "all"],
         "moe-lora": [*moe_sft, "--train", "lora"],
+        "gpt-oss-lora": [*oss_sft, "--train", "lora"],
         "minilm-mnli-real": [*mnli, str(MNLI)],
     }
 

@@ -46,6 +46,22 @@ SHAPE = dict(
     router_aux_loss_coef=0.001,
     max_position_embeddings=4096,
 )
+# gpt-oss's shape (64-wide heads over grouped key/value heads, sinks, alternating 128-token windows,
+# biased experts) cut the same way: the memory benchmark's gpt-oss-lora
+GPT_OSS_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=128,
+    router_aux_loss_coef=0.001,
+    max_position_embeddings=4096,
+)
 DIRECTORY = Path(os.environ.get("BENCH_MOE_DIR", Path(tempfile.gettempdir()) / "tfcli-bench-moe"))
 
 
@@ -60,17 +76,18 @@ def directory() -> Path:
     return DIRECTORY
 
 
-def sft_directory() -> Path:
-    """The same shape with GPT-2's tokenizer (its 50,257 tokens) beside it: a directory `tfcli finetune`
-    takes (the memory benchmark's moe-full and moe-lora)."""
+def sft_directory(model_type: str = "qwen3_moe") -> Path:
+    """The same shape (or gpt-oss's) with GPT-2's tokenizer (its 50,257 tokens) beside it: a directory
+    `tfcli finetune` takes (the memory benchmark's moe-full, moe-lora and gpt-oss-lora)."""
     import transformers
 
     from tfcli.data.tokenizers import load_tokenizer_files
 
-    path = DIRECTORY.with_name(DIRECTORY.name + "-sft")
+    shape = GPT_OSS_SHAPE if model_type == "gpt_oss" else SHAPE
+    path = DIRECTORY.with_name(DIRECTORY.name + ("-sft" if model_type == "qwen3_moe" else f"-{model_type}"))
     if not (path / "tokenizer.json").is_file():
         tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
-        config = transformers.AutoConfig.for_model("qwen3_moe", **{**SHAPE, "vocab_size": tok.vocab_size})
+        config = transformers.AutoConfig.for_model(model_type, **{**shape, "vocab_size": tok.vocab_size})
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tok.tok.save(str(path / "tokenizer.json"))

@@ -205,12 +205,6 @@ CONVERTED = {  # checkpoints transformers renames or converts on load
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
     ),
-    # gpt-oss (attention sinks, alternating windows, biased clamped experts): no native record yet, so
-    # the generic path reads it whole (its experts are stacked parameters, unconverted)
-    "gpt_oss": dict(
-        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-    ),
 }  # fmt: skip
 
 
@@ -435,15 +429,16 @@ def test_fsdp_shards_its_decoder_layers_and_trains_as_one_process(tmp_path):
 
 
 def test_a_generic_mixtures_flops_count_the_experts_a_token_meets_and_no_lookup_table(tmp_path):
-    """MFU on the generic path counted every expert and the input table: a tiny gpt-oss read 65% MFU on
-    two CPU cores, gpt-oss-20b (3.6B of 21B parameters active) would read about six times too high.
-    Of E experts a token meets k; an untied input table is a lookup."""
-    config = transformers.AutoConfig.for_model("gpt_oss", vocab_size=VOCAB, pad_token_id=0, **CONVERTED["gpt_oss"])
+    """MFU on the generic path counted every expert and the input table: a tiny gpt-oss (generic then)
+    read 65% MFU on two CPU cores, gpt-oss-20b (3.6B of 21B parameters active) would read about six
+    times too high. Of E experts a token meets k; an untied input table is a lookup. (GLM-4-MoE here:
+    gpt-oss is native now.)"""
+    config = transformers.AutoConfig.for_model("glm4_moe", vocab_size=VOCAB, pad_token_id=0, **CONVERTED["glm4_moe"])
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
     ours = tfcli_model(tmp_path / "m")
     inner = ours.inner
     experts = [m for n, m in inner.named_modules() if n.endswith(".experts")]
-    assert len(experts) == 2 and all(m.gate_up_proj.shape[0] == 4 for m in experts)
+    assert len(experts) == 1 and all(m.gate_up_proj.shape[0] == 4 for m in experts)  # layer 0 is dense
     every = sum(p.numel() for p in ours.parameters())
     idle = sum(p.numel() for m in experts for p in m.parameters()) * (4 - 2) / 4
     table = inner.get_input_embeddings().weight.numel()  # untied: the output layer is its own tensor

@@ -23,6 +23,7 @@ from .conftest import close, invoke, near  # noqa: E402
 from .test_families import BASE as DENSE  # noqa: E402
 from .test_families import (  # noqa: E402
     assert_greedy_generation_matches,
+    assert_lora_step_matches_peft,
     assert_refused_in_one_line,
     our_loss,
     saved_pair,
@@ -37,6 +38,8 @@ ARCHITECTURES = {  # model_type -> the switches that make it itself
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24),
     "mixtral": dict(num_local_experts=4, tie_word_embeddings=False),
     "olmoe": dict(num_experts=4, intermediate_size=16, tie_word_embeddings=False),
+    # sinks, biases everywhere, the clamped SwiGLU, sliding and full layers (a window shorter than IDS)
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=16, sliding_window=8, tie_word_embeddings=False),
 }
 
 
@@ -60,11 +63,24 @@ def test_the_config_is_the_architectures(pair):
         "qwen2_moe": dict(n_experts=4, expert_d_ff=16, norm_topk=False, shared_expert_d_ff=24, qkv_bias=True),
         "mixtral": dict(n_experts=4, expert_d_ff=48, norm_topk=True, qk_norm=False),
         "olmoe": dict(n_experts=4, expert_d_ff=16, norm_topk=False, qk_norm_whole=True),
+        "gpt_oss": dict(
+            n_experts=4,
+            expert_d_ff=16,
+            norm_topk=True,
+            attn_sinks=True,
+            expert_bias=True,
+            swiglu_limit=7.0,
+            layer_types=("sliding", "full", "sliding"),
+            sliding_window=8,
+            qkv_bias=True,
+            out_bias=True,
+        ),
     }[arch]
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert cfg.experts_per_token == 2 and cfg.router_aux_coef == 0.05
     kinds = [type(block.mlp).__name__ for block in ours.blocks]
-    assert kinds == (["MoE", "MLP", "MoE"] if arch == "qwen3_moe" else ["MoE"] * 3)
+    dense = {"qwen3_moe": 1}.get(arch)
+    assert kinds == ["MLP" if i == dense else "MoE" for i in range(3)]
 
 
 def test_logits_match_transformers(pair):
@@ -90,9 +106,9 @@ def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gra
     moe.routing_losses(layers)
     got = our_loss(ours, IDS)
     extra, metrics = moe.routing_losses(layers)
-    (got + extra).backward()
     assert near(metrics["router_aux"].item(), out.aux_loss.item())
     assert out.aux_loss.item() > 1.0  # random routers are unbalanced: the loss is not at its floor
+    (got + extra).backward()
     assert abs((got + extra).item() - out.loss.item()) < 1e-4
     grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.registry.NATIVE[arch].table)
     reference = {n: p.grad for n, p in theirs.named_parameters()}
@@ -103,14 +119,24 @@ def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gra
     assert grads.keys() == reference.keys()
     worst = max((grads[n] - reference[n]).abs().max().item() for n in grads)
     assert worst < 1e-4
-    router = next(n for n in grads if n.endswith("gate.weight") and "experts" not in n and "shared" not in n)
+    router = next(
+        n for n in grads if n.endswith(("gate.weight", "router.weight")) and "experts" not in n and "shared" not in n
+    )
     assert grads[router].abs().max() > 0  # the routers learn (from the balancing loss and the weighting)
     theirs.zero_grad(), theirs.eval()
+
+
+def test_a_lora_step_on_attention_gives_the_loss_and_gradients_of_peft(pair):
+    """peft adapts modules, and transformers holds the experts as stacked parameters: the attention's
+    adapters are compared (LoRA on the experts: the test below, against its per-expert definition)."""
+    assert_lora_step_matches_peft(pair[0], pair[2], ("q", "k", "v", "o"))
 
 
 def _per_expert(state: dict, arch: str) -> dict:
     """transformers' in-memory expert tensors (experts.gate_up_proj (E, 2F, D), experts.down_proj) as its
     checkpoints name them (experts.{j}.gate_proj.weight, ...; Mixtral's block_sparse_moe.experts.{j}.w1)."""
+    if arch == "gpt_oss":  # its checkpoints hold the stacks as they are in memory
+        return state
     out = {}
     mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if arch == "mixtral" else {}
     for name, t in state.items():
@@ -173,6 +199,9 @@ def test_only_active_experts_count_in_the_flops():
         ("olmoe", {"clip_qkv": 8.0}, "clip_qkv 8.0 is not implemented"),
         ("qwen3_moe", {"num_experts_per_tok": 9}, "experts_per_token must be between 1 and model.n_experts (4)"),
         ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window is not implemented"),
+        ("gpt_oss", {"swiglu_limit": 0}, "gpt_oss: swiglu_limit 0 is not implemented"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "gpt_oss: quantization 'fp8' is not read"),
+        ("gpt_oss", {"layer_types": ["chunked_attention"] * 3}, "layer_types names 'chunked_attention'"),
     ],
 )
 def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
@@ -327,19 +356,24 @@ def test_classification_and_grpo_train_a_mixture(tmp_path):
     from .conftest import SHARED
 
     model = directory_with_tokenizer("olmoe", tmp_path / "model")
+    oss = directory_with_tokenizer("gpt_oss", tmp_path / "gpt-oss")
     mnli = ["mnli", "--from", model, "--data", SHARED / "mnli", "--steps", 2, "--batch-size", 4, "--quiet"]
     mnli += ["--set", "finetune.limit=32", "--set", "finetune.eval_limit=4", "--set", "finetune.report_limit=4"]
     result = invoke("finetune", *mnli, "--train", "lora", "--out", tmp_path / "mnli")
     assert result.exit_code == 0, result.output
-    grpo = ["grpo", "--from", model, "--data", SHARED / "sft" / "gsm8k", "--steps", 1, "--batch-size", 2]
+    grpo = ["grpo", "--data", SHARED / "sft" / "gsm8k", "--steps", 1, "--batch-size", 2]
     grpo += ["--set", "grpo.preset=gsm8k", "--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2"]
-    grpo += ["--set", "finetune.limit=8", "--train", "lora", "--quiet", "--out", tmp_path / "grpo"]
-    result = invoke("finetune", *grpo)
-    assert result.exit_code == 0, result.output
+    grpo += ["--set", "finetune.limit=8", "--train", "lora", "--quiet"]
+    for source, out in ((model, "grpo"), (oss, "grpo-gpt-oss")):
+        result = invoke("finetune", *grpo, "--from", source, "--out", tmp_path / out)
+        assert result.exit_code == 0, result.output
 
 
 @pytest.mark.slow  # whole suite only: the parity tests above exercise the modules
-@pytest.mark.parametrize("arch, train", [("qwen2_moe", "lora"), ("mixtral", "all"), ("olmoe", "qlora")])
+@pytest.mark.parametrize(
+    "arch, train",
+    [("qwen2_moe", "lora"), ("mixtral", "all"), ("olmoe", "qlora"), ("gpt_oss", "qlora"), ("gpt_oss", "lora")],
+)
 def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
     from .conftest import write_jsonl
     from .test_from_runs import ROWS
@@ -383,7 +417,7 @@ def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(trai
     assert sorted(one) == [1, 2, 3] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
 def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     """llama.cpp's names and layout: experts stacked (E, out, in) as ffn_{gate,up,down}_exps, the router
     ffn_gate_inp, Mixtral a llama with experts (its q/k rows permuted), Qwen2-MoE's shared expert."""
@@ -459,3 +493,38 @@ def test_nf4_experts_fsdp_cannot_split_are_named_before_anything_runs():
     large = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=128, d_ff=64, vocab_size=50, n_experts=4))
     adapters.apply(large, "qlora", AdapterConfig(targets=("q", "gate")))
     assert nf4.unshardable(large, 2) == ""
+
+
+def test_gpt_oss_mxfp4_experts_are_read_as_transformers_dequantizes_them(tmp_path):
+    """The released gpt-oss checkpoints hold the experts in MXFP4 (`*_blocks`, `*_scales`, uint8):
+    tfcli's dequantization equals transformers' convert_moe_packed_tensors, and a directory of them
+    loads as the model transformers holds after dequantizing (its logits)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tfcli.hf import gpt_oss
+
+    g = torch.Generator().manual_seed(0)
+    theirs = hf_model("gpt_oss", intermediate_size=32)  # MXFP4 blocks are 32 values of a row
+    state = {k: v.clone() for k, v in theirs.state_dict().items()}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, d_in, d_out = state[name].shape
+        blocks = torch.randint(0, 256, (e, d_out, d_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(122, 128, (e, d_out, d_in // 32), dtype=torch.uint8, generator=g)
+        want = convert_moe_packed_tensors(blocks, scales)  # (E, in, out), bf16
+        assert torch.equal(gpt_oss.dequantize_mxfp4(blocks, scales), want)
+        state.pop(name)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        theirs.get_parameter(name).data.copy_(want.float())
+    (tmp_path / "mxfp4").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "mxfp4" / "model.safetensors"))
+    config = theirs.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    assert any(v.dtype == torch.uint8 for v in load_file(str(tmp_path / "mxfp4" / "model.safetensors")).values())
+    ours = tfcli_model(tmp_path / "mxfp4")
+    with torch.no_grad():
+        assert close(ours.logits(ours(IDS)), theirs(IDS).logits, 1e-5)
+    cfg, shapes = hf.read_pretrained(tmp_path / "mxfp4", shapes_only=True)  # the memory plan's reading
+    assert shapes["model.blocks.0.mlp.experts.gate"].shape == ours.blocks[0].mlp.experts.gate.shape

@@ -38,13 +38,16 @@ class Rule:
 
     ours: str  # name in a tfcli checkpoint: "model.blocks.0.attn.qkv.weight", "heads.mlm.bias"
     theirs: tuple[str, ...]  # several: concatenated along dim 0 (fused q/k/v) and split again on export
-    transpose: bool = False  # transformers' Conv1D stores (in, out) (GPT-2)
+    transpose: bool = False  # the last two dimensions swapped: transformers' Conv1D stores (in, out)
+    # (GPT-2), gpt-oss its experts (E, in, out)
     optional: bool = False  # present only in some checkpoints (pretraining heads, a pooler)
     widths: tuple[int, ...] = ()  # rows of each of `theirs` when unequal (grouped-query q / k / v)
     part: tuple[int, int] = (0, 1)  # (i, n): ours is the i-th of n equal row blocks of theirs (Phi-3's gate_up_proj)
     offset: float = 0.0  # ours = theirs + offset (Gemma stores its norms' weights as w, scaling by 1 + w)
     stack: bool = False  # ours stacks theirs along a new first dimension (a mixture's experts: (E, out, in))
     lead: int = 0  # ours has this many more leading dimensions of size 1 (CLIP's class embedding (D,) -> (1, 1, D))
+    strided: tuple[int, int] = (0, 1)  # (i, n): ours is every n-th entry of theirs' last dimension from
+    # the i-th on, before any transpose (gpt-oss's gate and up, interleaved in one gate_up_proj)
 
 
 def rule(
@@ -57,8 +60,9 @@ def rule(
     offset: float = 0.0,
     stack: bool = False,
     lead: int = 0,
+    strided: tuple[int, int] = (0, 1),
 ) -> Rule:
-    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset, stack, lead)  # type: ignore[arg-type]
+    return Rule(ours, tuple(theirs), transpose, optional, tuple(widths), tuple(part), offset, stack, lead, strided)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -126,24 +130,26 @@ def to_tfcli(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
         t = join([state[n] for n in r.theirs], dim=0) if len(r.theirs) > 1 or r.stack else state[r.theirs[0]]
         if r.part[1] > 1:
             t = t.chunk(r.part[1], dim=0)[r.part[0]]
+        if r.strided[1] > 1:
+            t = t[..., r.strided[0] :: r.strided[1]]
         if r.offset:
             t = t + r.offset
         if r.lead:
             t = t.reshape((1,) * r.lead + tuple(t.shape))
-        out[r.ours] = t.t().contiguous() if r.transpose else t
+        out[r.ours] = t.transpose(-2, -1).contiguous() if r.transpose else t.contiguous() if r.strided[1] > 1 else t
     return out
 
 
 def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
     """tfcli state dict -> transformers state dict: the inverse of to_tfcli (fused weights split, the
     parts of one of theirs joined)."""
-    out, pieces = {}, {}
+    out, pieces, strides = {}, {}, {}
     for r in rules:
         if r.ours not in state:
             if r.optional:
                 continue
             raise KeyError(r.ours)
-        t = state[r.ours].t() if r.transpose else state[r.ours]
+        t = state[r.ours].transpose(-2, -1) if r.transpose else state[r.ours]
         if r.lead:
             t = t.reshape(t.shape[r.lead :])
         if r.offset:
@@ -151,13 +157,17 @@ def to_hf(state: dict[str, Tensor], rules: list[Rule]) -> dict[str, Tensor]:
         if r.part[1] > 1:
             pieces.setdefault(r.theirs[0], [None] * r.part[1])[r.part[0]] = t
             continue
+        if r.strided[1] > 1:
+            strides.setdefault(r.theirs[0], [None] * r.strided[1])[r.strided[0]] = t
+            continue
         if r.stack:
             parts = t.unbind(0)
         else:
             parts = t.split(list(r.widths), dim=0) if r.widths else t.chunk(len(r.theirs), dim=0)
         for name, part in zip(r.theirs, parts):
             out[name] = part
-    return {**out, **{name: torch.cat(parts, dim=0) for name, parts in pieces.items()}}
+    out.update({name: torch.cat(parts, dim=0) for name, parts in pieces.items()})
+    return {**out, **{name: torch.stack(parts, dim=-1).flatten(-2) for name, parts in strides.items()}}
 
 
 # --- directories --------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ MODEL_TYPES = registry.gguf_model_types()
 ARCHITECTURES = tuple(MODEL_TYPES)
 GGUF_ARCH = {r.model_type: r.gguf for r in registry.RECORDS if r.gguf}  # transformers model_type -> GGUF's
 # llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
-NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "gpt-oss": True}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)
 DENSE = Experts()  # the default names (a dense model has no experts to name)
 MIXTURES = [r.traits.experts for r in registry.RECORDS if r.traits is not None and r.traits.experts is not None]
@@ -271,6 +271,7 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
             values = values - np.float32(ARCHS[arch].norm_offset)
         tensor = torch.from_numpy(values if values.flags.writeable else values.copy())
         state.update(_hf_tensors(t.name, tensor, path, expert_names, arch))
+    state = ARCHS[arch].from_llama_names(state)
     raw["qkv_bias"] = any(k.endswith("q_proj.bias") for k in state)  # Qwen2-MoE's name for it
     if raw["qkv_bias"]:
         own = traits.value("qkv_bias") or traits.reads("qkv_bias")  # Qwen2's q/k/v biases: no attention_bias
@@ -467,7 +468,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
         raise UserError(f"GGUF export writes {', '.join(GGUF_ARCH)} models; this is a {hf_config['model_type']}")
     ARCHS[arch].check_writable(hf_config)
     _check_experts(hf_config, arch)
-    hf_state = _stacked_experts(hf_state)
+    hf_state = _stacked_experts(ARCHS[arch].to_llama_names(hf_state))
     out = Path(out)
     if out.exists():
         raise UserError(f"{out} exists; choose a new --gguf file")
@@ -487,7 +488,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
         if ARCHS[arch].norm_offset and name.endswith("norm.weight"):
             values = values + np.float32(ARCHS[arch].norm_offset)
         qtype = gguf.GGMLQuantizationType.F32
-        if values.ndim == 2 and dtype != "f32":
+        if values.ndim == 2 and dtype != "f32" and not name.endswith(".bias"):  # (E, F) expert biases stay f32
             qtype = gguf.GGMLQuantizationType.F16 if dtype == "f16" else gguf.GGMLQuantizationType.Q8_0
         if qtype == gguf.GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
             qtype = gguf.GGMLQuantizationType.F16  # Q8_0 needs rows of whole 32-value blocks

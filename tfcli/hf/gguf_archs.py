@@ -62,6 +62,14 @@ class Arch:
         """Its keys beyond the shared ones; -> tensors it holds beyond the weights."""
         return {}
 
+    def to_llama_names(self, state: dict) -> dict:
+        """transformers' tensors -> the llama layout hf/gguf.py names (one tensor per expert and part)."""
+        return state
+
+    def from_llama_names(self, state: dict) -> dict:
+        """The inverse of to_llama_names, after reading."""
+        return state
+
 
 @dataclass(frozen=True)
 class Gemma(Arch):
@@ -213,6 +221,91 @@ class Phi3(Arch):
         }
 
 
+@dataclass(frozen=True)
+class GptOss(Arch):
+    """gpt-oss: sliding and full layers alternating from the first (the graph's pattern, as Gemma 2's),
+    attention sinks, biased router and experts; llama.cpp's graph fixes the clamped SwiGLU's alpha and
+    limit. transformers' interleaved (E, D, 2F) gate_up_proj is llama.cpp's ffn_gate_exps and
+    ffn_up_exps, (E, F, D) each, as its convert_hf_to_gguf.py splits it."""
+
+    ALPHA, LIMIT = 1.702, 7.0
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
+        n = raw["num_hidden_layers"]
+        out = {
+            "sliding_window": get("attention.sliding_window"),
+            "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+            "swiglu_alpha": self.ALPHA,
+            "swiglu_limit": self.LIMIT,
+        }
+        if raw.get("rope_scaling", {}).get("rope_type") == "yarn":  # transformers' gpt-oss: no truncation
+            out["rope_scaling"] = {**raw["rope_scaling"], "truncate": False}
+        return out
+
+    def check_writable(self, c: dict) -> None:
+        n = c["num_hidden_layers"]
+        if c.get("layer_types") != ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]:
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} slides in every other layer from the first; this model does not"
+            )
+        if (c.get("swiglu_alpha"), c.get("swiglu_limit")) != (self.ALPHA, self.LIMIT):
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} gates experts with alpha {self.ALPHA} and limit {self.LIMIT}; "
+                f"this model's are {c.get('swiglu_alpha')} and {c.get('swiglu_limit')}"
+            )
+        if (c.get("rope_scaling") or {}).get("rope_type") not in (None, "yarn"):
+            raise UserError(f"GGUF export: llama.cpp's {self.name} reads yarn rope scaling or none")
+
+    def write_extras(self, writer, c: dict) -> dict:
+        writer.add_sliding_window(int(c["sliding_window"] or 0))
+        writer.add_expert_feed_forward_length(int(c["intermediate_size"]))
+        return {}
+
+    def to_llama_names(self, state: dict) -> dict:
+        out = {}
+        for name, t in state.items():
+            stem, _, leaf = name.rpartition(".")
+            if leaf == "sinks":
+                out[f"{name}.weight"] = t
+            elif stem.endswith("mlp.router"):
+                out[f"{stem.removesuffix('router')}gate.{leaf}"] = t
+            elif leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                kind = "bias" if leaf.endswith("_bias") else "weight"
+                parts = ("gate_proj", "up_proj") if leaf.startswith("gate_up") else ("down_proj",)
+                for j, expert in enumerate(t):  # (D, 2F) or (2F,): gate and up interleaved
+                    for i, part in enumerate(parts):
+                        piece = expert[..., i :: len(parts)]
+                        out[f"{stem}.{j}.{part}.{kind}"] = piece.t() if kind == "weight" else piece
+            else:
+                out[name] = t
+        return out
+
+    def from_llama_names(self, state: dict) -> dict:
+        import torch
+
+        out, experts = {}, {}
+        for name, t in state.items():
+            stem, _, rest = name.partition(".experts.")
+            if rest:
+                j, part, kind = rest.split(".")
+                experts.setdefault((stem, part, kind), {})[int(j)] = t
+            elif name.endswith(".self_attn.sinks.weight"):
+                out[name.removesuffix(".weight")] = t
+            elif ".mlp.gate." in name:
+                out[name.replace(".mlp.gate.", ".mlp.router.")] = t
+            else:
+                out[name] = t
+        for (stem, part, kind), by_j in experts.items():
+            stacked = torch.stack([by_j[j] for j in range(len(by_j))])  # (E, out, in) or (E, out)
+            experts[(stem, part, kind)] = stacked.transpose(1, 2) if kind == "weight" else stacked
+        for stem, kind in {(s, k) for s, _, k in experts}:
+            suffix = "" if kind == "weight" else "_bias"
+            gate, up = experts[(stem, "gate_proj", kind)], experts[(stem, "up_proj", kind)]
+            out[f"{stem}.experts.gate_up_proj{suffix}"] = torch.stack((gate, up), dim=-1).flatten(-2)
+            out[f"{stem}.experts.down_proj{suffix}"] = experts[(stem, "down_proj", kind)]
+        return out
+
+
 def _smollm3_ropes(n: int) -> list[int]:
     """transformers' no_rope_layers (1: the layer turns) as llama.cpp's SmolLM3 fixes them."""
     return [int((i + 1) % NOPE_EVERY != 0) for i in range(n)]
@@ -244,6 +337,11 @@ ARCHS = {
         Phi3("phi3", PHI3_FUSED, sliding=True, tokenizer=PREFIX_NORMALIZER, own_rope_keys=True),
         Granite("granite", permuted=True),
         SmolLM3("smollm3", permuted=True),
+        GptOss(
+            "gpt-oss",
+            {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
+            sliding=True,
+        ),
     )
 }
 

@@ -86,6 +86,9 @@ SWITCHES = (
     "attn_softcap",
     "logit_softcap",
     "n_experts",
+    "attn_sinks",
+    "expert_bias",
+    "swiglu_limit",
 )
 
 

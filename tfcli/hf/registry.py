@@ -75,6 +75,14 @@ RECORDS: tuple[Record, ...] = (
             experts=Experts(aux_default=0.01),
         ),
     ),
+    Record(
+        "gpt_oss", "gpt-oss", "llama", "gpt_oss", "GptOssForCausalLM", gguf="gpt-oss",
+        traits=Decoder(
+            holds=("layer_types", "attn_sinks", "expert_bias", "swiglu_limit", "swiglu_alpha"),
+            keys=("attention_bias", "sliding_window"),
+            experts=Experts(count_key="num_local_experts", renormalises=True),
+        ),
+    ),
     Record("bert", "BERT", "bert", "bert"),
     Record("roberta", "RoBERTa", "bert", "roberta"),
     Record("xlm-roberta", "XLM-RoBERTa", "bert", "roberta"),

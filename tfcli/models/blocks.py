@@ -215,8 +215,10 @@ class Attention(nn.Module):
       rotary);
     - an optional sliding window: a causal query sees at most the last `window` keys, itself
       included; a bidirectional one the `window` keys on either side (ModernBERT's local layers);
-    - optional soft-capping of the scores, cap * tanh(scores / cap) (Gemma 2): SDPA cannot, so those
-      layers compute the scores themselves.
+    - optional soft-capping of the scores, cap * tanh(scores / cap) (Gemma 2), and optional attention
+      sinks (gpt-oss): one learned logit per head that joins every query's softmax and attends to
+      nothing, so a head may put weight nowhere. SDPA can do neither, so those layers compute the
+      scores themselves.
 
     `mask` is boolean (True = may attend) or additive float (T5's position bias), broadcastable
     to (B, nh, Tq, Tk). `causal` masks future keys. `scale=None` is 1/sqrt(head_dim).
@@ -238,6 +240,7 @@ class Attention(nn.Module):
         qk_norm_whole: bool = False,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: bool = False,
     ):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
@@ -256,6 +259,7 @@ class Attention(nn.Module):
         self.qk_norm_whole = qk_norm_whole
         self.q_norm = qk_norm(self.inner if qk_norm_whole else self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.kv_inner if qk_norm_whole else self.head_dim) if qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(n_head)) if sinks else None  # (nh,) logits
 
     def layout(self, leaf: str) -> tuple[tuple[str, int], ...]:
         """The parts a projection holds and their widths, in output order ('qkv' -> q, k, v)."""
@@ -321,10 +325,10 @@ class Attention(nn.Module):
             offset = torch.arange(t_key, device=x.device) - torch.arange(t_key - T, t_key, device=x.device)[:, None]
             allowed = offset.abs() <= self.window  # (T, Tk)
             mask = allowed if mask is None else _combine(mask, allowed)
-        if self.softcap:
+        if self.softcap or self.sinks is not None:
             if is_causal:
                 mask = causal_mask(T, t_key, x.device)
-            y = self._capped_attention(q, k, v, mask)
+            y = self._eager_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(
                 q,
@@ -338,17 +342,25 @@ class Attention(nn.Module):
             )  # (B, nh, T, hs)
         return self.out(y.transpose(1, 2).reshape(B, T, self.inner))
 
-    def _capped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Attention with soft-capped scores: softmax(cap * tanh(q k^T scale / cap) + mask) v."""
+    def _eager_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention with soft-capped scores and/or sinks: softmax over [cap * tanh(q k^T scale / cap)
+        + mask, sink] (the sink's column then dropped) times v."""
         groups = self.n_head // self.n_kv_head
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, Tk, hs)
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
-        scores = torch.tanh(q @ k.transpose(-2, -1) * scale / self.softcap) * self.softcap  # (B, nh, T, Tk)
+        scores = q @ k.transpose(-2, -1) * scale  # (B, nh, T, Tk)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        weights = F.dropout(scores.softmax(-1, dtype=torch.float32).to(q.dtype), self.dropout, self.training)
-        return weights @ v  # (B, nh, T, hs)
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        weights = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        if self.sinks is not None:
+            weights = weights[..., :-1]
+        return F.dropout(weights, self.dropout, self.training) @ v  # (B, nh, T, hs)
 
 
 def _rotate(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:

@@ -29,7 +29,7 @@ from .blocks import (
     make_norm,
     through_blocks,
 )
-from .moe import MoE, Routing, moe_layers
+from .moe import Glu, MoE, Routing, moe_layers
 from .pooling import DecoderTraits
 from .rotary import RopeScaling, Rotary, check_rope
 
@@ -41,7 +41,7 @@ SWITCHES = (
     "layer_types", "local_rope_theta", "nope_layers", "partial_rotary", "embed_scale", "residual_scale",
     "attn_scale", "logit_scale", "attn_softcap", "logit_softcap", "n_experts", "experts_per_token",
     "expert_d_ff", "norm_topk", "shared_expert_d_ff", "sparse_step", "dense_layers", "router_aux_coef",
-    "router_z_coef",
+    "router_z_coef", "attn_sinks", "expert_bias", "swiglu_limit", "swiglu_alpha",
 )  # fmt: skip
 
 
@@ -94,6 +94,10 @@ class LlamaConfig:
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen-MoE's mlp_only_layers)
     router_aux_coef: float = 0.0  # the load-balancing loss's weight in training (transformers' router_aux_loss_coef)
     router_z_coef: float = 0.0  # the router z-loss's weight (ST-MoE; 0: none)
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax, attending to nothing
+    expert_bias: bool = False  # gpt-oss: biases on the router and on each expert's projections
+    swiglu_limit: float = 0.0  # gpt-oss: experts gated by (up + 1) * g * sigmoid(alpha g), g and up
+    swiglu_alpha: float = 1.702  # clamped at this limit (0: the plain gated activation)
 
     def __post_init__(self):
         check_config(self)
@@ -129,6 +133,8 @@ class LlamaConfig:
                 f"longrope has {len(self.rope.short_factor)} factors for {rotated} rotary frequencies "
                 "(head_dim x partial_rotary_factor / 2)"
             )
+        if self.swiglu_limit < 0:
+            raise ValueError(f"model.swiglu_limit must be >= 0, got {self.swiglu_limit}")
         if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
             raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
         if any(not 0 <= i < self.n_layer for i in self.dense_layers):
@@ -143,6 +149,12 @@ class LlamaConfig:
                 raise ValueError("model.sparse_step must be >= 1, expert_d_ff and shared_expert_d_ff >= 0")
             if not self.expert_d_ff:
                 object.__setattr__(self, "expert_d_ff", self.d_ff)
+        dense = [i for i in range(self.n_layer) if not self.has_experts(i)]
+        if (self.expert_bias or self.swiglu_limit) and (dense or self.shared_expert_d_ff):
+            raise ValueError(
+                "model.expert_bias and swiglu_limit apply to routed experts only: set n_experts with no dense "
+                "layers and no shared expert"
+            )
 
     def has_experts(self, layer: int) -> bool:
         """Whether this layer's feed-forward is a mixture of experts."""
@@ -202,6 +214,7 @@ class Llama(DecoderTraits, nn.Module):
                     window=cfg.window_of(i),
                     scale=cfg.attn_scale or None,
                     softcap=cfg.attn_softcap,
+                    sinks=cfg.attn_sinks,
                 ),
                 _feed_forward(cfg, i),
                 rms(cfg.d_model) if before else None,
@@ -310,4 +323,12 @@ def _feed_forward(cfg: LlamaConfig, layer: int) -> nn.Module:
     if not cfg.has_experts(layer):
         return MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout)
     routing = Routing(cfg.n_experts, cfg.experts_per_token, cfg.norm_topk, cfg.router_aux_coef, cfg.router_z_coef)
-    return MoE(cfg.d_model, cfg.expert_d_ff, routing, activation=cfg.activation, shared_d_ff=cfg.shared_expert_d_ff)
+    glu = Glu(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+    return MoE(
+        cfg.d_model,
+        cfg.expert_d_ff,
+        routing,
+        shared_d_ff=cfg.shared_expert_d_ff,
+        glu=glu,
+        bias=cfg.expert_bias,
+    )

@@ -1,7 +1,8 @@
 """A mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a linear router picks
 each token's top-k experts, whose gated MLPs run on their tokens only; their outputs are summed by the
 router's weights, plus (Qwen2-MoE) a shared expert every token passes through, scaled by its own
-sigmoid gate.
+sigmoid gate. gpt-oss adds biases to the router and to every expert's three projections, and gates
+its experts with a clamped SwiGLU (`Glu`).
 
 The experts are stacked ((E, d_ff, d) for gate and up, (E, d, d_ff) for down), as transformers' own
 modules and llama.cpp's GGUF hold them. Tokens are sorted by expert once, so each expert multiplies one
@@ -25,6 +26,25 @@ from .nf4 import linear_nf4, to_nf4
 
 
 @dataclass(frozen=True)
+class Glu:
+    """An expert's gated activation: act(gate) * up, or gpt-oss's clamped SwiGLU, (up + 1) *
+    g * sigmoid(alpha g) with g = min(gate, limit) and up clamped to [-limit, limit] (limit 0: the
+    plain act(gate) * up)."""
+
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 0.0
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.limit:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        if self.activation in ACTIVATION_GRADS:
+            return GatedActivation.apply(gate, up, self.activation)
+        return ACTIVATIONS[self.activation](gate) * up
+
+
+@dataclass(frozen=True)
 class Routing:
     """How a router weighs its choice: softmax over all experts, then the top k, renormalised to sum to
     one where norm_topk (Mixtral, Qwen3-MoE) or kept as they are (OLMoE, Qwen2-MoE)."""
@@ -40,12 +60,16 @@ class StackedExperts(nn.Module):
     """E gated MLPs, their weights stacked. forward(x_sorted, counts): rows already grouped by expert,
     counts[e] rows for expert e."""
 
-    def __init__(self, n: int, d_model: int, d_ff: int, activation: str):
+    def __init__(self, n: int, d_model: int, d_ff: int, glu: Glu, bias: bool = False):
         super().__init__()
-        self.activation = activation
+        self.glu = glu
         self.gate = nn.Parameter(torch.empty(n, d_ff, d_model))
         self.up = nn.Parameter(torch.empty(n, d_ff, d_model))
         self.down = nn.Parameter(torch.empty(n, d_model, d_ff))
+        # gpt-oss: each expert's projections have biases, (E, out) each
+        self.gate_bias = nn.Parameter(torch.zeros(n, d_ff)) if bias else None
+        self.up_bias = nn.Parameter(torch.zeros(n, d_ff)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(n, d_model)) if bias else None
         self.adapters: nn.Module | None = None  # per-expert LoRA (adapters.ExpertLoRA) when one is placed here
 
     def shape_of(self, part: str) -> tuple[int, int, int]:
@@ -68,6 +92,9 @@ class StackedExperts(nn.Module):
             y = GroupedProduct.apply(x, w, counts)
         else:
             y = grouped_product(x, w, counts)
+        bias = getattr(self, f"{part}_bias")
+        if bias is not None:  # each row its expert's bias
+            y = y + bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0, output_size=len(x))
         update = self.adapters.product(x, counts, part) if self.adapters is not None else None
         return y if update is None else y + update
 
@@ -94,11 +121,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         gate, up = self.product(x, counts, "gate"), self.product(x, counts, "up")  # (N, d_ff) each
-        if self.activation in ACTIVATION_GRADS:
-            h = GatedActivation.apply(gate, up, self.activation)
-        else:
-            h = ACTIVATIONS[self.activation](gate) * up
-        return self.product(h, counts, "down")  # (N, D)
+        return self.product(self.glu(gate, up), counts, "down")  # (N, D)
 
 
 def grouped_product(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
@@ -153,11 +176,13 @@ class MoE(nn.Module):
         *,
         activation: str = "silu",
         shared_d_ff: int = 0,
+        glu: Glu | None = None,
+        bias: bool = False,
     ):
         super().__init__()
         self.routing = routing
-        self.router = nn.Linear(d_model, routing.n_experts, bias=False)
-        self.experts = StackedExperts(routing.n_experts, d_model, d_ff, activation)
+        self.router = nn.Linear(d_model, routing.n_experts, bias=bias)
+        self.experts = StackedExperts(routing.n_experts, d_model, d_ff, glu or Glu(activation), bias)
         self.shared = MLP(d_model, shared_d_ff, activation=activation, bias=False, gated=True) if shared_d_ff else None
         self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_d_ff else None
         self.routed: list[Tensor] = []  # this training pass's router logits (N, E), for routing_losses
