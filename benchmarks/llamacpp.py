@@ -44,6 +44,21 @@ ARCHITECTURES = {  # transformers model_type -> what sets it apart, within what 
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=4, intermediate_size=32),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, tie_word_embeddings=False),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        n_group=2,
+        topk_group=1,
+    ),
 }
 REFUSED = {  # settings llama.cpp's graph fixes: the export refuses them (the row checks that it does)
     "gemma2 untied": ("gemma2", dict(num_hidden_layers=4, query_pre_attn_scalar=16, tie_word_embeddings=False)),

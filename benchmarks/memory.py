@@ -17,6 +17,7 @@ the same losses after (1e-4)).
                  full SFT, batch 8 x 512 (not in the default set)
   moe-lora       the same, --train lora (attention only, the default for a mixture)
   gpt-oss-lora   benchmarks/moe.py's gpt-oss shape (6 layers of 8 biased experts, top 2, sinks), --train lora
+  deepseek-lora  its DeepSeek-V3 shape (latent attention, 16 experts in 4 groups, a dense first layer), the same
   minilm-mnli-real  the same on ../shared/data/mnli (42k pairs, mostly far shorter than 128 tokens:
                  the plan, made for the longest batch, is an upper bound there; not in the default set)
 
@@ -99,6 +100,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
 
     moe_sft = [*sft[:3], str(sft_directory()), *sft[4:]]  # benchmarks/moe.py's Qwen3-MoE shape, GPT-2's tokenizer
     oss_sft = [*sft[:3], str(sft_directory("gpt_oss")), *sft[4:]]  # its gpt-oss shape
+    deepseek_sft = [*sft[:3], str(sft_directory("deepseek_v3")), *sft[4:]]  # its DeepSeek-V3 shape
     return {
         "smollm2-full": [*sft, "--train", "all"],
         "smollm2-lora": [*sft, "--train", "lora"],
@@ -112,6 +114,7 @@ def configurations(tmp: Path) -> dict[str, list[str]]:
         "moe-full": [*moe_sft, "--train", "all"],
         "moe-lora": [*moe_sft, "--train", "lora"],
         "gpt-oss-lora": [*oss_sft, "--train", "lora"],
+        "deepseek-lora": [*deepseek_sft, "--train", "lora"],
         "minilm-mnli-real": [*mnli, str(MNLI)],
     }
 

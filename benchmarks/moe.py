@@ -62,6 +62,29 @@ GPT_OSS_SHAPE = dict(
     router_aux_loss_coef=0.001,
     max_position_embeddings=4096,
 )
+# DeepSeek-V3's shape (latent attention with a query bottleneck, a dense first layer, 16 experts in 4
+# groups of which 2 compete, a shared expert) cut the same way: the memory benchmark's deepseek-lora
+DEEPSEEK_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=256,
+    q_lora_rank=384,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    max_position_embeddings=4096,
+)
 DIRECTORY = Path(os.environ.get("BENCH_MOE_DIR", Path(tempfile.gettempdir()) / "tfcli-bench-moe"))
 
 
@@ -77,13 +100,13 @@ def directory() -> Path:
 
 
 def sft_directory(model_type: str = "qwen3_moe") -> Path:
-    """The same shape (or gpt-oss's) with GPT-2's tokenizer (its 50,257 tokens) beside it: a directory
-    `tfcli finetune` takes (the memory benchmark's moe-full, moe-lora and gpt-oss-lora)."""
+    """The same shape (or gpt-oss's, DeepSeek-V3's) with GPT-2's tokenizer (its 50,257 tokens) beside
+    it: a directory `tfcli finetune` takes (the memory benchmark's moe-*, gpt-oss-lora, deepseek-lora)."""
     import transformers
 
     from tfcli.data.tokenizers import load_tokenizer_files
 
-    shape = GPT_OSS_SHAPE if model_type == "gpt_oss" else SHAPE
+    shape = {"gpt_oss": GPT_OSS_SHAPE, "deepseek_v3": DEEPSEEK_SHAPE}.get(model_type, SHAPE)
     path = DIRECTORY.with_name(DIRECTORY.name + ("-sft" if model_type == "qwen3_moe" else f"-{model_type}"))
     if not (path / "tokenizer.json").is_file():
         tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])

@@ -200,7 +200,8 @@ def assert_lora_step_matches_peft(arch: str, directory, targets: tuple[str, ...]
     peft = pytest.importorskip("peft")
     ours = tfcli_model(directory)  # its own copy: the adapters change it
     names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj"}
-    names["down"] = "down_proj"
+    names |= {"down": "down_proj", "q_a": "q_a_proj", "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa"}
+    names["kv_b"] = "kv_b_proj"  # DeepSeek's latent attention
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
     peft_model = peft.get_peft_model(
         base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[names[t] for t in targets], lora_dropout=0.0)

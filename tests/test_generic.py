@@ -200,18 +200,13 @@ CONVERTED = {  # checkpoints transformers renames or converts on load
         hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
     ),
-    "deepseek_v3": dict(
-        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
-    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", sorted(CONVERTED))
 def test_a_checkpoint_transformers_converts_on_load_reads_and_exports_as_transformers_does(arch, tmp_path):
-    """GPT-NeoX's output layer is embed_out in its files, lm_head in the module; GLM-4-MoE's and
-    DeepSeek-V3's experts are one tensor per expert in the files, fused on load by transformers 5: each
+    """GPT-NeoX's output layer is embed_out in its files, lm_head in the module; GLM-4-MoE's experts
+    (and DeepSeek-V3's, native now) are one tensor per expert in the files, fused on load by transformers 5: each
     stopped with "not a matching checkpoint". They read as from_pretrained reads them: the same logits
     and greedy tokens, and the export is what transformers reads back (nothing missing, same logits)."""
     config = transformers.AutoConfig.for_model(arch, vocab_size=VOCAB, pad_token_id=0, **CONVERTED[arch])

@@ -40,11 +40,34 @@ ARCHITECTURES = {  # model_type -> the switches that make it itself
     "olmoe": dict(num_experts=4, intermediate_size=16, tie_word_embeddings=False),
     # sinks, biases everywhere, the clamped SwiGLU, sliding and full layers (a window shorter than IDS)
     "gpt_oss": dict(num_local_experts=4, intermediate_size=16, sliding_window=8, tie_word_embeddings=False),
+    # latent attention (a query bottleneck, interleaved rotary pairs), a dense first layer, 8 experts in
+    # 4 groups of which 2 compete, sigmoid scores with a correction bias, a shared expert
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=12,
+        q_lora_rank=10,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        routed_scaling_factor=2.5,
+        router_aux_loss_coef=0.0,
+    ),
 }
 
 
 def hf_model(arch: str, **extra):
-    return random_causal_lm(transformers.AutoConfig.for_model(arch, **{**BASE, **ARCHITECTURES[arch], **extra}))
+    model = random_causal_lm(transformers.AutoConfig.for_model(arch, **{**BASE, **ARCHITECTURES[arch], **extra}))
+    g = torch.Generator().manual_seed(2)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek's: moves which experts are chosen
+            buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.5)
+    return model
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -75,11 +98,29 @@ def test_the_config_is_the_architectures(pair):
             qkv_bias=True,
             out_bias=True,
         ),
+        "deepseek_v3": dict(
+            n_experts=8,
+            expert_d_ff=16,
+            norm_topk=True,
+            kv_lora_rank=12,
+            q_lora_rank=10,
+            head_dim=24,
+            rope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=True,
+            router_score="sigmoid",
+            expert_groups=4,
+            expert_groups_used=2,
+            routed_scale=2.5,
+            shared_expert_d_ff=16,
+            shared_expert_gate=False,
+            dense_layers=(0,),
+        ),
     }[arch]
     assert {k: getattr(cfg, k) for k in expected} == expected
-    assert cfg.experts_per_token == 2 and cfg.router_aux_coef == 0.05
+    assert cfg.experts_per_token == 2 and cfg.router_aux_coef == (0.0 if arch == "deepseek_v3" else 0.05)
     kinds = [type(block.mlp).__name__ for block in ours.blocks]
-    dense = {"qwen3_moe": 1}.get(arch)
+    dense = {"qwen3_moe": 1, "deepseek_v3": 0}.get(arch)
     assert kinds == ["MLP" if i == dense else "MoE" for i in range(3)]
 
 
@@ -106,8 +147,12 @@ def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gra
     moe.routing_losses(layers)
     got = our_loss(ours, IDS)
     extra, metrics = moe.routing_losses(layers)
-    assert near(metrics["router_aux"].item(), out.aux_loss.item())
-    assert out.aux_loss.item() > 1.0  # random routers are unbalanced: the loss is not at its floor
+    if arch == "deepseek_v3":  # a sigmoid router: no balancing loss on either side
+        assert extra is None and out.aux_loss is None
+        extra = torch.zeros(())
+    else:
+        assert near(metrics["router_aux"].item(), out.aux_loss.item())
+        assert out.aux_loss.item() > 1.0  # random routers are unbalanced: the loss is not at its floor
     (got + extra).backward()
     assert abs((got + extra).item() - out.loss.item()) < 1e-4
     grads = theirs_named({n: p.grad for n, p in ours.named_parameters()}, ours.cfg, hf.registry.NATIVE[arch].table)
@@ -129,7 +174,8 @@ def test_a_training_step_with_the_balancing_loss_gives_transformers_loss_and_gra
 def test_a_lora_step_on_attention_gives_the_loss_and_gradients_of_peft(pair):
     """peft adapts modules, and transformers holds the experts as stacked parameters: the attention's
     adapters are compared (LoRA on the experts: the test below, against its per-expert definition)."""
-    assert_lora_step_matches_peft(pair[0], pair[2], ("q", "k", "v", "o"))
+    latent = ("q_a", "q_b", "kv_a", "kv_b", "o")  # DeepSeek's latent attention's projections
+    assert_lora_step_matches_peft(pair[0], pair[2], latent if pair[0] == "deepseek_v3" else ("q", "k", "v", "o"))
 
 
 def _per_expert(state: dict, arch: str) -> dict:
@@ -202,6 +248,13 @@ def test_only_active_experts_count_in_the_flops():
         ("gpt_oss", {"swiglu_limit": 0}, "gpt_oss: swiglu_limit 0 is not implemented"),
         ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "gpt_oss: quantization 'fp8' is not read"),
         ("gpt_oss", {"layer_types": ["chunked_attention"] * 3}, "layer_types names 'chunked_attention'"),
+        ("deepseek_v3", {"num_key_value_heads": 2}, "deepseek_v3: num_key_value_heads 2 is not implemented"),
+        (
+            "deepseek_v3",
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+            "blocks [64, 64]",
+        ),
+        ("deepseek_v3", {"n_group": 3}, "model.expert_groups must divide n_experts"),
     ],
 )
 def test_what_tfcli_does_not_implement_is_refused_in_one_line(arch, change, message, tmp_path):
@@ -357,6 +410,7 @@ def test_classification_and_grpo_train_a_mixture(tmp_path):
 
     model = directory_with_tokenizer("olmoe", tmp_path / "model")
     oss = directory_with_tokenizer("gpt_oss", tmp_path / "gpt-oss")
+    deepseek = directory_with_tokenizer("deepseek_v3", tmp_path / "deepseek")
     mnli = ["mnli", "--from", model, "--data", SHARED / "mnli", "--steps", 2, "--batch-size", 4, "--quiet"]
     mnli += ["--set", "finetune.limit=32", "--set", "finetune.eval_limit=4", "--set", "finetune.report_limit=4"]
     result = invoke("finetune", *mnli, "--train", "lora", "--out", tmp_path / "mnli")
@@ -364,7 +418,7 @@ def test_classification_and_grpo_train_a_mixture(tmp_path):
     grpo = ["grpo", "--data", SHARED / "sft" / "gsm8k", "--steps", 1, "--batch-size", 2]
     grpo += ["--set", "grpo.preset=gsm8k", "--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2"]
     grpo += ["--set", "finetune.limit=8", "--train", "lora", "--quiet"]
-    for source, out in ((model, "grpo"), (oss, "grpo-gpt-oss")):
+    for source, out in ((model, "grpo"), (oss, "grpo-gpt-oss"), (deepseek, "grpo-deepseek")):
         result = invoke("finetune", *grpo, "--from", source, "--out", tmp_path / out)
         assert result.exit_code == 0, result.output
 
@@ -372,7 +426,15 @@ def test_classification_and_grpo_train_a_mixture(tmp_path):
 @pytest.mark.slow  # whole suite only: the parity tests above exercise the modules
 @pytest.mark.parametrize(
     "arch, train",
-    [("qwen2_moe", "lora"), ("mixtral", "all"), ("olmoe", "qlora"), ("gpt_oss", "qlora"), ("gpt_oss", "lora")],
+    [
+        ("qwen2_moe", "lora"),
+        ("mixtral", "all"),
+        ("olmoe", "qlora"),
+        ("gpt_oss", "qlora"),
+        ("gpt_oss", "lora"),
+        ("deepseek_v3", "qlora"),
+        ("deepseek_v3", "all"),
+    ],
 )
 def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
     from .conftest import write_jsonl
@@ -380,12 +442,15 @@ def test_sft_trains_resumes_bit_for_bit_and_exports(arch, train, tmp_path):
     from .test_resume_matrix import assert_resumes_exactly
 
     extra = dict(hidden_size=64, head_dim=16) if train == "qlora" else {}  # NF4 needs whole blocks of 64
+    if arch == "deepseek_v3" and train == "qlora":  # and so do the latent attention's projections
+        extra = dict(hidden_size=64, kv_lora_rank=64, q_lora_rank=64, qk_nope_head_dim=8, v_head_dim=16)
     model = directory_with_tokenizer(arch, tmp_path / "model", **extra)
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     args = ["sft", "--from", model, "--data", data, "--train", train, "--batch-size", 4, "--lr", 1e-2]
     args += ["--set", "sft.generate_limit=2", "--set", "sft.max_new_tokens=4"]
     if train != "all":
-        args += ["--set", "adapter.targets=[q,v,gate,up,down]", "--set", "adapter.experts=true"]
+        attention = "q_a,q_b,kv_a,kv_b,o" if arch == "deepseek_v3" else "q,v"
+        args += ["--set", f"adapter.targets=[{attention},gate,up,down]", "--set", "adapter.experts=true"]
     assert_resumes_exactly("finetune", args, tmp_path)
     exported = invoke("export", "--checkpoint", tmp_path / "whole", "--hf", tmp_path / "out")
     assert exported.exit_code == 0, exported.output
@@ -417,7 +482,7 @@ def test_fsdp_shards_the_experts_with_their_block_and_trains_as_one_process(trai
     assert sorted(one) == [1, 2, 3] and all(near(one[s], fsdp[s], 1e-5) for s in one), (one, fsdp)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     """llama.cpp's names and layout: experts stacked (E, out, in) as ffn_{gate,up,down}_exps, the router
     ffn_gate_inp, Mixtral a llama with experts (its q/k rows permuted), Qwen2-MoE's shared expert."""
@@ -431,7 +496,9 @@ def test_a_gguf_export_reads_back_with_the_same_logits(arch, tmp_path):
     out = tmp_path / "m.gguf"
     hf.export_gguf(Backbone(model=ours, tokenizer=_tokenizer(), source="test"), None, out, "f32")
     names = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in gguf.GGUFReader(str(out)).tensors}
-    assert names["blk.0.ffn_gate_exps.weight"][0] == 4 and "blk.0.ffn_gate_inp.weight" in names
+    first = int(arch == "deepseek_v3")  # its first layer is dense
+    assert names[f"blk.{first}.ffn_gate_exps.weight"][0] == ours.cfg.n_experts
+    assert f"blk.{first}.ffn_gate_inp.weight" in names
     assert set(names) <= llama_cpp_names(hf.gguf.GGUF_ARCH[arch], ours.cfg.n_layer)
     again = tfcli_model_from_gguf(out)
     from dataclasses import replace
@@ -478,6 +545,11 @@ def test_a_gguf_export_refuses_what_llama_cpp_cannot_run(tmp_path):
     with pytest.raises(UserError, match="llama.cpp's qwen3moe renormalises the top-k expert weights"):
         hf.export_gguf(ours, None, tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+    hf_model("deepseek_v3", q_lora_rank=None).save_pretrained(tmp_path / "direct-queries")
+    ours = Backbone(model=tfcli_model(tmp_path / "direct-queries"), tokenizer=_tokenizer(), source="test")
+    with pytest.raises(UserError, match="gives queries a low-rank bottleneck .q_lora_rank. by its layer count"):
+        hf.export_gguf(ours, None, tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_nf4_experts_fsdp_cannot_split_are_named_before_anything_runs():
@@ -493,6 +565,97 @@ def test_nf4_experts_fsdp_cannot_split_are_named_before_anything_runs():
     large = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=128, d_ff=64, vocab_size=50, n_experts=4))
     adapters.apply(large, "qlora", AdapterConfig(targets=("q", "gate")))
     assert nf4.unshardable(large, 2) == ""
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"q_lora_rank": None},  # queries straight from the hidden state (DeepSeek-V2-Lite)
+        {"rope_interleave": False},
+        {"attention_bias": True},
+        {  # DeepSeek-V3's yarn: mscale_all_dim scales the queries too
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 0.7,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "rope_theta": 10000.0,
+            }
+        },
+    ],
+)
+def test_deepseek_variants_match_transformers_and_export_as_they_came(change, tmp_path):
+    theirs = hf_model("deepseek_v3", **change)
+    theirs.save_pretrained(tmp_path / "in")
+    ours = tfcli_model(tmp_path / "in")
+    with torch.no_grad():
+        assert close(ours.logits(ours(IDS)), theirs(IDS).logits, 1e-5)
+    hf.export(Backbone(model=ours, tokenizer=None, source="test"), None, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        assert close(reloaded.eval()(IDS).logits, theirs(IDS).logits, 1e-5)
+
+
+def test_deepseek_generation_caches_the_compressed_latent_not_the_heads(tmp_path):
+    """Latent attention's KV cache holds one latent (kv_lora_rank) and one rotated key (rope_head_dim)
+    a token, for all heads: 12 + 8 numbers where the heads' keys and values would be 4 x (24 + 16)."""
+    theirs = hf_model("deepseek_v3")
+    theirs.save_pretrained(tmp_path)
+    ours = tfcli_model(tmp_path)
+    caches = ours.new_caches(32)
+    with torch.no_grad():
+        ours(IDS[:, :10], caches=caches)
+        ours(IDS[:, 10:11], caches=caches)
+    latent = caches[1]
+    assert latent.length == 11 and latent.k.shape == (2, 1, 32, 12) and latent.v.shape == (2, 1, 32, 8)
+
+
+def test_deepseek_fp8_weights_are_read_dequantized_by_their_block_scales(tmp_path):
+    """DeepSeek-V3's and Kimi K2's releases: every projection FP8 (e4m3) with an inverse scale per
+    128 x 128 block (`weight_scale_inv`, quantization_config fp8): read as the product, the model
+    transformers holds after dequantizing (its logits)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf_model("deepseek_v3", hidden_size=160, intermediate_size=144).save_pretrained(tmp_path / "plain")
+    state = load_file(str(tmp_path / "plain" / "model.safetensors"))  # per-expert, as checkpoints name them
+    plain = dict(state)  # what the FP8 file means, for transformers
+    for name in [k for k in state if k.endswith("proj.weight") and "layers." in k]:
+        w = state[name]
+        blocks = torch.zeros(-(-w.shape[0] // 128), -(-w.shape[1] // 128))  # 160 and 144 wide: 2 x 2
+        for i in range(blocks.shape[0]):
+            for j in range(blocks.shape[1]):
+                blocks[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max() / 448
+        scale = blocks.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        quantized = (w / scale).to(torch.float8_e4m3fn)
+        state[name], state[f"{name}_scale_inv"] = quantized, blocks
+        plain[name] = quantized.float() * scale
+    save_file(plain, str(tmp_path / "plain" / "model.safetensors"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="eager")
+    (tmp_path / "fp8").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "fp8" / "model.safetensors"))
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    config = json.loads((tmp_path / "plain" / "config.json").read_text()) | {"quantization_config": quant}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    ours = tfcli_model(tmp_path / "fp8")
+    assert any(v.dtype == torch.float8_e4m3fn for v in load_file(str(tmp_path / "fp8" / "model.safetensors")).values())
+    with torch.no_grad():
+        assert close(ours.logits(ours(IDS)), theirs.eval()(IDS).logits, 1e-5)
+
+
+def test_the_memory_plan_probes_a_mixture_with_dense_first_layers_by_its_mixture_layers():
+    """DeepSeek-V3's first 3 of 61 layers are dense: probes of its first one and two layers held no
+    experts at all (a plan of 61 dense layers, and QLoRA with adapter.experts refused in the probe)."""
+    from tfcli.engine.memory import probe_config
+
+    cfg = LlamaConfig(n_layer=6, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4, dense_layers=(0, 1))
+    assert all(probe_config(cfg, n).has_experts(i) for n in (1, 2) for i in range(n))
+    elsewhere = LlamaConfig(n_layer=6, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4, dense_layers=(1,))
+    assert not probe_config(elsewhere, 2).has_experts(1)  # a dense layer among them: probed as it is
 
 
 def test_gpt_oss_mxfp4_experts_are_read_as_transformers_dequantizes_them(tmp_path):

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .errors import UserError
 from .models import kinds, nf4
 from .models.blocks import MLP, Attention, linear
+from .models.latent_attention import LatentAttention
 from .models.moe import StackedExperts, moe_layers
 
 if TYPE_CHECKING:  # the recipe reads this table (methods' defaults): adapters does not import it back
@@ -50,6 +51,8 @@ def linear_parts(model: nn.Module, name: str, module: nn.Linear) -> tuple[tuple[
         return ask(name, module)
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, LatentAttention) and leaf in ("q", "q_a", "q_b", "kv_a", "kv_b", "out"):
+        return parent.layout(leaf)
     if isinstance(parent, Attention) and leaf in ("qkv", "kv", "q", "out"):
         return parent.layout(leaf)
     if isinstance(parent, MLP) and leaf in ("up", "gate", "down"):

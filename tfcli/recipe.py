@@ -419,7 +419,9 @@ class FinetuneConfig:
         require(0 <= self.warmup_fraction < 1, "finetune.warmup_fraction", "in [0, 1)", self.warmup_fraction)
 
 
-PARTS = ("q", "k", "v", "o", "up", "gate", "down")  # the linears of the shared block an adapter may target
+# the linears of the shared block an adapter may target (and of DeepSeek's latent attention: the query's
+# bottleneck q_a, q_b, the latent's kv_a, kv_b)
+PARTS = ("q", "k", "v", "o", "up", "gate", "down", "q_a", "q_b", "kv_a", "kv_b")
 ALL_LINEAR = "all-linear"  # peft's name: every linear of the blocks (the generic path's too, named or not)
 
 

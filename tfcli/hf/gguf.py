@@ -37,7 +37,8 @@ MODEL_TYPES = registry.gguf_model_types()
 ARCHITECTURES = tuple(MODEL_TYPES)
 GGUF_ARCH = {r.model_type: r.gguf for r in registry.RECORDS if r.gguf}  # transformers model_type -> GGUF's
 # llama.cpp's mixtures renormalise their top-k weights or not by architecture, not by a key
-NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "gpt-oss": True}
+# (None: a key says, deepseek2's expert_weights_norm)
+NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False, "gpt-oss": True, "deepseek2": None}
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # stacked (E, out, in)
 DENSE = Experts()  # the default names (a dense model has no experts to name)
 MIXTURES = [r.traits.experts for r in registry.RECORDS if r.traits is not None and r.traits.experts is not None]
@@ -279,10 +280,16 @@ def read(path: Path, shapes_only: bool = False) -> tuple[dict, dict[str, Tensor]
     return raw, state
 
 
+def _expert_count(c: dict) -> int:
+    """A config's number of experts, under its architecture's key (0: a dense model)."""
+    kind = registry.decoder_traits(c["model_type"]).experts if c.get("model_type") in registry.NATIVE else None
+    return c.get(kind.count_key if kind else "num_experts") or c.get("num_experts") or 0
+
+
 def _check_expert_count(reader, raw: dict, path: Path, arch: str) -> None:
     """A file whose expert_count disagrees with its stacked expert tensors: one line naming both counts
     (a missing expert's tensor, named later, would not say why)."""
-    count = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    count = _expert_count(raw)
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in EXPERTS:
@@ -468,7 +475,7 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
         raise UserError(f"GGUF export writes {', '.join(GGUF_ARCH)} models; this is a {hf_config['model_type']}")
     ARCHS[arch].check_writable(hf_config)
     _check_experts(hf_config, arch)
-    hf_state = _stacked_experts(ARCHS[arch].to_llama_names(hf_state))
+    hf_state = _stacked_experts(ARCHS[arch].to_llama_names(hf_state, hf_config))
     out = Path(out)
     if out.exists():
         raise UserError(f"{out} exists; choose a new --gguf file")
@@ -514,11 +521,11 @@ def write(hf_config: dict, hf_state: dict[str, Tensor], tok, out: Path, dtype: s
 
 def _check_experts(c: dict, arch: str) -> None:
     """One line for a mixture llama.cpp's architecture cannot run as it is."""
-    if not (c.get("num_experts") or c.get("num_local_experts")):
+    if not _expert_count(c):
         return
     kind = registry.decoder_traits(c["model_type"]).experts or Experts()
     norm = kind.renormalises or bool(c.get("norm_topk_prob"))
-    if norm != NORM_TOPK[arch]:
+    if NORM_TOPK[arch] is not None and norm != NORM_TOPK[arch]:
         raise UserError(
             f"GGUF export: llama.cpp's {arch} {'renormalises' if NORM_TOPK[arch] else 'keeps'} the top-k "
             f"expert weights, and this model {'does' if norm else 'does not'}; no GGUF key says otherwise"
@@ -579,10 +586,11 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
     writer.add_embedding_length(c["hidden_size"])
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
-    writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_key_length(c["head_dim"])
-    writer.add_value_length(c["head_dim"])
-    writer.add_rope_dimension_count(rope_dimensions(c))
+    if not ARCHS[arch].own_head_keys:
+        writer.add_head_count_kv(c["num_key_value_heads"])
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        writer.add_rope_dimension_count(rope_dimensions(c))
     full = (c.get("rope_parameters") or {}).get("full_attention") or {}  # Gemma 3's global layers
     writer.add_rope_freq_base(float(c.get("rope_theta") or full.get("rope_theta") or 10000.0))
     scaling = (
@@ -599,7 +607,7 @@ def _write_metadata(writer, c: dict, tok, vocab: dict, arch: str) -> None:
         raise UserError(f"GGUF export: rope scaling {scaling.get('rope_type')!r} has no GGUF field tfcli writes")
     writer.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     writer.add_vocab_size(c["vocab_size"])
-    experts = c.get("num_experts") or c.get("num_local_experts")
+    experts = _expert_count(c)
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(c["num_experts_per_tok"])

@@ -33,6 +33,7 @@ GRANITE_SCALES = (  # llama.cpp's key, gguf's writer for it, transformers' Grani
 # runs of spaces kept (Gemma's), the prefix space from a normalizer (Phi-3's tokenizer.json)
 PREFIX_SPACE, NO_PREFIX_SPACE, PREFIX_NORMALIZER = "prefix-space", "no-prefix-space", "prefix-normalizer"
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's rotary base of Gemma 3's sliding layers
+LITE_LAYERS = (26, 27)  # llama.cpp's deepseek2 reads no q_lora_rank at these depths (DeepSeek-V2-Lite)
 GEMMA_27B_LAYERS = 46  # llama.cpp scales Gemma 2's 27B queries by d / heads, every other Gemma's by head_dim
 
 
@@ -47,6 +48,7 @@ class Arch:
     sliding: bool = False  # llama.cpp runs a sliding window for it
     tokenizer: str = PREFIX_SPACE  # a SentencePiece file's spaces (gguf.sentencepiece)
     own_rope_keys: bool = False  # its rope scaling is written by write_extras, not the shared keys (Phi-3)
+    own_head_keys: bool = False  # its heads' counts and widths too (DeepSeek's latent attention)
 
     def config_extras(self, get, raw: dict, factors: dict) -> dict:
         """The config.json entries beyond the shared ones (get: a key of the file's arch; factors:
@@ -62,8 +64,9 @@ class Arch:
         """Its keys beyond the shared ones; -> tensors it holds beyond the weights."""
         return {}
 
-    def to_llama_names(self, state: dict) -> dict:
-        """transformers' tensors -> the llama layout hf/gguf.py names (one tensor per expert and part)."""
+    def to_llama_names(self, state: dict, c: dict) -> dict:
+        """transformers' tensors (of config c) -> the llama layout hf/gguf.py names (one tensor per
+        expert and part)."""
         return state
 
     def from_llama_names(self, state: dict) -> dict:
@@ -261,7 +264,7 @@ class GptOss(Arch):
         writer.add_expert_feed_forward_length(int(c["intermediate_size"]))
         return {}
 
-    def to_llama_names(self, state: dict) -> dict:
+    def to_llama_names(self, state: dict, c: dict) -> dict:
         out = {}
         for name, t in state.items():
             stem, _, leaf = name.rpartition(".")
@@ -306,6 +309,106 @@ class GptOss(Arch):
         return out
 
 
+@dataclass(frozen=True)
+class DeepSeek2(Arch):
+    """DeepSeek-V2/V3 (llama.cpp's deepseek2): latent attention written as llama.cpp's absorbed form
+    (one key-value head of kv_lora_rank + rope width; kv_b_proj split into per-head attn_k_b,
+    transposed, and attn_v_b, as its convert_hf_to_gguf.py does), the sigmoid router's settings as
+    keys, its correction bias as exp_probs_b. llama.cpp turns the rotary pairs interleaved (DeepSeek's
+    own layout)."""
+
+    def config_extras(self, get, raw: dict, factors: dict) -> dict:
+        rope, q_rank = get("rope.dimension_count"), get("attention.q_lora_rank")
+        out = {
+            "num_key_value_heads": raw["num_attention_heads"],
+            "kv_lora_rank": get("attention.kv_lora_rank"),
+            "q_lora_rank": q_rank or None,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": get("attention.key_length_mla") - rope,
+            "v_head_dim": get("attention.value_length_mla"),
+            "head_dim": rope,
+            "rope_interleave": True,
+            "first_k_dense_replace": get("leading_dense_block_count", 0),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "n_shared_experts": get("expert_shared_count", 0),
+            "routed_scaling_factor": get("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "n_group": get("expert_group_count", 1),
+            "topk_group": get("expert_group_used_count", 1),
+        }
+        log_mul = get("rope.scaling.yarn_log_multiplier")
+        if log_mul and raw.get("rope_scaling"):
+            out["rope_scaling"] = {**raw["rope_scaling"], "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
+        return out
+
+    def check_writable(self, c: dict) -> None:
+        if not c.get("rope_interleave", True):
+            raise UserError(f"GGUF export: llama.cpp's {self.name} turns interleaved rotary pairs; this model halves")
+        lite = c["num_hidden_layers"] in LITE_LAYERS
+        if bool(c.get("q_lora_rank")) == lite:
+            raise UserError(
+                f"GGUF export: llama.cpp's {self.name} gives queries a low-rank bottleneck (q_lora_rank) by its "
+                f"layer count (none at {' or '.join(map(str, LITE_LAYERS))}, DeepSeek-V2-Lite's); this model "
+                f"{'has one' if lite else 'has none'} at {c['num_hidden_layers']} layers"
+            )
+        super().check_writable(c)
+
+    def write_extras(self, writer, c: dict) -> dict:
+        rank, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+        writer.add_head_count_kv(1)
+        writer.add_key_length(rank + rope)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(c["qk_nope_head_dim"] + rope)
+        writer.add_value_length_mla(c["v_head_dim"])
+        writer.add_rope_dimension_count(rope)
+        writer.add_kv_lora_rank(rank)
+        if c.get("q_lora_rank"):
+            writer.add_q_lora_rank(c["q_lora_rank"])
+        writer.add_leading_dense_block_count(c.get("first_k_dense_replace") or 0)
+        writer.add_expert_shared_count(c.get("n_shared_experts") or 0)
+        writer.add_expert_weights_scale(float(c.get("routed_scaling_factor", 1.0)))
+        writer.add_expert_weights_norm(bool(c.get("norm_topk_prob")))
+        from gguf import ExpertGatingFuncType
+
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(int(c.get("n_group") or 1))
+        writer.add_expert_group_used_count(int(c.get("topk_group") or 1))
+        scaling = c.get("rope_scaling") or {}
+        if scaling.get("mscale_all_dim"):
+            writer.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+        return {}
+
+    def to_llama_names(self, state: dict, c: dict) -> dict:
+        out = {}
+        for name, t in state.items():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                out[name.replace("gate.e_score_correction_bias", "exp_probs.bias")] = t
+            elif name.endswith("self_attn.kv_b_proj.weight"):
+                stem, nope = name.removesuffix("kv_b_proj.weight"), c["qk_nope_head_dim"]
+                kv = t.view(c["num_attention_heads"], -1, t.shape[-1])  # (heads, nope + v, rank)
+                out[f"{stem}k_b_proj.weight"] = kv[:, :nope].transpose(1, 2).contiguous()  # (heads, rank, nope)
+                out[f"{stem}v_b_proj.weight"] = kv[:, nope:].contiguous()  # (heads, v, rank)
+            else:
+                out[name] = t
+        return out
+
+    def from_llama_names(self, state: dict) -> dict:
+        import torch
+
+        out = {}
+        for name, t in state.items():
+            if name.endswith("mlp.exp_probs.bias"):
+                out[name.replace("exp_probs.bias", "gate.e_score_correction_bias")] = t
+            elif name.endswith("self_attn.k_b_proj.weight"):
+                stem = name.removesuffix("k_b_proj.weight")
+                v = state[f"{stem}v_b_proj.weight"]
+                kv = torch.cat((t.transpose(1, 2), v), dim=1)  # (heads, nope + v, rank)
+                out[f"{stem}kv_b_proj.weight"] = kv.reshape(-1, kv.shape[-1])
+            elif not name.endswith("self_attn.v_b_proj.weight"):
+                out[name] = t
+        return out
+
+
 def _smollm3_ropes(n: int) -> list[int]:
     """transformers' no_rope_layers (1: the layer turns) as llama.cpp's SmolLM3 fixes them."""
     return [int((i + 1) % NOPE_EVERY != 0) for i in range(n)]
@@ -337,6 +440,23 @@ ARCHS = {
         Phi3("phi3", PHI3_FUSED, sliding=True, tokenizer=PREFIX_NORMALIZER, own_rope_keys=True),
         Granite("granite", permuted=True),
         SmolLM3("smollm3", permuted=True),
+        DeepSeek2(
+            "deepseek2",
+            {
+                "attn_q_a": "self_attn.q_a_proj",
+                "attn_q_a_norm": "self_attn.q_a_layernorm",
+                "attn_q_b": "self_attn.q_b_proj",
+                "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+                "attn_k_b": "self_attn.k_b_proj",
+                "attn_v_b": "self_attn.v_b_proj",
+                "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                "ffn_down_shexp": "mlp.shared_experts.down_proj",
+                "exp_probs_b": "mlp.exp_probs",
+            },
+            own_head_keys=True,
+        ),
         GptOss(
             "gpt-oss",
             {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},

@@ -89,6 +89,9 @@ SWITCHES = (
     "attn_sinks",
     "expert_bias",
     "swiglu_limit",
+    "kv_lora_rank",
+    "router_score",
+    "routed_scale",
 )
 
 
@@ -181,10 +184,11 @@ NORMS = {
 }
 
 
-def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, experts=None) -> list[Rule]:
+def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, experts=None, attention=None) -> list[Rule]:
     """The weight table. norm_offset: what transformers' norm weights lack of tfcli's (Gemma's 1 + w);
     fused: q/k/v and gate/up in one transformers projection each (Phi-3); experts(ours, layer): a
-    mixture of experts' table in a layer that has one (hf/moe.py: expert_rules)."""
+    mixture of experts' table in a layer that has one (hf/moe.py: expert_rules); attention(ours,
+    layer): an attention's own table (DeepSeek's latent attention), in place of q/k/v/o's."""
     norm = lambda ours, theirs: rule(ours, theirs, offset=norm_offset)  # noqa: E731
     out = [rule("model.wte.weight", "model.embed_tokens.weight"), norm("model.ln_f.weight", "model.norm.weight")]
     if not cfg.tie_word_embeddings:
@@ -192,14 +196,11 @@ def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, exper
     widths = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim)
     for i in range(cfg.n_layer):
         ours, theirs = f"model.blocks.{i}", f"model.layers.{i}"
-        qkv = [f"{theirs}.self_attn.qkv_proj"] if fused else [f"{theirs}.self_attn.{p}_proj" for p in "qkv"]
-        split = () if fused else widths
-        out.append(rule(f"{ours}.attn.qkv.weight", *(f"{n}.weight" for n in qkv), widths=split))
-        if cfg.qkv_bias:
-            out.append(rule(f"{ours}.attn.qkv.bias", *(f"{n}.bias" for n in qkv), widths=split))
         out += [norm(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in NORMS[cfg.norms]]
-        out.append(rule(f"{ours}.attn.out.weight", f"{theirs}.self_attn.o_proj.weight"))
-        out += [rule(f"{ours}.attn.out.bias", f"{theirs}.self_attn.o_proj.bias")] if cfg.out_bias else []
+        if attention is not None:
+            out += attention(f"{ours}.attn", f"{theirs}.self_attn")
+        else:
+            out += attention_rules(cfg, f"{ours}.attn", f"{theirs}.self_attn", widths, fused)
         if cfg.has_experts(i):
             out += experts(f"{ours}.mlp", theirs)
         else:
@@ -210,6 +211,17 @@ def rules(cfg: LlamaConfig, norm_offset: float = 0.0, fused: bool = False, exper
             if cfg.qk_norm
         ]
     return out
+
+
+def attention_rules(cfg: LlamaConfig, ours: str, theirs: str, widths: tuple, fused: bool) -> list[Rule]:
+    """One layer's q/k/v (fused into tfcli's qkv) and output projections."""
+    qkv = [f"{theirs}.qkv_proj"] if fused else [f"{theirs}.{p}_proj" for p in "qkv"]
+    split = () if fused else widths
+    out = [rule(f"{ours}.qkv.weight", *(f"{n}.weight" for n in qkv), widths=split)]
+    if cfg.qkv_bias:
+        out.append(rule(f"{ours}.qkv.bias", *(f"{n}.bias" for n in qkv), widths=split))
+    out.append(rule(f"{ours}.out.weight", f"{theirs}.o_proj.weight"))
+    return out + ([rule(f"{ours}.out.bias", f"{theirs}.o_proj.bias")] if cfg.out_bias else [])
 
 
 def mlp_rules(ours: str, theirs: str, fused: bool = False, bias: bool = False) -> list[Rule]:

@@ -39,6 +39,30 @@ def rope_scaling_of(theta: float, params: dict | None) -> RopeScaling:
     )
 
 
+def latent_attention_scale(raw: dict, qk_head_dim: int) -> float:
+    """DeepSeek's query scale: 1/sqrt(qk_head_dim), times yarn's mscale(factor, mscale_all_dim) squared
+    where a scaled rope names mscale_all_dim (transformers' yarn_apply_mscale)."""
+    p = rope_parameters(raw)
+    scale = qk_head_dim**-0.5
+    factor, all_dim = float(p.get("factor") or 1.0), p.get("mscale_all_dim") or 0
+    if (p.get("rope_type") or p.get("type") or "default") != "default" and all_dim and factor > 1:
+        scale *= (0.1 * all_dim * math.log(factor) + 1.0) ** 2
+    return scale
+
+
+def latent_rope_to_hf(r: RopeScaling, attn_scale: float, qk_head_dim: int) -> dict:
+    """rope_to_hf for DeepSeek's yarn: the query scale's and the cos/sin scale's mscale and
+    mscale_all_dim, recovered from them (the inverse of latent_attention_scale and rope_scaling_of)."""
+    out = rope_to_hf(r)
+    squared = attn_scale * qk_head_dim**0.5  # mscale(factor, mscale_all_dim) ** 2
+    if r.type != "yarn" or r.factor <= 1 or abs(squared - 1.0) < 1e-12:
+        return out
+    log = 0.1 * math.log(r.factor)
+    all_dim = squared**0.5
+    mscale = (out.pop("attention_factor", 0.0) or 1.0) * all_dim
+    return {**out, "mscale": (mscale - 1.0) / log, "mscale_all_dim": (all_dim - 1.0) / log}
+
+
 def rope_parameters(raw: dict, kind: str = "") -> dict:
     """A config's rope settings: transformers 5's `rope_parameters` (per layer type where the model has
     several: `kind`), or the older `rope_theta` + `rope_scaling`."""

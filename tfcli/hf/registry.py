@@ -83,6 +83,14 @@ RECORDS: tuple[Record, ...] = (
             experts=Experts(count_key="num_local_experts", renormalises=True),
         ),
     ),
+    Record(
+        "deepseek_v3", "DeepSeek-V3", "llama", "deepseek_v3", "DeepseekV3ForCausalLM", gguf="deepseek2",
+        traits=Decoder(
+            holds=("dense_layers", "attn_scale"),
+            keys=("attention_bias",),
+            experts=Experts(count_key="n_routed_experts", aux_default=0.0),
+        ),
+    ),
     Record("bert", "BERT", "bert", "bert"),
     Record("roberta", "RoBERTa", "bert", "roberta"),
     Record("xlm-roberta", "XLM-RoBERTa", "bert", "roberta"),

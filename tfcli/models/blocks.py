@@ -65,9 +65,9 @@ class KVCache:
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v of shape (B, n_kv_head, T, hs) after the cached ones; return all so far."""
         B, nh, T, hs = k.shape
-        if self.k is None:
+        if self.k is None:  # values as wide as they are (a latent cache's: its rotary key)
             self.k = k.new_empty(B, nh, self.max_len, hs)
-            self.v = v.new_empty(B, nh, self.max_len, hs)
+            self.v = v.new_empty(B, v.size(1), self.max_len, v.size(-1))
         if self.length + T > self.max_len:
             raise ValueError(f"KV cache full: {self.length} + {T} > {self.max_len} positions")
         self.k[:, :, self.length : self.length + T] = k

@@ -29,6 +29,7 @@ from .blocks import (
     make_norm,
     through_blocks,
 )
+from .latent_attention import LatentAttention
 from .moe import Glu, MoE, Routing, moe_layers
 from .pooling import DecoderTraits
 from .rotary import RopeScaling, Rotary, check_rope
@@ -41,7 +42,9 @@ SWITCHES = (
     "layer_types", "local_rope_theta", "nope_layers", "partial_rotary", "embed_scale", "residual_scale",
     "attn_scale", "logit_scale", "attn_softcap", "logit_softcap", "n_experts", "experts_per_token",
     "expert_d_ff", "norm_topk", "shared_expert_d_ff", "sparse_step", "dense_layers", "router_aux_coef",
-    "router_z_coef", "attn_sinks", "expert_bias", "swiglu_limit", "swiglu_alpha",
+    "router_z_coef", "attn_sinks", "expert_bias", "swiglu_limit", "swiglu_alpha", "kv_lora_rank",
+    "q_lora_rank", "rope_head_dim", "v_head_dim", "rope_interleave", "router_score", "expert_groups",
+    "expert_groups_used", "routed_scale", "shared_expert_gate",
 )  # fmt: skip
 
 
@@ -98,6 +101,18 @@ class LlamaConfig:
     expert_bias: bool = False  # gpt-oss: biases on the router and on each expert's projections
     swiglu_limit: float = 0.0  # gpt-oss: experts gated by (up + 1) * g * sigmoid(alpha g), g and up
     swiglu_alpha: float = 1.702  # clamped at this limit (0: the plain gated activation)
+    kv_lora_rank: int = 0  # DeepSeek-V3: multi-head latent attention from a latent of this width
+    # (models/latent_attention.py; 0: grouped-query attention); head_dim is then a query's and key's
+    # width, rope_head_dim of it rotary (the last part), v_head_dim a value's (0: head_dim)
+    q_lora_rank: int = 0  # the queries' own low-rank bottleneck (0: none)
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dimensions stored in interleaved pairs (DeepSeek's)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's router (models/moe.py)
+    expert_groups: int = 1  # DeepSeek-V3: experts chosen among the best expert_groups_used of these groups
+    expert_groups_used: int = 1
+    routed_scale: float = 1.0  # the routed experts' weights multiplied by this (routed_scaling_factor)
+    shared_expert_gate: bool = True  # the shared expert scaled by a sigmoid gate (Qwen2-MoE; DeepSeek: not)
 
     def __post_init__(self):
         check_config(self)
@@ -114,6 +129,14 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim ({self.head_dim}) must be even for rotary positions")
+        if self.kv_lora_rank:
+            if not 0 < self.rope_head_dim < self.head_dim or self.rope_head_dim % 2 or self.n_kv_head != self.n_head:
+                raise ValueError(
+                    "model.kv_lora_rank (latent attention) needs an even rope_head_dim below head_dim and "
+                    "n_kv_head = n_head"
+                )
+            if not self.v_head_dim:
+                object.__setattr__(self, "v_head_dim", self.head_dim)
         if not self.d_ff:
             object.__setattr__(self, "d_ff", -(-(8 * self.d_model // 3) // 64) * 64)
         if self.sliding_window < 0:
@@ -135,6 +158,12 @@ class LlamaConfig:
             )
         if self.swiglu_limit < 0:
             raise ValueError(f"model.swiglu_limit must be >= 0, got {self.swiglu_limit}")
+        if self.router_score == "sigmoid" and (self.router_aux_coef or self.router_z_coef):
+            raise ValueError("model.router_aux_coef and router_z_coef are softmax routers' losses; set 0 for sigmoid")
+        if self.n_experts and (
+            self.n_experts % self.expert_groups or not 1 <= self.expert_groups_used <= self.expert_groups
+        ):
+            raise ValueError("model.expert_groups must divide n_experts, and expert_groups_used be 1 to expert_groups")
         if self.n_experts < 0 or min(self.router_aux_coef, self.router_z_coef) < 0:
             raise ValueError("model.n_experts, router_aux_coef and router_z_coef must be >= 0")
         if any(not 0 <= i < self.n_layer for i in self.dense_layers):
@@ -161,13 +190,17 @@ class LlamaConfig:
         return bool(self.n_experts) and layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
     def with_layers(self, n: int) -> LlamaConfig:
-        """This model's first n layers (the memory plan probes one and two blocks)."""
+        """This model's first n layers (the memory plan probes one and two blocks); a mixture whose
+        first layers are dense (DeepSeek-V3's 3 of 61) and every later one a mixture is probed with
+        mixtures only, the layers that make up its depth."""
+        prefix = self.dense_layers == tuple(range(len(self.dense_layers))) and self.sparse_step == 1
+        dense = () if self.n_experts and prefix and len(self.dense_layers) < self.n_layer else self.dense_layers
         return replace(
             self,
             n_layer=n,
             layer_types=self.layer_types[:n],
             nope_layers=tuple(i for i in self.nope_layers if i < n),
-            dense_layers=tuple(i for i in self.dense_layers if i < n),
+            dense_layers=tuple(i for i in dense if i < n),
         )
 
     def window_of(self, layer: int) -> int:
@@ -178,7 +211,7 @@ class LlamaConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary)
+        return self.rope_head_dim if self.kv_lora_rank else int(self.head_dim * self.partial_rotary)
 
 
 class Llama(DecoderTraits, nn.Module):
@@ -201,7 +234,9 @@ class Llama(DecoderTraits, nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(
-                Attention(
+                _attention(cfg, i)
+                if cfg.kv_lora_rank
+                else Attention(
                     cfg.d_model,
                     cfg.n_head,
                     n_kv_head=cfg.n_kv_head,
@@ -318,11 +353,38 @@ class Llama(DecoderTraits, nn.Module):
         return out
 
 
+def _attention(cfg: LlamaConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s latent attention (DeepSeek-V3's: cfg.kv_lora_rank set)."""
+    return LatentAttention(
+        cfg.d_model,
+        cfg.n_head,
+        nope_dim=cfg.head_dim - cfg.rope_head_dim,
+        rope_dim=cfg.rope_head_dim,
+        v_dim=cfg.v_head_dim,
+        kv_rank=cfg.kv_lora_rank,
+        q_rank=cfg.q_lora_rank,
+        bias=cfg.out_bias,
+        dropout=cfg.dropout,
+        scale=cfg.attn_scale or None,
+        interleaved=cfg.rope_interleave,
+    )
+
+
 def _feed_forward(cfg: LlamaConfig, layer: int) -> nn.Module:
     """Layer `layer`'s feed-forward: the gated MLP, or where the config has experts there, the MoE."""
     if not cfg.has_experts(layer):
         return MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.mlp_bias, gated=True, dropout=cfg.dropout)
-    routing = Routing(cfg.n_experts, cfg.experts_per_token, cfg.norm_topk, cfg.router_aux_coef, cfg.router_z_coef)
+    routing = Routing(
+        cfg.n_experts,
+        cfg.experts_per_token,
+        cfg.norm_topk,
+        cfg.router_aux_coef,
+        cfg.router_z_coef,
+        cfg.router_score,
+        cfg.expert_groups,
+        cfg.expert_groups_used,
+        cfg.routed_scale,
+    )
     glu = Glu(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
     return MoE(
         cfg.d_model,
@@ -331,4 +393,5 @@ def _feed_forward(cfg: LlamaConfig, layer: int) -> nn.Module:
         shared_d_ff=cfg.shared_expert_d_ff,
         glu=glu,
         bias=cfg.expert_bias,
+        shared_gate=cfg.shared_expert_gate,
     )

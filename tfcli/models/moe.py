@@ -47,13 +47,20 @@ class Glu:
 @dataclass(frozen=True)
 class Routing:
     """How a router weighs its choice: softmax over all experts, then the top k, renormalised to sum to
-    one where norm_topk (Mixtral, Qwen3-MoE) or kept as they are (OLMoE, Qwen2-MoE)."""
+    one where norm_topk (Mixtral, Qwen3-MoE) or kept as they are (OLMoE, Qwen2-MoE). DeepSeek-V3's:
+    each expert's sigmoid score, the top k chosen by score plus a fixed correction bias among the
+    best `topk_groups` of `groups` groups (a group ranked by its two best), weighed by their scores
+    (renormalised where norm_topk) times `scale`."""
 
     n_experts: int
     top_k: int
     norm_topk: bool = False
     aux_coef: float = 0.0  # the load-balancing loss's weight in the training loss
     z_coef: float = 0.0  # the router z-loss's weight
+    score: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
 
 
 class StackedExperts(nn.Module):
@@ -178,13 +185,18 @@ class MoE(nn.Module):
         shared_d_ff: int = 0,
         glu: Glu | None = None,
         bias: bool = False,
+        shared_gate: bool = True,
     ):
         super().__init__()
         self.routing = routing
         self.router = nn.Linear(d_model, routing.n_experts, bias=bias)
         self.experts = StackedExperts(routing.n_experts, d_model, d_ff, glu or Glu(activation), bias)
         self.shared = MLP(d_model, shared_d_ff, activation=activation, bias=False, gated=True) if shared_d_ff else None
-        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_d_ff else None
+        # Qwen2-MoE scales its shared expert by a sigmoid gate; DeepSeek-V3 adds its shared experts as they are
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_d_ff and shared_gate else None
+        # DeepSeek-V3's correction bias: shifts which experts are chosen, not their weights (fixed here:
+        # DeepSeek moves it by the experts' load while pretraining, not by gradients)
+        self.score_bias = nn.Buffer(torch.zeros(routing.n_experts)) if routing.score == "sigmoid" else None
         self.routed: list[Tensor] = []  # this training pass's router logits (N, E), for routing_losses
         self.load: Tensor | None = None  # tokens per expert while expert_load counts (E,)
 
@@ -199,11 +211,28 @@ class MoE(nn.Module):
 
     def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Router logits (N, E) -> (weights, experts), each (N, k): softmax in fp32, then the top k."""
+        if self.routing.score == "sigmoid":
+            return self._choose_by_sigmoid(logits)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.routing.top_k, dim=-1)
         if self.routing.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), chosen
+
+    def _choose_by_sigmoid(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        r = self.routing
+        scores = logits.float().sigmoid()  # (N, E)
+        biased = scores + self.score_bias.float()
+        if r.groups > 1:  # only the experts of the best topk_groups groups compete
+            grouped = biased.view(len(biased), r.groups, -1)
+            best = grouped.topk(min(2, grouped.size(-1)), dim=-1).values.sum(-1)  # (N, groups)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(r.topk_groups, dim=-1).indices, 1.0).bool()
+            biased = biased.masked_fill(~keep.repeat_interleave(grouped.size(-1), dim=1), float("-inf"))
+        chosen = biased.topk(r.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if r.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * r.scale).to(logits.dtype), chosen
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -226,9 +255,10 @@ class MoE(nn.Module):
             ys = ys * weights.flatten()[order, None]
             out = torch.zeros_like(flat).index_add_(0, rows, ys.to(flat.dtype))  # (N, D)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        if self.training and torch.is_grad_enabled():
-            self.routed.append(logits)
+            shared = self.shared(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
+        if self.training and torch.is_grad_enabled() and self.routing.score == "softmax":
+            self.routed.append(logits)  # the balancing and z losses are a softmax router's
         if self.load is not None:
             self.load += counts.to(self.load.dtype)
         return out.view(shape)
