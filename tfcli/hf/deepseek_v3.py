@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (and Kimi K2, its relatives of the same architecture) <-> transformers'
-DeepseekV3ForCausalLM, as a llama-family decoder with multi-head latent attention
-(models/latent_attention.py) and a mixture of experts after its first dense layers.
+"""DeepSeek-V3 <-> transformers' DeepseekV3ForCausalLM (every checkpoint of the architecture whose
+config.json says model_type deepseek_v3; Kimi K2 shares the architecture under a type of its own,
+kimi_k2, which transformers does not ship), as a llama-family decoder with multi-head latent
+attention (models/latent_attention.py) and a mixture of experts after its first dense layers.
 
 Its switches: the latent attention's ranks and head widths (`kv_lora_rank`, `q_lora_rank`,
 `rope_head_dim`, `v_head_dim`, DeepSeek's interleaved rotary pairs `rope_interleave`), the query scale
@@ -10,7 +11,7 @@ ungated (`shared_expert_gate` off), and `first_k_dense_replace` dense layers fir
 trains it with no load-balancing loss; tfcli neither (the correction bias stays as read).
 
 Checkpoints name each expert apart (`experts.{j}.gate_proj`, as Qwen2-MoE's), which transformers fuses
-on loading; tfcli stacks them (E, out, in). The released DeepSeek-V3 and Kimi K2 weights are FP8
+on loading; tfcli stacks them (E, out, in). The released DeepSeek-V3 weights are FP8
 (e4m3) with one inverse scale per 128 x 128 block (`weight_scale_inv`): dequantized on reading, as
 transformers' FineGrainedFP8 path does without a GPU.
 """
