@@ -7,6 +7,12 @@ transformers does), so attribute tricks that reach Python internals (`''.__class
 a one-line error. The assistant mask comes from rendering prefixes of the conversation and
 differencing them (torchtune's approach): the characters an assistant message adds after its
 generation prompt are its reply, so no template needs `{% generation %}` markers.
+
+Tool calls (TRL's conversational format): an assistant message may carry `tool_calls` ({"type":
+"function", "function": {"name", "arguments"}}) and `tool` messages carry their results; the
+conversation's tools (JSON schemas) are given to the template as transformers gives them (`tools=`).
+An assistant message is a reply whether it writes text or calls tools; tool results and the system's
+tool list are never one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from pathlib import Path
 from ..errors import UserError, short
 from .special_tokens import template_of
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_PROBE = "tfcli_probe_tool"  # a tool name no template writes unless it writes tool calls
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
 
 
@@ -79,8 +86,25 @@ class ChatTemplate:
             return False
         return probe in out and "'type'" not in out
 
+    @functools.cached_property
+    def writes_tool_calls(self) -> bool:
+        """Whether the template writes an assistant's tool calls (it has a tool format): a probe call's
+        tool name appears in what it renders."""
+        call = {"type": "function", "function": {"name": TOOL_PROBE, "arguments": {"x": 1}}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        schema = {"type": "function", "function": {"name": TOOL_PROBE, "parameters": {"type": "object"}}}
+        try:
+            return TOOL_PROBE in self.text(messages, tools=[schema])
+        except UserError:
+            return False
+
     def text(
-        self, messages: list[dict], add_generation_prompt: bool = False, marker: str | None = None, **specials: str
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        marker: str | None = None,
+        tools: list | None = None,
+        **specials: str,
     ) -> str:
         """The conversation as the template writes it (bos_token, eos_token, ... as given). Content is
         given to the template in the form it reads: where there are images (`marker`), a template that
@@ -88,7 +112,9 @@ class ChatTemplate:
         reads texts gets parts joined, an image part written as the marker."""
         import jinja2
 
-        messages = [{**m, "content": self._content(m["content"], marker)} for m in messages]
+        messages = [{**m, "content": self._content(m.get("content"), marker)} for m in messages]
+        if tools is not None:
+            specials = {**specials, "tools": tools}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
         except jinja2.exceptions.SecurityError as e:
@@ -115,18 +141,20 @@ class ChatTemplate:
         messages: list[dict],
         add_generation_prompt: bool = False,
         images: ImageMarks | None = None,
+        tools: list | None = None,
         **specials: str,
     ) -> Rendered:
         """Ids of the whole conversation and the mask of its assistant replies, each reply's
         end-of-turn token included (whitespace the template writes after it is not). The template
         sees the tokenizer's own special tokens (bos_token, eos_token, ...) unless given. `images`:
         the template places each image's marker (as it reads parts, or where the text has it), and the
-        markers of the rendered text are then expanded into the images' tokens."""
+        markers of the rendered text are then expanded into the images' tokens. `tools`: the
+        conversation's tool schemas, for the template to list."""
         check_messages(messages, parts=images is not None)
         specials = {**tokenizer.specials.to_config(), **specials}
         marker = images.marker if images is not None else None
-        text = self.text(messages, add_generation_prompt, marker, **specials)
-        spans = self.assistant_spans(messages, text, marker, **specials)
+        text = self.text(messages, add_generation_prompt, marker, tools, **specials)
+        spans = self.assistant_spans(messages, text, marker, tools, **specials)
         if images is not None:
             if text.count(marker) != images.count:
                 raise UserError(
@@ -140,7 +168,7 @@ class ChatTemplate:
         return Rendered(list(encoding.ids), turns, text)
 
     def assistant_spans(
-        self, messages: list[dict], text: str, marker: str | None = None, **specials: str
+        self, messages: list[dict], text: str, marker: str | None = None, tools: list | None = None, **specials: str
     ) -> list[tuple[int, int]]:
         """(start, end) characters of every assistant reply in `text`: what rendering messages[:i+1]
         adds to rendering messages[:i], after the generation prompt's header (found by its text:
@@ -149,10 +177,10 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            previous = self.text(messages[:i], False, marker, **specials)
-            through = self.text(messages[: i + 1], False, marker, **specials).rstrip()  # may end in blank lines
+            previous = self.text(messages[:i], False, marker, tools, **specials)
+            through = self.text(messages[: i + 1], False, marker, tools, **specials).rstrip()  # may end in blank lines
             common = len(os.path.commonprefix([previous, through]))
-            prompted = self.text(messages[:i], True, marker, **specials)
+            prompted = self.text(messages[:i], True, marker, tools, **specials)
             header = prompted[len(os.path.commonprefix([previous, prompted])) :].strip()
             found = through.find(header, common) if header else common
             if found < 0 or not text.startswith(through):
@@ -169,19 +197,41 @@ class ChatTemplate:
 
 def check_messages(messages: list[dict], parts: bool = False) -> None:
     """Each message a {role, content} with a known role and text content (`parts`: or a list of text
-    and image parts, a vision-language model's)."""
+    and image parts, a vision-language model's); an assistant's `tool_calls` (then its content may be
+    empty or None) a list of {function: {name, arguments}}."""
     if not messages:
         raise UserError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls is not None and (m.get("role") != "assistant" or not tool_calls_valid(calls)):
+            raise UserError(
+                f"message {i + 1}: tool_calls must be an assistant's list of "
+                f"{{type: function, function: {{name, arguments}}}}, got {short(m, 60)}"
+            )
         if (
             not isinstance(m, dict)
             or m.get("role") not in ROLES
-            or not (isinstance(content, str) or (parts and joined(content, "") is not None))
+            or not (
+                isinstance(content, str) or (calls and content is None) or (parts and joined(content, "") is not None)
+            )
         ):
             raise UserError(
-                f"message {i + 1}: expected {{role: system|user|assistant, content: text}}, got {short(m, 60)}"
+                f"message {i + 1}: expected {{role: system|user|assistant|tool, content: text}}, got {short(m, 60)}"
             )
+
+
+def tool_calls_valid(calls) -> bool:
+    """A non-empty list of {function: {name: text, arguments: an object or its JSON}}."""
+    if not isinstance(calls, list) or not calls:
+        return False
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            return False
+        if not isinstance(function.get("arguments"), (dict, str)):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

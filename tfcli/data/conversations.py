@@ -3,7 +3,9 @@ supervised finetuning (tasks/sft.py).
 
 Three row formats, told apart by their fields:
   - prompt/reply rows (`prompt`/`completion`, or the fields a recipe names: GSM8K's question/answer);
-  - conversations: a `messages` list of {role, content} (system, then user and assistant in turn);
+  - conversations: a `messages` list of {role, content} (system, then user and assistant in turn),
+    tool calls among them in TRL's format (an assistant's `tool_calls`, then a `tool` message for each
+    result) with the row's `tools` (JSON schemas) listed by the chat template;
   - plain text (continued pretraining: every token trained).
 A row that cannot become an example (a missing field, roles out of order, an empty reply, more
 tokens than the model reads) is skipped with its reason counted, never a traceback.
@@ -38,6 +40,7 @@ class Fields:
     messages: str = "messages"
     text: str = "text"
     system: str = ""  # a system message put before every prompt/reply row ("" = none)
+    tools: str = "tools"  # a conversation's tool schemas (a list, or its JSON)
 
 
 @dataclass(frozen=True)
@@ -145,22 +148,48 @@ def as_messages(row: dict, fields: Fields, fmt: str, parts: bool = False) -> lis
         return f"skip:no {fields.messages!r} list"
     try:
         check_messages(messages, parts)
-    except UserError:
-        return "skip:a message without role and text content"
-    return why_out_of_order(messages) or [{"role": m["role"], "content": m["content"]} for m in messages]
+    except UserError as e:
+        return "skip:malformed tool_calls" if "tool_calls" in str(e) else "skip:a message without role and text content"
+    kept = ("role", "content", "tool_calls", "name", "tool_call_id")  # what a template may read of a message
+    return why_out_of_order(messages) or [{k: m[k] for k in kept if k in m} for m in messages]
+
+
+# the roles that may follow each (after an optional system message, a conversation starts with the user)
+FOLLOWS = {"user": {"assistant"}, "assistant": {"user"}, "calls": {"tool"}, "tool": {"tool", "assistant"}}
 
 
 def why_out_of_order(messages: list[dict]) -> str | None:
-    """An optional system message, then user and assistant in turn, ending in a non-empty reply."""
+    """An optional system message, then user and assistant in turn, ending in a reply: an assistant
+    that calls tools is followed by their results (`tool` messages), then the assistant again."""
     turns = messages[1:] if messages[0]["role"] == "system" else messages
-    expected = ["user", "assistant"] * len(turns)
-    if [m["role"] for m in turns] != expected[: len(turns)]:
+    if not turns or turns[0]["role"] != "user":
         return "skip:roles out of order"
-    if not turns or turns[-1]["role"] != "assistant":
+    for m, after in zip(turns, turns[1:]):
+        kind = "calls" if m["role"] == "assistant" and m.get("tool_calls") else m["role"]
+        if after["role"] not in FOLLOWS.get(kind, ()):
+            return "skip:roles out of order"
+    if turns[-1]["role"] != "assistant":
         return "skip:no assistant reply at the end"
-    if any(m["role"] == "assistant" and not joined(m["content"], "").strip() for m in turns):
+    if any(
+        m["role"] == "assistant" and not m.get("tool_calls") and not joined(m["content"], "").strip() for m in turns
+    ):
         return "skip:empty reply"
     return None
+
+
+def tools_of(row: dict, fields: Fields) -> list | None:
+    """A row's tool schemas (a list, or its JSON as TRL's datasets often store it), None without any."""
+    import json
+
+    tools = row.get(fields.tools)
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise UserError(f"a row's {fields.tools!r} is not JSON: {tools[:60]!r}") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError(f"a row's {fields.tools!r} must be a list of JSON schemas, got {str(tools)[:60]!r}")
+    return tools or None
 
 
 class ExampleBuilder:
@@ -183,10 +212,13 @@ class ExampleBuilder:
 
     reads_parts = False  # rows' messages may hold image parts (ImageExamples)
 
+    tools: list | None = None  # the row's tool schemas, while its example is built
+
     def example(self, row: dict) -> AnyExample | str:
         parsed = as_messages(row, self.fields, row_format(row, self.fields, self.fmt), self.reads_parts)
         if isinstance(parsed, str) and parsed.startswith("skip:"):
             return parsed
+        self.tools = tools_of(row, self.fields)
         return self.within_length(self.build(parsed))
 
     def within_length(self, example: AnyExample | str) -> AnyExample | str:
@@ -229,6 +261,8 @@ class DecoderExamples(ExampleBuilder):
             return Example(np.array(ids), np.array([0] + [1] * (len(ids) - 1)), ids[:1], parsed, plain_text=True)
         if self.template is not None:
             return self.templated(parsed)
+        if self.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in parsed):
+            return "skip:tool calls need a chat template (sft.chat_template)"
         if len(parsed) != 2:  # a system message or several turns: only a template says how to write them
             return "skip:a conversation needs a chat template (sft.chat_template)"
         return self.plain(parsed[0]["content"], parsed[1]["content"])
@@ -236,7 +270,13 @@ class DecoderExamples(ExampleBuilder):
     images: ImageMarks | None = None  # the example's images, while it is built (ImageExamples)
 
     def templated(self, messages: list[dict]) -> Example:
-        rendered = self.template.render(self.tok, messages, images=self.images)
+        calls = any(m.get("tool_calls") for m in messages)
+        if calls and not self.template.writes_tool_calls:
+            raise UserError(
+                f"{self.template.where} has no tool format (it does not write an assistant's tool_calls); "
+                "pass sft.chat_template a template that does (shipped: qwen2.5-instruct)"
+            )
+        rendered = self.template.render(self.tok, messages, images=self.images, tools=self.tools)
         turns = np.array(rendered.turns)  # (T,): 0, or the number of the reply the token belongs to
         if self.train_on == "all":
             trained = np.ones(len(turns), dtype=np.int64)
@@ -245,8 +285,10 @@ class DecoderExamples(ExampleBuilder):
         else:
             trained = (turns > 0).astype(np.int64)
         trained[0] = 0  # the first token is nobody's target
-        prompt = self.template.render(self.tok, messages[:-1], add_generation_prompt=True, images=self.images).ids
-        return Example(np.array(rendered.ids), trained, list(prompt), joined(messages[-1]["content"], ""))
+        prompt = self.template.render(
+            self.tok, messages[:-1], add_generation_prompt=True, images=self.images, tools=self.tools
+        ).ids
+        return Example(np.array(rendered.ids), trained, list(prompt), joined(messages[-1]["content"] or "", ""))
 
     def plain(self, prompt: str, reply: str) -> Example:
         """A base model's example: the prompt and a line break, the reply, end of text."""
@@ -263,6 +305,8 @@ class Seq2SeqExamples(ExampleBuilder):
     def build(self, parsed):
         if isinstance(parsed, str):
             return "skip:plain text has no reply for an encoder-decoder to learn (give prompt/reply rows)"
+        if self.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in parsed):
+            return "skip:tool calls need a decoder's chat template"
         *context, last = parsed
         if len(context) == 1 and context[0]["role"] == "user":
             source = context[0]["content"]

@@ -65,6 +65,8 @@ def as_messages(value) -> list[dict] | None:
             check_messages(value)
         except UserError:
             return None
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in value):  # preferences over replies, not calls
+            return None
         return [{"role": m["role"], "content": m["content"]} for m in value]
     return dialogue(value) if isinstance(value, str) and "\n\nHuman:" in "\n\n" + value.lstrip("\n") else None
 

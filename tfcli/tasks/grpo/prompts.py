@@ -62,6 +62,8 @@ class PromptBuilder:
                 return "skip:a message without role and text content"
             if not messages or messages[-1]["role"] != "user":
                 return "skip:messages not ending with the user's turn"
+            if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                return "skip:tool calls in a prompt (GRPO with tools is not built yet)"
             if self.template is None:
                 return "skip:a conversation needs a chat template (grpo.chat_template)"
             asked: str | list = [{"role": m["role"], "content": m["content"]} for m in messages]
