@@ -276,6 +276,16 @@ def test_a_mixture_tfcli_cannot_build_is_refused_before_anything_is_created(sett
     assert not (tmp_path / "run").exists()
 
 
+def test_qwen2_moe_refuses_a_shared_expert_without_its_gate():
+    """DeepSeek's ungated shared experts cannot be written as Qwen2-MoE's gated one."""
+    cfg = LlamaConfig(
+        n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4, shared_expert_d_ff=16,
+        shared_expert_gate=False, hf_model_type="qwen2_moe", qkv_bias=True,
+    )  # fmt: skip
+    with pytest.raises(UserError, match="sets model.shared_expert_gate, which transformers' Qwen2MoeForCausalLM"):
+        hf.export(Backbone(model=Llama(cfg), tokenizer=None, source="test"), None, "/nonexistent/never-written")
+
+
 def test_a_dense_architecture_refuses_a_model_with_experts():
     model = Llama(LlamaConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=50, n_experts=4))
     with pytest.raises(UserError, match="sets model.n_experts, which transformers' LlamaForCausalLM cannot hold"):

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..models.llama import LlamaConfig
-from . import llama, positions, registry
+from . import llama, moe, positions, registry
 from .convert import Export, Rule, rule
 
 FP8_BLOCK = (128, 128)  # quantization_config.weight_block_size, the one tfcli reads
@@ -148,18 +148,11 @@ def attention_rules(cfg: LlamaConfig, ours: str, theirs: str) -> list[Rule]:
 
 
 def expert_rules(cfg: LlamaConfig, ours: str, layer: str) -> list[Rule]:
-    """One layer's router (its weight and correction bias), routed experts stacked, shared experts."""
-    theirs = f"{layer}.mlp"
-    out = [
-        rule(f"{ours}.router.weight", f"{theirs}.gate.weight"),
-        rule(f"{ours}.score_bias", f"{theirs}.gate.e_score_correction_bias", optional=True),  # zeros if absent
-    ]
-    for mine, name in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
-        experts = [f"{theirs}.experts.{j}.{name}.weight" for j in range(cfg.n_experts)]
-        out.append(rule(f"{ours}.experts.{mine}", *experts, stack=True))
-    if cfg.shared_expert_d_ff:
-        out += llama.mlp_rules(f"{ours}.shared", f"{theirs}.shared_experts")
-    return out
+    """One layer's mixture as the other mixtures' (hf/moe.py: the router, the experts stacked, the
+    shared experts), and the router's correction bias (zeros where a checkpoint has none)."""
+    names = registry.decoder_traits(cfg.hf_model_type).experts
+    bias = rule(f"{ours}.score_bias", f"{layer}.mlp.gate.e_score_correction_bias", optional=True)
+    return [*moe.expert_rules(cfg, names, ours, layer), bias]
 
 
 def rules(cfg: LlamaConfig) -> list[Rule]:

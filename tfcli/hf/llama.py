@@ -92,6 +92,7 @@ SWITCHES = (
     "kv_lora_rank",
     "router_score",
     "routed_scale",
+    "shared_expert_gate",
 )
 
 

@@ -29,7 +29,8 @@ def expert_rules(cfg: LlamaConfig, names: Experts, ours: str, layer: str) -> lis
         experts = [f"{theirs}.experts.{j}.{name}.weight" for j in range(cfg.n_experts)]
         out.append(rule(f"{ours}.experts.{mine}", *experts, stack=True))
     if cfg.shared_expert_d_ff:
-        out += llama.mlp_rules(f"{ours}.shared", f"{theirs}.shared_expert")
+        out += llama.mlp_rules(f"{ours}.shared", f"{theirs}.{names.shared_block}")
+    if cfg.shared_expert_d_ff and cfg.shared_expert_gate:
         out.append(rule(f"{ours}.shared_gate.weight", f"{theirs}.shared_expert_gate.weight"))
     return out
 

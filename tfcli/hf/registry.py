@@ -88,7 +88,7 @@ RECORDS: tuple[Record, ...] = (
         traits=Decoder(
             holds=("dense_layers", "attn_scale"),
             keys=("attention_bias",),
-            experts=Experts(count_key="n_routed_experts", aux_default=0.0),
+            experts=Experts(count_key="n_routed_experts", aux_default=0.0, shared_block="shared_experts"),
         ),
     ),
     Record("bert", "BERT", "bert", "bert"),

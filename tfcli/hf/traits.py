@@ -21,6 +21,7 @@ class Experts:
     qwen_layout: bool = False  # experts of their own width (moe_intermediate_size), layers left dense
     # (decoder_sparse_step, mlp_only_layers): Qwen's mixtures
     shared_expert: bool = False  # a shared expert beside the routed ones, gated (Qwen2-MoE)
+    shared_block: str = "shared_expert"  # the shared expert's module (DeepSeek-V3: "shared_experts")
 
 
 @dataclass(frozen=True)
