@@ -85,8 +85,8 @@ def _scoring_each_row(rollouts, asked):
     """Score as the rollout does, with each completion's own row (the fixed rewards)."""
     score = Rollouts.score
 
-    def scored(prompts, completions, split):
-        return score(rollouts, asked, completions, split)
+    def scored(prompts, completions, split, conversations=None):
+        return score(rollouts, asked, completions, split, conversations)
 
     return scored
 

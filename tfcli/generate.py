@@ -5,6 +5,7 @@ loop serves both; only how the next logits are computed differs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -235,6 +236,44 @@ def generate_batch(
     `encode`) reads them right-padded and starts every row's decoder from `start_id`. Greedy output is
     the batch-1 output, row by row. `inputs`: what the prompts' pass reads besides their tokens (a
     vision-language model's pixel_values, the frames of the rows' image tokens in order)."""
+    first, step, steps, device = _prefill(model, prompts, max_new_tokens, start_id, pad_id, inputs)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    rows, _ = _rows_until_stop(
+        first, step, decode_logits(model, device), steps, set(stop_ids), sampling, seed, device, keep_stop, finished
+    )
+    return rows
+
+
+@torch.no_grad()
+def generate_turns(
+    model: nn.Module,
+    prompts: list[list[int]],
+    turns: Callable[[int, list[int], int], list[int] | None],
+    *,
+    max_new_tokens: int,
+    stop_ids: Iterable[int],
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    pad_id: int = 0,
+    finished: Callable[[bool], bool] = bool,
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """A decoder's conversations continued past its turns: when row r samples a stop token,
+    `turns(r, its ids so far, room)` gives the ids to read before it writes again (a tool's result and
+    the next turn's header, at most `room` of them) or None to end it. Those ids are fed one per step
+    into the same KV cache (nothing is read twice) while the other rows go on sampling; they count
+    toward max_new_tokens. -> (each row's ids after its prompt, whether each id was sampled)."""
+    first, step, steps, device = _prefill(model, prompts, max_new_tokens, 0, pad_id, None)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    return _rows_until_stop(
+        first, step, decode_logits(model, device), steps, set(stop_ids), sampling, seed, device, True, finished, turns
+    )
+
+
+def _prefill(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, start_id: int, pad_id: int, inputs):
+    """The prompts' pass: (its last hidden states, the step that feeds (B, 1) new ids, the steps the
+    context leaves, the device)."""
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
     lengths = [len(p) for p in prompts]
@@ -266,18 +305,7 @@ def generate_batch(
                 return model(ids, caches, key_mask=mask, **inputs)[:, -1:]
             return model(tokens, caches, key_mask=mask)
 
-    return _rows_until_stop(
-        first,
-        step,
-        decode_logits(model, device),
-        steps,
-        set(stop_ids),
-        dict(temperature=temperature, top_k=top_k, top_p=top_p),
-        seed,
-        device,
-        keep_stop,
-        finished,
-    )
+    return first, step, steps, device
 
 
 def _right_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
@@ -298,23 +326,38 @@ def _rows_until_stop(
     device,
     keep_stop: bool = False,
     finished: Callable[[bool], bool] = bool,
-    inputs: dict | None = None,
-) -> list[list[int]]:
-    """Sample every row until each has met a stop token (a finished row's later tokens are dropped)."""
+    turns: Callable[[int, list[int], int], list[int] | None] | None = None,
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """Sample every row until each has met a stop token (a finished row's later tokens are dropped);
+    `turns` (generate_turns) may give a stopped row ids to read and go on. -> (rows, which ids were
+    sampled). Every step draws a token for every row, so a row's draws do not depend on the others'."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     rows: list[list[int]] = [[] for _ in range(hidden.size(0))]
+    sampled: list[list[bool]] = [[] for _ in rows]
+    pending: list[deque[int]] = [deque() for _ in rows]
     done = [False] * len(rows)
     for i in range(steps):
-        nxt = sample_next(logits(hidden[:, -1]), generator=generator, **sampling)  # (B,)
-        for r, token in enumerate(nxt.tolist()):
-            if not done[r]:
-                done[r] = token in stop
-                if keep_stop or not done[r]:
-                    rows[r].append(token)
+        chosen = sample_next(logits(hidden[:, -1]), generator=generator, **sampling).tolist()  # (B,)
+        for r, token in enumerate(chosen):
+            if done[r]:
+                continue
+            if pending[r]:  # a token the row reads (a tool's result), not one it writes
+                chosen[r] = pending[r].popleft()
+                rows[r].append(chosen[r])
+                sampled[r].append(False)
+                continue
+            stopped = token in stop
+            if keep_stop or not stopped:
+                rows[r].append(token)
+                sampled[r].append(True)
+            if stopped:
+                more = turns(r, rows[r], steps - len(rows[r])) if turns is not None else None
+                pending[r].extend(more or ())
+                done[r] = not more
         if finished(all(done)) or i == steps - 1:
             break
-        hidden = step(nxt[:, None])
-    return rows
+        hidden = step(torch.tensor(chosen, device=device)[:, None])
+    return rows, sampled
 
 
 class TextStreamer:

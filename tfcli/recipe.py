@@ -590,7 +590,11 @@ def _anchor_code(part: str, base: Path) -> str:
     """file.py:function[:weight] with the file anchored; any other part (a built-in reward, a piece of
     a regex) as it was."""
     code = _CODE.fullmatch(part)
-    return _anchor(code.group(1), base) + code.group(2) if code else part
+    if code:
+        return _anchor(code.group(1), base) + code.group(2)
+    if part.strip().startswith("lookup:"):  # a GRPO tool's table
+        return "lookup:" + _anchor(part.strip()[len("lookup:") :], base)
+    return part
 
 
 def _anchor(part: str, base: Path) -> str:

@@ -186,6 +186,8 @@ FINETUNE_FLAGS = (
     "sft.train_on",
     "sft.pack",
     "grpo.reward",
+    "grpo.tools",
+    "grpo.env",
 )
 
 

@@ -24,7 +24,6 @@ run, a recipe or a grid file that records one is data, and gets a one-line refus
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections import Counter
@@ -36,13 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import usercode
 from ..errors import UserError
 from . import answers
 
 BUILT_IN = ("final-number", "exact", "contains", "regex:PATTERN", "length:N")
 _ANSWER_METRICS = {"final-number", "exact", "contains"}
 _WEIGHT = re.compile(r"(.+):([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
-_USER = re.compile(r"(.+\.py):([A-Za-z_]\w*)")
+_USER = usercode.USER
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class Completions:
     ids: list[list[int]]  # the completion's token ids
     rows: list[dict]  # the row each completion answers (its columns)
     max_length: int  # grpo.max_completion_length
+    conversations: list | None = None  # with tools: each completion's turns (tasks/grpo/turns.Conversation)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,8 @@ def parse(spec: str, answer_field: str, named: frozenset[str] = frozenset()) -> 
     items = _items(spec)
     for item in items:
         function = _user_body(item)
-        if function and absolute(function) not in named:
-            raise UserError(
-                f"the reward {absolute(function)} is Python code, which tfcli imports only when this command's "
-                f"own command line names it: add --reward {absolute_spec(spec)}"
-            )
+        if function:
+            usercode.refuse_unnamed(function, named, "--reward", absolute_spec(spec))
     rewards = [_one(item, answer_field) for item in items]
     if not rewards:
         raise UserError(
@@ -114,10 +112,7 @@ def _user_body(item: str) -> str | None:
     return body if _USER.fullmatch(body) else None
 
 
-def absolute(function: str) -> str:
-    """file.py:function with the file's absolute path (what a run records and `named` holds)."""
-    file, name = _USER.fullmatch(function).groups()
-    return f"{Path(file).expanduser().resolve()}:{name}"
+absolute = usercode.absolute  # file.py:function with the file's absolute path (what `named` holds)
 
 
 def absolute_spec(spec: str) -> str:
@@ -196,26 +191,28 @@ def _overlong(cache: int) -> Callable[[Completions], list]:
 
 def _user_function(body: str) -> Callable[[Completions], list]:
     """The user's function, imported from the file they named (the one place tfcli runs user code)."""
-    file, name = _USER.fullmatch(body).groups()
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise UserError(f"--reward {body}: no such file {file}")
-    spec = importlib.util.spec_from_file_location(f"tfcli_reward_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # the user's module: any error it raises is theirs to see in one line
-        raise UserError(f"--reward {body}: importing {file} failed ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
+    fn = usercode.load(body, "--reward")
     if not callable(fn):
-        raise UserError(f"--reward {body}: {file} has no function {name}")
+        raise UserError(f"--reward {body}: {body.rsplit(':', 1)[0]} has no function {body.rsplit(':', 1)[1]}")
 
     def score(c: Completions) -> list:
         columns = {k: [row.get(k) for row in c.rows] for k in dict.fromkeys(k for row in c.rows for k in row)}
         columns = {k: v for k, v in columns.items() if k not in ("prompts", "completions", "completion_ids")}
+        if c.conversations is not None and c.conversations[0].environment is not None:
+            columns["environments"] = [v.environment for v in c.conversations]  # as TRL gives them
         return fn(prompts=c.prompts, completions=c.texts, completion_ids=c.ids, **columns)
 
     return score
+
+
+def environment_reward(name: str) -> Reward:
+    """An environment's own reward (`--env` with get_reward): each finished rollout's instance asked,
+    weight 1, named after its class, as TRL's environment_factory has it."""
+
+    def score(c: Completions) -> list:
+        return [v.environment.get_reward() for v in c.conversations or []]
+
+    return Reward(name, 1.0, score)
 
 
 def scored(rewards: list[Reward], c: Completions, where: Callable[[int], str], nans: Counter | None = None) -> Tensor:
@@ -257,7 +254,10 @@ def _number(r: Reward, value: Any, where, i: int) -> float:
 def _failing_row(r: Reward, c: Completions) -> int:
     """The first completion the reward fails on alone (0 when it fails on none alone)."""
     for i in range(len(c.texts)):
-        one = Completions(c.prompts[i : i + 1], c.texts[i : i + 1], c.ids[i : i + 1], c.rows[i : i + 1], c.max_length)
+        talks = c.conversations[i : i + 1] if c.conversations is not None else None
+        one = Completions(
+            c.prompts[i : i + 1], c.texts[i : i + 1], c.ids[i : i + 1], c.rows[i : i + 1], c.max_length, talks
+        )
         try:
             r.score(one)
         except Exception:

@@ -23,6 +23,29 @@ class GRPOConfig(ReplyConfig):
             "path": "code",
         },
     )
+    tools: str = field(
+        default="",
+        metadata={
+            "help": "--tools: calculator, lookup:TABLE.jsonl, file.py:fn (the model calls them; multi-turn)",
+            "path": "code",
+        },
+    )
+    env: str = field(
+        default="",
+        metadata={
+            "help": "--env file.py:Class: an environment per rollout (reset(**row), its methods the tools, "
+            "get_reward() optional)",
+            "path": "code",
+        },
+    )
+    max_turns: int = field(
+        default=4,
+        metadata={"help": "with tools: the most assistant turns a rollout has (TRL's max_tool_calling_iterations + 1)"},
+    )
+    tool_timeout: float = field(default=10.0, metadata={"help": "with tools: seconds a call may run"})
+    tool_result_chars: int = field(
+        default=2000, metadata={"help": "with tools: a longer result goes back to the model as an error"}
+    )
     preset: str = field(
         default="", metadata={"help": "gsm8k: GSM8K's fields and splits, and final-number as the default reward"}
     )
@@ -92,8 +115,15 @@ class GRPOConfig(ReplyConfig):
         require(0 <= self.epsilon < 1, "grpo.epsilon", "in [0, 1)", self.epsilon)
         require(self.epsilon_high >= 0, "grpo.epsilon_high", ">= 0", self.epsilon_high)
         require(self.num_iterations >= 1, "grpo.num_iterations", ">= 1", self.num_iterations)
+        require(self.max_turns >= 1, "grpo.max_turns", ">= 1", self.max_turns)
+        require(self.tool_timeout > 0, "grpo.tool_timeout", "> 0 seconds", self.tool_timeout)
+        require(self.tool_result_chars >= 1, "grpo.tool_result_chars", ">= 1", self.tool_result_chars)
         require(self.eval_prompts >= 0, "grpo.eval_prompts", ">= 0", self.eval_prompts)
         require(self.generate_batch >= 1, "grpo.generate_batch", ">= 1", self.generate_batch)
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.env)
 
     @property
     def upper(self) -> float:

@@ -100,14 +100,24 @@ def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], temperature:
     return token_logprobs(head.hidden, head.weight, batch["targets"], head.softcap, temperature)
 
 
-def rows_of(prompts: list[list[int]], completions: list[list[int]], masked: list[bool], pad: int) -> dict[str, Tensor]:
+def rows_of(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    masked: list[bool],
+    pad: int,
+    trained: list[list[bool]] | None = None,
+) -> dict[str, Tensor]:
     """Rows of prompt + completion, right-padded: input_ids (R, T) and targets (R, T) holding each
-    completion token at the position before it (IGNORE elsewhere, and everywhere in a masked row)."""
+    completion token at the position before it (IGNORE elsewhere, everywhere in a masked row, and at
+    the tokens `trained` says the model read rather than wrote: a tool's result between its turns)."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     targets = torch.full((len(prompts), width), IGNORE, dtype=torch.long)
     for r, (p, c, skip) in enumerate(zip(prompts, completions, masked)):
         ids[r, : len(p) + len(c)] = torch.tensor(p + c)
         if c and not skip:
-            targets[r, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
+            wanted = torch.tensor(c)
+            if trained is not None:
+                wanted[~torch.tensor(trained[r], dtype=torch.bool)] = IGNORE
+            targets[r, len(p) - 1 : len(p) + len(c) - 1] = wanted
     return {"input_ids": ids, "targets": targets}

@@ -17,7 +17,7 @@ from ...display import console, phase
 from ...engine.backbone import from_run
 from ...engine.perf import training_flops_multiplier
 from ...errors import UserError
-from ...generate import generate_batch
+from ...tools.toolbox import EnvironmentClass, Limits, ToolSet, parse_tools
 from ...models import kinds
 from ...plugin import EvalOptions, Job, OnPolicy
 from .. import rewards as rewarding
@@ -26,7 +26,8 @@ from ..replies import ReplyTask, report_rows
 from .config import GRPOConfig, fields_of, reward_spec
 from .loss import GRPOLoss
 from .prompts import Prompt, PromptBatches, PromptBuilder
-from .rollouts import Rollouts, planned_rollout
+from .rollouts import Completed, Rollouts, planned_rollout
+from .turns import ToolTurns, ToolUse, public, tool_sums
 
 SHOWN = (  # the log line's metrics (metrics.jsonl keeps every one)
     "reward",
@@ -75,14 +76,45 @@ class GRPO(ReplyTask):
                 f"data.seq_len {min(recipe.data.seq_len, backbone.cfg.max_seq_len)} (prompt + completion); "
                 f"raise data.seq_len or lower grpo.max_completion_length"
             )
-        build = PromptBuilder(backbone.tokenizer, self.template(recipe, backbone), cfg, room)
+        schemas = self.toolset(recipe, self.named_code).schemas if cfg.uses_tools else None
+        build = PromptBuilder(backbone.tokenizer, self.template(recipe, backbone), cfg, room, schemas)
+        self.builder = build
         return self.read(recipe, build, data, need_train, say)
 
-    def rewards(self, recipe, prompts: list[Prompt]) -> list:
-        """The run's rewards, tried on its first rows with an empty completion before anything is
-        created: a missing column, a function that raises or miscounts stops here, in one line."""
+    def toolset(self, recipe, named: frozenset[str]) -> ToolSet:
+        """The run's tools and environment class, read once per command (a user's file is imported only
+        when this command's own command line names it)."""
         cfg = recipe.settings
-        rewards = rewarding.parse(reward_spec(cfg), fields_of(cfg)[1], self.named_code)
+        if getattr(self, "_toolset", None) is None:
+            tools = parse_tools(cfg.tools, named) if cfg.tools else []
+            env = EnvironmentClass(cfg.env, named) if cfg.env else None
+            self._toolset = ToolSet(tools, env)
+        return self._toolset
+
+    def tooling(self, recipe, backbone, stops: set[int]) -> ToolUse | None:
+        """The rollouts' tool use (None without tools): one line when the template cannot take part."""
+        cfg = recipe.settings
+        if not cfg.uses_tools:
+            return None
+        template = self.template(recipe, backbone)
+        if template is None:
+            raise UserError("grpo with tools needs a chat template (grpo.chat_template, e.g. qwen2.5-instruct)")
+        found = self.toolset(recipe, self.named_code)
+        turns = ToolTurns(template, backbone.tokenizer, stops, cfg.max_turns)
+        limits = Limits(cfg.tool_timeout, cfg.tool_result_chars)
+        return ToolUse(turns, found.tools, found.env, limits, self.builder.rerender)
+
+    def rewards(self, recipe, prompts: list[Prompt], named: frozenset[str] | None = None) -> list:
+        """The run's rewards, tried on its first rows with an empty completion before anything is
+        created: a missing column, a function that raises or miscounts stops here, in one line. An
+        environment's get_reward comes last (tried on no row: it reads a finished rollout)."""
+        cfg = recipe.settings
+        named = self.named_code if named is None else named
+        env = self.toolset(recipe, named).env if cfg.env else None
+        owned = [rewarding.environment_reward(env.name)] if env is not None and env.rewards else []
+        if owned and not reward_spec(cfg):
+            return owned
+        rewards = rewarding.parse(reward_spec(cfg), fields_of(cfg)[1], named)
         for r in rewards:
             if r.reads and prompts and r.reads not in prompts[0].row:
                 raise UserError(
@@ -101,7 +133,7 @@ class GRPO(ReplyTask):
             ),
             lambda i: f"training row {sample[i].number} (an empty completion, tried before training)",
         )
-        return rewards
+        return rewards + owned
 
     def scorable(self, prompts: list[Prompt], rewards: list, split: str) -> list[Prompt]:
         """The prompts some reward can score: a row no reward can ever reward (final-number of an answer
@@ -139,7 +171,8 @@ class GRPO(ReplyTask):
         stops = stop_ids(backbone.tokenizer) if template is not None else {backbone.tokenizer.eos_id}
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         loss = GRPOLoss(cfg)
-        rollouts = Rollouts(self, cfg, train.examples, rewards, stops, pad, mode, frozen)
+        tooling = self.tooling(recipe, backbone, stops)
+        rollouts = Rollouts(self, cfg, train.examples, rewards, stops, pad, mode, frozen, tooling)
         self.held = (held, rollouts)
         prompt_len = int(np.mean([len(p.ids) for p in train.examples[:500]]))
         full = backbone.model.flops_per_token(prompt_len + cfg.max_completion_length // 2)
@@ -192,45 +225,43 @@ class GRPO(ReplyTask):
         mine = prompts[:share][rt.rank :: rt.world_size] if shared else prompts
         was = model.training
         model.eval()
-        completions: list[list[int]] = []
+        parts: list[Completed] = []
         try:
             with phase("answering held-out prompts", len(mine), "prompts") as advance:
                 for s in range(0, len(mine), cfg.generate_batch):
                     group = mine[s : s + cfg.generate_batch]
-                    completions += generate_batch(
-                        model,
-                        [p.ids for p in group],
-                        max_new_tokens=cfg.max_completion_length,
-                        stop_ids=rollouts.stops,
-                        temperature=0.0,
-                        pad_id=rollouts.pad,
-                        keep_stop=True,
-                        finished=self.agreed if shared else bool,
-                    )
+                    parts.append(rollouts.complete(model, group, None, 0.0, self.agreed if shared else bool))
                     advance(len(group))
         finally:
             model.train(was)
-        per_reward = rollouts.score(mine, completions, "held-out") if mine else torch.zeros(0, len(rollouts.rewards))
+        done = Completed.joined(parts) if parts else Completed([], [], None, None)
+        completions, talks = done.ids, done.conversations
+        per_reward = (
+            rollouts.score(mine, completions, "held-out", talks) if mine else torch.zeros(0, len(rollouts.rewards))
+        )
         total = (per_reward * rollouts.weights[None]).nansum(1)
         sums = {"reward": float(total.sum())}
         for i, name in enumerate(rollouts.names):
             sums[f"rewards/{name}/mean"] = float(torch.nan_to_num(per_reward[:, i]).sum())
-        sums["completions/mean_length"] = float(sum(len(c) for c in completions))
+        sums["completions/mean_length"] = float(sum(len(c) for c in done.written))
         sums["completions/clipped_ratio"] = float(sum(not (c and c[-1] in rollouts.stops) for c in completions))
+        if talks is not None:  # tool calls per question and the kinds of their failures, as sums
+            sums.update({k: v * len(talks) for k, v in tool_sums(talks).items()})
         metrics = rt.pooled_mean(sums, len(mine)) if shared else {k: v / max(1, len(mine)) for k, v in sums.items()}
-        tok = self.tokenizer
+        texts = rollouts.texts(completions, talks)
         lines = [
             {
                 "row": p.number,
                 "prompt": p.asked,
-                "completion": tok.decode(c[:-1] if c and c[-1] in rollouts.stops else c),
+                "completion": text,
+                **({"turns": public(talks[i].messages)} if talks is not None else {}),
                 "reward": round(float(t), 6),
                 **{
                     f"rewards/{n}": (None if math.isnan(v) else round(float(v), 6))
                     for n, v in zip(rollouts.names, r.tolist())
                 },
             }
-            for p, c, t, r in zip(mine, completions, total, per_reward)
+            for i, (p, text, t, r) in enumerate(zip(mine, texts, total, per_reward))
         ]
         return metrics, lines
 
@@ -266,13 +297,13 @@ class GRPO(ReplyTask):
         --limit N of each split), written beside the run (or --out) with their completions."""
         splits = self.prompts(recipe, backbone, options.data, need_train=False, say=not options.quiet)
         held = {s: p.examples[: options.limit or None] for s, p in self.held_out(splits).items()}
-        rewards = rewarding.parse(reward_spec(recipe.settings), fields_of(recipe.settings)[1], options.named_code)
+        rewards = self.rewards(recipe, [], options.named_code)
         template = self.template(recipe, backbone)
         stops = stop_ids(backbone.tokenizer) if template is not None else {backbone.tokenizer.eos_id}
         self.tokenizer = backbone.tokenizer
-        rollouts = Rollouts(
-            self, recipe.settings, [], rewards, stops, type(backbone.model).pad_id(backbone.tokenizer), "none", {}
-        )
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        tooling = self.tooling(recipe, backbone, stops)
+        rollouts = Rollouts(self, recipe.settings, [], rewards, stops, pad, "none", {}, tooling)
         results, lines = {}, []
         for split, prompts in held.items():
             metrics, answered = self.answered(backbone.model, rollouts, prompts, alone=True)
@@ -306,6 +337,15 @@ class GRPO(ReplyTask):
                 f"{m['completions/mean_length']:.1f} tokens, {100 * m['completions/clipped_ratio']:.1f}% cut at the limit",
                 highlight=False,
             )
+            if "tools/call_frequency" in m:
+                failed = ", ".join(
+                    f"{k.rsplit('/', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith("tools/failures/") and v
+                )
+                console.print(
+                    f"  tools: {m['tools/call_frequency']:.2f} calls a question, {m['tools/turns']:.2f} turns; "
+                    f"failed calls per question: {failed or 'none'}",
+                    highlight=False,
+                )
 
 
 def _clip(text: str, n: int = 200) -> str:

@@ -35,9 +35,12 @@ class PromptBuilder:
     user's message, as SFT reads it; with no template, the text as it is, as TRL feeds a plain prompt),
     rendered with the generation prompt; rows too long to leave room for a completion are skipped."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None, cfg: GRPOConfig, longest: int):
+    def __init__(
+        self, tokenizer, template: ChatTemplate | None, cfg: GRPOConfig, longest: int, tools: list | None = None
+    ):
         self.tok, self.template, self.cfg, self.longest = tokenizer, template, cfg, longest
         self.prompt_field = fields_of(cfg)[0]
+        self.tools = tools or None  # the tools' schemas every prompt lists (GRPO with tools)
 
     def build_all(self, rows: list, places: list[str] | None = None) -> Prompts:
         """Every row's prompt (`places`, where each row is, as ExampleBuilder.build_all takes them: a prompt
@@ -53,7 +56,6 @@ class PromptBuilder:
 
     def example(self, row: dict, number: int) -> Prompt | str:
         cfg = self.cfg
-        system = [{"role": "system", "content": cfg.system}] if cfg.system else []
         if isinstance(row.get(cfg.messages_field), list):
             messages = row[cfg.messages_field]
             try:
@@ -63,20 +65,14 @@ class PromptBuilder:
             if not messages or messages[-1]["role"] != "user":
                 return "skip:messages not ending with the user's turn"
             if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-                return "skip:tool calls in a prompt (GRPO with tools is not built yet)"
+                return "skip:earlier tool calls in a prompt (a prompt is the conversation up to the user's turn)"
             if self.template is None:
                 return "skip:a conversation needs a chat template (grpo.chat_template)"
             asked: str | list = [{"role": m["role"], "content": m["content"]} for m in messages]
-            ids = self.template.render(self.tok, system + asked, add_generation_prompt=True).ids
+            ids = self.ids(asked)
         elif isinstance(row.get(self.prompt_field), str) and row[self.prompt_field].strip():
             asked = row[self.prompt_field]
-            ids = (
-                self.template.render(
-                    self.tok, system + [{"role": "user", "content": asked}], add_generation_prompt=True
-                ).ids
-                if self.template is not None
-                else self.tok.encode(asked)
-            )
+            ids = self.ids(asked)
         else:
             return f"skip:no {self.prompt_field!r} text or {cfg.messages_field!r} list"
         if not ids:
@@ -84,6 +80,20 @@ class PromptBuilder:
         if len(ids) > self.longest:
             return "skip:prompt longer than data.seq_len - grpo.max_completion_length"
         return Prompt(list(ids), asked, row, number)
+
+    def ids(self, asked: str | list, extra: str = "") -> list[int]:
+        """A prompt's ids: its messages (or text, as the user's message) rendered with the generation
+        prompt and the tools; `extra` appended to the last user message (an environment's reset)."""
+        if self.template is None:
+            return self.tok.encode(asked + extra)
+        messages = [{"role": "user", "content": asked}] if isinstance(asked, str) else list(asked)
+        if extra:
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + extra}
+        system = [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
+        return self.template.render(self.tok, system + messages, add_generation_prompt=True, tools=self.tools).ids
+
+    def rerender(self, prompt: Prompt, extra: str) -> list[int]:
+        return self.ids(prompt.asked, extra)
 
 
 class PromptBatches(Source):

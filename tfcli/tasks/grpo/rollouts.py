@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from ..reference import reference_of
 from .config import GRPOConfig
 from .loss import advantages, completion_logprobs, nanstd, rows_of
 from .prompts import Prompt
+from .turns import Conversation, ToolUse, tool_metrics
 
 if TYPE_CHECKING:
     from .plugin import GRPO
@@ -29,9 +31,12 @@ class Rollouts:
     prompt, their advantages, and the log-probabilities the loss compares with) and the step's reward
     metrics. Generation runs in eval mode, without gradients, with the draw's own seed."""
 
-    def __init__(self, plugin: GRPO, cfg: GRPOConfig, prompts: list[Prompt], rewards, stops, pad, mode, frozen):
+    def __init__(
+        self, plugin: GRPO, cfg: GRPOConfig, prompts: list[Prompt], rewards, stops, pad, mode, frozen, tooling=None
+    ):
         self.plugin, self.cfg, self.prompts, self.rewards = plugin, cfg, prompts, rewards
         self.stops, self.pad, self.mode, self.frozen = stops, pad, mode, frozen
+        self.tooling: ToolUse | None = tooling
         self.weights = torch.tensor([r.weight for r in rewards])
         self.names = reward_names(rewards)
         self.nans: Counter = Counter()  # NaNs each reward returned (taken as None), said once
@@ -44,20 +49,24 @@ class Rollouts:
         cfg, rt = self.cfg, self.plugin.rt
         device, started = batches[0]["index"].device, time.perf_counter()
         asked = [[self.prompts[i] for i in b["index"].tolist() for _ in range(cfg.num_generations)] for b in batches]
-        sampled = [self.sample(model, [p.ids for p in group], int(b["seed"])) for b, group in zip(batches, asked)]
+        done = [self.complete(model, group, int(b["seed"]), cfg.temperature) for b, group in zip(batches, asked)]
         flat_prompts = [p for group in asked for p in group]
-        flat = [c for group in sampled for c in group]
-        per_reward = self.score(flat_prompts, flat, "training")
+        flat_done = Completed.joined(done)
+        flat = flat_done.ids
+        per_reward = self.score(flat_prompts, flat, "training", flat_done.conversations)
         adv, total, zero_std = advantages(
             per_reward, self.weights, cfg.num_generations, cfg.scale_rewards, lambda r: pooled_nanstd(r, rt)
         )
         stopped = [bool(c) and c[-1] in self.stops for c in flat]
-        metrics = self.metrics(per_reward, total, zero_std, flat, stopped)
+        metrics = self.metrics(per_reward, total, zero_std, flat_done.written, stopped)
+        if flat_done.conversations is not None:
+            metrics.update({k: torch.tensor(v) for k, v in tool_metrics(flat_done.conversations).items()})
         out, start = [], 0
-        for group, completions in zip(asked, sampled):
+        for group, completed in zip(asked, done):
             n = len(group)
             masked = [cfg.mask_truncated_completions and not s for s in stopped[start : start + n]]
-            rows = {k: v.to(device) for k, v in rows_of([p.ids for p in group], completions, masked, self.pad).items()}
+            built = rows_of(completed.prompt_ids, completed.ids, masked, self.pad, completed.sampled)
+            rows = {k: v.to(device) for k, v in built.items()}
             rows["advantages"] = adv[start : start + n].to(device)
             if cfg.num_iterations > 1:  # the model as it sampled: what later steps' ratios compare with
                 with torch.no_grad():
@@ -72,6 +81,49 @@ class Rollouts:
             time.perf_counter() - started
         )  # sampling, rewards, old and reference passes
         return out, {k: v.to(device) for k, v in metrics.items()}
+
+    def complete(
+        self, model: nn.Module, prompts: list[Prompt], seed: int | None, temperature: float, finished=None
+    ) -> Completed:
+        """The prompts' completions: sampled in one turn, or with tools, turn after turn."""
+        if self.tooling is None:
+            if temperature > 0:
+                ids = self.sample(model, [p.ids for p in prompts], seed)
+            else:
+                ids = self.greedy(model, [p.ids for p in prompts], finished)
+            return Completed([p.ids for p in prompts], ids, None, None)
+        cfg, was = self.cfg, model.training
+        prompt_ids, conversations = self.tooling.start(prompts)
+        sampling = dict(temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p) if temperature > 0 else {}
+        model.eval()
+        try:
+            with torch.no_grad():
+                turns = self.tooling.turns.run(
+                    model,
+                    prompt_ids,
+                    conversations,
+                    max_new_tokens=cfg.max_completion_length,
+                    sampling=sampling,
+                    seed=seed,
+                    pad_id=self.pad,
+                    finished=finished or self.plugin.agreed,
+                )
+        finally:
+            model.train(was)
+        return Completed(prompt_ids, turns.ids, turns.sampled, turns.conversations)
+
+    @torch.no_grad()
+    def greedy(self, model: nn.Module, prompts: list[list[int]], finished=None) -> list[list[int]]:
+        return generate_batch(
+            model,
+            prompts,
+            max_new_tokens=self.cfg.max_completion_length,
+            stop_ids=self.stops,
+            temperature=0.0,
+            pad_id=self.pad,
+            keep_stop=True,
+            finished=finished or bool,
+        )
 
     @torch.no_grad()
     def sample(self, model: nn.Module, prompts: list[list[int]], seed: int) -> list[list[int]]:
@@ -94,12 +146,16 @@ class Rollouts:
         finally:
             model.train(was)
 
-    def score(self, prompts: list[Prompt], completions: list[list[int]], split: str) -> Tensor:
-        """(N, F) every reward of every completion."""
-        tok = self.plugin.tokenizer
-        texts = [tok.decode(c[:-1] if c and c[-1] in self.stops else c) for c in completions]
+    def score(self, prompts: list[Prompt], completions: list[list[int]], split: str, conversations=None) -> Tensor:
+        """(N, F) every reward of every completion (with tools, of its last turn's text)."""
+        texts = self.texts(completions, conversations)
         asked = rewarding.Completions(
-            [p.asked for p in prompts], texts, completions, [p.row for p in prompts], self.cfg.max_completion_length
+            [p.asked for p in prompts],
+            texts,
+            completions,
+            [p.row for p in prompts],
+            self.cfg.max_completion_length,
+            conversations,
         )
         where = lambda i: f"{split} row {prompts[i].number} (completion {texts[i][:40]!r})"
         before = sum(self.nans.values())
@@ -112,6 +168,14 @@ class Rollouts:
                 f"NaN is taken as None (the reward does not apply to them), here and from now on"
             )
         return scored
+
+    def texts(self, completions: list[list[int]], conversations=None) -> list[str]:
+        """What rewards read of each completion: its text (its end-of-turn token left out), or with
+        tools the model's last turn (tool results are not the model's words)."""
+        if conversations is not None:
+            return [c.answer for c in conversations]
+        tok = self.plugin.tokenizer
+        return [tok.decode(c[:-1] if c and c[-1] in self.stops else c) for c in completions]
 
     def metrics(self, per_reward, total, zero_std, completions, stopped) -> dict[str, Tensor]:
         """TRL's rollout metrics (finite: a statistic of nothing is 0)."""
@@ -131,6 +195,35 @@ class Rollouts:
             out[f"rewards/{name}/mean"] = torch.nanmean(per_reward[:, i])
             out[f"rewards/{name}/std"] = nanstd(per_reward[:, i])
         return {k: torch.nan_to_num(torch.as_tensor(v, dtype=torch.float32), nan=0.0) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class Completed:
+    """Completions of some prompts: the prompt ids each continued (an environment may have added to
+    them), the ids after them, which ids the model sampled (None: all), and with tools each rollout's
+    conversation."""
+
+    prompt_ids: list[list[int]]
+    ids: list[list[int]]
+    sampled: list[list[bool]] | None
+    conversations: list[Conversation] | None
+
+    @property
+    def written(self) -> list[list[int]]:
+        """The ids the model wrote (TRL counts only those in completion lengths)."""
+        if self.sampled is None:
+            return self.ids
+        return [[i for i, s in zip(ids, kept) if s] for ids, kept in zip(self.ids, self.sampled)]
+
+    @staticmethod
+    def joined(parts: list[Completed]) -> Completed:
+        tools = parts[0].conversations is not None
+        return Completed(
+            [p for c in parts for p in c.prompt_ids],
+            [i for c in parts for i in c.ids],
+            [s for c in parts for s in c.sampled] if tools else None,
+            [v for c in parts for v in c.conversations] if tools else None,
+        )
 
 
 def reward_names(rewards: list) -> list[str]:
