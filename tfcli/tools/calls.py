@@ -114,6 +114,7 @@ def llama3(text: str) -> Parsed:
     return Parsed("", [one]) if not isinstance(one, str) else Parsed(text, [], f"malformed tool call: {one}")
 
 
+_END = re.compile(r"\s*(<[^<>\s]+>|\[/?[A-Z_]+\])\s*$")
 FORMATS: dict[str, Callable[[str], Parsed]] = {"hermes": hermes, "mistral": mistral, "llama3": llama3}
 
 
@@ -126,6 +127,8 @@ def format_of(template) -> str:
     before = template.text(asked, add_generation_prompt=True, tools=[schema])
     after = template.text(said, tools=[schema])
     written = after[len(os.path.commonprefix([before, after])) :]
+    while _END.search(written):  # the turn's end-of-turn marker: a model's turn is read without it
+        written = _END.sub("", written)
     for name, read in FORMATS.items():
         parsed = read(written)
         if parsed.calls and parsed.calls[0]["function"] == PROBE:
