@@ -7,6 +7,7 @@ cache continued across turns gives the tokens a fresh read of the whole conversa
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
@@ -435,3 +436,183 @@ def test_turns_continue_the_cache_as_a_fresh_read_of_the_whole_conversation_woul
         )[0]  # fmt: skip
         assert ids[r] == first + read[r] + second, r
         assert sampled[r] == [True] * len(first) + [False] * len(read[r]) + [True] * len(second)
+
+
+# --- environments -----------------------------------------------------------------------------------
+
+COUNTER_ENV = '''
+class Counter:
+    """A rollout's own counter: its tool adds to it, and the reward is how close it came to the row's target."""
+
+    def reset(self, target, **row):
+        self.total, self.target = 0, target
+        return f" (reach {target})"
+
+    def add(self, n: int) -> int:
+        """Add to the counter.
+
+        Args:
+            n: How much to add.
+        """
+        self.total += n
+        return self.total
+
+    def get_reward(self) -> float:
+        return -abs(self.target - self.total)
+'''
+
+
+def test_an_environment_keeps_state_per_rollout_adds_to_the_prompt_and_gives_the_reward(tmp_path, monkeypatch):
+    from tfcli.tasks.grpo.turns import Conversation  # noqa: F401
+    from tfcli.tools.toolbox import EnvironmentClass
+
+    (tmp_path / "env.py").write_text(COUNTER_ENV)
+    spec = f"{tmp_path}/env.py:Counter"
+    env = EnvironmentClass(spec, frozenset({spec}))
+    assert list(env.schemas) == ["add"] and env.rewards
+    assert env.schemas["add"]["function"]["parameters"]["required"] == ["n"]
+    backbone = tiny_backbone(max_seq_len=1024)
+    tok = backbone.tokenizer
+    template = ChatTemplate.load("qwen2.5-instruct")
+    cfg = GRPOConfig(num_generations=2, max_completion_length=200, env=spec)
+    builder = PromptBuilder(tok, template, cfg, 10_000, list(env.schemas.values()))
+    eos = tok.token_id("<|im_end|>")
+    tooling = ToolUse(ToolTurns(template, tok, {eos}, 4), [], env, Limits(), builder.rerender)
+    prompts = [builder.example({"prompt": "Count.", "target": t}, 1) for t in (5, 9)]
+    ids, conversations = tooling.start(prompts)
+    assert tok.decode(ids[0], skip_special_tokens=False).count("Count. (reach 5)") == 1
+    assert ids[0] != prompts[0].ids  # rendered again with the environment's text
+    script = [
+        [tok.tok.encode(call("add", n=2), add_special_tokens=False).ids + [eos]] * 2 + [[eos]],
+        [tok.tok.encode(call("add", n=9), add_special_tokens=False).ids + [eos], [eos]],
+    ]
+    monkeypatch.setattr(turns_module, "generate_turns", fake_generate_turns(script))
+    tooling.turns.run(None, ids, conversations, max_new_tokens=200, sampling={}, seed=0, pad_id=0)
+    assert [c.environment.total for c in conversations] == [4, 9]  # each rollout its own instance
+    reward = rewarding.environment_reward("Counter")
+    asked = rewarding.Completions(["q", "q"], ["", ""], [[], []], [{}, {}], 200, conversations)
+    assert reward.score(asked) == [-1, 0] and reward.name == "Counter"
+    assert [c.calls for c in conversations] == [2, 1] and not any(c.failures for c in conversations)
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("class E:\n    def reset(self, **row):\n        pass\n", "E has no tool methods"),
+        ("class E:\n    def add(self, n: int) -> int:\n        '''Add.\n\n        Args:\n            n: N.\n        '''\n",
+         "E has no reset method"),
+        ("def E():\n    pass\n", "E is not a class"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_is_not_one_is_one_line(tmp_path, source, message):
+    from tfcli.errors import UserError
+    from tfcli.tools.toolbox import EnvironmentClass
+
+    (tmp_path / "env.py").write_text(source)
+    spec = f"{tmp_path}/env.py:E"
+    with pytest.raises(UserError, match=message):
+        EnvironmentClass(spec, frozenset({spec}))
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from .test_gguf import chat_gguf_file
+
+    return chat_gguf_file(tmp_path_factory, max_seq_len=512)
+
+
+def tool_args(tmp_path, model, steps, *more):
+    from .conftest import write_jsonl
+
+    rows = [{"prompt": f"What is {100 + 7 * i} times {20 + i}?", "answer": str((100 + 7 * i) * (20 + i))}
+            for i in range(12)]  # fmt: skip
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    return [
+        "finetune", "grpo", "--from", model, "--data", data, "--reward", "final-number", "--tools", "calculator",
+        "--chat-template", "qwen2.5-instruct", "--steps", steps, "--batch-size", 2, "--lr", 3e-3,
+        "--set", "grpo.max_completion_length=40", "--set", "grpo.num_generations=3", "--set", "grpo.eval_prompts=2",
+        "--set", "data.val_fraction=0.25", "--set", "train.log_interval=1", *more,
+    ]  # fmt: skip
+
+
+def calling_first(call_ids):
+    """generate_turns whose every row first writes `call_ids` (a calculator call), then goes on
+    sampling for real after the call's result."""
+    real = turns_module.generate_turns
+
+    def generate(model, prompts, turns, *, max_new_tokens, stop_ids, **kw):
+        heads = [list(call_ids) + (turns(r, list(call_ids), max_new_tokens - len(call_ids)) or [])
+                 for r in range(len(prompts))]  # fmt: skip
+        rows, sampled = real(
+            model, [p + h for p, h in zip(prompts, heads)], lambda r, ids, room: turns(r, heads[r] + ids, room),
+            max_new_tokens=max_new_tokens - max(map(len, heads)), stop_ids=stop_ids, **kw,
+        )  # fmt: skip
+        written = [[True] * len(call_ids) + [False] * (len(h) - len(call_ids)) for h in heads]
+        return [h + r for h, r in zip(heads, rows)], [w + s for w, s in zip(written, sampled)]
+
+    return generate
+
+
+def test_finetune_grpo_with_the_calculator_logs_its_calls_and_evaluates_with_them(tmp_path, chat_model, monkeypatch):
+    from .conftest import invoke, read_metrics
+
+    backbone = tiny_backbone()
+    tok = backbone.tokenizer
+    eos = tok.token_id("<|im_end|>")
+    calls_ids = tok.tok.encode(call("calculator", expression="107 * 21"), add_special_tokens=False).ids + [eos]
+    monkeypatch.setattr(turns_module, "generate_turns", calling_first(calls_ids))
+    more = ["--set", "train.eval_interval=2", "--set", "grpo.max_completion_length=120"]
+    result = invoke(*tool_args(tmp_path, chat_model, 2, "--out", tmp_path / "run", *more))
+    assert result.exit_code == 0, result.output
+    train = [m for m in read_metrics(tmp_path / "run") if m["split"] == "train"]
+    assert train[-1]["tools/call_frequency"] >= 1 and train[-1]["tools/valid_frequency"] == 1.0
+    assert "tools/failures/timeout" in train[-1] and "tools/turns" in train[-1]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    turns = samples[0]["turns"]
+    assert turns[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "107 * 21"}}
+    assert turns[1] == {"role": "tool", "name": "calculator", "content": "2247"}
+    assert "tools:" in result.output and "calls a question" in result.output
+    monkeypatch.undo()
+    evaluated = invoke("eval", "grpo", "--checkpoint", tmp_path / "run", "--limit", 2)
+    assert evaluated.exit_code == 0 and "tools:" in evaluated.output, evaluated.output
+
+
+def test_a_run_with_tools_resumes_bit_for_bit(tmp_path, chat_model):
+    from .conftest import invoke, read_metrics
+    from .test_resume_matrix import EVERY_STEP, cut_and_resume
+
+    more = ["--set", "train.eval_interval=100", "--set", "grpo.temperature=1.5", *EVERY_STEP]
+    whole = invoke(*tool_args(tmp_path, chat_model, 3, "--out", tmp_path / "whole", "--quiet", *more))
+    assert whole.exit_code == 0, whole.output
+    cut_and_resume("finetune", tmp_path / "whole", tmp_path)
+    timing = ("_s", "_per_s", "mfu", "mem_mb")
+    logged = lambda run: [
+        {k: v for k, v in m.items() if not k.endswith(timing)} for m in read_metrics(run) if m["split"] == "train"
+    ]
+    assert logged(tmp_path / "cut") == logged(tmp_path / "whole") and len(logged(tmp_path / "whole")) == 3
+
+
+@pytest.mark.parametrize(
+    "more,message",
+    [
+        (["--tools", "nowhere.py:f"], "no such file"),
+        (["--tools", "{d}/t.py:g"], "has no function g"),
+        (["--tools", "{d}/t.py:f"], "has no type hint"),
+        (["--env", "{d}/t.py:E"], "E has no tool methods"),
+        (["--tools", "adder"], "not a built-in tool"),
+        (["--chat-template", "chatml"], "has no tool format"),
+    ],
+)
+def test_bad_tools_are_one_line_and_create_nothing(tmp_path, chat_model, more, message):
+    from .conftest import invoke
+
+    (tmp_path / "t.py").write_text("def f(x):\n    'Doc.'\n    return x\n\n\nclass E:\n    def reset(self, **kw):\n"
+                                   "        pass\n")  # fmt: skip
+    more = [str(m).replace("{d}", str(tmp_path)) for m in more]
+    result = invoke(*tool_args(tmp_path, chat_model, 1, "--out", tmp_path / "run", *more))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output, result.output
+    assert result.output.strip().count("\n") <= 2 and not (tmp_path / "run").exists(), result.output
