@@ -92,6 +92,63 @@ def test_the_reward_file_runs_when_the_command_line_names_it(grpo_run, mark, tmp
     assert mark.read_text() == "imported"
 
 
+EVIL_TOOLS = HOSTILE / "evil_tools.py"
+
+
+@pytest.fixture(scope="module")
+def tools_run(tmp_path_factory):
+    """A tiny GRPO run with the calculator, whose config.yaml is then made to name tests/hostile's
+    evil_tools.py as its tools and its environment."""
+    from .test_gguf import chat_gguf_file
+
+    root = tmp_path_factory.mktemp("tools")
+    model = chat_gguf_file(tmp_path_factory, max_seq_len=1024)  # three tools listed: 600 tokens of prompt
+    data = write_jsonl(root / "prompts.jsonl", PROMPTS)
+    args = ["finetune", "grpo", "--from", model, "--data", data, "--reward", "contains", "--tools", "calculator"]
+    args += ["--chat-template", "qwen2.5-instruct", "--steps", 1, "--batch-size", 2, "--out", root / "run"]
+    args += ["--quiet", "--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2"]
+    args += ["--set", "grpo.eval_prompts=2", "--set", "data.val_fraction=0.125", "--set", "data.seq_len=1024"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    config = root / "run" / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["grpo"]["tools"] = f"calculator,{EVIL_TOOLS}:fn"
+    raw["grpo"]["env"] = f"{EVIL_TOOLS}:Env"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return root / "run"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["eval", "--limit", 1], ["eval", "grpo", "--limit", 1], ["finetune", "--steps", 2]],
+    ids=["eval", "eval-grpo", "resume"],
+)
+def test_a_tools_file_a_run_names_is_not_imported(tools_run, mark, tmp_path, command):
+    run = tmp_path / "run"
+    shutil.copytree(tools_run, run)
+    before = tree(run)
+    where = ["--resume", run] if command[0] == "finetune" else ["--checkpoint", run]
+    refused(invoke(*command, *where), f"{EVIL_TOOLS}:fn", "--tools")
+    assert not mark.exists(), "the run's tools file was imported"
+    assert tree(run) == before
+
+
+def test_generate_and_export_of_a_run_with_a_tools_file_import_nothing(tools_run, mark, tmp_path):
+    made = invoke("generate", "--checkpoint", tools_run, "--prompt", "hi", "--max-new-tokens", 2, "--greedy")
+    assert made.exit_code == 0, made.output
+    exported = invoke("export", "--checkpoint", tools_run, "--hf", tmp_path / "hf")
+    assert exported.exit_code == 0, exported.output
+    assert not mark.exists(), "generate or export imported the run's tools file"
+
+
+def test_the_tools_file_runs_when_the_command_line_names_it(tools_run, mark, tmp_path):
+    spec = f"calculator,{EVIL_TOOLS}:fn"
+    result = invoke("eval", "grpo", "--checkpoint", tools_run, "--limit", 1, "--tools", spec,
+                    "--env", f"{EVIL_TOOLS}:Env", "--out", tmp_path / "e.json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert mark.read_text() == "imported"
+
+
 def test_a_grid_file_that_names_a_reward_file_is_refused(grpo_run, mark, tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"tasks": "grpo", "from": str(grpo_run), "set": {"grpo.reward": f"{EVIL}:fn"}}))

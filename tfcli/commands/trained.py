@@ -70,6 +70,13 @@ def eval_(
         None,
         help="grpo: the reward(s) to score with [default: the run's; a file.py:function of yours runs only when named here].",
     ),
+    tools: str | None = typer.Option(
+        None,
+        help="grpo: the tools the model may call [default: the run's; a file.py:function of yours runs only when named here].",
+    ),
+    env: str | None = typer.Option(
+        None, help="grpo: the environment class (file.py:Class) [default: the run's; imported only when named here]."
+    ),
 ):
     """Metrics of a run (or of a Hugging Face model as a task): held-out loss and perplexity, a task's
     report, or standard benchmarks scored as lm-evaluation-harness scores them (tfcli eval piqa,mmlu)."""
@@ -78,7 +85,7 @@ def eval_(
     from ..driver import evaluate
     from ..plugin import EvalOptions
 
-    code = named_code({"reward": reward}, set_)
+    code = named_code({"reward": reward, "tools": tools, "env": env}, set_)
     if task is not None and not is_benchmark(task) and task not in registry.OBJECTIVES:
         from ..tasks.presets import PRESETS
 
@@ -144,10 +151,12 @@ def eval_(
         if not name or (key is not None and section != key):
             raise UserError(f"--set {item}: eval takes settings of the task it runs, {_settings_of(key)}")
         settings[name] = value
-    if reward is not None:
+    for name, value in (("reward", reward), ("tools", tools), ("env", env)):
+        if value is None:
+            continue
         if key not in (None, "grpo"):
-            raise UserError(f"--reward is an option of eval grpo (this is eval {task})")
-        settings["reward"] = reward
+            raise UserError(f"--{name} is an option of eval grpo (this is eval {task})")
+        settings[name] = value
     evaluate(
         newest(checkpoint),
         key,
