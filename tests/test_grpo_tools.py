@@ -63,7 +63,7 @@ def trl_template() -> str:
 def call(name: str, **arguments) -> str:
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # each completion's turns, as text: what the model "samples" on both sides (each ends its turn)
@@ -407,7 +407,7 @@ def test_calls_are_read_and_malformed_ones_named():
     assert calls.llama3('{"name": "f", "parameters": {"x": 1}}').calls[0]["function"]["arguments"] == {"x": 1}
     assert calls.llama3('{"answer": 3}').calls == []  # a reply that is JSON
     assert calls.mistral('[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]').calls[0]["function"]["name"] == "f"
-    assert calls.mistral("[TOOL_CALLS]f[ARGS]{\"x\": 2}").calls[0]["function"] == {"name": "f", "arguments": {"x": 2}}
+    assert calls.mistral('[TOOL_CALLS]f[ARGS]{"x": 2}').calls[0]["function"] == {"name": "f", "arguments": {"x": 2}}
 
 
 # --- the cache across turns -------------------------------------------------------------------------
@@ -616,3 +616,29 @@ def test_bad_tools_are_one_line_and_create_nothing(tmp_path, chat_model, more, m
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output, result.output
     assert result.output.strip().count("\n") <= 2 and not (tmp_path / "run").exists(), result.output
+
+
+def test_chat_with_the_calculator_shows_the_call_and_gives_the_result_back(chat_model, monkeypatch):
+    """tfcli chat --tools calculator: the model's call is run and shown, its result goes back through
+    the template as a tool message, and the model's next turn answers (the model's turns scripted)."""
+    import tfcli.generate
+
+    from .conftest import invoke
+
+    seen = []
+
+    def scripted(backbone, template, messages, tools=None, **kw):
+        seen.append((list(messages), tools))
+        yield call("calculator", expression="123 * 45") if len(seen) == 1 else "It is 5535."
+
+    monkeypatch.setattr(tfcli.generate, "reply", scripted)
+    args = ["chat", "--checkpoint", chat_model, "--chat-template", "qwen2.5-instruct", "--tools", "calculator"]
+    result = invoke(*args, input="What is 123 times 45?\n")
+    assert result.exit_code == 0, result.output
+    assert "[calculator(expression='123 * 45') -> 5535]" in result.output and "It is 5535." in result.output
+    (first, tools), (second, _) = seen
+    assert tools[0]["function"]["name"] == "calculator"
+    assert second[-1] == {"role": "tool", "name": "calculator", "content": "5535"}
+    assert second[-2]["tool_calls"][0]["function"]["arguments"] == {"expression": "123 * 45"}
+    refused = invoke("chat", "--checkpoint", chat_model, "--chat-template", "chatml", "--tools", "calculator", input="")
+    assert refused.exit_code == 2 and "has no tool format" in refused.output, refused.output

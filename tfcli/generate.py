@@ -447,8 +447,9 @@ def reply(
     seed: int | None = None,
     use_cache: bool = True,
     images: list[Path] = (),
+    tools: list | None = None,
 ) -> Iterator[str]:
-    """A chat model's next turn, piece by piece: the conversation rendered by `template` (a
+    """A chat model's next turn, piece by piece (`tools`: the schemas the template lists): the conversation rendered by `template` (a
     data.chat.ChatTemplate) with the assistant's header, then tokens until an end-of-turn or
     end-of-text token. Oldest exchanges are left out (the system message kept) while the
     conversation and the reply would not fit the context. `images`: read where the messages' markers
@@ -464,15 +465,16 @@ def reply(
     if prompts is not None:
         messages, refs, marks = prompts.messages(messages, list(images))
         inputs = prompts.inputs(refs)
-    ids = template.render(tok, messages, add_generation_prompt=True, images=marks).ids
+    ids = template.render(tok, messages, add_generation_prompt=True, images=marks, tools=tools).ids
     while (
         not inputs
         and len(ids) + max_new_tokens > model.cfg.max_seq_len
         and sum(m["role"] != "system" for m in messages) > 1
     ):
         first = next(i for i, m in enumerate(messages) if m["role"] != "system")
-        del messages[first : first + 2]  # a user turn and the reply to it
-        ids = template.render(tok, messages, add_generation_prompt=True).ids
+        upto = next((i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), len(messages))
+        del messages[first:upto]  # a user turn and the replies to it (tool calls and results among them)
+        ids = template.render(tok, messages, add_generation_prompt=True, tools=tools).ids
     yield from continuation(
         model,
         tok,

@@ -137,6 +137,46 @@ def generate(
     sys.stdout.write("\n")
 
 
+CHAT_TOOL_TURNS = 5  # the most turns a reply takes with tools (one tool round each but the last)
+
+
+def _chat_tools(spec: str | None, template):
+    """chat --tools: (the toolbox, the template's call reader), or (None, None) without tools. The
+    user's functions are those this command line names."""
+    if not spec:
+        return None, None
+    from ..tools import calls
+    from ..tools.toolbox import Toolbox, parse_tools
+    from .common import named_code
+
+    if not template.writes_tool_calls:
+        raise UserError(f"--tools: {template.where} has no tool format; give --chat-template qwen2.5-instruct")
+    toolbox = Toolbox(parse_tools(spec, named_code({"tools": spec}, [])))
+    return toolbox, calls.FORMATS[calls.format_of(template)]
+
+
+def _called(toolbox, said, text: str) -> list[dict]:
+    """The turn's calls run (each shown): its message and the tool messages that answer it."""
+    if said.malformed:
+        sys.stdout.write(f"[{said.malformed}]\n")
+        return [
+            {"role": "assistant", "content": text},
+            {"role": "tool", "name": "invalid", "content": str({"error": said.malformed})},
+        ]
+    out = [said.message]
+    for one in said.calls:
+        function = one["function"]
+        outcome = toolbox.call(function["name"], function["arguments"])
+        shown = (
+            ", ".join(f"{k}={v!r}" for k, v in function["arguments"].items())
+            if isinstance(function["arguments"], dict)
+            else ""
+        )
+        sys.stdout.write(f"[{function['name']}({shown}) -> {outcome.content}]\n")
+        out.append({"role": "tool", "name": outcome.name, "content": outcome.content})
+    return out
+
+
 @user_errors
 def chat_command(
     checkpoint: Path | None = GENERATOR,
@@ -153,9 +193,13 @@ def chat_command(
     seed: int | None = SAMPLING_SEED,
     device: str | None = DEVICE,
     precision: str | None = PRECISION,
+    tools: str | None = typer.Option(
+        None, help="Tools the model may call: calculator, lookup:TABLE.jsonl, file.py:function (yours, named here)."
+    ),
 ):
     """Chat with a decoder (a run, a Hugging Face directory or a GGUF) in its chat template: replies stream;
-    Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends."""
+    Ctrl-C stops a reply, /reset starts over, /exit, Ctrl-D or Ctrl-C at the prompt ends. With --tools,
+    a call the model writes runs and its result is shown and given back to it."""
     from ..data.chat import for_model
     from ..data.image_prompts import image_prompts
     from ..engine.runtime import autocast_context
@@ -165,6 +209,7 @@ def chat_command(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     backbone, dev = generator("chat", checkpoint, device, (kinds.DECODER,))
     template = for_model(backbone.tokenizer, chat_template)
+    toolbox, read_calls = _chat_tools(tools, template)
     if image:  # read and checked before the first question, not after it
         image_prompts(backbone, image).refs(image, "--image")
     start = [{"role": "system", "content": system}] if system else []
@@ -198,14 +243,21 @@ def chat_command(
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        answer = []
-        try:
-            with autocast_context(precision or "fp32", dev):
-                for text in reply(backbone, template, messages, images=image or [], **sampling):
-                    answer.append(text)
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:  # Ctrl-C stops this reply (what it wrote is kept) and returns to the prompt
-            sys.stdout.write(" [stopped]")
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(answer)})
+        schemas = toolbox.schemas if toolbox else None
+        for _ in range(CHAT_TOOL_TURNS if toolbox else 1):  # with tools: until a turn calls none
+            answer, stopped = [], False
+            try:
+                with autocast_context(precision or "fp32", dev):
+                    for text in reply(backbone, template, messages, images=image or [], tools=schemas, **sampling):
+                        answer.append(text)
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+            except KeyboardInterrupt:  # Ctrl-C stops this reply (what it wrote is kept) and returns to the prompt
+                sys.stdout.write(" [stopped]")
+                stopped = True
+            sys.stdout.write("\n")
+            said = read_calls("".join(answer)) if toolbox and not stopped else None
+            if said is None or not (said.calls or said.malformed):
+                messages.append({"role": "assistant", "content": "".join(answer)})
+                break
+            messages += _called(toolbox, said, "".join(answer))

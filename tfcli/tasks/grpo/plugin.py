@@ -17,9 +17,9 @@ from ...display import console, phase
 from ...engine.backbone import from_run
 from ...engine.perf import training_flops_multiplier
 from ...errors import UserError
-from ...tools.toolbox import EnvironmentClass, Limits, ToolSet, parse_tools
 from ...models import kinds
 from ...plugin import EvalOptions, Job, OnPolicy
+from ...tools.toolbox import EnvironmentClass, Limits, ToolSet, parse_tools
 from .. import rewards as rewarding
 from ..reference import reference_mode, starting_model
 from ..replies import ReplyTask, report_rows
