@@ -131,6 +131,8 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
             for r in sums
         )
     )
+    products = [{"prompt": f"What is {a} times {b}?", "answer": str(a * b)} for a in (12, 34, 56) for b in (7, 8)]
+    (root / "products.jsonl").write_text("".join(json.dumps(r) + "\n" for r in products))  # the tools guide's
     (root / "my_reward.py").write_text(  # the GRPO guide's own reward function
         "def brevity(prompts, completions, **columns):\n"
         "    return [1.0 if len(c.split()) <= 12 else 0.0 for c in completions]\n"

@@ -168,6 +168,8 @@ class GRPO(ReplyTask):
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
         self.tokenizer = backbone.tokenizer
         template = self.template(recipe, backbone)
+        if template is not None:  # the run keeps the template it trained in (chat, export), as SFT's does
+            backbone.tokenizer.chat_template = template.source
         stops = stop_ids(backbone.tokenizer) if template is not None else {backbone.tokenizer.eos_id}
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         loss = GRPOLoss(cfg)
