@@ -559,3 +559,12 @@ def test_a_bare_modernbert_model_is_a_base_whose_head_is_built_new(tmp_path, mnl
     first = invoke("eval", "--checkpoint", tmp_path / "run", "--limit", 4, "--quiet")
     again = invoke("eval", "--checkpoint", tmp_path / "run", "--limit", 4, "--quiet")
     assert first.exit_code == 0 and first.output == again.output, first.output  # the same fresh head each time
+
+
+def test_a_grid_file_that_names_a_tools_file_is_refused_with_the_setting_that_names_it(tools_run, mark, tmp_path):
+    grid = tmp_path / "grid.yaml"
+    tools = f"calculator,{EVIL_TOOLS}:fn"
+    grid.write_text(yaml.safe_dump({"tasks": "grpo", "from": str(tools_run), "set": {"grpo.tools": tools}}))
+    result = invoke("compare", "--grid", grid, "--out", tmp_path / "study")
+    refused(result, f"--set grpo.tools={tools}")
+    assert not mark.exists() and not (tmp_path / "study").exists()

@@ -284,9 +284,13 @@ def refuse_code_from_the_file(path: Path | None, spec: dict, sets: list[str], va
     )
     if in_file - named:
         code = sorted(in_file - named)[0]
+        key, value = next(
+            ((k, str(v)) for k, v in (spec.get("set") or {}).items() if code in user_functions(str(v))),
+            ("grpo.reward", code),
+        )  # the field that names it (a reward, tools, an environment) and all it holds
         raise UserError(
-            f"--grid {path} names the reward {code}, Python code that tfcli imports only when the command line "
-            f"names it: add --set grpo.reward={code}"
+            f"--grid {path} names the {key.split('.')[-1]} {code}, Python code that tfcli imports only when the "
+            f"command line names it: add --set {key}={value}"
         )
 
 
