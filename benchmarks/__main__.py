@@ -25,6 +25,7 @@ ALL = [
     "sft",
     "dpo",
     "grpo",
+    "grpo_tools",
     "evals",
     "lowbit",
     "llamacpp",

@@ -30,7 +30,7 @@ from benchmarks.smollm2 import gguf_file
 HELD_OUT = int(os.environ.get("BENCH_HELD_OUT", 300))
 SFT_STEPS = int(os.environ.get("BENCH_SFT_STEPS", 20))
 GRPO_STEPS = int(os.environ.get("BENCH_GRPO_STEPS", 16))
-LIMIT, TEMPLATE = 64, "qwen2.5-instruct"
+LIMIT, TEMPLATE = 128, "qwen2.5-instruct"  # a call, its result and the answer: about 90 tokens
 OUT = Path(os.environ.get("BENCH_TOOL_RUNS", "")) if os.environ.get("BENCH_TOOL_RUNS") else None
 
 
