@@ -2,7 +2,7 @@
 model (SmolLM2-135M-Instruct after a short SFT on calculator calls, so that it calls the tool: tfcli
 trains it once, both sides start from its export), the same chat template (TRL's qwen2_5.jinja, whose
 calls TRL's parser reads), the same multiplication prompts and reward (final-number of the last turn),
-4 prompts x 8 completions, at most 128 tokens in all (turns and tool results), at most 2 tool rounds
+2 prompts x 8 completions, at most 128 tokens in all (turns and tool results), at most 2 tool rounds
 (tfcli grpo.max_turns 3, TRL max_tool_calling_iterations 2), temperature 0.7, LoRA r 16 on every block
 linear, gradient checkpointing off on both sides, 2 threads, each side in a fresh process.
 
@@ -10,7 +10,7 @@ Each side's step is timed whole and in its sampling part (tfcli's rollout_s, TRL
 _generate_and_score_completions), beside its calls per rollout and completion lengths (the two
 samplers draw different completions).
 
-    python -m benchmarks grpo_tools     (BENCH_STEPS, default 8; the first 2 are left out of the medians;
+    python -m benchmarks grpo_tools     (BENCH_STEPS, default 5; the first 2 are left out of the medians;
                                          BENCH_TOOL_FROM: a tfcli SFT run to start from instead)
 """
 
@@ -29,7 +29,7 @@ from benchmarks.common import RESULTS
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import missing, peak_rss_mb, run_peer, trainer_args
 
-STEPS, PROMPTS, G, LIMIT, TEMPERATURE, LR, SEED = int(os.environ.get("BENCH_STEPS", 8)), 4, 8, 128, 0.7, 1e-5, 1337
+STEPS, PROMPTS, G, LIMIT, TEMPERATURE, LR, SEED = int(os.environ.get("BENCH_STEPS", 5)), 2, 8, 128, 0.7, 1e-5, 1337
 TURNS, SKIP = 3, 2
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -10,7 +10,8 @@ each evaluated greedily on the same held-out questions (BENCH_HELD_OUT, 300), wi
 question and their failures; the calculator's own ceiling is every question's product computed by
 the calculator. Times are wall seconds on this machine (2 threads).
 
-    python -m benchmarks tool_use     (BENCH_SFT_STEPS 20, BENCH_GRPO_STEPS 16)
+    python -m benchmarks tool_use     (BENCH_SFT_STEPS 20, BENCH_GRPO_STEPS 8; BENCH_TOOL_RUNS=DIR keeps
+                                       the runs and reports there, and a second call reuses what is done)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from benchmarks.smollm2 import gguf_file
 
 HELD_OUT = int(os.environ.get("BENCH_HELD_OUT", 300))
 SFT_STEPS = int(os.environ.get("BENCH_SFT_STEPS", 20))
-GRPO_STEPS = int(os.environ.get("BENCH_GRPO_STEPS", 16))
+GRPO_STEPS = int(os.environ.get("BENCH_GRPO_STEPS", 8))
 LIMIT, TEMPLATE = 128, "qwen2.5-instruct"  # a call, its result and the answer: about 90 tokens
 OUT = Path(os.environ.get("BENCH_TOOL_RUNS", "")) if os.environ.get("BENCH_TOOL_RUNS") else None
 
@@ -84,23 +85,39 @@ def tfcli(*args) -> float:
 
 
 def evaluate(checkpoint, data: Path, out: Path, tools: bool) -> dict:
+    if out.is_file():  # done by an earlier call (BENCH_TOOL_RUNS)
+        return _held(json.loads(out.read_text()))
     args = ["eval", "grpo", "--checkpoint", checkpoint, "--data", data, "--limit", HELD_OUT, "--reward", "final-number"]
     args += ["--set", f"grpo.max_completion_length={LIMIT}", "--set", "grpo.generate_batch=50", "--out", out, "--quiet"]
     if tools:
         args += ["--tools", "calculator", "--set", f"grpo.chat_template={TEMPLATE}"]
     seconds = tfcli(*args)
-    report = json.loads(out.read_text())
-    held = next(v for k, v in report.items() if isinstance(v, dict) and "reward" in v)
-    return {**held, "seconds": seconds}
+    return {**_held(json.loads(out.read_text())), "seconds": seconds}
+
+
+def _held(report: dict) -> dict:
+    return next(v for k, v in report.items() if isinstance(v, dict) and "reward" in v)
+
+
+def done(run: Path) -> bool:
+    return (run / "eval.json").is_file()
+
+
+def elapsed(run: Path) -> float:
+    """A finished run's training seconds (its last logged step's elapsed_s)."""
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return max(m.get("elapsed_s", 0.0) for m in lines)
 
 
 def grpo(start, data: Path, held: Path, out: Path, tools: bool) -> float:
+    if done(out):
+        return elapsed(out)
     args = ["finetune", "grpo", "--from", start, "--data", data, "--reward", "final-number", "--train", "lora"]
     args += ["--steps", GRPO_STEPS, "--batch-size", 4, "--lr", 2e-5, "--out", out, "--quiet", "--seed", 1337]
     args += ["--set", "grpo.num_generations=8", "--set", f"grpo.max_completion_length={LIMIT}"]
     args += ["--set", "grpo.temperature=1.0", "--set", "grpo.eval_prompts=0", "--set", "finetune.report_limit=1"]
     args += ["--set", f"data.val_source={held}", "--set", "data.seq_len=512", "--set", "train.log_interval=1"]
-    args += ["--set", "train.eval_interval=1000", "--set", "train.ckpt_interval=1000"]
+    args += ["--set", "train.eval_interval=1000", "--set", "train.ckpt_interval=1000", "--set", "train.threads=2"]
     if tools:
         args += ["--tools", "calculator", "--chat-template", TEMPLATE]
     return tfcli(*args)
@@ -120,10 +137,11 @@ def main() -> None:
         rows, timing = {}, {}
         rows["as it comes, alone"] = evaluate(base, f["held"], tmp / "base-alone.json", tools=False)
         rows["as it comes, with the calculator"] = evaluate(base, f["held"], tmp / "base-tools.json", tools=True)
-        timing["sft"] = tfcli(
+        timing["sft"] = elapsed(tmp / "sft") if done(tmp / "sft") else tfcli(
             "finetune", "sft", "--from", base, "--data", f["demos"], "--chat-template", TEMPLATE,
             "--steps", SFT_STEPS, "--batch-size", 8, "--lr", 5e-5, "--out", tmp / "sft", "--quiet", "--seed", 1337,
             "--set", "sft.generate_limit=0", "--set", "finetune.report_limit=1", "--set", "data.seq_len=512",
+            "--set", "train.threads=2",
         )  # fmt: skip
         rows["after SFT, with the calculator"] = evaluate(tmp / "sft", f["held"], tmp / "sft-tools.json", tools=True)
         timing["grpo tools"] = grpo(tmp / "sft", f["prompts"], f["held"], tmp / "grpo-tools", tools=True)
