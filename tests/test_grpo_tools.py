@@ -26,7 +26,7 @@ from tfcli.tasks.grpo import GRPOConfig, GRPOLoss, Prompt, Rollouts
 from tfcli.tasks.grpo import turns as turns_module
 from tfcli.tasks.grpo.prompts import PromptBuilder
 from tfcli.tasks.grpo.turns import ToolTurns, ToolUse
-from tfcli.tools.toolbox import Limits, _tool
+from tfcli.tools.toolbox import Limits, ToolSet, _tool
 
 from .test_gguf import tiny_backbone
 
@@ -120,7 +120,7 @@ def ours(backbone, cfg, template, script, monkeypatch):
     prompts = [builder.example(row, n + 1) for n, row in enumerate(rows)]
     plugin = SimpleNamespace(rt=Runtime(torch.device("cpu")), tokenizer=tok, agreed=bool)
     turns = ToolTurns(template, tok, {eos}, cfg.max_turns)
-    tooling = ToolUse(turns, tools, None, Limits(), builder.rerender)
+    tooling = ToolUse(turns, ToolSet(tools), Limits(), builder.rerender)
     asked = [Prompt(prompts[i // G].ids, QUESTIONS[i // G], {"r": REWARDS[i]}, i + 1) for i in range(2 * G)]
     rewards = [rewarding.Reward("r", 1.0, lambda c: [row["r"] for row in c.rows])]
     rollouts = Rollouts(plugin, cfg, asked, rewards, {eos}, 0, "none", {}, tooling)
@@ -477,7 +477,7 @@ def test_an_environment_keeps_state_per_rollout_adds_to_the_prompt_and_gives_the
     cfg = GRPOConfig(num_generations=2, max_completion_length=200, env=spec)
     builder = PromptBuilder(tok, template, cfg, 10_000, list(env.schemas.values()))
     eos = tok.token_id("<|im_end|>")
-    tooling = ToolUse(ToolTurns(template, tok, {eos}, 4), [], env, Limits(), builder.rerender)
+    tooling = ToolUse(ToolTurns(template, tok, {eos}, 4), ToolSet([], env), Limits(), builder.rerender)
     prompts = [builder.example({"prompt": "Count.", "target": t}, 1) for t in (5, 9)]
     ids, conversations = tooling.start(prompts)
     assert tok.decode(ids[0], skip_special_tokens=False).count("Count. (reach 5)") == 1
@@ -581,18 +581,16 @@ def test_finetune_grpo_with_the_calculator_logs_its_calls_and_evaluates_with_the
 
 
 def test_a_run_with_tools_resumes_bit_for_bit(tmp_path, chat_model):
-    from .conftest import invoke, read_metrics
+    from .conftest import invoke
+    from .test_grpo import logged_training
     from .test_resume_matrix import EVERY_STEP, cut_and_resume
 
     more = ["--set", "train.eval_interval=100", "--set", "grpo.temperature=1.5", *EVERY_STEP]
     whole = invoke(*tool_args(tmp_path, chat_model, 3, "--out", tmp_path / "whole", "--quiet", *more))
     assert whole.exit_code == 0, whole.output
     cut_and_resume("finetune", tmp_path / "whole", tmp_path)
-    timing = ("_s", "_per_s", "mfu", "mem_mb")
-    logged = lambda run: [
-        {k: v for k, v in m.items() if not k.endswith(timing)} for m in read_metrics(run) if m["split"] == "train"
-    ]
-    assert logged(tmp_path / "cut") == logged(tmp_path / "whole") and len(logged(tmp_path / "whole")) == 3
+    assert logged_training(tmp_path / "cut") == logged_training(tmp_path / "whole")
+    assert len(logged_training(tmp_path / "whole")) == 3
 
 
 @pytest.mark.parametrize(

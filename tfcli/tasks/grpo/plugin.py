@@ -102,7 +102,7 @@ class GRPO(ReplyTask):
         found = self.toolset(recipe, self.named_code)
         turns = ToolTurns(template, backbone.tokenizer, stops, cfg.max_turns)
         limits = Limits(cfg.tool_timeout, cfg.tool_result_chars)
-        return ToolUse(turns, found.tools, found.env, limits, self.builder.rerender)
+        return ToolUse(turns, found, limits, self.builder.rerender)
 
     def rewards(self, recipe, prompts: list[Prompt], named: frozenset[str] | None = None) -> list:
         """The run's rewards, tried on its first rows with an empty completion before anything is

@@ -16,7 +16,7 @@ from torch import nn
 from ...errors import UserError
 from ...generate import generate_turns
 from ...tools import calls as call_formats
-from ...tools.toolbox import FAILURES, Toolbox
+from ...tools.toolbox import FAILURES, Toolbox, ToolSet
 
 
 @dataclass
@@ -179,13 +179,9 @@ class ToolUse:
     reset on its row), the template's turns, and how a prompt is rendered again when an environment's
     reset adds to its last user message."""
 
-    def __init__(self, turns: ToolTurns, tools: list, env, limits, rerender):
-        self.turns, self.tools, self.env, self.limits, self.rerender = turns, tools, env, limits, rerender
-
-    @property
-    def schemas(self) -> list[dict]:
-        """What every prompt lists (the run's tools, then the environment's methods)."""
-        return [t.schema for t in self.tools] + (list(self.env.schemas.values()) if self.env else [])
+    def __init__(self, turns: ToolTurns, toolset: ToolSet, limits, rerender):
+        self.turns, self.limits, self.rerender = turns, limits, rerender
+        self.tools, self.env = toolset.tools, toolset.env
 
     def start(self, prompts: list) -> tuple[list[list[int]], list[Conversation]]:
         """Each rollout's prompt ids and its conversation (its own environment, reset on its row)."""
