@@ -35,6 +35,7 @@ END_OF_TURN = {
     "chatml": "<|im_end|>",
     "qwen2.5-instruct": "<|im_end|>",
     "llama-3-instruct": "<|eot_id|>",
+    "llama-3.1-instruct": "<|eot_id|>",
     "gemma-it": "<end_of_turn>",
     "phi-3": "<|end|>",
 }  # the others end a reply with eos_token
@@ -200,6 +201,17 @@ DOCUMENTED = {
         "<|begin_of_text|>",
         "<|eot_id|>",
         f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{S}<|eot_id|>"
+        f"<|start_header_id|>user<|end_header_id|>\n\n{U}<|eot_id|>"
+        f"<|start_header_id|>assistant<|end_header_id|>\n\n{A}<|eot_id|>"
+        f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"
+        f"<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
+    # Meta Llama 3.1 / 3.2 (their template's text; without tools, a dated system turn)
+    "llama-3.1-instruct": (
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        f"Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n{S}<|eot_id|>"
         f"<|start_header_id|>user<|end_header_id|>\n\n{U}<|eot_id|>"
         f"<|start_header_id|>assistant<|end_header_id|>\n\n{A}<|eot_id|>"
         f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"

@@ -10,10 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tfcli.data.chat import ChatTemplate
 from tfcli.data.conversations import DecoderExamples
 from tfcli.errors import UserError
+from tfcli.tools import calls
 
 from .conftest import invoke, write_jsonl
 from .test_chat import hf_ids
@@ -64,24 +66,113 @@ def test_a_tool_conversation_renders_as_transformers_and_trains_only_the_assista
     assert sorted(set(ours.turns)) == [0, 1, 2]
 
 
-def test_trls_training_template_trains_the_same_ids_and_our_mask_leaves_out_only_line_breaks(tokenizer):  # noqa: F811
-    """TRL's SFTTrainer (assistant_only_loss) swaps in its qwen2_5_training.jinja, whose generation
-    markers also take the line break after the assistant's header and the one after <|im_end|>; tfcli's
-    mask is the reply and its end-of-turn token. The ids are the same; the masks differ by exactly those
-    line breaks (the convention issue 72 asks to settle; see the notes)."""
+def test_the_shipped_llama_3_1_template_renders_as_metas_and_trains_the_call(tokenizer):  # noqa: F811
+    """tfcli's llama-3.1-instruct (its own text, MIT) renders Meta's Llama 3.1 template's ids (TRL's copy,
+    through transformers) with and without a system message and a generation prompt; the call is
+    trained as Llama writes it ({"name", "parameters"}), the ipython result and the tool list are not."""
+    meta = trl_training_template("llama3_1")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    template = ChatTemplate.load("llama-3.1-instruct")
+    for messages in (conversation(), conversation()[1:], conversation()[:2]):
+        for prompt in (False, True):
+            theirs = hf.apply_chat_template(
+                messages, tools=[MULTIPLY], tokenize=True, add_generation_prompt=prompt, chat_template=meta
+            )
+            theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+            assert template.render(tokenizer, messages, prompt, tools=[MULTIPLY], bos_token="<s>").ids == theirs
+    rendered = template.render(tokenizer, conversation(), tools=[MULTIPLY])
+    trained = tokenizer.decode(
+        [i for i, m in zip(rendered.ids, rendered.assistant_mask) if m], skip_special_tokens=False
+    )
+    assert trained == '{"name": "multiply", "parameters": {"a": 123, "b": 45}}<|eot_id|>It is 5535.<|eot_id|>'
+    assert template.writes_tool_calls and calls.format_of(template) == "llama3"  # GRPO reads its calls
+
+
+def trl_training_template(name: str = "qwen2_5_training") -> str:
     trl = pytest.importorskip("trl")
-    source = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5_training.jinja").read_text()
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+def test_a_template_with_generation_markers_trains_what_they_mark_as_transformers_does(tokenizer):  # noqa: F811
+    """tfcli's own convention (no markers): the reply and its end-of-turn token, the tokens the model
+    samples. TRL's SFTTrainer (assistant_only_loss) swaps in its qwen2_5_training.jinja, whose markers
+    also take the line break after the assistant's header and the one after <|im_end|>: given that
+    template, tfcli's mask is transformers' `assistant_masks`, token for token."""
+    source = trl_training_template()
     messages = conversation()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
     out = hf.apply_chat_template(
         messages, tools=[MULTIPLY], tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
         chat_template=source,
     )  # fmt: skip
+    marked = ChatTemplate(source).render(tokenizer, messages, tools=[MULTIPLY])
+    assert marked.ids == list(out["input_ids"]) and marked.assistant_mask == list(out["assistant_masks"])
+    assert sorted(set(marked.turns)) == [0, 1, 2]
     ours = ChatTemplate.load("qwen2.5-instruct").render(tokenizer, messages, tools=[MULTIPLY])
-    assert ours.ids == list(out["input_ids"])
-    only_theirs = [i for i, a, b in zip(ours.ids, out["assistant_masks"], ours.assistant_mask) if a and not b]
-    assert all(i for i, b in zip(out["assistant_masks"], ours.assistant_mask) if b)  # ours within theirs
+    assert ours.ids == marked.ids
+    only_theirs = [i for i, a, b in zip(ours.ids, marked.assistant_mask, ours.assistant_mask) if a and not b]
+    assert all(a for a, b in zip(marked.assistant_mask, ours.assistant_mask) if b)  # ours within theirs
     assert set(tokenizer.decode([i]) for i in only_theirs) == {"\n"} and len(only_theirs) == 4
+    nested = "{% generation %}{% generation %}{{ messages[0].content }}{% endgeneration %}{% endgeneration %}"
+    with pytest.raises(UserError, match="nested or unclosed"):
+        ChatTemplate(nested).render(tokenizer, messages[:2])
+
+
+def test_sft_loss_and_gradients_on_tool_chats_equal_trls_sfttrainer(tmp_path):
+    """The same tool conversations, TRL's training template on both sides: SFTTrainer(assistant_only_loss)
+    tokenizes them to the ids and labels tfcli trains, and one batch's loss and gradients are equal."""
+    from dataclasses import replace
+
+    import datasets
+
+    from tfcli.hf import convert
+    from tfcli.hf import interop as hf
+    from tfcli.hf import llama as llama_table
+    from tfcli.tasks.reply_batches import PaddedReplies, decoder_loss
+
+    from .test_dpo import every_pair
+    from .test_gguf import tiny_backbone
+
+    trl = pytest.importorskip("trl")
+    source = trl_training_template()
+    backbone = tiny_backbone(max_seq_len=512)
+    # transformers gives the embedding's pad row no gradient: pad with a token the text never holds
+    backbone.tokenizer.specials = replace(backbone.tokenizer.specials, pad="<|endoftext|>")
+    rows = [{"messages": conversation(100 + 7 * i, 20 + i), "tools": [MULTIPLY]} for i in range(3)]
+    rows[1]["messages"] = rows[1]["messages"][1:]  # one without a system message
+    examples = DecoderExamples(backbone.tokenizer, ChatTemplate(source), "assistant", 512).build_all(rows).examples
+    pad = backbone.tokenizer.token_id("<|endoftext|>")
+    batch = PaddedReplies(examples, pad).batch(every_pair(len(examples)))
+    model = backbone.model.train()
+    ours, _ = decoder_loss(model, None, batch)
+    ours.backward()
+
+    hf.export(backbone, None, tmp_path / "policy")
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backbone.tokenizer.tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tok.chat_template = source
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "trl"), assistant_only_loss=True, report_to=[], use_cpu=True,
+        per_device_train_batch_size=len(rows), max_length=None, bf16=False, fp16=False,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_list([{**r, "tools": json.dumps(r["tools"])} for r in rows])
+    trainer = trl.SFTTrainer(model=theirs_model, args=args, train_dataset=dataset, processing_class=tok)
+    processed = [trainer.train_dataset[i] for i in range(len(rows))]
+    for e, row in zip(examples, processed):
+        assert e.ids.tolist() == row["input_ids"]
+        assert e.trained[1:].tolist() == [int(label != -100) for label in row["labels"][1:]]
+    theirs_batch = trainer.data_collator(processed)
+    theirs_model.train()
+    theirs = trainer.compute_loss(theirs_model, theirs_batch)
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), abs=1e-5) and float(ours.detach()) > 1.0
+    grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
+    their_grads = {n: p.grad for n, p in theirs_model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(their_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
 
 
 def test_rows_of_tool_calls_are_built_and_bad_ones_counted_by_reason(tokenizer):  # noqa: F811

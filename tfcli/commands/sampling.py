@@ -145,12 +145,13 @@ def _chat_tools(spec: str | None, template):
     user's functions are those this command line names."""
     if not spec:
         return None, None
+    from ..data.chat import tool_templates
     from ..tools import calls
     from ..tools.toolbox import Toolbox, parse_tools
     from .common import named_code
 
     if not template.writes_tool_calls:
-        raise UserError(f"--tools: {template.where} has no tool format; give --chat-template qwen2.5-instruct")
+        raise UserError(f"--tools: {template.where} has no tool format; give --chat-template one of {tool_templates()}")
     toolbox = Toolbox(parse_tools(spec, named_code({"tools": spec}, [])))
     return toolbox, calls.FORMATS[calls.format_of(template)]
 

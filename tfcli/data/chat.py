@@ -6,7 +6,11 @@ A template is data, never code: it is rendered in jinja2's ImmutableSandboxedEnv
 transformers does), so attribute tricks that reach Python internals (`''.__class__...`) stop with
 a one-line error. The assistant mask comes from rendering prefixes of the conversation and
 differencing them (torchtune's approach): the characters an assistant message adds after its
-generation prompt are its reply, so no template needs `{% generation %}` markers.
+generation prompt are its reply (the tokens the model samples at inference: the reply and its
+end-of-turn token), so no template needs `{% generation %}` markers. A template that has them (TRL's
+training templates) is taken at its word instead: the mask is the marked text, as transformers'
+`return_assistant_tokens_mask` makes it, so a run in one of TRL's templates trains what SFTTrainer's
+`assistant_only_loss` trains (those also take the line breaks around the end-of-turn token).
 
 Tool calls (TRL's conversational format): an assistant message may carry `tool_calls` ({"type":
 "function", "function": {"name", "arguments"}}) and `tool` messages carry their results; the
@@ -30,7 +34,11 @@ from ..errors import UserError, short
 from .special_tokens import template_of
 
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_PROBE = "tfcli_probe_tool"  # a tool name no template writes unless it writes tool calls
+TOOL_PROBE = "tfcli_probe_tool"
+MARK_OPEN, MARK_CLOSE = (
+    "\ue000",
+    "\ue001",
+)  # where `{% generation %}` opens and closes (private use)  # a tool name no template writes unless it writes tool calls
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
 
 
@@ -110,6 +118,18 @@ class ChatTemplate:
         given to the template in the form it reads: where there are images (`marker`), a template that
         reads parts gets each text as parts (split at the marker, an image part for each); one that
         reads texts gets parts joined, an image part written as the marker."""
+        raw = self.marked_text(messages, add_generation_prompt, marker, tools, **specials)
+        return raw.replace(MARK_OPEN, "").replace(MARK_CLOSE, "")
+
+    def marked_text(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        marker: str | None = None,
+        tools: list | None = None,
+        **specials: str,
+    ) -> str:
+        """`text`, with MARK_OPEN and MARK_CLOSE where the template's generation markers are."""
         import jinja2
 
         messages = [{**m, "content": self._content(m.get("content"), marker)} for m in messages]
@@ -153,8 +173,12 @@ class ChatTemplate:
         check_messages(messages, parts=images is not None)
         specials = {**tokenizer.specials.to_config(), **specials}
         marker = images.marker if images is not None else None
-        text = self.text(messages, add_generation_prompt, marker, tools, **specials)
-        spans = self.assistant_spans(messages, text, marker, tools, **specials)
+        raw = self.marked_text(messages, add_generation_prompt, marker, tools, **specials)
+        text = raw.replace(MARK_OPEN, "").replace(MARK_CLOSE, "")
+        if MARK_OPEN in raw:
+            spans = marked_spans(raw, self.where)
+        else:
+            spans = self.assistant_spans(messages, text, marker, tools, **specials)
         if images is not None:
             if text.count(marker) != images.count:
                 raise UserError(
@@ -193,6 +217,24 @@ class ChatTemplate:
                 start += 1
             spans.append((start, len(through)))
         return spans
+
+
+def marked_spans(raw: str, where: str) -> list[tuple[int, int]]:
+    """(start, end) characters, in the text without them, of what each pair of generation markers
+    encloses, in order (a template's `{% generation %}` blocks)."""
+    spans, removed, start = [], 0, None
+    for i, c in enumerate(raw):
+        if c not in (MARK_OPEN, MARK_CLOSE):
+            continue
+        if (c == MARK_OPEN) != (start is None):  # an open inside a block, or a close outside one
+            raise UserError(f"{where}: its {{% generation %}} blocks are nested or unclosed")
+        if c == MARK_OPEN:
+            start = i - removed
+        else:
+            spans.append((start, i - removed))
+            start = None
+        removed += 1
+    return [(a, b) for a, b in spans if b > a]
 
 
 def check_messages(messages: list[dict], parts: bool = False) -> None:
@@ -289,22 +331,30 @@ def _compile(source: str, where: str):
 
 
 def _generation_tag():
-    """transformers' `{% generation %}...{% endgeneration %}` (marking the assistant's tokens), read as
-    its body: tfcli finds the replies by prefix differencing."""
+    """transformers' `{% generation %}...{% endgeneration %}` (marking the assistant's tokens): its
+    body, between MARK_OPEN and MARK_CLOSE, for `render` to find."""
     import jinja2.ext
+    from jinja2 import nodes
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
 
         def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            mark = [nodes.Output([nodes.TemplateData(c)]).set_lineno(lineno) for c in (MARK_OPEN, MARK_CLOSE)]
+            return [mark[0], *body, mark[1]]
 
     return Generation
 
 
 def shipped_templates() -> list[str]:
     return sorted(p.stem for p in SHIPPED_DIR.glob("*.jinja"))
+
+
+def tool_templates() -> str:
+    """The shipped templates that write tool calls, for the hint of a refusal."""
+    return ", ".join(n for n in shipped_templates() if ChatTemplate.load(n).writes_tool_calls)
 
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>", "<|end_of_text|>")

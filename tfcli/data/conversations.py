@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from .chat import ChatTemplate, ImageMarks, check_messages, joined
+from .chat import ChatTemplate, ImageMarks, check_messages, joined, tool_templates
 
 TRAIN_ON = ("assistant", "all", "last")
 FORMATS = ("auto", "prompt", "messages", "text")
@@ -274,7 +274,7 @@ class DecoderExamples(ExampleBuilder):
         if calls and not self.template.writes_tool_calls:
             raise UserError(
                 f"{self.template.where} has no tool format (it does not write an assistant's tool_calls); "
-                "pass sft.chat_template a template that does (shipped: qwen2.5-instruct)"
+                f"pass sft.chat_template a template that does (shipped: {tool_templates()})"
             )
         rendered = self.template.render(self.tok, messages, images=self.images, tools=self.tools)
         turns = np.array(rendered.turns)  # (T,): 0, or the number of the reply the token belongs to

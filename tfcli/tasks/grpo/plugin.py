@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...data.chat import stop_ids
+from ...data.chat import stop_ids, tool_templates
 from ...display import console, phase
 from ...engine.backbone import from_run
 from ...engine.perf import training_flops_multiplier
@@ -98,7 +98,7 @@ class GRPO(ReplyTask):
             return None
         template = self.template(recipe, backbone)
         if template is None:
-            raise UserError("grpo with tools needs a chat template (grpo.chat_template, e.g. qwen2.5-instruct)")
+            raise UserError(f"grpo with tools needs a chat template (grpo.chat_template: shipped {tool_templates()})")
         found = self.toolset(recipe, self.named_code)
         turns = ToolTurns(template, backbone.tokenizer, stops, cfg.max_turns)
         limits = Limits(cfg.tool_timeout, cfg.tool_result_chars)

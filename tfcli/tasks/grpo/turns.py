@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ...data.chat import tool_templates
 from ...errors import UserError
 from ...generate import generate_turns
 from ...tools import calls as call_formats
@@ -56,7 +57,7 @@ class ToolTurns:
         if not template.writes_tool_calls:
             raise UserError(
                 f"{template.where} has no tool format (it does not write an assistant's tool_calls); give "
-                f"grpo.chat_template one that does (qwen2.5-instruct ships with tfcli)"
+                f"grpo.chat_template one that does (shipped: {tool_templates()})"
             )
         self.format = call_formats.format_of(template)
         self.read = call_formats.FORMATS[self.format]
@@ -74,7 +75,7 @@ class ToolTurns:
             raise UserError(
                 f"{self.template.where}: rendering a tool result changes the turn before it (the template does "
                 f"not preserve a conversation's prefix), so a rollout's ids could not continue; use a template "
-                f"that does (qwen2.5-instruct ships with tfcli)"
+                f"that does (shipped: {tool_templates()})"
             )
 
     def _through_stop(self, text: str) -> str:
