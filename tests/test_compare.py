@@ -14,7 +14,7 @@ import yaml
 from tfcli.commands import compare
 from tfcli.errors import UserError
 
-from .conftest import invoke
+from .conftest import invoke, write_jsonl
 
 
 @pytest.mark.parametrize(
@@ -250,3 +250,29 @@ def test_a_varied_setting_is_one_more_dimension_of_the_grid_but_not_for_promptin
     assert command[command.index("dpo.beta=0.3") - 1] == "--set"
     with pytest.raises(compare.UserError, match="--vary"):
         compare.load_grid(None, "dpo", "m1", "lora", "2steps", None, None, [], vary=["dpo.beta="])
+
+
+@pytest.mark.slow
+def test_a_grpo_grid_with_the_calculator_trains_every_cell_with_it(tmp_path_factory, tmp_path):
+    """compare --task grpo with --set grpo.tools=calculator: each cell's run is a GRPO run with the
+    tool (its config names it, its steps log TRL's tool metrics), tabulated beside the others."""
+    from .test_gguf import chat_gguf_file
+    from .test_hostile import PROMPTS
+
+    model = chat_gguf_file(tmp_path_factory, max_seq_len=1024)  # the tool list takes most of the prompt
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    settings = ["grpo.reward=contains", "grpo.tools=calculator", "grpo.chat_template=qwen2.5-instruct"]
+    settings += ["train.batch_size=2", "grpo.max_completion_length=8", "grpo.num_generations=2"]
+    settings += ["grpo.eval_prompts=2", "data.val_fraction=0.125", "data.seq_len=1024"]
+    out = tmp_path / "study"
+    args = ["compare", "--task", "grpo", "--from", model, "--train", "lora,all", "--budget", "1steps"]
+    args += ["--data", data, "--out", out, "--report-limit", 2]
+    result = invoke(*args, *[part for s in settings for part in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["status"] for r in rows] == ["done", "done"] and [r["scored"] for r in rows] == ["2", "2"]
+    for row in rows:
+        cell = out / "cells" / row["cell"]
+        assert yaml.safe_load((cell / "config.yaml").read_text())["grpo"]["tools"] == "calculator"
+        logged = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
+        assert any("tools/call_frequency" in m for m in logged), logged
