@@ -25,6 +25,7 @@ TASKS = {
     "image-classify": "image_classification:ImageClassify",
     "sft": "sft:SFT",
     "dpo": "dpo:DPO",
+    "rm": "reward_model:RewardModel",
     "grpo": "grpo:GRPO",
 }
 

@@ -14,6 +14,7 @@ than the model reads is skipped and counted by reason.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,12 +33,14 @@ class PairFields:
     chosen: str = "chosen"
     rejected: str = "rejected"
     system: str = ""  # a system message before every prompt ("" = none)
+    margin: str = ""  # a reward model's column of how much better the chosen reply is ("" = none)
 
 
 @dataclass(frozen=True)
 class Pair:
     chosen: Example
     rejected: Example
+    margin: float = 0.0  # how much better the chosen reply is (a reward model's margin column; else 0)
 
     @property
     def length(self) -> int:
@@ -134,4 +137,9 @@ class PairBuilder:
             for reply in (chosen, rejected)
         ]
         why = next((b for b in built if isinstance(b, str)), None)
-        return why if why is not None else Pair(*built)
+        if why is not None:
+            return why
+        margin = row.get(self.fields.margin, 0.0) if self.fields.margin else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            return f"skip:a {self.fields.margin!r} that is not a number"
+        return Pair(*built, float(margin))

@@ -15,7 +15,7 @@ from .. import adapters
 from ..data.special_tokens import CONFIG_FILE, config_text
 from ..errors import UserError
 from ..models import kinds
-from . import gguf, peft, registry, vlm
+from . import gguf, peft, registry, reward, vlm
 from .convert import auto_class, check_writable, read_config, to_hf, to_tfcli, write_dir
 from .record import Record
 
@@ -90,6 +90,8 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
     state = {**state, **spec.extra_tensors}
     if spec.convert is not None:
         state = spec.convert(state)
+    if reward.is_reward_model(backbone):
+        spec, state = reward.as_reward_model(spec, state, backbone, generic=backbone.family == "generic")
     files = {"tokenizer.json": backbone.tokenizer.tok.to_str()} if backbone.tokenizer is not None else {}
     files = {**files, **spec.files}
     if backbone.tokenizer is not None:  # its special tokens (transformers pads with pad_token) and template
@@ -115,6 +117,10 @@ def tokenizer_config(backbone, base: dict) -> str:
 def export_gguf(backbone, recipe, out: Path, dtype: str = "f16") -> str:
     """Write a backbone as a GGUF file (llama.cpp, Ollama, LM Studio; tfcli and transformers read it
     back); return its architecture. Only what a GGUF's llama/qwen2/qwen3 architecture or their mixtures (llama with experts, qwen2moe, qwen3moe, olmoe) hold."""
+    if reward.is_reward_model(backbone):
+        raise UserError(
+            "a reward model exports with --hf (AutoModelForSequenceClassification): a GGUF holds no score head"
+        )
     spec, state = merged_export(backbone, recipe, "export to GGUF")
     if spec.config.get("model_type") not in gguf.GGUF_ARCH:
         raise UserError(

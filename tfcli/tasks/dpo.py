@@ -18,22 +18,19 @@ directory (reference_logps.json), so training holds one model and a resumed run 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import adapters, display
+from .. import adapters
 from ..data import IGNORE
-from ..data.conversations import DecoderExamples
-from ..data.preferences import PairBuilder, PairFields, Pairs
 from ..data.sampler import sequential_batches
 from ..display import console, phase
 from ..engine.backbone import base_model, for_inference, from_run, recorded
@@ -41,12 +38,11 @@ from ..engine.evaluate import held_out_metrics
 from ..engine.perf import training_flops_multiplier
 from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
-from ..models import kinds
 from ..objectives.losses import lm_head, sequence_logprobs
 from ..plugin import EvalOptions, Job
 from ..recipe import require
+from .pairs import PairConfig, PairTask
 from .reference import reference_mode, reference_of, starting_model
-from .replies import ReplyConfig, ReplyTask
 from .reply_batches import PairBatches, count_tokens, pair_count, shared_length
 
 REFERENCE_FILE = "reference_logps.json"
@@ -59,10 +55,8 @@ LOSSES = (
 
 
 @dataclass(frozen=True)
-class DPOConfig(ReplyConfig):
-    """The `dpo:` recipe section (a reply task's fields, and these)."""
-
-    presets: ClassVar[bool] = False  # no preset of pairs yet
+class DPOConfig(PairConfig):
+    """The `dpo:` recipe section (a pair task's fields, and these)."""
 
     beta: float = field(default=0.1, metadata={"help": "how far the model may move from the reference (higher: less)"})
     loss: Literal[LOSSES] = field(  # type: ignore[valid-type]
@@ -79,12 +73,6 @@ class DPOConfig(ReplyConfig):
     reference: Literal["auto", "copy", "base", "precompute"] = field(
         default="auto", metadata={"help": "auto: base for lora/qlora/ia3, else copy"}
     )
-    share_prompt: bool = field(
-        default=True,
-        metadata={"help": "a row per pair, its prompt read once for both replies (False: a row per reply)"},
-    )
-    chosen_field: str = field(default="chosen", metadata={"help": "the column holding the preferred reply"})
-    rejected_field: str = field(default="rejected", metadata={"help": "the column holding the other reply"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -209,38 +197,11 @@ def precompute(model: nn.Module, pairs: list, pad: int, batch_size: int, device,
     return torch.cat(out) if out else torch.zeros(0, 2)
 
 
-class DPO(ReplyTask):
+class DPO(PairTask):
     key = "dpo"
-    noun = "pairs"
-    model_kinds = (kinds.DECODER,)
     recipe_pattern = "dpo-{family}-mini"
     Config = DPOConfig
     describe = "DPO preference tuning"
-
-    def resolve(self, recipe, backbone):
-        """A model that cannot read a prompt once for two replies (blocks.two_replies; the generic path's
-        transformers modules) trains with a row per reply (dpo.share_prompt false), said once."""
-        recipe = super().resolve(recipe, backbone)
-        if recipe.settings.share_prompt and not getattr(backbone.model, "reads_two_replies", True):
-            display.note("dpo: this model reads a row per reply (dpo.share_prompt false): its prompts are read twice")
-            recipe = dataclasses.replace(recipe, settings=dataclasses.replace(recipe.settings, share_prompt=False))
-        return recipe
-
-    def pairs(
-        self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True
-    ) -> dict[str, Pairs]:
-        """Every split's pairs (the training split first), each split's skipped rows named (say)."""
-        cfg, length = recipe.settings, min(recipe.data.seq_len, backbone.cfg.max_seq_len)
-        examples = DecoderExamples(backbone.tokenizer, self.template(recipe, backbone), "last", length)
-        fields = PairFields(cfg.prompt_column, cfg.chosen_field, cfg.rejected_field, cfg.system)
-        return self.read(recipe, PairBuilder(examples, fields), data, need_train, say)
-
-    @staticmethod
-    def items(built: Pairs) -> list:
-        return built.pairs
-
-    def text_columns(self, cfg: DPOConfig) -> tuple[str, ...]:
-        return (cfg.prompt_column, cfg.chosen_field, cfg.rejected_field)
 
     def frozen_copies(self, recipe) -> int:
         return int(reference_mode(recipe) == "copy")

@@ -97,6 +97,7 @@ class ReplyTask(Plugin):
 
     kind = "task"
     noun: ClassVar[str] = "examples"  # what a split holds, for its line: examples, pairs, prompts
+    eval_noun: ClassVar[str] = "questions"  # what an evaluation's split holds, for its line
     eval_limit_hint: ClassVar[int] = 0  # the evaluation hint's --limit (0: none)
 
     def __init__(self, *args, **kwargs):
@@ -173,7 +174,11 @@ class ReplyTask(Plugin):
     def split_line(self, split: str, built, where: str, training: bool) -> str:
         """The line a split of the data gets: what it holds (an evaluation's: questions)."""
         return summary_line(
-            f"{self.key} {split}", len(self.items(built)), self.noun if training else "questions", built.skipped, where
+            f"{self.key} {split}",
+            len(self.items(built)),
+            self.noun if training else self.eval_noun,
+            built.skipped,
+            where,
         )
 
     @staticmethod

@@ -258,3 +258,56 @@ def reply_format(model) -> ReplyFormat:
 def count_tokens(batch: dict) -> int:
     """The tokens a batch reads: the (padded) decoder sequence, or an encoder-decoder's both sides."""
     return int(batch["input_ids"].numel() + (batch["labels"].numel() if "labels" in batch else 0))
+
+
+class RewardBatches(Source):
+    """Preference pairs for a reward model, whose score is read at each sequence's last token. With
+    share_prompt, a row per pair: the prompt once, the chosen reply, then the rejected one (as
+    PairBatches lays it out, every token kept); without, 2B rows, the chosen sequences first.
+    `score_at` (2B,) with `score_row` (2B,): where each sequence's last token is, chosen first;
+    `margin` (B,) the pairs' margins when any pair has one."""
+
+    def __init__(self, pairs: list, pad_id: int, share_prompt: bool = True):
+        self.pairs, self.pad, self.share = pairs, pad_id, share_prompt
+        self.lengths = np.array([p.length for p in pairs])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.pairs)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        pairs = [self.pairs[i] for i in draw.indices]
+        out = reward_rows(pairs, self.pad) if self.share else reward_rows_apart(pairs, self.pad)
+        if any(p.margin for p in pairs):
+            out["margin"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+        return out
+
+
+def reward_rows(pairs: list, pad_id: int) -> dict[str, Tensor]:
+    """A row per pair: the shared prompt, the chosen sequence's own tokens, the rejected one's
+    (shared_prompt (B, 2) as shared_prompt_rows gives it); each scored at its last token."""
+    shared_tokens = [common_prefix(p) for p in pairs]
+    rows = [np.concatenate([p.chosen.ids, p.rejected.ids[k:]]) for p, k in zip(pairs, shared_tokens)]
+    ids = torch.full((len(pairs), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.from_numpy(row)
+    ends = torch.tensor([len(p.chosen.ids) for p in pairs])  # where the rejected sequence's own tokens start
+    every = torch.arange(len(pairs))
+    return {
+        "input_ids": ids,
+        "shared_prompt": torch.stack([torch.tensor(shared_tokens), ends], dim=1),
+        "score_row": torch.cat([every, every]),
+        "score_at": torch.cat([ends - 1, torch.tensor([len(r) - 1 for r in rows])]),
+    }
+
+
+def reward_rows_apart(pairs: list, pad_id: int) -> dict[str, Tensor]:
+    """2B right-padded rows, the chosen sequences first, each scored at its last token."""
+    sequences = [p.chosen.ids for p in pairs] + [p.rejected.ids for p in pairs]
+    ids = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
+    for r, seq in enumerate(sequences):
+        ids[r, : len(seq)] = torch.from_numpy(seq)
+    return {
+        "input_ids": ids,
+        "score_row": torch.arange(len(sequences)),
+        "score_at": torch.tensor([len(s) - 1 for s in sequences]),
+    }
