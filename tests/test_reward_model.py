@@ -142,6 +142,16 @@ def test_finetune_rm_learns_the_preference_evaluates_and_exports_a_sequence_clas
         want = rewards(ours.model.eval(), head, batch)
         got = model(input_ids=ids).logits[:, 0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # a batch as the exported tokenizer pads it scores each conversation as it scores alone
+    assert tokenizer.pad_token_id == model.config.pad_token_id
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in (conversation, conversation[:1])]
+    padded = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        both = model(**padded).logits[:, 0]
+        alone = torch.cat(
+            [model(**tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[:, 0] for t in texts]
+        )
+    torch.testing.assert_close(both, alone, atol=1e-5, rtol=1e-5)
     gguf = invoke("export", "--checkpoint", run, "--gguf", tmp_path / "rm.gguf")
     assert gguf.exit_code == 2 and "--hf" in gguf.output and not (tmp_path / "rm.gguf").exists(), gguf.output
 
@@ -168,3 +178,86 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model, rows, m
     )
     assert result.exit_code == 2 and message in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory, chat_model):
+    root = tmp_path_factory.mktemp("rm")
+    result = invoke(*rm_args(root, chat_model, 2, "--out", root / "run", "--quiet"))
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+def test_grpo_with_a_reward_model_run_scores_each_completion_as_the_model_does(tmp_path, chat_model, reward_run):
+    """--reward rm:RUN: each sampled completion's reward is the reward model's score of the prompt
+    and that completion, rendered as it was trained (here ChatML); a relative path is recorded whole."""
+    from tfcli.tasks.reward_model import RunReward
+    from tfcli.tasks.rewards import parse
+
+    from .test_grpo import PROMPTS
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    args = ["finetune", "grpo", "--from", chat_model, "--data", data, "--steps", 1, "--batch-size", 2]
+    args += ["--set", "grpo.max_completion_length=8", "--set", "grpo.num_generations=2", "--set", "grpo.eval_prompts=2"]
+    args += ["--set", "data.val_fraction=0.125", "--out", tmp_path / "run", "--quiet"]
+    result = invoke(*args, "--reward", f"rm:{reward_run}:0.5")
+    assert result.exit_code == 0, result.output
+    train = [m for m in read_metrics(tmp_path / "run") if m["split"] == "train"]
+    assert "rewards/rm/mean" in train[-1], train[-1]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    scorer = RunReward(str(reward_run))
+    want = scorer([s["prompt"] for s in samples], [s["completion"] for s in samples])
+    assert [s["rewards/rm"] for s in samples] == pytest.approx(want, abs=1e-5)
+    assert len({round(w, 6) for w in want}) > 1  # different completions, different scores
+    assert [r.weight for r in parse(f"rm:{reward_run}:0.5", "answer")] == [0.5]
+
+
+@pytest.mark.parametrize("which", ["gguf", "dpo run", "nowhere"])
+def test_a_reward_that_is_not_a_reward_model_run_is_one_line(tmp_path, chat_model, which):
+    from .test_grpo import PROMPTS
+
+    if which == "dpo run":
+        pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+        made = invoke("finetune", "dpo", "--from", chat_model, "--data", pairs, "--steps", 1, "--out", tmp_path / "dpo")
+        assert made.exit_code == 0, made.output
+    target = {"gguf": chat_model, "dpo run": tmp_path / "dpo", "nowhere": tmp_path / "nowhere"}[which]
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    result = invoke(
+        "finetune", "grpo", "--from", chat_model, "--data", data, "--steps", 1, "--reward", f"rm:{target}",
+        "--set", "grpo.max_completion_length=8", "--out", tmp_path / "run", "--quiet",
+    )  # fmt: skip
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    why = "not a reward model" if which == "dpo run" else "checkpoint not found"
+    assert f"--reward rm:{target}: " in result.output and why in result.output, result.output
+    assert result.output.strip().count("\n") == 0 and not (tmp_path / "run").exists(), result.output
+
+
+@pytest.mark.slow
+def test_a_generic_decoders_reward_model_trains_and_exports_its_sequence_classifier(tmp_path):
+    """The generic path (transformers' own modules, here StableLM): a row per reply, and the export is
+    StableLmForSequenceClassification scoring as tfcli does."""
+    transformers = pytest.importorskip("transformers")
+    from tfcli.data.tokenizers import load_tokenizer_files
+    from tfcli.engine.backbone import from_run
+
+    from .test_generic import hf_decoder
+
+    tok = load_tokenizer_files("builtin:gpt2", ["<|endoftext|>"])
+    model = tmp_path / "model"
+    hf_decoder("stablelm", vocab_size=tok.vocab_size).save_pretrained(model)
+    tok.tok.save(str(model / "tokenizer.json"))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
+    run = tmp_path / "run"
+    result = invoke("finetune", "rm", "--from", model, "--data", pairs, "--steps", 2, "--out", run, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "share_prompt: false" in (run / "config.yaml").read_text()
+    exported = invoke("export", "--checkpoint", run, "--hf", tmp_path / "hf")
+    assert exported.exit_code == 0 and "StableLmForSequenceClassification" in exported.output, exported.output
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ours = from_run(run)
+    ids = torch.tensor([tok.encode("What is 1 plus 2?\n") + tok.encode("It is 3.") + [tok.eos_id]])
+    batch = {"input_ids": ids, "score_row": torch.tensor([0]), "score_at": torch.tensor([ids.size(1) - 1])}
+    assert theirs.config.pad_token_id is None  # GPT-2's one special token ends every sequence: none can pad
+    with torch.no_grad():
+        want = rewards(ours.model.eval(), score_head(ours.cfg.d_model, ours.heads), batch)
+        torch.testing.assert_close(theirs(input_ids=ids).logits[:, 0], want, atol=1e-4, rtol=1e-4)

@@ -592,8 +592,11 @@ def _anchor_code(part: str, base: Path) -> str:
     code = _CODE.fullmatch(part)
     if code:
         return _anchor(code.group(1), base) + code.group(2)
-    if part.strip().startswith("lookup:"):  # a GRPO tool's table
-        return "lookup:" + _anchor(part.strip()[len("lookup:") :], base)
+    for prefix in ("lookup:", "rm:"):  # a GRPO tool's table, a reward model run (with a weight)
+        if part.strip().startswith(prefix):
+            rest = part.strip()[len(prefix) :]
+            path, weight = (rest, "") if (base / rest).exists() or ":" not in rest else rest.rsplit(":", 1)
+            return prefix + _anchor(path, base) + (f":{weight}" if weight else "")
     return part
 
 

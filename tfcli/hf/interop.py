@@ -96,6 +96,8 @@ def export(backbone, recipe, out: Path) -> tuple[str, str]:
     files = {**files, **spec.files}
     if backbone.tokenizer is not None:  # its special tokens (transformers pads with pad_token) and template
         files[CONFIG_FILE] = tokenizer_config(backbone, json.loads(files.get(CONFIG_FILE, "{}")))
+        if reward.is_reward_model(backbone):
+            files[CONFIG_FILE] = reward.with_pad(files[CONFIG_FILE], spec.config, backbone.tokenizer)
     write_dir(out, spec.config, state, files)
     arch = spec.config["architectures"][0]
     return arch, spec.loads_with or f"transformers.{auto_class(arch)}.from_pretrained({str(out)!r})"

@@ -302,10 +302,14 @@ def reward_rows(pairs: list, pad_id: int) -> dict[str, Tensor]:
 
 def reward_rows_apart(pairs: list, pad_id: int) -> dict[str, Tensor]:
     """2B right-padded rows, the chosen sequences first, each scored at its last token."""
-    sequences = [p.chosen.ids for p in pairs] + [p.rejected.ids for p in pairs]
+    return last_token_rows([p.chosen.ids for p in pairs] + [p.rejected.ids for p in pairs], pad_id)
+
+
+def last_token_rows(sequences: list[np.ndarray], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded rows of token ids, each to be scored at its last token."""
     ids = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
     for r, seq in enumerate(sequences):
-        ids[r, : len(seq)] = torch.from_numpy(seq)
+        ids[r, : len(seq)] = torch.as_tensor(seq)
     return {
         "input_ids": ids,
         "score_row": torch.arange(len(sequences)),

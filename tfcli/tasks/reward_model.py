@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .pairs import PairConfig, PairTask
-from .reply_batches import RewardBatches, count_tokens, pair_count
+from .reply_batches import RewardBatches, count_tokens, last_token_rows, pair_count
 
 SCORE = "score"  # the head's name: heads.score.weight in a checkpoint, score.weight in an export
 
@@ -204,3 +204,47 @@ def measure(recipe, backbone, pairs: RewardBatches, split: str, device) -> dict[
             module, sequential_batches(pairs, recipe.train.batch_size, 0), device, recipe.train.precision, pair_count
         )
     return {**m, "acc": m["accuracy"], "n": pairs.epoch_size(0)}
+
+
+class RunReward:
+    """A reward model run as an on-policy reward (`--reward rm:RUN`): each completion, after its prompt,
+    rendered as the reward model was trained (its template, or the base format) and scored at its
+    last token, as TRL scores with a reward model (decoded, then tokenized by the reward model's own
+    tokenizer). The run is read as data: its weights and config, no code. A conversation longer than
+    the reward model reads keeps its last tokens."""
+
+    batch = 16  # conversations scored together
+
+    def __init__(self, path: str):
+        from ..data.conversations import DecoderExamples
+        from ..engine.runtime import pick_device
+        from .replies import template_for
+
+        device = pick_device("auto")
+        try:
+            backbone = from_run(Path(path), device=str(device))
+            require_reward_model(backbone)
+        except UserError as e:
+            raise UserError(f"--reward rm:{path}: {e}") from None
+        self.model, self.device = backbone.model.eval().requires_grad_(False), device
+        self.head = score_head(backbone.cfg.d_model, backbone.heads).to(device).requires_grad_(False)
+        template = template_for(backbone.recipe.settings.chat_template, backbone)
+        self.examples = DecoderExamples(backbone.tokenizer, template, "last", 1 << 30)
+        self.length, self.pad = backbone.cfg.max_seq_len, type(backbone.model).pad_id(backbone.tokenizer)
+        self.where = path
+
+    def ids(self, prompt, reply: str) -> np.ndarray:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        example = self.examples.build(messages + [{"role": "assistant", "content": reply}])
+        if isinstance(example, str):
+            raise UserError(f"reward rm:{self.where}: it cannot read this conversation ({example[5:]})")
+        return example.ids[-self.length :]
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, texts: list[str]) -> list[float]:
+        out: list[float] = []
+        for start in range(0, len(texts), self.batch):
+            sequences = [self.ids(p, t) for p, t in zip(prompts[start : start + self.batch], texts[start:])]
+            batch = {k: v.to(self.device) for k, v in last_token_rows(sequences, self.pad).items()}
+            out += rewards(self.model, self.head, batch).tolist()
+        return out

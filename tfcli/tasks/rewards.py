@@ -12,6 +12,7 @@ Built-ins score one completion against its row (its `answer` column, grpo.answer
     regex:PATTERN   1 if PATTERN matches somewhere in the completion (re.search; `.` spans lines)
     length:N        DAPO's soft overlong punishment: 0 up to max_completion_length - N tokens, then
                     linearly down to -1 at max_completion_length (TRL's get_soft_overlong_punishment)
+    rm:RUN          the score of a tfcli reward model run (tasks/reward_model.py: weights, no code)
 
 A trailing `:NUMBER` is a weight (`regex:PATTERN:0.2`); a pattern that itself ends in `:NUMBER` needs
 an explicit weight after it. A user's function is called as TRL calls reward functions:
@@ -38,7 +39,7 @@ from .. import usercode
 from ..errors import UserError
 from . import answers
 
-BUILT_IN = ("final-number", "exact", "contains", "regex:PATTERN", "length:N")
+BUILT_IN = ("final-number", "exact", "contains", "regex:PATTERN", "length:N", "rm:RUN")
 _ANSWER_METRICS = {"final-number", "exact", "contains"}
 _WEIGHT = re.compile(r"(.+):([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
 _USER = usercode.USER
@@ -130,16 +131,19 @@ def user_functions(*values: str) -> frozenset[str]:
 
 
 def _starts_reward(piece: str) -> bool:
-    return piece.split(":")[0] in {"final-number", "exact", "contains", "regex", "length"} or bool(
+    return piece.split(":")[0] in {"final-number", "exact", "contains", "regex", "length", "rm"} or bool(
         _USER.fullmatch(piece.rsplit(":", 1)[0] if piece.count(":") > 1 else piece)
     )
 
 
-def _one(item: str, answer_field: str) -> Reward:
-    body, weight = item, 1.0
+def _weighted(item: str) -> tuple[str, float]:
+    """(the reward, its weight): a trailing :NUMBER where what is left is a whole reward, else 1."""
     m = _WEIGHT.fullmatch(item)
-    if m and _complete(m.group(1)):
-        body, weight = m.group(1), float(m.group(2))
+    return (m.group(1), float(m.group(2))) if m and _complete(m.group(1)) else (item, 1.0)
+
+
+def _one(item: str, answer_field: str) -> Reward:
+    body, weight = _weighted(item)
     name, _, argument = body.partition(":")
     if name in _ANSWER_METRICS and not argument:
         return Reward(name, weight, _matching(name, answer_field), reads=answer_field)
@@ -153,6 +157,8 @@ def _one(item: str, answer_field: str) -> Reward:
         if not argument.isdigit() or int(argument) < 1:
             raise UserError(f"--reward {item!r}: length:N takes N, a number of tokens >= 1")
         return Reward(body, weight, _overlong(int(argument)))
+    if name == "rm" and argument:
+        return Reward(body, weight, _reward_model(argument))
     if _USER.fullmatch(body):
         return Reward(body, weight, _user_function(body))
     raise UserError(f"--reward {item!r}: not a built-in reward ({', '.join(BUILT_IN)}) nor a file.py:function of yours")
@@ -164,7 +170,7 @@ def _complete(body: str) -> bool:
     name, _, argument = body.partition(":")
     return (
         (name in _ANSWER_METRICS and not argument)
-        or (name in ("regex", "length") and bool(argument))
+        or (name in ("regex", "length", "rm") and bool(argument))
         or bool(_USER.fullmatch(body))
     )
 
@@ -186,6 +192,14 @@ def _overlong(cache: int) -> Callable[[Completions], list]:
         return out
 
     return score
+
+
+def _reward_model(run: str) -> Callable[[Completions], list]:
+    """A reward model run's score of each completion after its prompt (read once, here)."""
+    from .reward_model import RunReward
+
+    model = RunReward(run)
+    return lambda c: model(c.prompts, c.texts)
 
 
 def _user_function(body: str) -> Callable[[Completions], list]:
