@@ -26,6 +26,7 @@ ALL = [
     "dpo",
     "grpo",
     "grpo_tools",
+    "reward_model",
     "evals",
     "lowbit",
     "llamacpp",

@@ -52,9 +52,10 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
         ]
     if raw.get("objective"):
         return ["pretrain", "--objective", plugin], ["--data", small_text, "--set", "tokenizer.train_chars=20000"]
-    if plugin in ("sft", "dpo"):  # prompt/reply rows or preference pairs, a small vocabulary learned from them
+    if plugin in ("sft", "dpo", "rm", "kto"):  # reply rows, pairs or labelled replies, a small vocabulary
         rows = [
             {"prompt": f"add {i} and 1", "completion": f"{i + 1}", "chosen": f"{i + 1}", "rejected": f"{i}"}
+            | {"label": i % 2 == 0}
             for i in range(24)
         ]
         (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 
 import pytest
@@ -421,8 +422,10 @@ def test_no_held_out_pairs_trains_without_evaluation_and_says_so(tmp_path, chat_
 
 LOSS_FAMILY = {  # TRL 1.16's DPO loss types beyond sigmoid and ipo: label smoothing where they read it
     "hinge": 0.0, "robust": 0.1, "exo_pair": 0.1, "nca_pair": 0.0, "bco_pair": 0.0, "sppo_hard": 0.0,
-    "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0, "sigmoid_norm": 0.0,
+    "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0, "sigmoid_norm": 0.0, "aot": 0.1, "aot_unpaired": 0.0,
+    "sft": 0.0, "sigmoid,sft": 0.0, "hinge,bco_pair,sft": 0.0,
 }  # fmt: skip
+LOSS_WEIGHTS = {"hinge,bco_pair,sft": [0.5, 2.0, 0.25]}  # TRL's loss_weights (else 1 each)
 
 
 def test_every_loss_of_trls_dpo_family_gives_its_loss_and_gradients(tmp_path):
@@ -443,19 +446,34 @@ def test_every_loss_of_trls_dpo_family_gives_its_loss_and_gradients(tmp_path):
     batch = PairBatches(pairs, type(model).pad_id(backbone.tokenizer)).batch(every_pair(len(pairs)))
     assert isinstance(trainer, trl.DPOTrainer)
     for loss_type, smoothing in LOSS_FAMILY.items():
-        trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = [loss_type], [1.0], smoothing
+        names = loss_type.split(",")
+        weights = LOSS_WEIGHTS.get(loss_type, [1.0] * len(names))
+        trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = names, weights, smoothing
         trainer.model.zero_grad()
         theirs = trainer.compute_loss(trainer.model, dict(trainer.last_batch))
         theirs.backward()
         their_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
         model.zero_grad()
-        cfg = DPOConfig(beta=beta, loss=loss_type, label_smoothing=smoothing)
+        cfg = DPOConfig(beta=beta, loss=loss_type, label_smoothing=smoothing, loss_weights=tuple(weights))
         ours, _ = Preference(cfg, "copy", {"reference": reference})(model, None, batch)
         ours.backward()
         assert float(ours) == pytest.approx(float(theirs), abs=1e-5), loss_type
         grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))
         for name, g in grads.items():  # within 1e-5 of the gradient's own size (sppo_hard's are large)
             assert close(g, their_grads[name], 1e-5), (loss_type, name, (g - their_grads[name]).abs().max())
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"dpo.loss": "sigmoid,nope"}, "dpo.loss must be one or more of"),
+        ({"dpo.loss": "sigmoid,orpo"}, "not cpo, simpo, orpo"),
+        ({"dpo.loss": "sigmoid,sft", "dpo.loss_weights": [1.0]}, "one weight per loss of dpo.loss (2)"),
+    ],
+)
+def test_losses_and_weights_that_do_not_fit_are_one_line(settings, message):
+    with pytest.raises(recipes.RecipeError, match=re.escape(message)):
+        recipes.load("dpo-llama-mini", settings)
 
 
 def test_exo_pair_without_label_smoothing_is_one_line():
@@ -465,3 +483,107 @@ def test_exo_pair_without_label_smoothing_is_one_line():
     assert (
         recipes.load("dpo-llama-mini", {"dpo.loss": "exo_pair", "dpo.label_smoothing": 0.1}).settings.loss == "exo_pair"
     )
+
+
+def labelled(pairs: list, side: str, pad: int) -> dict:
+    """TRL's legacy preference batch for one side: input ids, attention mask and labels (IGNORE where
+    tfcli trains nothing), right-padded."""
+    examples = [getattr(p, side) for p in pairs]
+    width = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for r, e in enumerate(examples):
+        n = len(e.ids)
+        ids[r, :n], mask[r, :n] = torch.from_numpy(e.ids), 1
+        labels[r, :n] = torch.from_numpy(e.ids).masked_fill(torch.from_numpy(e.trained) == 0, -100)
+    return {f"{side}_input_ids": ids, f"{side}_attention_mask": mask, f"{side}_labels": labels}
+
+
+@pytest.mark.parametrize(
+    "loss,trainer,settings",
+    [
+        ("cpo", "CPO", {"loss_type": "sigmoid", "cpo_alpha": 1.0, "label_smoothing": 0.1}),
+        ("simpo", "CPO", {"loss_type": "simpo", "cpo_alpha": 0.5, "simpo_gamma": 0.5}),
+        ("orpo", "ORPO", {}),
+    ],
+)
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(tmp_path, loss, trainer, settings, share_prompt):
+    """CPO, SimPO (TRL's experimental CPOTrainer) and ORPO (its ORPOTrainer) need no reference: on the
+    same weights and token ids, tfcli's loss, TRL's metrics and every gradient equal theirs."""
+    from dataclasses import replace
+
+    import datasets
+
+    from tfcli.plugin import Backbone
+
+    transformers = pytest.importorskip("transformers")
+    experimental = pytest.importorskip(f"trl.experimental.{trainer.lower()}")
+    backbone = tiny_backbone()
+    backbone.tokenizer.specials = replace(backbone.tokenizer.specials, pad="<|endoftext|>")
+    pairs = tiny_pairs(backbone)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in backbone.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    beta = 0.2
+    hf.export(Backbone(backbone.model, backbone.tokenizer), None, tmp_path / "policy")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backbone.tokenizer.tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    config = getattr(experimental, f"{trainer}Config")(
+        output_dir=str(tmp_path / "trl"), beta=beta, report_to=[], use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=len(pairs), **settings,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    theirs_trainer = getattr(experimental, f"{trainer}Trainer")(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    pad = backbone.tokenizer.token_id("<|endoftext|>")
+    batch = {**labelled(pairs, "chosen", pad), **labelled(pairs, "rejected", pad)}
+    model.train()
+    theirs, their_metrics = theirs_trainer.get_batch_loss_metrics(model, batch)
+    theirs.backward()
+
+    ours_cfg = DPOConfig(
+        beta=beta, loss=loss, label_smoothing=settings.get("label_smoothing", 0.0),
+        cpo_alpha=settings.get("cpo_alpha", 1.0), simpo_gamma=settings.get("simpo_gamma", 0.5),
+    )  # fmt: skip
+    ours_model = backbone.model.train()
+    ours_batch = PairBatches(pairs, pad, share_prompt=share_prompt, other_targets=loss == "orpo").batch(
+        every_pair(len(pairs))
+    )
+    ours, metrics = Preference(ours_cfg, "none", {})(ours_model, None, ours_batch)
+    ours.backward()
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-5)
+    names = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"]
+    names += ["logps/rejected", "nll_loss"] + (["log_odds_ratio", "log_odds_chosen"] if loss == "orpo" else [])
+    for name in names:
+        assert float(metrics[name]) == pytest.approx(float(their_metrics[name]), abs=1e-5), name
+    grads = convert.to_hf(
+        {f"model.{n}": p.grad for n, p in ours_model.named_parameters()}, llama_table.rules(ours_model.cfg)
+    )
+    their_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(their_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_reference_free_run_holds_no_reference_and_evaluates_without_one(tmp_path, chat_model):
+    """dpo.loss=simpo trains the policy alone (no frozen copy, no reference pass) and learns the
+    preference; eval dpo needs no --reference for it."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 2)
+    result = invoke(
+        "finetune", "dpo", "--from", chat_model, "--data", data, "--steps", 8, "--batch-size", 4, "--lr", 1e-2,
+        "--out", tmp_path / "run", "--set", "data.val_fraction=0.25", "--set", "train.log_interval=1",
+        "--set", "dpo.loss=simpo", "--set", "dpo.cpo_alpha=0", "--set", "dpo.beta=2.0",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    train = [m for m in read_metrics(tmp_path / "run") if m["split"] == "train"]
+    assert train[-1]["rewards/margins"] > train[0]["rewards/margins"] and train[-1]["loss"] < train[0]["loss"]
+    plan = next(line for line in result.output.splitlines() if line.startswith("memory plan"))
+    assert train[-1]["nll_loss"] == 0.0 and "frozen" not in plan, plan  # a copy-reference run plans "frozen 1 MB"
+    evaluated = invoke("eval", "dpo", "--checkpoint", tmp_path / "run", "--limit", 4)
+    assert evaluated.exit_code == 0 and "reward accuracy" in evaluated.output, evaluated.output

@@ -156,6 +156,12 @@ def test_finetune_rm_learns_the_preference_evaluates_and_exports_a_sequence_clas
     assert gguf.exit_code == 2 and "--hf" in gguf.output and not (tmp_path / "rm.gguf").exists(), gguf.output
 
 
+def test_the_score_head_trains_alone_on_the_frozen_model(tmp_path, chat_model):
+    result = invoke(*rm_args(tmp_path, chat_model, 4, "--train", "head", "--out", tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert "training 64 of" in result.output, result.output  # the score head's d_model weights, no bias
+
+
 def test_a_resumed_reward_model_trains_as_the_uninterrupted_one(tmp_path, chat_model):
     whole = invoke(*rm_args(tmp_path, chat_model, 3, "--out", tmp_path / "whole", "--quiet", *EVERY_STEP))
     assert whole.exit_code == 0, whole.output
@@ -168,7 +174,7 @@ def test_a_resumed_reward_model_trains_as_the_uninterrupted_one(tmp_path, chat_m
     [
         ([{"prompt": "q", "chosen": "a", "rejected": "b", "margin": "big"}], [], "no usable pairs"),
         (PAIRS, ["--set", "rm.center_rewards_coefficient=-1"], "rm.center_rewards_coefficient"),
-        (PAIRS, ["--train", "head"], "no classifier head to train alone"),
+        (PAIRS, ["--set", "rm.margin_field=chosen"], "no usable pairs"),
     ],
 )
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model, rows, more, message):

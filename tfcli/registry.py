@@ -26,6 +26,7 @@ TASKS = {
     "sft": "sft:SFT",
     "dpo": "dpo:DPO",
     "rm": "reward_model:RewardModel",
+    "kto": "kto:KTO",
     "grpo": "grpo:GRPO",
 }
 

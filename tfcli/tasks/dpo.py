@@ -50,8 +50,10 @@ REFERENCE_FILE = "reference_logps.json"
 # conservative DPO's label smoothing, which TRL's sigmoid has dropped
 LOSSES = (
     "sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-    "apo_down", "discopop", "sigmoid_norm",
+    "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft", "cpo", "simpo", "orpo",
 )  # fmt: skip
+# the losses without a reference model: TRL's CPOTrainer (sigmoid, simpo) and ORPOTrainer
+REFERENCE_FREE = ("cpo", "simpo", "orpo")  # each alone: dpo.loss names one of them or DPO losses
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,15 @@ class DPOConfig(PairConfig):
     """The `dpo:` recipe section (a pair task's fields, and these)."""
 
     beta: float = field(default=0.1, metadata={"help": "how far the model may move from the reference (higher: less)"})
-    loss: Literal[LOSSES] = field(  # type: ignore[valid-type]
+    loss: str = field(
         default="sigmoid",
-        metadata={"help": "sigmoid (DPO), ipo, or another of TRL's DPO losses (docs/guides/dpo.md)"},
+        metadata={
+            "help": "sigmoid (DPO), ipo, another of TRL's DPO losses, or several summed (sigmoid,sft); "
+            "without a reference: cpo, simpo, orpo (docs/guides/dpo.md)"
+        },
+    )
+    loss_weights: tuple[float, ...] = field(
+        default=(), metadata={"help": "one weight per loss of dpo.loss (TRL's loss_weights; empty: 1 each)"}
     )
     label_smoothing: float = field(
         default=0.0,
@@ -70,25 +78,55 @@ class DPOConfig(PairConfig):
         },
     )
     discopop_tau: float = field(default=0.05, metadata={"help": "discopop: the temperature of its blend"})
+    cpo_alpha: float = field(
+        default=1.0,
+        metadata={"help": "cpo, simpo: the weight of the chosen reply's NLL (TRL's CPOConfig; SimPO as published: 0)"},
+    )
+    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin"})
     reference: Literal["auto", "copy", "base", "precompute"] = field(
         default="auto", metadata={"help": "auto: base for lora/qlora/ia3, else copy"}
     )
 
     def __post_init__(self):
         super().__post_init__()
+        for name in self.losses:
+            require(name in LOSSES, "dpo.loss", f"one or more of {', '.join(LOSSES)}", self.loss)
+        if len(self.losses) > 1:
+            free = [n for n in self.losses if n in REFERENCE_FREE]
+            require(not free, "dpo.loss", "DPO losses only when several are summed (not cpo, simpo, orpo)", self.loss)
+        require(
+            not self.loss_weights or len(self.loss_weights) == len(self.losses),
+            "dpo.loss_weights",
+            f"one weight per loss of dpo.loss ({len(self.losses)})",
+            list(self.loss_weights),
+        )
         require(self.beta > 0, "dpo.beta", "> 0", self.beta)
         require(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", "in [0, 0.5)", self.label_smoothing)
-        if self.loss == "exo_pair":
+        if "exo_pair" in self.losses:
             require(self.label_smoothing > 0, "dpo.label_smoothing", "> 0 for exo_pair (its log eps)", 0.0)
         require(self.discopop_tau > 0, "dpo.discopop_tau", "> 0", self.discopop_tau)
+        require(self.cpo_alpha >= 0, "dpo.cpo_alpha", ">= 0", self.cpo_alpha)
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.loss.split(",") if n.strip())
+
+    def weighted(self) -> list[tuple[str, float]]:
+        """(loss, weight) for each loss dpo.loss sums."""
+        return list(zip(self.losses, self.loss_weights or [1.0] * len(self.losses)))
 
 
 def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
-    the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply."""
+    the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply.
+    With `other_targets` (ORPO), (3B,): then the chosen sequences' other tokens (prompt, template)."""
     hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
     head = lm_head(model, hidden)
-    return torch.cat([sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in reply_targets(batch)])
+    out = [sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in reply_targets(batch)]
+    if "other_targets" in batch:
+        pairs = int(pair_count(batch))
+        out.append(sequence_logprobs(head.hidden, head.weight, batch["other_targets"], head.softcap)[:pairs])
+    return torch.cat(out)
 
 
 def reply_targets(batch: dict[str, Tensor]) -> list[Tensor]:
@@ -114,10 +152,10 @@ def reply_lengths(batch: dict[str, Tensor]) -> Tensor:
 def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """policy, reference, lengths (2B,): chosen rows first -> (mean loss, TRL's metrics)."""
     pc, pr = policy.chunk(2)
-    chosen, rejected = pc - reference.chunk(2)[0], pr - reference.chunk(2)[1]  # log-ratios (B,)
-    per_pair = pair_loss(cfg, chosen, rejected, lengths)
+    qc, qr = reference.chunk(2)
+    chosen, rejected = pc - qc, pr - qr  # log-ratios (B,)
+    loss = sum(w * batch_loss(name, cfg, policy, reference, lengths) for name, w in cfg.weighted())
     rc, rr = cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
-    loss = per_pair.mean()
     return loss, {
         "loss": loss.detach(),
         "rewards/chosen": rc.mean(),
@@ -129,11 +167,66 @@ def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig)
     }
 
 
-def pair_loss(cfg: DPOConfig, chosen: Tensor, rejected: Tensor, lengths: Tensor) -> Tensor:
-    """(B,) each pair's loss from its log-ratios log pi - log ref (chosen, rejected) and its replies'
-    trained tokens (`lengths`, chosen first), by dpo.loss. Those that average over the reply's tokens
+def reference_free_loss(
+    policy: Tensor, lengths: Tensor, cfg: DPOConfig, others: Tensor | None = None, other_counts: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CPO, SimPO (TRL's CPOTrainer) and ORPO (its ORPOTrainer), as TRL computes them from the policy
+    alone: policy, lengths (2B,) summed log-probabilities and trained tokens, the chosen first; `others`,
+    `other_counts` (B,) those of the chosen sequences' other tokens (ORPO's NLL reads the whole sequence).
+    SimPO and ORPO average the log-probabilities over the reply's tokens; cpo sums them."""
+    (sc, sr), (lc, lr) = policy.chunk(2), lengths.chunk(2)
+    beta, eps = cfg.beta, cfg.label_smoothing
+    pc, pr = (sc / lc.clamp(min=1), sr / lr.clamp(min=1)) if cfg.loss in ("simpo", "orpo") else (sc, sr)
+    if cfg.loss == "orpo":  # the odds ratio of the chosen reply over the rejected one, on top of the NLL
+        log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
+        ratio = F.logsigmoid(log_odds)
+        nll = -(sc.sum() + others.sum()) / (lc.sum() + other_counts.sum()).clamp(min=1)
+        loss = nll - beta * ratio.mean()
+        extra = {"log_odds_ratio": ratio.detach().mean(), "log_odds_chosen": log_odds.detach().mean()}
+    else:
+        h = pc - pr - (cfg.simpo_gamma / beta if cfg.loss == "simpo" else 0.0)
+        per_pair = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
+        nll = -sc.sum() / lc.sum().clamp(min=1) if cfg.cpo_alpha else sc.new_zeros(())
+        loss, extra = per_pair.mean() + cfg.cpo_alpha * nll, {}
+    rc, rr = beta * pc.detach(), beta * pr.detach()
+    return loss, {
+        "loss": loss.detach(),
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "logps/chosen": pc.detach().mean(),
+        "logps/rejected": pr.detach().mean(),
+        "nll_loss": nll.detach(),
+        **extra,
+    }
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (branching at -ln 2, as TRL does)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def batch_loss(name: str, cfg: DPOConfig, policy: Tensor, reference: Tensor, lengths: Tensor) -> Tensor:
+    """One of dpo.loss's terms, a scalar, from the policy's and the reference's log-probabilities and
+    the replies' trained tokens (2B, the chosen first): the mean of pair_loss; sft, the chosen replies'
+    NLL per token; AOT's, which sorts the batch's margins."""
+    (pc, pr), (qc, qr) = policy.chunk(2), reference.chunk(2)
+    if name == "sft":
+        return -pc.sum() / lengths.chunk(2)[0].sum().clamp(min=1)
+    if name in ("aot", "aot_unpaired"):  # AOT (Melnyk et al.): the sorted margins, paired or not
+        a, b = (pc - pr, qc - qr) if name == "aot" else (pc - qc, pr - qr)
+        delta = torch.sort(a, dim=0).values - torch.sort(b, dim=0).values
+        eps = cfg.label_smoothing
+        return (-F.logsigmoid(cfg.beta * delta) * (1 - eps) - F.logsigmoid(-cfg.beta * delta) * eps).mean()
+    return pair_loss(name, cfg, pc - qc, pr - qr, lengths).mean()
+
+
+def pair_loss(name: str, cfg: DPOConfig, chosen: Tensor, rejected: Tensor, lengths: Tensor) -> Tensor:
+    """(B,) each pair's loss `name` from its log-ratios log pi - log ref (chosen, rejected) and its
+    replies' trained tokens (`lengths`, chosen first). Those that average over the reply's tokens
     (ipo, sigmoid_norm) do so as TRL does; the others read the summed log-ratios."""
-    beta, eps, name = cfg.beta, cfg.label_smoothing, cfg.loss
+    beta, eps = cfg.beta, cfg.label_smoothing
     h = beta * (chosen - rejected)
     if name in ("ipo", "sigmoid_norm"):
         lc, lr = lengths.chunk(2)
@@ -165,6 +258,11 @@ def pair_loss(cfg: DPOConfig, chosen: Tensor, rejected: Tensor, lengths: Tensor)
     return -F.logsigmoid(h) * (1 - blend) + torch.exp(-h) * blend
 
 
+def dpo_reference(recipe) -> str:
+    """dpo.reference resolved; `none` for the losses that need no reference (cpo, simpo, orpo)."""
+    return "none" if recipe.settings.loss in REFERENCE_FREE else reference_mode(recipe)
+
+
 class Preference:
     """DPO's loss for the trainer: the policy's log-probabilities against the reference's, which come
     from the batch (precomputed), the model with adapters off (base), or the Job's frozen copy."""
@@ -178,7 +276,13 @@ class Preference:
         return reference_of(model, self.mode, self.frozen, lambda m: logps(m, batch))
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
-        return dpo_loss(logps(model, batch), self.reference(model, batch), reply_lengths(batch), self.cfg)
+        policy, lengths = logps(model, batch), reply_lengths(batch)
+        if self.cfg.loss in REFERENCE_FREE:
+            pairs = len(lengths) // 2
+            others = policy[2 * pairs :] if "other_targets" in batch else None
+            counts = (batch["other_targets"][:pairs] != IGNORE).sum(1) if others is not None else None
+            return reference_free_loss(policy[: 2 * pairs], lengths, self.cfg, others, counts)
+        return dpo_loss(policy, self.reference(model, batch), lengths, self.cfg)
 
 
 @torch.no_grad()
@@ -204,12 +308,12 @@ class DPO(PairTask):
     describe = "DPO preference tuning"
 
     def frozen_copies(self, recipe) -> int:
-        return int(reference_mode(recipe) == "copy")
+        return int(dpo_reference(recipe) == "copy")
 
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
         self.check(recipe, backbone)
-        mode = reference_mode(recipe)
+        mode = dpo_reference(recipe)
         splits = self.pairs(recipe, backbone)
         (train_split, train), *held_out = splits.items()
         self.usable(train_split, train)
@@ -221,13 +325,14 @@ class DPO(PairTask):
         )
         loss = Preference(cfg, mode, frozen)
         full = backbone.model.flops_per_token(int(np.mean([p.length for p in train.pairs[:500]])))
-        extra = 0.0 if mode == "precompute" else 2.0  # the reference's forward pass
-        val = PairBatches(held, pad, refs.get("held_out"), cfg.share_prompt) if held else None
+        extra = 2.0 if mode in ("copy", "base") else 0.0  # the reference's forward pass
+        others = cfg.loss == "orpo"  # its NLL reads the chosen sequence's prompt too
+        val = PairBatches(held, pad, refs.get("held_out"), cfg.share_prompt, others) if held else None
         self.held = (held_split, loss, val)  # what the final report measures against, as training did
         return Job(
             heads=nn.ModuleDict(),
             loss=loss,
-            train=PairBatches(train.pairs, pad, refs.get("train"), cfg.share_prompt),
+            train=PairBatches(train.pairs, pad, refs.get("train"), cfg.share_prompt, others),
             val=val,
             flops_per_item=full * (training_flops_multiplier(ft.train) + extra) / 6.0,
             count_items=count_tokens,
@@ -304,7 +409,8 @@ class DPO(PairTask):
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         results = {}
         for split, pairs in held.items():
-            pairs = PairBatches(pairs, pad, share_prompt=recipe.settings.share_prompt)
+            cfg = recipe.settings
+            pairs = PairBatches(pairs, pad, share_prompt=cfg.share_prompt, other_targets=cfg.loss == "orpo")
             results[split] = measure(recipe, backbone.model, loss, pairs, split, device)
         self.say(results)
         return results
@@ -324,6 +430,8 @@ class DPO(PairTask):
         """What an evaluation compares the model with: --reference, else the run's: its adapters off
         when it trained adapters, else the model it started from."""
         cfg = recipe.settings
+        if cfg.loss in REFERENCE_FREE:
+            return Preference(cfg, "none", {})
         if reference is None and adapters.method(recipe.finetune.train).switchable and backbone.recipe is not None:
             return Preference(cfg, "base", {})
         source = reference or recorded(backbone.run_dir).get("from")

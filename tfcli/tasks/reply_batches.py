@@ -154,10 +154,20 @@ class PairBatches(Source):
     chosen reply starts and ends; the model's blocks.two_replies), with `targets` the chosen reply's
     and `rejected_targets` the rejected one's, so a prompt costs one pass instead of two. Without it,
     2B rows: the chosen replies first, then the rejected ones. `reference` (N, 2), when the reference
-    model's log-probabilities were computed ahead, rides along as ref_logps (2B,), chosen first."""
+    model's log-probabilities were computed ahead, rides along as ref_logps (2B,), chosen first.
+    `other_targets` (ORPO, whose NLL reads the whole chosen sequence): the chosen sequences' other
+    tokens (prompt, template), at the positions that predict them."""
 
-    def __init__(self, pairs: list, pad_id: int, reference: Tensor | None = None, share_prompt: bool = True):
+    def __init__(
+        self,
+        pairs: list,
+        pad_id: int,
+        reference: Tensor | None = None,
+        share_prompt: bool = True,
+        other_targets: bool = False,
+    ):
         self.pairs, self.pad, self.reference, self.share = pairs, pad_id, reference, share_prompt
+        self.others = other_targets
         self.lengths = np.array([p.length for p in pairs])  # either layout: the same batches
 
     def epoch_size(self, epoch: int) -> int:
@@ -169,10 +179,22 @@ class PairBatches(Source):
             out = shared_prompt_rows(pairs, self.pad)
         else:
             out = decoder_rows([[p.chosen] for p in pairs] + [[p.rejected] for p in pairs], self.pad)
+        if self.others:
+            out["other_targets"] = chosen_other_targets(pairs, out["input_ids"].shape)
         if self.reference is not None:
             picked = self.reference[torch.as_tensor(draw.indices)]  # (B, 2)
             out["ref_logps"] = torch.cat([picked[:, 0], picked[:, 1]])
         return out
+
+
+def chosen_other_targets(pairs: list, shape: torch.Size) -> Tensor:
+    """(rows, T): each chosen sequence's untrained tokens but its first, at the positions that predict
+    them (in either layout the chosen sequence starts its row); IGNORE elsewhere."""
+    out = torch.full(shape, IGNORE, dtype=torch.long)
+    for r, pair in enumerate(pairs):
+        c = pair.chosen
+        out[r, : len(c.ids) - 1] = torch.from_numpy(np.where(c.trained[1:] > 0, IGNORE, c.ids[1:]))
+    return out
 
 
 def common_prefix(pair) -> int:

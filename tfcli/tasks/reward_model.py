@@ -121,9 +121,11 @@ class RewardModel(PairTask):
     Config = RewardConfig
     describe = "reward model (Bradley-Terry)"
 
+    def check(self, recipe, backbone) -> None:
+        """Every method trains: --train head trains the score head alone on the frozen model's features."""
+
     def setup(self, recipe, backbone) -> Job:
         ft, cfg = recipe.finetune, recipe.settings
-        self.check(recipe, backbone)
         splits = self.pairs(recipe, backbone)
         (train_split, train), *held_out = splits.items()
         self.usable(train_split, train)
