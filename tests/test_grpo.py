@@ -115,14 +115,16 @@ def theirs(tmp_path, backbone, cfg: GRPOConfig, prompts, completions, perturb):
     def rb(prompts, completions, **kw):
         return kw["rb"]
 
-    args = trl.GRPOConfig(
+    rloo = cfg.loss_type == "rloo"  # TRL's RLOOTrainer: no loss types nor reward scaling, its own normalisation
+    kind = {"normalize_advantages": cfg.normalize_advantages} if rloo else {
+        "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards
+    }  # fmt: skip
+    args = (trl.RLOOConfig if rloo else trl.GRPOConfig)(
         output_dir=str(tmp_path / "trl"),
         num_generations=G,
         per_device_train_batch_size=2 * G,
         max_completion_length=LIMIT,
         beta=cfg.beta,
-        loss_type=cfg.loss_type,
-        scale_rewards=cfg.scale_rewards,
         epsilon=cfg.epsilon,
         epsilon_high=cfg.upper,
         num_iterations=cfg.num_iterations,
@@ -133,9 +135,10 @@ def theirs(tmp_path, backbone, cfg: GRPOConfig, prompts, completions, perturb):
         use_cpu=True,
         bf16=False,
         fp16=False,
+        **kind,
     )
     inputs = [{"prompt": "q", "ra": REWARDS_A[i], "rb": REWARDS_B[i]} for i in range(2 * G)]
-    trainer = trl.GRPOTrainer(
+    trainer = (trl.RLOOTrainer if rloo else trl.GRPOTrainer)(
         model=model,
         reward_funcs=[ra, rb],
         args=args,
@@ -143,7 +146,8 @@ def theirs(tmp_path, backbone, cfg: GRPOConfig, prompts, completions, perturb):
         processing_class=tokenizer,
     )
     trainer._tokenize_prompts = lambda p: ([prompts[i // G] for i in range(2 * G)], None, {})
-    trainer._generate_single_turn = lambda *a, **k: ([list(c) for c in completions], None)
+    made = [list(c) for c in completions]  # GRPO's generation returns (ids, logprobs), RLOO's the ids
+    trainer._generate_single_turn = lambda *a, **k: made if rloo else (made, None)
     model.train()
     trainer.current_gradient_accumulation_steps = 1  # what its training loop sets before each step
     out = trainer._generate_and_score_completions(inputs)
@@ -175,6 +179,8 @@ def nudge(model):
 
 
 CASES = [
+    pytest.param("rloo", 0.0, 1, "group", False, id="rloo"),
+    pytest.param("rloo", 0.05, 2, "batch", True, id="rloo-beta-mu2-normalized-masked"),
     pytest.param("dapo", 0.0, 1, "group", False, id="dapo"),
     pytest.param("grpo", 0.1, 2, "group", True, id="grpo-beta-mu2-masked"),
     pytest.param("dr_grpo", 0.0, 2, "batch", False, id="dr_grpo-mu2-batch", marks=pytest.mark.slow),
@@ -197,6 +203,7 @@ def test_loss_metrics_and_gradients_equal_trls(tmp_path, loss_type, beta, iterat
         epsilon_high=0.15,
         temperature=0.7,
         mask_truncated_completions=masked,
+        normalize_advantages=loss_type == "rloo" and scale == "batch",  # RLOO's own: over the batch
     )
     backbone = tiny_backbone()
     prompts, completions = fixed_rollout(backbone)
@@ -394,6 +401,23 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path, cha
     cut_and_resume("finetune", tmp_path / "whole", tmp_path, "--reward", f"{tmp_path}/reward.py:vowels")
     assert logged_training(tmp_path / "cut") == logged_training(tmp_path / "whole")
     assert len(logged_training(tmp_path / "whole")) == 3
+
+
+def test_rloo_raises_the_reward_and_resumes_as_the_uninterrupted_run(tmp_path, char_model):
+    """grpo.loss_type=rloo through the command line: the same rollouts and rewards as GRPO, RLOO's
+    advantages and sequence-level loss, its KL in the reward (logged as kl); the reward rises, and a run
+    cut at step 2 of 3 resumes with every logged metric equal."""
+    rloo = ["--set", "grpo.loss_type=rloo", "--set", "grpo.beta=0.05"]
+    result = invoke(*grpo_args(tmp_path, char_model, 30, "--out", tmp_path / "run", *rloo))
+    assert result.exit_code == 0, result.output
+    train = [m for m in read_metrics(tmp_path / "run") if m["split"] == "train"]
+    first, last = sum(m["reward"] for m in train[:4]) / 4, sum(m["reward"] for m in train[-4:]) / 4
+    assert last > first + 0.05 and "kl" in train[-1] and math.isfinite(train[-1]["loss"]), (first, last)
+    more = ["--set", "train.eval_interval=100", *EVERY_STEP, *rloo]
+    whole = invoke(*grpo_args(tmp_path, char_model, 3, "--out", tmp_path / "whole", "--quiet", *more))
+    assert whole.exit_code == 0, whole.output
+    cut_and_resume("finetune", tmp_path / "whole", tmp_path, "--reward", f"{tmp_path}/reward.py:vowels")
+    assert logged_training(tmp_path / "cut") == logged_training(tmp_path / "whole")
 
 
 def logged_training(run) -> list[dict]:

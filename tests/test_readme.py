@@ -83,7 +83,7 @@ def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
         return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
-    if raw.get("task") in ("sft", "dpo", "rm", "grpo"):
+    if raw.get("task") in ("sft", "dpo", "rm", "kto", "grpo"):
         return raw["task"]
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"
@@ -139,6 +139,11 @@ def sandbox(tmp_path_factory, shared_data) -> Path:
     )
     pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": "I do not know."} for r in sums]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    labelled = [  # the KTO guide's: each reply marked desirable or not
+        {"prompt": p["prompt"], "completion": p["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+        for i, p in enumerate(pairs)
+    ]
+    (root / "labelled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labelled))
     (root / "hh.jsonl").write_text(
         "".join(
             json.dumps(

@@ -82,11 +82,16 @@ class GRPOConfig(ReplyConfig):
             "help": "advantages over the group's reward deviation (group), the batch's (batch), or unscaled (none)"
         },
     )
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = field(
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "rloo"] = field(
         default="dapo",
         metadata={
-            "help": "grpo: each completion's mean then their mean; dapo: the mean over every completion token; dr_grpo: over completions x max_completion_length"
+            "help": "grpo: each completion's mean then their mean; dapo: the mean over every completion token; "
+            "dr_grpo: over completions x max_completion_length; rloo: RLOO (leave-one-out baseline, the "
+            "sequence's ratio, the KL in the reward: TRL's RLOOTrainer)"
         },
+    )
+    normalize_advantages: bool = field(
+        default=False, metadata={"help": "rloo: advantages standardised over the batch (TRL's RLOOConfig)"}
     )
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "completions cut at the length limit are left out of the loss"}
@@ -124,6 +129,12 @@ class GRPOConfig(ReplyConfig):
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools or self.env)
+
+    @property
+    def reads_old(self) -> bool:
+        """Whether a rollout keeps the sampling model's log-probabilities: later iterations' ratios
+        compare with them, and RLOO's KL penalty reads them."""
+        return self.num_iterations > 1 or (self.loss_type == "rloo" and self.beta > 0)
 
     @property
     def upper(self) -> float:

@@ -45,6 +45,30 @@ def advantages(
     return torch.nan_to_num(adv, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
 
 
+def rloo_advantages(
+    per_reward: Tensor, weights: Tensor, groups: int, kl: Tensor | None, beta: float, normalize: bool, pooled=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """RLOO's advantages, as TRL's RLOOTrainer computes them: the total reward less beta x each
+    sequence's KL (`kl` (N,), the sampling model's log-ratio to the reference summed over the
+    completion; None without a reference), less the mean of the other scorable completions of its
+    prompt (the leave-one-out baseline); with `normalize`, standardised over the batch. Returns as
+    `advantages` does (advantages, total rewards without the KL, zero-std flags)."""
+    unscorable = torch.isnan(per_reward).all(1)
+    rewards = (per_reward * weights[None]).nansum(1)
+    rewards[unscorable] = math.nan
+    total = rewards.clone()
+    if kl is not None:
+        rewards = rewards - beta * kl
+    grouped = rewards.view(-1, groups)  # (prompts, G)
+    count = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    baseline = (torch.nansum(grouped, 1, keepdim=True) - grouped) / (count - 1)
+    adv = rewards - baseline.reshape(-1)
+    if normalize:
+        adv = (adv - torch.nanmean(adv)) / ((pooled or nanstd)(adv) + EPS)
+    std = nanstd(grouped, dim=1).repeat_interleave(groups)
+    return torch.nan_to_num(adv, nan=0.0), total, torch.isclose(std, torch.zeros_like(std))
+
+
 class GRPOLoss:
     """The clipped surrogate (and the KL term) of one rollout micro-batch: rows of prompt + completion,
     `targets` IGNORE except at the completion's tokens -> (loss, TRL's metrics)."""
@@ -56,6 +80,8 @@ class GRPOLoss:
         cfg = self.cfg
         logp = completion_logprobs(model, batch, cfg.temperature)  # (R, T)
         mask = (batch["targets"] != IGNORE).float()  # (R, T)
+        if cfg.loss_type == "rloo":
+            return self.rloo(logp, mask, batch)
         old = batch.get("old_logps", logp.detach())
         ratio = torch.exp(logp - old)
         adv = batch["advantages"][:, None]  # (R, 1)
@@ -85,6 +111,20 @@ class GRPOLoss:
             }
         )
         return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+    def rloo(self, logp: Tensor, mask: Tensor, batch: dict[str, Tensor]):
+        """RLOO's loss (TRL's RLOOTrainer): the clipped surrogate of each completion's whole-sequence
+        ratio, averaged over the completions; its KL is in the advantages, not here."""
+        cfg = self.cfg
+        logps = (logp * mask).sum(1)  # (R,)
+        old = (batch["old_logps"] * mask).sum(1) if "old_logps" in batch else logps.detach()
+        ratio, adv = torch.exp(logps - old), batch["advantages"]
+        loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.upper) * adv).mean()
+        low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
+        high = ((ratio > 1 + cfg.upper) & (adv > 0)).float()
+        clipped = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean()}
+        clipped["clip_ratio/region_mean"] = ((low + high) > 0).float().mean()
+        return loss, {"loss": loss.detach(), **{k: v.detach() for k, v in clipped.items()}}
 
     def weight(self, batch: dict[str, Tensor]) -> Tensor:
         """What a micro-batch's loss averages over (Job.loss_weight): completion tokens (dapo) or rows."""

@@ -178,7 +178,7 @@ class GRPO(ReplyTask):
         self.held = (held, rollouts)
         prompt_len = int(np.mean([len(p.ids) for p in train.examples[:500]]))
         full = backbone.model.flops_per_token(prompt_len + cfg.max_completion_length // 2)
-        extra = 2.0 * ((cfg.num_iterations > 1) + (cfg.beta > 0)) + 2.0  # old and reference passes, sampling
+        extra = 2.0 * (cfg.reads_old + (cfg.beta > 0)) + 2.0  # old and reference passes, sampling
         return Job(
             heads=nn.ModuleDict(),
             loss=loss,

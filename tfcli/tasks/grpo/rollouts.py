@@ -18,7 +18,7 @@ from ...generate import generate_batch
 from .. import rewards as rewarding
 from ..reference import reference_of
 from .config import GRPOConfig
-from .loss import advantages, completion_logprobs, nanstd, rows_of
+from .loss import advantages, completion_logprobs, nanstd, rloo_advantages, rows_of
 from .prompts import Prompt
 from .turns import Conversation, ToolUse, tool_metrics
 
@@ -54,21 +54,15 @@ class Rollouts:
         flat_done = Completed.joined(done)
         flat = flat_done.ids
         per_reward = self.score(flat_prompts, flat, "training", flat_done.conversations)
-        adv, total, zero_std = advantages(
-            per_reward, self.weights, cfg.num_generations, cfg.scale_rewards, lambda r: pooled_nanstd(r, rt)
-        )
         stopped = [bool(c) and c[-1] in self.stops for c in flat]
-        metrics = self.metrics(per_reward, total, zero_std, flat_done.written, stopped)
-        if flat_done.conversations is not None:
-            metrics.update({k: torch.tensor(v) for k, v in tool_metrics(flat_done.conversations).items()})
+        rloo = cfg.loss_type == "rloo"
         out, start = [], 0
         for group, completed in zip(asked, done):
             n = len(group)
             masked = [cfg.mask_truncated_completions and not s for s in stopped[start : start + n]]
             built = rows_of(completed.prompt_ids, completed.ids, masked, self.pad, completed.sampled)
             rows = {k: v.to(device) for k, v in built.items()}
-            rows["advantages"] = adv[start : start + n].to(device)
-            if cfg.num_iterations > 1:  # the model as it sampled: what later steps' ratios compare with
+            if cfg.reads_old:  # the model as it sampled
                 with torch.no_grad():
                     rows["old_logps"] = completion_logprobs(model, rows, cfg.temperature)
             if cfg.beta > 0:
@@ -77,6 +71,26 @@ class Rollouts:
                 )
             out.append(rows)
             start += n
+        kl = sequence_kl(out) if rloo and cfg.beta > 0 else None  # (N,), RLOO's reward penalty
+        if rloo:
+            adv, total, zero_std = rloo_advantages(
+                per_reward, self.weights, cfg.num_generations, None if kl is None else kl[0].cpu(), cfg.beta,
+                cfg.normalize_advantages, lambda r: pooled_nanstd(r, rt),
+            )  # fmt: skip
+        else:
+            adv, total, zero_std = advantages(
+                per_reward, self.weights, cfg.num_generations, cfg.scale_rewards, lambda r: pooled_nanstd(r, rt)
+            )
+        start = 0
+        for rows in out:
+            n = rows["input_ids"].size(0)
+            rows["advantages"] = adv[start : start + n].to(device)
+            start += n
+        metrics = self.metrics(per_reward, total, zero_std, flat_done.written, stopped)
+        if kl is not None:  # the per-token KL of the batch (TRL's RLOO "kl")
+            metrics["kl"] = kl[1]
+        if flat_done.conversations is not None:
+            metrics.update({k: torch.tensor(v) for k, v in tool_metrics(flat_done.conversations).items()})
         metrics["rollout_s"] = torch.tensor(
             time.perf_counter() - started
         )  # sampling, rewards, old and reference passes
@@ -226,6 +240,18 @@ class Completed:
         )
 
 
+def sequence_kl(rows: list[dict]) -> tuple[Tensor, Tensor]:
+    """RLOO's KL (TRL's, after Ahmadian et al.): the sampling model's log-ratio to the reference, each
+    completion's summed over its tokens (N,), and the batch's per token (a scalar)."""
+    per_row, total, tokens = [], 0.0, 0.0
+    for r in rows:
+        mask = (r["targets"] != IGNORE).float()
+        diff = (r["old_logps"] - r["ref_logps"]) * mask
+        per_row.append(diff.sum(1))
+        total, tokens = total + diff.sum(), tokens + mask.sum()
+    return torch.cat(per_row), total / max(float(tokens), 1.0)
+
+
 def reward_names(rewards: list) -> list[str]:
     """How metrics name each reward: its built-in name or the user's function's, numbered when repeated."""
     seen: Counter = Counter()
@@ -260,7 +286,7 @@ def planned_rollout(batch: dict, cfg: GRPOConfig, seq_len: int, context: int, pa
         "targets": targets,
         "advantages": torch.zeros(rows, device=device),
     }
-    if cfg.num_iterations > 1:
+    if cfg.reads_old:
         out["old_logps"] = torch.zeros(rows, width, device=device)
     if cfg.beta > 0:
         out["ref_logps"] = torch.zeros(rows, width, device=device)
