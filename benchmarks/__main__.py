@@ -27,6 +27,7 @@ ALL = [
     "grpo",
     "grpo_tools",
     "reward_model",
+    "kto",
     "evals",
     "lowbit",
     "llamacpp",

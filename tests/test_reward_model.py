@@ -216,6 +216,10 @@ def test_grpo_with_a_reward_model_run_scores_each_completion_as_the_model_does(t
     assert [s["rewards/rm"] for s in samples] == pytest.approx(want, abs=1e-5)
     assert len({round(w, 6) for w in want}) > 1  # different completions, different scores
     assert [r.weight for r in parse(f"rm:{reward_run}:0.5", "answer")] == [0.5]
+    plain = invoke(*args[:-3], "--out", tmp_path / "plain", "--reward", "contains", "--dry-run")
+    planned = invoke(*args[:-3], "--out", tmp_path / "planned", "--reward", f"rm:{reward_run}", "--dry-run")
+    lines = [next(x for x in r.output.splitlines() if x.startswith("memory plan: ")) for r in (plain, planned)]
+    assert "frozen" not in lines[0] and "frozen 1 MB" in lines[1], lines  # the reward model is in the plan
 
 
 @pytest.mark.parametrize("which", ["gguf", "dpo run", "nowhere"])

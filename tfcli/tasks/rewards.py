@@ -63,6 +63,7 @@ class Reward:
     weight: float
     score: Callable[[Completions], list]  # -> one float (or None) per completion
     reads: str | None = None  # the row column it needs (built-ins that compare with the answer)
+    holds: Any = None  # a model it reads (a reward model run's): the run's memory plan counts it
 
     def scores_nothing_of(self, row: dict) -> bool:
         """Whether no completion can earn this reward on `row` (final-number of an answer with no number,
@@ -158,7 +159,10 @@ def _one(item: str, answer_field: str) -> Reward:
             raise UserError(f"--reward {item!r}: length:N takes N, a number of tokens >= 1")
         return Reward(body, weight, _overlong(int(argument)))
     if name == "rm" and argument:
-        return Reward(body, weight, _reward_model(argument))
+        from .reward_model import RunReward
+
+        model = RunReward(argument)
+        return Reward(body, weight, lambda c: model(c.prompts, c.texts), holds=model.model)
     if _USER.fullmatch(body):
         return Reward(body, weight, _user_function(body))
     raise UserError(f"--reward {item!r}: not a built-in reward ({', '.join(BUILT_IN)}) nor a file.py:function of yours")
@@ -192,14 +196,6 @@ def _overlong(cache: int) -> Callable[[Completions], list]:
         return out
 
     return score
-
-
-def _reward_model(run: str) -> Callable[[Completions], list]:
-    """A reward model run's score of each completion after its prompt (read once, here)."""
-    from .reward_model import RunReward
-
-    model = RunReward(run)
-    return lambda c: model(c.prompts, c.texts)
 
 
 def _user_function(body: str) -> Callable[[Completions], list]:

@@ -166,6 +166,7 @@ class GRPO(ReplyTask):
         held = next((self.scorable(p.examples, rewards, s) for s, p in held_out if p.examples), [])
         mode = self.reference(recipe)
         frozen = {"reference": starting_model(self.run_dir, recipe, backbone)} if mode == "copy" else {}
+        frozen.update({f"reward_model_{i}": r.holds for i, r in enumerate(rewards) if r.holds is not None})
         self.tokenizer = backbone.tokenizer
         template = self.template(recipe, backbone)
         if template is not None:  # the run keeps the template it trained in (chat, export), as SFT's does
