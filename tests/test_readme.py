@@ -83,7 +83,7 @@ def kind_of(run: Path) -> str:
     raw = yaml.safe_load((run / "config.yaml").read_text())
     if raw.get("objective"):
         return "llama" if raw["model"]["family"] == "llama" else KINDS[raw["objective"]]
-    if raw.get("task") in ("sft", "dpo", "rm", "kto", "grpo"):
+    if raw.get("task") in ("sft", "dpo", "rm", "kto", "distill", "grpo"):
         return raw["task"]
     if raw.get("task") == "classify":
         return "mnli" if (raw.get("classify") or {}).get("preset") == "mnli" else "classify"

@@ -27,6 +27,7 @@ TASKS = {
     "dpo": "dpo:DPO",
     "rm": "reward_model:RewardModel",
     "kto": "kto:KTO",
+    "distill": "distill:Distill",
     "grpo": "grpo:GRPO",
 }
 

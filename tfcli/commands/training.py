@@ -188,6 +188,7 @@ FINETUNE_FLAGS = (
     "grpo.reward",
     "grpo.tools",
     "grpo.env",
+    "distill.teacher",
 )
 
 

@@ -1,0 +1,394 @@
+"""Distillation from a teacher (`tfcli finetune distill --teacher MODEL`): a student learns to match a
+teacher's next-token distribution, as TRL's DistillationTrainer (on-policy: the student samples its
+own completions and the teacher scores every token; Agarwal et al.'s GKD) and on the data's replies
+(off-policy), mixed by `distill.lmbda`.
+
+    tfcli finetune distill --from STUDENT --teacher TEACHER --data prompts.jsonl            # on-policy
+    tfcli finetune distill --from STUDENT --teacher TEACHER --data rows.jsonl --set distill.lmbda=0
+    tfcli eval distill --checkpoint RUN --data rows.jsonl
+
+The loss at each completion token is the generalized Jensen-Shannon divergence between the student's
+distribution p_s and the teacher's p_t (both of logits / distill.temperature): with m = (1 - beta) p_s +
+beta p_t, beta KL(p_t || m) + (1 - beta) KL(p_s || m); beta 0 is the forward KL(p_t || p_s), beta 1 the
+reverse KL(p_s || p_t) (TRL's default), summed over the batch's completion tokens and divided by
+their count. Each step is on-policy with probability lmbda (drawn from the step's own seed, so a
+resumed run repeats it); an on-policy step samples up to distill.max_completion_length tokens at the
+temperature. The teacher is any model tfcli reads (a run, a Hugging Face directory, a GGUF file, as it
+is stored: a GGUF teacher is dequantized) and must share the student's vocabulary: one line otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data import IGNORE
+from ..data.chat import stop_ids
+from ..data.conversations import DecoderExamples, Example, built
+from ..data.preferences import as_messages, reply_text
+from ..data.sampler import Draw, Source, sequential_batches
+from ..display import console, phase
+from ..engine.backbone import for_inference, from_run
+from ..engine.evaluate import held_out_metrics
+from ..engine.perf import training_flops_multiplier
+from ..engine.trainer import ObjectiveModule
+from ..errors import UserError
+from ..generate import generate_batch
+from ..models import kinds
+from ..objectives.losses import lm_head
+from ..plugin import EvalOptions, Job, OnPolicy
+from ..recipe import require
+from .grpo.loss import rows_of
+from .replies import ReplyConfig, ReplyTask
+from .reply_batches import count_tokens, decoder_rows
+
+
+@dataclass(frozen=True)
+class DistillConfig(ReplyConfig):
+    """The `distill:` recipe section (a reply task's fields, and these)."""
+
+    teacher: str = field(
+        default="",
+        metadata={"help": "the teacher: a tfcli run, a Hugging Face directory or a GGUF file", "path": "path"},
+    )
+    completion_field: str = field(
+        default="completion", metadata={"help": "the column holding a reply (off-policy steps train on it)"}
+    )
+    beta: float = field(
+        default=1.0, metadata={"help": "0: forward KL(teacher || student); 1: reverse KL; between: generalized JSD"}
+    )
+    lmbda: float = field(
+        default=1.0,
+        metadata={"help": "the share of steps on the student's own completions (1: on-policy, TRL's; 0: the data's)"},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "of both distributions, and of the sampling"})
+    max_completion_length: int = field(default=256, metadata={"help": "tokens an on-policy step samples (TRL: 512)"})
+
+    presets: ClassVar[bool] = False  # no preset of rows yet
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(0 <= self.beta <= 1, "distill.beta", "in [0, 1]", self.beta)
+        require(0 <= self.lmbda <= 1, "distill.lmbda", "in [0, 1]", self.lmbda)
+        require(self.temperature > 0, "distill.temperature", "> 0", self.temperature)
+        require(self.max_completion_length >= 1, "distill.max_completion_length", ">= 1", self.max_completion_length)
+
+
+def generalized_jsd(student: Tensor, teacher: Tensor, beta: float) -> Tensor:
+    """(N,) the divergence of each row of log-probabilities (N, V): beta 0 KL(t || s), 1 KL(s || t),
+    else beta KL(t || m) + (1 - beta) KL(s || m) with m = (1 - beta) p_s + beta p_t (TRL's)."""
+    if beta == 0.0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1.0:
+        return (student.exp() * (student - teacher)).sum(-1)
+    mix = torch.logaddexp(student + math.log(1 - beta), teacher + math.log(beta))
+    return beta * (teacher.exp() * (teacher - mix)).sum(-1) + (1 - beta) * (student.exp() * (student - mix)).sum(-1)
+
+
+def log_probs(model: nn.Module, hidden: Tensor, temperature: float) -> Tensor:
+    """(N, V) log-softmax of a model's logits (softcapped as it softcaps them) / temperature."""
+    head = lm_head(model, hidden)
+    logits = head.hidden.float() @ head.weight.float().t()
+    if head.softcap:
+        logits = head.softcap * torch.tanh(logits / head.softcap)
+    return F.log_softmax(logits / temperature, dim=-1)
+
+
+class Divergence:
+    """The loss for the trainer: the student's divergence from the teacher at the batch's completion
+    tokens (`targets` not IGNORE), summed and divided by their count; the student's entropy logged."""
+
+    def __init__(self, cfg: DistillConfig, frozen: dict):
+        self.cfg, self.frozen = cfg, frozen
+
+    def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
+        valid = batch["targets"] != IGNORE
+        student = log_probs(model, model(batch["input_ids"])[valid], self.cfg.temperature)
+        teacher_model = self.frozen["teacher"]
+        with torch.no_grad():
+            teacher = log_probs(teacher_model, teacher_model(batch["input_ids"])[valid], self.cfg.temperature)
+        per_token = generalized_jsd(student, teacher, self.cfg.beta)
+        loss = per_token.sum() / valid.sum().clamp(min=1)
+        entropy = -(student.detach().exp() * student.detach()).sum(-1).mean() if len(per_token) else loss.new_zeros(())
+        return loss, {"loss": loss.detach(), "entropy": entropy}
+
+
+def token_count(batch: dict[str, Tensor]) -> Tensor:
+    """A batch's completion tokens: what its loss averages over."""
+    return (batch["targets"] != IGNORE).sum()
+
+
+@dataclass(frozen=True)
+class Item:
+    """A prompt (what generation starts from) and, where the row has one, its reply as an example."""
+
+    prompt: list[int]
+    example: Example | None
+
+
+class ItemBuilder:
+    """Rows -> items: a prompt (text, or messages ending with the user's turn) and its optional reply."""
+
+    def __init__(self, examples: DecoderExamples, cfg: DistillConfig):
+        self.examples, self.cfg = examples, cfg
+
+    def build_all(self, rows: list, places: list[str] | None = None) -> Items:
+        return Items(*built(rows, self.item))
+
+    def item(self, row: dict) -> Item | str:
+        c = self.cfg
+        prompt = row.get(c.messages_field) if isinstance(row.get(c.messages_field), list) else row.get(c.prompt_column)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else as_messages(prompt)
+        if not messages:
+            return f"skip:no {c.prompt_column!r} text or {c.messages_field!r} list"
+        if c.system:
+            messages = [{"role": "system", "content": c.system}] + messages
+        reply = reply_text(row.get(c.completion_field)) if row.get(c.completion_field) is not None else None
+        b, tok = self.examples, self.examples.tok
+        if reply is None:
+            if b.template is None:
+                ids = tok.encode(messages[-1]["content"] + "\n")
+            else:
+                ids = b.template.render(tok, messages, add_generation_prompt=True).ids
+            return Item(list(ids), None) if len(ids) < b.max_length else "skip:prompt alone longer than data.seq_len"
+        example = b.within_length(b.build(messages + [{"role": "assistant", "content": reply}]))
+        if isinstance(example, str):
+            return example
+        start = int(np.flatnonzero(example.trained)[0])
+        return Item(example.ids[:start].tolist(), example)
+
+
+@dataclass
+class Items:
+    items: list[Item]
+    skipped: Counter = field(default_factory=Counter)
+
+
+class ItemBatches(Source):
+    """Batches of item indices and a seed of the draw's own (whether the step samples, and what)."""
+
+    def __init__(self, items: list[Item]):
+        self.items = items
+        self.lengths = np.array([len(i.example.ids) if i.example is not None else len(i.prompt) for i in items])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.items)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        seed = int(np.random.default_rng(draw.keys[0].tolist()).integers(2**62))
+        return {"index": torch.from_numpy(draw.indices.astype(np.int64)), "seed": torch.tensor([seed])}
+
+
+class ReplyRows(Source):
+    """The held-out items' replies as decoder rows: the divergence on the data's own replies."""
+
+    def __init__(self, items: list[Item], pad: int):
+        self.items, self.pad = items, pad
+        self.lengths = np.array([len(i.example.ids) for i in items])
+
+    def epoch_size(self, epoch: int) -> int:
+        return len(self.items)
+
+    def batch(self, draw: Draw) -> dict[str, Tensor]:
+        return decoder_rows([[self.items[i].example] for i in draw.indices], self.pad)
+
+
+class Completions:
+    """Job.online.rollout: each drawn batch's rows, the student's own completions (on-policy, with
+    probability lmbda from the batch's seed) or the data's replies."""
+
+    def __init__(self, plugin, cfg: DistillConfig, items: list[Item], stops: set[int], pad: int):
+        self.plugin, self.cfg, self.items, self.stops, self.pad = plugin, cfg, items, stops, pad
+
+    def __call__(self, module: nn.Module, batches: list[dict]):
+        return module(batches, lambda model, heads, drawn: self.rollout(model, drawn))
+
+    def rollout(self, model: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
+        device, out, sampled, lengths = batches[0]["index"].device, [], 0, []
+        for b in batches:
+            items, seed = [self.items[i] for i in b["index"].tolist()], int(b["seed"])
+            if np.random.default_rng(seed).random() < self.cfg.lmbda:  # on-policy
+                completions = self.sample(model, [it.prompt for it in items], seed)
+                rows = rows_of([it.prompt for it in items], completions, [False] * len(items), self.pad)
+                sampled += 1
+                lengths += [len(c) for c in completions]
+            else:
+                rows = decoder_rows([[it.example] for it in items], self.pad)
+                lengths += [int((e.example.trained > 0).sum()) for e in items]
+            out.append({k: v.to(device) for k, v in rows.items()})
+        metrics = {
+            "on_policy": torch.tensor(sampled / len(batches)),
+            "completions/mean_length": torch.tensor(float(np.mean(lengths))),
+        }
+        return out, {k: v.to(device) for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        was = model.training
+        model.eval()
+        try:
+            return generate_batch(
+                model, prompts, max_new_tokens=self.cfg.max_completion_length, stop_ids=self.stops,
+                temperature=self.cfg.temperature, seed=seed, pad_id=self.pad, keep_stop=True,
+                finished=self.plugin.agreed,
+            )  # fmt: skip
+        finally:
+            model.train(was)
+
+
+def teacher_for(cfg: DistillConfig, backbone, device: str):
+    """The teacher, read as data (weights, config, tokenizer), or one line when there is none or its
+    vocabulary is not the student's."""
+    if not cfg.teacher:
+        raise UserError("distill needs a teacher: --teacher MODEL (a tfcli run, a Hugging Face directory, a GGUF)")
+    teacher = for_inference(cfg.teacher, device=device)
+    theirs, ours = teacher.tokenizer, backbone.tokenizer
+    rows = (lm_head_rows(teacher.model), lm_head_rows(backbone.model))
+    if theirs is None or theirs.tok.get_vocab() != ours.tok.get_vocab() or rows[0] != rows[1]:
+        raise UserError(
+            f"distill.teacher {cfg.teacher}: its vocabulary is not the student's ({rows[0]:,} against {rows[1]:,} "
+            "output rows, or other tokens): distillation compares the two distributions token by token"
+        )
+    return teacher.model.eval().requires_grad_(False)
+
+
+def lm_head_rows(model: nn.Module) -> int:
+    return int(lm_head(model, torch.zeros(1, model.cfg.d_model)).weight.shape[0])
+
+
+class Distill(ReplyTask):
+    key = "distill"
+    noun = "rows"
+    model_kinds = (kinds.DECODER,)
+    recipe_pattern = "distill-{family}-mini"
+    Config = DistillConfig
+    describe = "distillation from a teacher"
+
+    def agreed(self, mine: bool) -> bool:
+        if not self.rt.strategy.lockstep or not self.rt.distributed:
+            return mine
+        return self.rt.mean({"done": float(mine)})["done"] >= 1.0
+
+    def items_of(self, recipe, backbone, data: str | None = None, need_train: bool = True, say: bool = True):
+        length = min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        examples = DecoderExamples(backbone.tokenizer, self.template(recipe, backbone), "assistant", length)
+        return self.read(recipe, ItemBuilder(examples, recipe.settings), data, need_train, say)
+
+    @staticmethod
+    def items(built: Items) -> list:
+        return built.items
+
+    def text_columns(self, cfg: DistillConfig) -> tuple[str, ...]:
+        return (cfg.prompt_column, cfg.completion_field)
+
+    def setup(self, recipe, backbone) -> Job:
+        ft, cfg = recipe.finetune, recipe.settings
+        self.check(recipe, backbone)
+        teacher = teacher_for(cfg, backbone, str(self.rt.device))
+        (train_split, train), *held_out = self.items_of(recipe, backbone).items()
+        items = self.usable(train_split, train)
+        if cfg.lmbda < 1 and any(i.example is None for i in items):
+            raise UserError(
+                f"distill.lmbda {cfg.lmbda} trains some steps on the data's replies: every {train_split} row needs "
+                f"a {cfg.completion_field!r} (or set distill.lmbda 1, on-policy)"
+            )
+        held_split, held = next(
+            ((s, [i for i in b.items if i.example is not None]) for s, b in held_out if b.items), ("", [])
+        )
+        template = self.template(recipe, backbone)
+        if template is not None:  # the run keeps the template it trained in (chat, export), as SFT's does
+            backbone.tokenizer.chat_template = template.source
+        stops = stop_ids(backbone.tokenizer) if template is not None else {backbone.tokenizer.eos_id}
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        frozen = {"teacher": teacher}
+        loss = Divergence(cfg, frozen)
+        val = ReplyRows(held, pad) if held else None
+        self.held = (held_split, val)
+        tokens = int(np.mean([len(i.prompt) for i in items[:500]])) + cfg.max_completion_length // 2
+        full = backbone.model.flops_per_token(tokens)
+        teacher_flops = teacher.flops_per_token(tokens) * 2.0 / 6.0  # its forward pass
+        return Job(
+            heads=nn.ModuleDict(),
+            loss=loss,
+            train=ItemBatches(items),
+            val=val,
+            flops_per_item=full * (training_flops_multiplier(ft.train) + 2.0 * cfg.lmbda) / 6.0 + teacher_flops,
+            count_items=count_tokens,
+            best_key="loss" if held else "",
+            best_lowest=True,
+            held_out=bool(held),
+            examples=len(items),
+            loss_weight=token_count,
+            frozen=frozen,
+            plan_batch=lambda b: planned_rows(b, recipe.data.seq_len, backbone.cfg.max_seq_len, pad),
+            online=OnPolicy(Completions(self, cfg, items, stops, pad), reuse=1, curve="loss", shown=("on_policy",)),
+        )
+
+    def report(self, recipe, run_dir: Path) -> dict[str, Any]:
+        split, val = self.held
+        if val is None:
+            return {}
+        backbone = from_run(run_dir, device=str(self.rt.device))
+        results = {split: self.measure(recipe, backbone, val, split)}
+        self.say(results)
+        self.write_report(run_dir, backbone.checkpoint, results)
+        return results
+
+    def measure(self, recipe, backbone, rows: ReplyRows, split: str, teacher=None) -> dict[str, float]:
+        device = next(backbone.model.parameters()).device
+        teacher = teacher if teacher is not None else teacher_for(recipe.settings, backbone, str(device))
+        module = ObjectiveModule(backbone.model, nn.ModuleDict(), Divergence(recipe.settings, {"teacher": teacher}))
+        with phase(f"scoring {split} replies"):
+            m = held_out_metrics(
+                module,
+                sequential_batches(rows, recipe.train.batch_size, 0),
+                device,
+                recipe.train.precision,
+                token_count,
+            )
+        return {**m, "n": rows.epoch_size(0)}
+
+    def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
+        """`tfcli eval distill`: the divergence from the run's teacher on the held-out replies (the first
+        --limit N of each split)."""
+        splits = self.items_of(recipe, backbone, options.data, need_train=False, say=not options.quiet)
+        pad = type(backbone.model).pad_id(backbone.tokenizer)
+        results = {}
+        for split, read in self.held_out(splits).items():
+            replies = [i for i in read.items if i.example is not None][: options.limit or None]
+            if not replies:
+                raise UserError(f"eval distill {split}: no rows with a {recipe.settings.completion_field!r} reply")
+            results[split] = self.measure(recipe, backbone, ReplyRows(replies, pad), split)
+        self.say(results)
+        out, _ = self.evaluation_files(backbone, options)
+        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
+        console.print(f"report: {out}")
+        return results
+
+    def say(self, results: dict[str, dict]) -> None:
+        if self.quiet:
+            return
+        for split, m in results.items():
+            console.print(
+                f"distill {split} ({m['n']} replies): divergence from the teacher {m['loss']:.4f} per token, "
+                f"student entropy {m['entropy']:.4f}"
+            )
+
+
+def planned_rows(batch: dict, seq_len: int, context: int, pad: int) -> dict[str, Tensor]:
+    """The memory plan's batch: rows of data.seq_len (prompt and completion), every position trained."""
+    rows, width = batch["index"].numel(), min(seq_len, context)
+    device = batch["index"].device
+    return {
+        "input_ids": torch.full((rows, width), pad, dtype=torch.long, device=device),
+        "targets": torch.full((rows, width), pad, dtype=torch.long, device=device),
+    }
