@@ -276,3 +276,24 @@ def test_a_grpo_grid_with_the_calculator_trains_every_cell_with_it(tmp_path_fact
         assert yaml.safe_load((cell / "config.yaml").read_text())["grpo"]["tools"] == "calculator"
         logged = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
         assert any("tools/call_frequency" in m for m in logged), logged
+
+
+@pytest.mark.slow
+def test_grids_of_the_post_training_tasks_tabulate_their_scores(tmp_path_factory, tmp_path):
+    """compare --task rm (pairwise accuracy) and --task kto (scored by its loss alone: the chart is left
+    out, which stopped the command with an internal error before)."""
+    from .test_dpo import PAIRS
+    from .test_gguf import chat_gguf_file
+
+    model = chat_gguf_file(tmp_path_factory)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    rows = [{"prompt": p["prompt"], "completion": p["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+            for i, p in enumerate(PAIRS * 3)]  # fmt: skip
+    labelled = write_jsonl(tmp_path / "rows.jsonl", rows)
+    for task, data, column in (("rm", pairs, "dev_acc"), ("kto", labelled, "dev_loss")):
+        out = tmp_path / task
+        args = ["compare", "--task", task, "--from", model, "--train", "lora", "--budget", "2steps", "--data", data]
+        result = invoke(*args, "--out", out, "--set", "train.batch_size=4", "--set", "data.val_fraction=0.25")
+        assert result.exit_code == 0 and "internal error" not in result.output, result.output
+        (row,) = list(csv.DictReader(open(out / "results.csv")))
+        assert row["status"] == "done" and row[column] != "", row

@@ -536,12 +536,13 @@ def collect(cell: Cell, out: Path) -> dict:
     from .runs import split_scores
 
     scores = split_scores(report)
-    splits = list(scores)
+    splits = list(scores) or [s for s, r in report.items() if isinstance(r, dict) and "loss" in r]
     row["status"] = "done"
     row.update(prompting_row(cell, report, splits, usage) if cell.approach.prompting else training_row(run))
-    for split, (_, value) in scores.items():
-        row[f"{split}_acc"] = round(value, 4)
-        if "loss" in report[split]:  # a generative task's held-out reply loss (sft)
+    for split in splits:
+        if split in scores:
+            row[f"{split}_acc"] = round(scores[split][1], 4)
+        if "loss" in report[split]:  # a generative task's held-out reply loss (sft); kto's, distill's alone
             row[f"{split}_loss"] = round(report[split]["loss"], 4)
     majority = report[splits[0]].get("majority") if splits else None
     row["majority"] = round(majority, 4) if majority is not None else None
@@ -672,7 +673,9 @@ def chart(rows: list[dict], out: Path) -> Path | None:
     done = [r for r in rows if r.get("status") == "done" and r.get("trained_params")]
     if not done:
         return None  # (a grid of prompting cells only has nothing to plot against trained parameters)
-    acc = next(k for k in done[0] if k.endswith("_acc"))
+    acc = next((k for k in done[0] if k.endswith("_acc")), None)
+    if acc is None:
+        return None  # (a task scored by its loss alone, KTO's or distillation's: the table says it)
     plt = figure()
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
     colours = {f: f"C{i}" for i, f in enumerate(dict.fromkeys(r["family"] for r in done))}
