@@ -30,7 +30,16 @@ SPECIALS = [
     "<|assistant|>",
     "<|system|>",
     "<|end|>",
-]
+    *(
+        "[INST]",
+        "[/INST]",
+        "[TOOL_CALLS]",
+        "[AVAILABLE_TOOLS]",
+        "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+    ),
+]  # (Mistral's control tokens are special in its tokenizer)
 END_OF_TURN = {
     "chatml": "<|im_end|>",
     "qwen2.5-instruct": "<|im_end|>",
@@ -88,6 +97,10 @@ def test_rendered_ids_match_transformers_and_the_mask_is_the_replies(name, n, to
         with pytest.raises(UserError):
             template.render(tokenizer, conversation, bos_token="<s>", eos_token="</s>")
         pytest.skip(f"{name} refuses conversation {n}: {e}")
+    if not keeps_prefixes(template, conversation):  # (Mistral v3 moves its system text to the last turn)
+        with pytest.raises(UserError, match="rendering a longer conversation changes what came before"):
+            template.render(tokenizer, conversation, bos_token="<s>", eos_token="</s>")
+        return
     ours = template.render(tokenizer, conversation, bos_token="<s>", eos_token="</s>")
     assert ours.ids == theirs
     masked = [i for i, m in zip(ours.ids, ours.assistant_mask) if m]
@@ -102,6 +115,15 @@ def test_rendered_ids_match_transformers_and_the_mask_is_the_replies(name, n, to
     for i, (token, m) in enumerate(zip(ours.ids, ours.assistant_mask)):
         if m and token == end and i + 1 < len(ours.ids):
             assert ours.assistant_mask[i + 1] == 0
+
+
+def keeps_prefixes(template, conversation) -> bool:
+    """Whether the conversation up to each reply renders as the start of the conversation through it
+    (what telling the replies apart by prefix differencing needs)."""
+    texts = [
+        template.text(conversation[:i], bos_token="<s>", eos_token="</s>") for i in range(1, len(conversation) + 1)
+    ]
+    return all(b.startswith(a.rstrip()) for a, b in zip(texts, texts[1:]))
 
 
 def test_a_models_own_template_from_its_tokenizer_config(tmp_path, tokenizer):
@@ -217,6 +239,8 @@ DOCUMENTED = {
         f"<|start_header_id|>user<|end_header_id|>\n\n{U2}<|eot_id|>"
         f"<|start_header_id|>assistant<|end_header_id|>\n\n",
     ),
+    # Mistral-7B-Instruct-v0.3: the system text in the last user turn when it ends the conversation
+    "mistral-v3-instruct": ("<s>", "</s>", f"<s>[INST] {U}[/INST] {A}</s>[INST] {S}\n\n{U2}[/INST]"),
     # HuggingFaceH4/zephyr-7b-beta
     "zephyr": (
         "<s>",

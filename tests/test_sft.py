@@ -15,6 +15,7 @@ import torch
 
 from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate, shipped_templates
+from tfcli.errors import UserError
 from tfcli.data.conversations import DecoderExamples, Fields
 from tfcli.driver import RunRequest, train
 from tfcli.engine import model_source
@@ -22,7 +23,7 @@ from tfcli.tasks import answers
 from tfcli.tasks.reply_batches import PackedReplies, decoder_loss, decoder_rows, decoder_targets, pack
 
 from .conftest import invoke, read_metrics, train_losses, write_jsonl
-from .test_chat import CONVERSATIONS, END_OF_TURN, hf_ids, tokenizer  # noqa: F401  (the fixture)
+from .test_chat import CONVERSATIONS, END_OF_TURN, hf_ids, keeps_prefixes, tokenizer  # noqa: F401  (the fixture)
 from .test_gguf import chat_gguf_file, tiny_backbone
 
 transformers = pytest.importorskip("transformers")
@@ -91,6 +92,10 @@ def test_trained_tokens_are_each_reply_and_its_end_token(name, train_on, tokeniz
             theirs = hf_ids(tokenizer, template.source, conversation)
         except Exception:  # the template refuses this conversation (a system message): so do we
             assert build.example({"messages": conversation}).startswith("skip:")
+            continue
+        if not keeps_prefixes(template, conversation):  # its replies cannot be told apart: refused
+            with pytest.raises(UserError, match="changes what came before"):
+                build.example({"messages": conversation})
             continue
         example = build.example({"messages": conversation})
         assert example.ids.tolist() == theirs

@@ -88,6 +88,76 @@ def test_the_shipped_llama_3_1_template_renders_as_metas_and_trains_the_call(tok
     assert template.writes_tool_calls and calls.format_of(template) == "llama3"  # GRPO reads its calls
 
 
+# Mistral-7B-Instruct-v0.3's chat template (Apache-2.0), as a public transcription of its
+# tokenizer_config.json gives it: the reference tfcli's own mistral-v3-instruct is checked against
+MISTRAL_V3 = (
+    '{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}'
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    '{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}'
+    "{{- bos_token }}{%- for message in loop_messages %}"
+    '{%- if message["role"] == "user" %}{%- if tools is not none and (message == user_messages[-1]) %}'
+    '{{- "[AVAILABLE_TOOLS] [" }}{%- for tool in tools %}{%- set tool = tool.function %}'
+    """{{- '{"type": "function", "function": {' }}{%- for key, val in tool.items() if key != "return" %}"""
+    """{%- if val is string %}{{- '"' + key + '": "' + val + '"' }}{%- else %}"""
+    """{{- '"' + key + '": ' + val|tojson }}{%- endif %}{%- if not loop.last %}{{- ", " }}{%- endif %}"""
+    '{%- endfor %}{{- "}}" }}{%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" }}{%- endif %}'
+    '{%- endfor %}{{- "[/AVAILABLE_TOOLS]" }}{%- endif %}'
+    "{%- if loop.last and system_message is defined %}"
+    '{{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}'
+    '{%- else %}{{- "[INST] " + message["content"] + "[/INST]" }}{%- endif %}'
+    '{%- elif message.tool_calls is defined and message.tool_calls is not none %}{{- "[TOOL_CALLS] [" }}'
+    "{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    '{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}'
+    """{{- ', "id": "' + tool_call.id + '"}' }}{%- if not loop.last %}{{- ", " }}{%- else %}"""
+    '{{- "]" + eos_token }}{%- endif %}{%- endfor %}'
+    '{%- elif message["role"] == "assistant" %}{{- " " + message["content"]|trim + eos_token}}'
+    '{%- elif message["role"] == "tool_results" or message["role"] == "tool" %}'
+    "{%- if message.content is defined and message.content.content is defined %}"
+    "{%- set content = message.content.content %}{%- else %}{%- set content = message.content %}{%- endif %}"
+    """{{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}"""
+    "{%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}"
+    '{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}'
+    """{{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}"""
+    '{%- elif message["role"] == "system" %}{%- endif %}{%- endfor %}'
+)
+
+
+def test_the_shipped_mistral_v3_template_renders_as_mistrals_with_ids_given_where_the_data_has_none(tokenizer):  # noqa: F811
+    """tfcli's mistral-v3-instruct renders Mistral v0.3's ids (through transformers, the same ids given);
+    TRL's rows carry no call ids, which Mistral's template requires: tfcli numbers them (call00001) and
+    gives each result its call's id. The call is trained as [TOOL_CALLS] [...]</s>, the result is not;
+    GRPO reads its calls (mistral) and continues a rollout after a result."""
+    from tfcli.data.chat import stop_ids, with_call_ids
+    from tfcli.tasks.grpo.turns import ToolTurns
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    template = ChatTemplate.load("mistral-v3-instruct")
+    assert template.needs_call_ids and calls.format_of(template) == "mistral"
+    for messages in (conversation()[1:], conversation()[1:3], conversation()[:2]):
+        given = with_call_ids(messages)
+        assert given[1:2] == messages[1:2] or given[1]["tool_calls"][0]["id"] == "call00001"
+        theirs = hf.apply_chat_template(given, tools=[MULTIPLY], tokenize=True, chat_template=MISTRAL_V3)
+        theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+        ours = template.render(tokenizer, messages, tools=[MULTIPLY], bos_token="<s>", eos_token="</s>")
+        assert ours.ids == theirs
+    rendered = template.render(tokenizer, conversation()[1:], tools=[MULTIPLY], bos_token="<s>", eos_token="</s>")
+    trained = tokenizer.decode(
+        [i for i, m in zip(rendered.ids, rendered.assistant_mask) if m], skip_special_tokens=False
+    )
+    call = '[TOOL_CALLS] [{"name": "multiply", "arguments": {"a": 123, "b": 45}, "id": "call00001"}]</s>'
+    assert trained == call + " It is 5535.</s>"
+    assert '"call_id": "call00001"' in rendered.text and "[TOOL_RESULTS]" not in trained
+    tokenizer.specials = tokenizer.specials.__class__(bos="<s>", eos="</s>")  # Mistral's, as its tokenizer has them
+    turns = ToolTurns(template, tokenizer, stop_ids(tokenizer), 3)
+    result = turns.tool_ids([{"role": "tool", "name": "multiply", "content": "5535"}])
+    assert (
+        tokenizer.decode(result, skip_special_tokens=False)
+        == '[TOOL_RESULTS] {"content": 5535, "call_id": "call00001"}[/TOOL_RESULTS]'
+    )
+
+
 def trl_training_template(name: str = "qwen2_5_training") -> str:
     trl = pytest.importorskip("trl")
     return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()

@@ -34,11 +34,9 @@ from ..errors import UserError, short
 from .special_tokens import template_of
 
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_PROBE = "tfcli_probe_tool"
-MARK_OPEN, MARK_CLOSE = (
-    "\ue000",
-    "\ue001",
-)  # where `{% generation %}` opens and closes (private use)  # a tool name no template writes unless it writes tool calls
+TOOL_PROBE = "tfcli_probe_tool"  # a tool name no template writes unless it writes tool calls
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"  # where `{% generation %}` opens and closes (private use)
+PROBE_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}  # what probes of a template render it with
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
 
 
@@ -102,9 +100,23 @@ class ChatTemplate:
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         schema = {"type": "function", "function": {"name": TOOL_PROBE, "parameters": {"type": "object"}}}
         try:
-            return TOOL_PROBE in self.text(messages, tools=[schema])
+            return TOOL_PROBE in self.text(messages, tools=[schema], **PROBE_SPECIALS)
         except UserError:
             return False
+
+    @functools.cached_property
+    def needs_call_ids(self) -> bool:
+        """Whether the template refuses a tool call without an id (Mistral's 9-character ids): then
+        every call and result is given one where the conversation has none (with_call_ids)."""
+        import jinja2
+
+        call = {"type": "function", "function": {"name": TOOL_PROBE, "arguments": {}}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            self._template.render(messages=messages, tools=[], **PROBE_SPECIALS)
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
+            return " id" in str(e).lower() or "ids" in str(e).lower()
+        return False
 
     def text(
         self,
@@ -133,6 +145,8 @@ class ChatTemplate:
         import jinja2
 
         messages = [{**m, "content": self._content(m.get("content"), marker)} for m in messages]
+        if self.needs_call_ids:
+            messages = with_call_ids(messages)
         if tools is not None:
             specials = {**specials, "tools": tools}
         try:
@@ -207,7 +221,7 @@ class ChatTemplate:
             prompted = self.text(messages[:i], True, marker, tools, **specials)
             header = prompted[len(os.path.commonprefix([previous, prompted])) :].strip()
             found = through.find(header, common) if header else common
-            if found < 0 or not text.startswith(through):
+            if found < 0 or not text.startswith(through) or not through.startswith(previous.rstrip()):
                 raise UserError(
                     f"{self.where}: rendering a longer conversation changes what came before "
                     f"(message {i + 1}); the assistant replies cannot be told apart"
@@ -235,6 +249,26 @@ def marked_spans(raw: str, where: str) -> list[tuple[int, int]]:
             start = None
         removed += 1
     return [(a, b) for a, b in spans if b > a]
+
+
+def with_call_ids(messages: list[dict]) -> list[dict]:
+    """The conversation with an id on every tool call that has none ("call" and its number, 9
+    characters: call00001, ...) and, on every tool result without one, the id of the call it answers
+    (the calls' ids in order, as results follow their calls)."""
+    out, waiting, n = [], [], 0
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                n += 1
+                c = c if c.get("id") else {**c, "id": f"call{n:05d}"}
+                waiting.append(c["id"])
+                calls.append(c)
+            m = {**m, "tool_calls": calls}
+        elif m.get("role") == "tool" and not m.get("tool_call_id") and waiting:
+            m = {**m, "tool_call_id": waiting.pop(0)}
+        out.append(m)
+    return out
 
 
 def check_messages(messages: list[dict], parts: bool = False) -> None:

@@ -121,11 +121,13 @@ FORMATS: dict[str, Callable[[str], Parsed]] = {"hermes": hermes, "mistral": mist
 def format_of(template) -> str:
     """The call format of a chat template (data.chat.ChatTemplate): the one that reads back the probe
     call the template writes. One line when the template writes calls in no format tfcli reads."""
+    from ..data.chat import PROBE_SPECIALS
+
     schema = {"type": "function", "function": {"name": PROBE["name"], "parameters": {"type": "object"}}}
     asked = [{"role": "user", "content": "q"}]
     said = asked + [{"role": "assistant", "content": "", "tool_calls": [call(**PROBE)]}]
-    before = template.text(asked, add_generation_prompt=True, tools=[schema])
-    after = template.text(said, tools=[schema])
+    before = template.text(asked, add_generation_prompt=True, tools=[schema], **PROBE_SPECIALS)
+    after = template.text(said, tools=[schema], **PROBE_SPECIALS)
     written = after[len(os.path.commonprefix([before, after])) :]
     while _END.search(written):  # the turn's end-of-turn marker: a model's turn is read without it
         written = _END.sub("", written)

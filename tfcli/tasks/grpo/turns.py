@@ -69,8 +69,9 @@ class ToolTurns:
         probe = [call_formats.call("tfcli_probe_tool", {})]
         said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": probe}]
         answered = said + [{"role": "tool", "name": "tfcli_probe_tool", "content": "1"}]
-        short = self.template.text(said)
-        long = self.template.text(answered, add_generation_prompt=True)
+        specials = self.tok.specials.to_config()
+        short = self.template.text(said, **specials)
+        long = self.template.text(answered, add_generation_prompt=True, **specials)
         if not long.startswith(self._through_stop(short)):
             raise UserError(
                 f"{self.template.where}: rendering a tool result changes the turn before it (the template does "
