@@ -15,10 +15,10 @@ import torch
 
 from tfcli import recipe as recipes
 from tfcli.data.chat import ChatTemplate, shipped_templates
-from tfcli.errors import UserError
 from tfcli.data.conversations import DecoderExamples, Fields
 from tfcli.driver import RunRequest, train
 from tfcli.engine import model_source
+from tfcli.errors import UserError
 from tfcli.tasks import answers
 from tfcli.tasks.reply_batches import PackedReplies, decoder_loss, decoder_rows, decoder_targets, pack
 
