@@ -52,6 +52,14 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
         ]
     if raw.get("objective"):
         return ["pretrain", "--objective", plugin], ["--data", small_text, "--set", "tokenizer.train_chars=20000"]
+    if plugin == "distill":  # a student that is its own teacher (one file: the same vocabulary)
+        rows = [{"prompt": f"add {i} and 1", "completion": f"{i + 1}"} for i in range(24)]
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        model = distill_model(family, tmp_path)
+        return ["finetune", plugin], [
+            "--from", model, "--teacher", model, "--data", tmp_path / "rows.jsonl", "--set", "data.val_fraction=0.2",
+            "--set", "distill.max_completion_length=4",
+        ]  # fmt: skip
     if plugin in ("sft", "dpo", "rm", "kto"):  # reply rows, pairs or labelled replies, a small vocabulary
         rows = [
             {"prompt": f"add {i} and 1", "completion": f"{i + 1}", "chosen": f"{i + 1}", "rejected": f"{i}"}
@@ -83,6 +91,25 @@ def data_for(raw: dict, tmp_path, small_text, mnli_dir) -> tuple[list, list]:
     return ["finetune", plugin], ["--data", tmp_path / "rows.csv", "--text-fields", "text", "--label-field", "label"]
 
 
+def distill_model(family: str, tmp_path):
+    """A tiny model of the family, with a chat template, as a file tfcli reads."""
+    from tfcli.hf import interop as hf
+    from tfcli.models.gpt import GPT, GPTConfig
+    from tfcli.plugin import Backbone
+
+    from .test_gguf import tiny_backbone
+
+    backbone = tiny_backbone()
+    if family == "gpt":
+        cfg = GPTConfig(
+            n_layer=1, n_head=2, d_model=32, d_ff=64, vocab_size=backbone.tokenizer.vocab_size, max_seq_len=64
+        )
+        hf.export(Backbone(GPT(cfg), backbone.tokenizer), None, tmp_path / "gpt")
+        return tmp_path / "gpt"
+    hf.export_gguf(backbone, None, tmp_path / "llama.gguf", "f32")
+    return tmp_path / "llama.gguf"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_dir, monkeypatch):
@@ -98,7 +125,7 @@ def test_every_shipped_recipe_trains_compiled(name, tmp_path, small_text, mnli_d
     command, extra = data_for(raw, tmp_path, small_text, mnli_dir)
     model = raw["model"]
     shrink = {"model.n_layer": 1, "model.d_model": 64, "model.n_head": 2, "model.d_ff": 128}
-    if model["family"] == "vlm":  # its model is the --from directory's, already tiny
+    if model["family"] == "vlm" or raw.get("task") == "distill":  # its model is the --from file's, already tiny
         shrink = {}
     if model["family"] == "t5":
         shrink["model.n_decoder_layer"] = 1
