@@ -379,6 +379,10 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, chat_model):
         ),
         (["--data", good, "--set", "dpo.beta=0"], "dpo.beta must be > 0"),
         (["--data", good, "--train", "all", "--set", "dpo.reference=base"], "dpo.reference base"),
+        (
+            ["--data", good, "--set", "dpo.loss=sigmoid,sft", "--set", "dpo.loss_weights=[1.0]"],
+            "dpo.loss_weights must be one weight per loss of dpo.loss (2)",
+        ),
     ]
     for args, message in cases:
         result = invoke(
