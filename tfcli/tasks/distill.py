@@ -19,7 +19,6 @@ is stored: a GGUF teacher is dequantized) and must share the student's vocabular
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -369,9 +368,7 @@ class Distill(ReplyTask):
                 raise UserError(f"eval distill {split}: no rows with a {recipe.settings.completion_field!r} reply")
             results[split] = self.measure(recipe, backbone, ReplyRows(replies, pad), split)
         self.say(results)
-        out, _ = self.evaluation_files(backbone, options)
-        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
-        console.print(f"report: {out}")
+        self.write_evaluation(backbone, options, results)
         return results
 
     def say(self, results: dict[str, dict]) -> None:

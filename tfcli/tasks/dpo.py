@@ -385,19 +385,7 @@ class DPO(PairTask):
         """`tfcli eval dpo`: reward accuracy, margins and log-probabilities on the held-out pairs (the
         first --limit N of each split) against --reference (default: the run's own reference)."""
         results = self.score(recipe, backbone, options.data, options.reference, options.limit)
-        out, _ = self.evaluation_files(backbone, options)
-        out.write_text(
-            json.dumps(
-                {
-                    "checkpoint": str(backbone.checkpoint),
-                    "data": options.data,
-                    "reference": options.reference,
-                    **results,
-                },
-                indent=1,
-            )
-        )
-        console.print(f"report: {out}")
+        self.write_evaluation(backbone, options, results, reference=options.reference)
         return results
 
     def score(

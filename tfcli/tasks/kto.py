@@ -19,7 +19,6 @@ APO's unpaired loss (no KL). The reference is DPO's: `copy` or, for adapters, `b
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,9 +299,7 @@ class KTO(PairTask):
             batches = LabelledBatches(built.rows[: options.limit or None], pad, recipe.settings.share_prompt)
             results[split] = measure(recipe, backbone.model, loss, batches, split, device)
         self.say(results)
-        out, _ = self.evaluation_files(backbone, options)
-        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
-        console.print(f"report: {out}")
+        self.write_evaluation(backbone, options, results)
         return results
 
     @staticmethod

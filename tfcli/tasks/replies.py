@@ -220,6 +220,13 @@ class ReplyTask(Plugin):
         stem = out.stem.replace("eval-", f"{detail}-", 1) if out.stem.startswith("eval-") else f"{out.stem}-{detail}"
         return out, out.with_name(f"{stem}.jsonl")
 
+    def write_evaluation(self, backbone, options: EvalOptions, results: dict, **extra) -> None:
+        """`tfcli eval <task>`'s report: the checkpoint, the data, `extra`, each split's results."""
+        out, _ = self.evaluation_files(backbone, options)
+        report = {"checkpoint": str(backbone.checkpoint), "data": options.data, **extra, **results}
+        out.write_text(json.dumps(report, indent=1))
+        console.print(f"report: {out}")
+
     @staticmethod
     def write_report(run_dir: Path, checkpoint, results: dict) -> None:
         """The final report of the run's best checkpoint: eval.json."""

@@ -16,7 +16,6 @@ mean_reward, max_reward. A row per pair reads the prompt once (rm.share_prompt),
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,9 +169,7 @@ class RewardModel(PairTask):
             batches = RewardBatches(pairs.pairs[: options.limit or None], pad, recipe.settings.share_prompt)
             results[split] = measure(recipe, backbone, batches, split, device)
         self.say(results)
-        out, _ = self.evaluation_files(backbone, options)
-        out.write_text(json.dumps({"checkpoint": str(backbone.checkpoint), "data": options.data, **results}, indent=1))
-        console.print(f"report: {out}")
+        self.write_evaluation(backbone, options, results)
         return results
 
     def say(self, results: dict[str, dict]) -> None:
