@@ -25,6 +25,7 @@ from tfcli.engine.runtime import to_device
 from tfcli.hf import convert
 from tfcli.hf import interop as hf
 from tfcli.hf import llama as llama_table
+from tfcli.objectives.losses import lm_head, sequence_logprobs
 from tfcli.recipe import AdapterConfig
 from tfcli.tasks.dpo import DPOConfig, Preference, dpo_loss, precompute
 from tfcli.tasks.reply_batches import PairBatches
@@ -219,6 +220,70 @@ def test_a_pair_reads_its_prompt_once_and_its_replies_score_as_two_rows_would(fa
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(g, grads[1][name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_rows_are_read_at_their_own_width_with_the_states_of_the_padded_batch(share_prompt, exact_fp32):
+    """A batch whose one long reply pads every other row: the model reads each group of rows of like
+    width only as far as they are read (the padding never computed) and every log-probability, reward
+    state and gradient equals the padded batch's."""
+    from tfcli.tasks.dpo import logps
+    from tfcli.tasks.reply_batches import hidden_states, row_widths
+
+    backbone = tiny_backbone()
+    rows = [dict(r) for r in PAIRS]
+    rows[3]["rejected"] = " ".join(["and then it is more"] * 4)  # one long rejected reply
+    pairs = tiny_pairs(backbone, rows)
+    model = backbone.model
+    pad = type(model).pad_id(backbone.tokenizer)
+    batch = PairBatches(pairs, pad, share_prompt=share_prompt).batch(every_pair(len(pairs)))
+    widths = row_widths(batch)
+    read = []
+    hook = model.register_forward_pre_hook(lambda m, args: read.append(args[0].numel()))
+    try:
+        model.zero_grad()
+        ours = logps(model, batch)
+        ours.sum().backward()
+    finally:
+        hook.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ids = batch["input_ids"]
+    assert len(pairs) == len(rows) and len(read) > 1  # the long row is read apart from the rest
+    assert sum(read) <= 1.125 * int(widths.sum()) < ids.numel()
+    model.zero_grad()
+    padded = model(ids, shared_prompt=batch.get("shared_prompt"))
+    with torch.no_grad():
+        alone = hidden_states(model, batch)
+    for r, w in enumerate(widths.tolist()):
+        torch.testing.assert_close(alone[r, :w], padded[r, :w], atol=2e-5, rtol=1e-5)
+    head = lm_head(model, padded)
+    targets = [batch["targets"]] + ([batch["rejected_targets"]] if share_prompt else [])
+    theirs = torch.cat([sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in targets])
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+    theirs.sum().backward()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_window_shorter_than_a_row_of_two_replies_reads_a_row_per_reply(exact_fp32, capsys):
+    """A sliding window counts keys by their distance in the row: a second reply placed after the first
+    is farther from its prompt there than its positions say, so in a row of two its log-probabilities
+    are not its own (shown). A model with such a window trains with a row per reply, said once; one
+    whose window is longer than any row shares its prompt."""
+    from tfcli.engine.runtime import Runtime
+    from tfcli.tasks.dpo import DPO, logps
+
+    backbone = tiny_backbone(sliding_window=8)
+    model, pairs = backbone.model, tiny_pairs(backbone)
+    pad, draw = type(model).pad_id(backbone.tokenizer), every_pair(len(pairs))
+    shared, apart = PairBatches(pairs, pad).batch(draw), PairBatches(pairs, pad, share_prompt=False).batch(draw)
+    with torch.no_grad():
+        assert (logps(model, shared) - logps(model, apart)).abs().max() > 1e-3
+    recipe = recipes.load("dpo-llama-mini", {"data.seq_len": 64})
+    task = DPO(Runtime(torch.device("cpu")), quiet=False)
+    assert task.resolve(recipe, backbone).settings.share_prompt is False
+    assert "a sliding window of 8 tokens" in capsys.readouterr().err
+    assert task.resolve(recipe, tiny_backbone(sliding_window=128)).settings.share_prompt is True
 
 
 def test_the_three_references_give_the_same_loss_on_lora():

@@ -107,6 +107,42 @@ def test_loss_metrics_and_gradients_equal_trls_kto_trainer(tmp_path, loss, share
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_in_a_row_per_sequence_the_mismatched_pairs_are_read_without_gradients(family):
+    """The KL estimate's sequences take no gradient: in a row per sequence (a model that cannot read two
+    replies in a row) they are read without one, as TRL reads them, with the log-probabilities of a
+    pass over every row, and the rows' own gradients unchanged."""
+    from tfcli.models.gpt import GPT, GPTConfig
+    from tfcli.tasks.dpo import logps
+    from tfcli.tasks.kto import policy_logps
+
+    backbone = tiny_backbone()
+    model = backbone.model
+    if family == "gpt":
+        torch.manual_seed(0)
+        model = GPT(
+            GPTConfig(n_layer=2, n_head=2, d_model=32, vocab_size=backbone.tokenizer.vocab_size, max_seq_len=64)
+        )
+    rows = labelled_rows(backbone)[:6]
+    batch = LabelledBatches(rows, type(model).pad_id(backbone.tokenizer), False).batch(every_pair(len(rows)))
+    with_grad = []
+    hook = model.register_forward_pre_hook(lambda m, args: with_grad.append(torch.is_grad_enabled()))
+    try:
+        model.zero_grad()
+        ours = policy_logps(model, batch)
+        ours.sum().backward()
+    finally:
+        hook.remove()
+    assert set(with_grad) == {False, True}  # the rows with gradients, the mismatched pairs without
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    whole = logps(model, batch)
+    torch.testing.assert_close(ours, whole, atol=2e-5, rtol=1e-5)
+    whole[: len(rows)].sum().backward()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, atol=1e-5, rtol=1e-4)
+
+
 def test_pairs_become_a_desirable_and_an_undesirable_row():
     backbone = tiny_backbone()
     rows = labelled_rows(backbone, PAIRS[:3])

@@ -287,6 +287,12 @@ class Llama(DecoderTraits, nn.Module):
         rope = self.cfg.rope
         return rope.type == "longrope" and cached <= rope.original_max < total
 
+    @property
+    def shortest_window(self) -> int:
+        """The narrowest sliding window of any layer (0: none). A window counts keys by their distance
+        in the row, which two replies in one row (blocks.two_replies) do not keep for the second."""
+        return min((w for w in map(self.cfg.window_of, range(self.cfg.n_layer)) if w), default=0)
+
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         return [KVCache(max_len or self.cfg.max_seq_len) for _ in self.blocks]
 

@@ -43,7 +43,7 @@ from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .pairs import PairConfig, PairTask
 from .reference import reference_mode, reference_of, starting_model
-from .reply_batches import PairBatches, count_tokens, pair_count, shared_length
+from .reply_batches import PairBatches, count_tokens, hidden_states, pair_count, shared_length
 
 REFERENCE_FILE = "reference_logps.json"
 # TRL's DPO losses of one pair each (DPOConfig.loss_type), as TRL 1.16 computes them; sigmoid keeps
@@ -120,8 +120,7 @@ def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
     the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply.
     With `other_targets` (ORPO), (3B,): then the chosen sequences' other tokens (prompt, template)."""
-    hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
-    head = lm_head(model, hidden)
+    head = lm_head(model, hidden_states(model, batch))  # (rows, T, D)
     out = [sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in reply_targets(batch)]
     if "other_targets" in batch:
         pairs = int(pair_count(batch))

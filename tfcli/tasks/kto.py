@@ -204,6 +204,20 @@ def kto_loss(policy: Tensor, reference: Tensor, desirable: Tensor, cfg: KTOConfi
     }
 
 
+def policy_logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """(2B,) the rows' log-probabilities, then their mismatched pairs' (the KL estimate's, which takes
+    no gradient). A row per sequence: the mismatched pairs' rows are read without gradients, as TRL
+    reads them. A row per pair: they share the row, its prompt read once (here a prompt read twice
+    costs more than the backward pass over the mismatched reply's tokens: HH's prompts are 3 times
+    its replies)."""
+    if "shared_prompt" in batch:
+        return logps(model, batch)
+    half = batch["input_ids"].size(0) // 2
+    with torch.no_grad():
+        mismatched = logps(model, {key: batch[key][half:] for key in ("input_ids", "targets")})
+    return torch.cat([logps(model, {key: batch[key][:half] for key in ("input_ids", "targets")}), mismatched])
+
+
 class KTOLoss:
     """KTO's loss for the trainer: the policy's log-probabilities against the reference's."""
 
@@ -212,7 +226,7 @@ class KTOLoss:
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
         reference = reference_of(model, self.mode, self.frozen, lambda m: logps(m, batch))
-        return kto_loss(logps(model, batch), reference, batch["desirable"], self.cfg)
+        return kto_loss(policy_logps(model, batch), reference, batch["desirable"], self.cfg)
 
 
 class KTO(PairTask):

@@ -40,12 +40,22 @@ class PairTask(ReplyTask):
 
     def resolve(self, recipe, backbone):
         """A model that cannot read a prompt once for two replies (blocks.two_replies; the generic path's
-        transformers modules) trains with a row per reply (share_prompt false), said once."""
+        transformers modules), or whose sliding window is shorter than a row of two replies can be
+        (a window counts the second reply's keys by their distance in the row, not by its positions),
+        trains with a row per reply (share_prompt false), said once."""
         recipe = super().resolve(recipe, backbone)
-        if recipe.settings.share_prompt and not getattr(backbone.model, "reads_two_replies", True):
+        window = getattr(backbone.model, "shortest_window", 0)
+        longest_row = 2 * min(recipe.data.seq_len, backbone.cfg.max_seq_len)
+        if not recipe.settings.share_prompt:
+            return recipe
+        if not getattr(backbone.model, "reads_two_replies", True) or 0 < window < longest_row:
+            why = (
+                "this model reads"
+                if not window
+                else f"a sliding window of {window} tokens, shorter than two replies, needs"
+            )
             display.note(
-                f"{self.key}: this model reads a row per reply ({self.key}.share_prompt false): "
-                "its prompts are read twice"
+                f"{self.key}: {why} a row per reply ({self.key}.share_prompt false): its prompts are read twice"
             )
             recipe = dataclasses.replace(recipe, settings=dataclasses.replace(recipe.settings, share_prompt=False))
         return recipe

@@ -234,6 +234,53 @@ def shared_prompt_rows(pairs: list, pad_id: int) -> dict[str, Tensor]:
     return {"input_ids": ids, "targets": chosen_t, "rejected_targets": rejected_t, "shared_prompt": shared}
 
 
+def row_widths(batch: dict[str, Tensor]) -> Tensor:
+    """(rows,) how much of each right-padded row is read: one past the last position that a target
+    (`targets`, `rejected_targets`, ORPO's `other_targets`) or a score (`score_row`, `score_at`) reads.
+    A causal model's states before that position never see what comes after it."""
+    ids = batch["input_ids"]
+    positions = torch.arange(1, ids.size(1) + 1, device=ids.device)
+    widths = torch.ones(ids.size(0), dtype=torch.long, device=ids.device)
+    for key, targets in batch.items():
+        if key.endswith("targets"):
+            widths = torch.maximum(widths, torch.where(targets != IGNORE, positions, 0).amax(1))
+    if "score_at" in batch:
+        widths = widths.scatter_reduce(0, batch["score_row"], batch["score_at"] + 1, "amax")
+    return widths
+
+
+def width_groups(widths: list[int], slack: float = 0.125) -> list[list[int]]:
+    """Rows grouped widest first: a row joins the group before it while the group, cut to its widest
+    row, stays within `slack` of padding (a group is one call of the model)."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(widths)), key=lambda r: -widths[r]):
+        group = groups[-1] if groups else []
+        if group and widths[group[0]] * (len(group) + 1) <= (1 + slack) * (sum(widths[r] for r in group) + widths[row]):
+            group.append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def hidden_states(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """model(input_ids, shared_prompt=...) (rows, T, D) of a batch of right-padded rows, each group of
+    rows of like width (width_groups) read only as far as its widest row is read (row_widths), zeros
+    after: the padding a pair's long third part (a KTO row's mismatched reply, a long rejected reply)
+    forces on every other row is never computed, and each row's states are those it has alone."""
+    ids, shared = batch["input_ids"], batch.get("shared_prompt")
+    widths = row_widths(batch).tolist()
+    groups = width_groups(widths)
+    if len(groups) == 1 and widths[groups[0][0]] == ids.size(1):
+        return model(ids, shared_prompt=shared)
+    parts = []
+    for group in groups:
+        rows, width = torch.tensor(group, device=ids.device), widths[group[0]]
+        hidden = model(ids[rows, :width], shared_prompt=None if shared is None else shared[rows])
+        parts.append(nn.functional.pad(hidden, (0, 0, 0, ids.size(1) - width)))
+    order = torch.tensor([r for group in groups for r in group], device=ids.device)
+    return torch.cat(parts)[torch.argsort(order)]
+
+
 def pair_count(batch: dict[str, Tensor]) -> Tensor:
     """A preference batch's pairs: what its loss averages over."""
     return torch.tensor(batch["input_ids"].size(0) // (1 if "shared_prompt" in batch else 2))

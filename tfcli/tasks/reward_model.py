@@ -35,7 +35,7 @@ from ..errors import UserError
 from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .pairs import PairConfig, PairTask
-from .reply_batches import RewardBatches, count_tokens, last_token_rows, pair_count
+from .reply_batches import RewardBatches, count_tokens, hidden_states, last_token_rows, pair_count
 
 SCORE = "score"  # the head's name: heads.score.weight in a checkpoint, score.weight in an export
 
@@ -81,8 +81,7 @@ def score_head(d_model: int, weights: dict[str, Tensor] | None = None) -> nn.Lin
 
 def rewards(model: nn.Module, head: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """(2B,) every sequence's reward, the chosen first: the head on its last token's hidden state."""
-    hidden = model(batch["input_ids"], shared_prompt=batch.get("shared_prompt"))  # (rows, T, D)
-    last = hidden[batch["score_row"], batch["score_at"]]  # (2B, D)
+    last = hidden_states(model, batch)[batch["score_row"], batch["score_at"]]  # (2B, D)
     return head(last.to(head.weight.dtype)).squeeze(-1).float()
 
 
