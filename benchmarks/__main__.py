@@ -28,6 +28,7 @@ ALL = [
     "grpo_tools",
     "reward_model",
     "kto",
+    "preference_learning",
     "evals",
     "lowbit",
     "llamacpp",

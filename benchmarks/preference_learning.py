@@ -1,10 +1,10 @@
 """KTO, ORPO and SimPO (issue 73) learning on SmolLM2-135M-Instruct (its GGUF) and Anthropic HH
 harmless pairs: the held-out reward margin (chosen - rejected reward, TRL's `rewards/margins`) before
-and after, on the last HELD pairs of the file, which no run trained on, and whether the model still
+and after, on the first BENCH_PREF_HELD (120) of the last 300 pairs of the file, which no run trained on, and whether the model still
 answers "The capital of France is" with Paris (greedy).
 
-Each method: LoRA r16 on every block linear, BENCH_PREF_STEPS (64) steps x 8 rows (KTO: 8 unpaired
-rows, each pair split in two; ORPO and SimPO: 8 pairs), lr 5e-5, the recipes' other settings (TRL's:
+Each method: LoRA r16 on every block linear, BENCH_PREF_STEPS (32) steps x 8 rows (KTO: 8 unpaired
+rows, each pair split in two; ORPO and SimPO: 8 pairs), lr 1e-4, the recipes' other settings (TRL's:
 beta 0.1, simpo_gamma 0.5), the first TRAIN kept pairs to train on. The margin before: KTO's rewards
 are log-ratios to the model itself, 0 by construction; ORPO's and SimPO's are the model's own
 (length-normalised) log-probabilities, measured on the base file with the same loss.
@@ -27,8 +27,9 @@ from benchmarks.sft import SEED
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import missing
 
-STEPS = int(os.environ.get("BENCH_PREF_STEPS", 64))
-LR = 5e-5
+STEPS = int(os.environ.get("BENCH_PREF_STEPS", 32))
+HELD = int(os.environ.get("BENCH_PREF_HELD", 120))
+LR = 1e-4
 PARIS = "The capital of France is"
 METHODS = {  # method -> (tfcli task, its settings)
     "kto": ("kto", []),
@@ -47,7 +48,7 @@ def trained(method: str, data: Path, runs: Path) -> Path:
         task = METHODS[method][0]
         args = ["finetune", task, "--from", str(gguf_file()), "--data", str(data), "--train", "lora"]
         args += ["--steps", str(STEPS), "--batch-size", str(BATCH), "--lr", str(LR), "--seed", str(SEED), "--quiet"]
-        args += ["--set", "train.threads=2", "--set", f"train.eval_interval={max(1, STEPS // 4)}"]
+        args += ["--set", "train.threads=2", "--set", f"train.eval_interval={max(1, STEPS // 2)}"]
         args += ["--set", "data.val_fraction=0.03", "--set", "finetune.warmup_fraction=0.1"]
         tfcli(*args, *settings(method), out=run)
     return run
@@ -56,7 +57,8 @@ def trained(method: str, data: Path, runs: Path) -> Path:
 def evaluated(method: str, checkpoint: Path, held: Path, out: Path) -> dict:
     """The held-out report of `tfcli eval` (its one split), written once to `out`."""
     if not out.is_file():
-        args = ["eval", METHODS[method][0], "--checkpoint", str(checkpoint), "--data", str(held)]
+        args = ["eval", METHODS[method][0], "--checkpoint", str(checkpoint), "--data", str(held), "--limit"]
+        args.append(str(HELD * (2 if method == "kto" else 1)))  # a KTO row is half a pair
         tfcli(*args, *settings(method), "--out", str(out), "--quiet")
     return next(v for v in json.loads(out.read_text()).values() if isinstance(v, dict))
 
