@@ -187,6 +187,18 @@ def test_a_large_vocabulary_is_allocated_not_computed_and_counts_the_same(small_
         allocated.clear()
 
 
+def test_a_factory_op_in_the_losss_repeated_loop_is_counted_not_lost():
+    """The fused loss's reused logits buffer grows with torch.empty(n) inside its repeated loop: an op
+    with no tensor among its inputs. A probe let the first run and, at the second of the same shape,
+    asked its (absent) first input for a device: an IndexError that stopped an ORPO run on SmolLM2."""
+    from tfcli.engine import scratch
+
+    with memory.LiveBytes(shapes_only_at=40000) as counter, scratch.repeated_ops():
+        first = torch.empty(1000)
+        second = torch.empty(1000)
+    assert first.shape == second.shape == (1000,) and counter.peak >= 2 * 4000
+
+
 def test_a_probe_costs_one_forward_and_backward_and_starts_from_the_first_steps_states(small_text):
     """Every run plans, so the probes' cost is paid by every run: one counted pass per probe depth; the
     optimizer's states (as a first step leaves them) come from a step on zero gradients, not a pass."""

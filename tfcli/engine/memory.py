@@ -71,9 +71,9 @@ class LiveBytes(TorchDispatchMode):
         its values are zeros, an in-place or out= op leaves its tensor as it is. The bytes counted are
         the same; nothing the plan reads depends on those values (the routing of a mixture reads the
         blocks' own, computed). None: compute it (a view, an op on other tensors, one with no meta
-        kernel, or the first of its kind)."""
+        kernel, a factory such as empty with no tensor to read, or the first of its kind)."""
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if func.is_view or not (scratch.in_repeated_ops() or any(self.shapes_only_at in t.shape for t in flat)):
+        if func.is_view or not flat or not (scratch.in_repeated_ops() or any(self.shapes_only_at in t.shape for t in flat)):
             return None
         key = (func, *(tuple(t.shape) for t in flat))
         if key not in self._computed:  # each kind once for real: the libraries keep what its kernels use
