@@ -5,6 +5,7 @@ loop serves both; only how the next logits are computed differs.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -44,7 +45,17 @@ def decode_logits(model: nn.Module, device: torch.device) -> Callable[[Tensor], 
     GPUs read either layout at full speed and use every core on their own: model.logits there."""
     if device.type != "cpu":
         return model.logits
-    return ColumnSplitHead(model.lm_head_weight, torch.get_num_threads())
+    weight, parts = model.lm_head_weight, torch.get_num_threads()
+    key = (weight.data_ptr(), weight._version, parts)  # (`p.data = ...` keeps the tensor, not its storage)
+    held = _laid_out.get("head")
+    if held is None or held[0]() is not weight or held[1] != key:
+        held = _laid_out["head"] = (weakref.ref(weight), key, ColumnSplitHead(weight, parts))
+    return held[2]
+
+
+# the last head laid out, kept while its weight is unchanged (same tensor, same in-place version): a
+# frozen head (LoRA, a teacher, a GRPO run's sampling every step) is copied once, not per generation
+_laid_out: dict[str, tuple] = {}
 
 
 class ColumnSplitHead:
