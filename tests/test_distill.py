@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -217,3 +218,48 @@ def test_a_teacher_with_another_vocabulary_or_none_is_one_line(tmp_path, models,
         result = invoke(*args)
         assert result.exit_code == 2 and why in result.output and "Traceback" not in result.output, result.output
         assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_held_in_nf4_is_its_nf4_weights_distribution_in_a_fraction_of_the_memory(tmp_path, models):
+    """distill.teacher_quantize nf4 freezes the teacher's block linears in NF4 (QLoRA's base): the
+    divergence is exactly the one from the teacher with those weights dequantized, not the full
+    teacher's, its weights take a fraction of the bytes, and the memory plan counts it so."""
+    from tfcli.adapters import frozen_in_nf4
+    from tfcli.engine.memory import tensor_bytes
+    from tfcli.models.nf4 import NF4Linear
+
+    student = tiny_backbone()
+    full = teacher_of(student).model
+    held = frozen_in_nf4(copy.deepcopy(full))
+    quantized = [n for n, m in held.named_modules() if isinstance(m, NF4Linear)]
+    assert len(quantized) >= 3 * len(held.blocks)  # each block's attention and MLP linears
+    plain = copy.deepcopy(full)  # (an NF4 weight does not deep-copy)
+    for name in quantized:
+        parent, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(parent), leaf, held.get_submodule(name).dequantized())
+    prompts, completions = fixed(student)
+    cfg = DistillConfig(beta=0.5, lmbda=1.0)
+    losses = {}
+    for name, teacher in (("nf4", held), ("dequantized", plain), ("full", full)):
+        losses[name], _, _ = ours(
+            copy.deepcopy(student), Backbone(teacher, student.tokenizer), prompts, completions, cfg
+        )
+    assert losses["nf4"] == pytest.approx(losses["dequantized"], abs=1e-6)
+    assert abs(losses["nf4"] - losses["full"]) > 1e-6  # the NF4 weights are not the full ones
+    blocks = lambda m: tensor_bytes(*m.blocks)  # noqa: E731
+    assert blocks(held) < 0.35 * blocks(full)
+
+    frozen = {}
+    for setting in ("none", "nf4"):
+        run = tmp_path / setting
+        result = invoke(
+            *distill_args(tmp_path, models, 2, "--out", run, "--set", f"distill.teacher_quantize={setting}")
+        )
+        assert result.exit_code == 0, result.output
+        plan = next(line for line in result.output.splitlines() if line.startswith("memory plan:"))
+        found = re.search(r"frozen ([\d.]+) (kB|MB)", plan)
+        assert found, plan
+        frozen[setting] = float(found.group(1)) * {"kB": 1, "MB": 1024}[found.group(2)]
+    assert frozen["nf4"] < frozen["none"], frozen  # (the embeddings and norms stay in fp32)
+    evaluated = invoke("eval", "--checkpoint", run)
+    assert evaluated.exit_code == 0 and "divergence from the teacher" in evaluated.output, evaluated.output

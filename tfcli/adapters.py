@@ -286,6 +286,24 @@ def _adapted(wrap: Callable[[nn.Module, list, frozenset, AdapterConfig], nn.Modu
     return apply
 
 
+def frozen_in_nf4(model: nn.Module) -> nn.Module:
+    """`model` frozen with every block linear and expert in NF4, as QLoRA holds its base, and nothing
+    adapted: a model the loss only reads (a distillation teacher) in about a quarter of its memory.
+    The embeddings, norms and output layer keep their precision."""
+    model.requires_grad_(False)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and linear_parts(model, name, module) is not None and nf4.quantizable(module):
+            _replace(model, name, nf4.NF4Linear(module))
+    for stack in model.modules():
+        if isinstance(stack, StackedExperts) and not stack.quantized:
+            stack.quantize()
+    return model
+
+
+def holds_nf4(model: nn.Module) -> bool:
+    return any(isinstance(m, nf4.NF4Linear) for m in model.modules())
+
+
 def _adapt_experts(model: nn.Module, cfg: AdapterConfig, lora: bool, quantize: bool) -> int:
     """A mixture's experts: frozen in NF4 with the rest of the block (qlora), and with adapter.experts
     given per-expert LoRA on the targeted gate / up / down; -> how many expert stacks were adapted."""

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..adapters import method
+from ..adapters import frozen_in_nf4, holds_nf4, method
 from ..errors import UserError
 from ..models import TEXT_FAMILIES, build_model, transformer_blocks
 from ..models.moe import moe_layers
@@ -73,7 +73,11 @@ class LiveBytes(TorchDispatchMode):
         blocks' own, computed). None: compute it (a view, an op on other tensors, one with no meta
         kernel, a factory such as empty with no tensor to read, or the first of its kind)."""
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if func.is_view or not flat or not (scratch.in_repeated_ops() or any(self.shapes_only_at in t.shape for t in flat)):
+        if (
+            func.is_view
+            or not flat
+            or not (scratch.in_repeated_ops() or any(self.shapes_only_at in t.shape for t in flat))
+        ):
             return None
         key = (func, *(tuple(t.shape) for t in flat))
         if key not in self._computed:  # each kind once for real: the libraries keep what its kernels use
@@ -389,7 +393,8 @@ def probe_frozen(model: nn.Module, blocks: int, device: torch.device) -> nn.Modu
     """A frozen model's probe: its config at `blocks` blocks, as the run holds it (no gradients, eval)."""
     with torch.device(device):
         probe = build_model(probe_config(model.cfg, blocks))
-    return probe.eval().requires_grad_(False)
+    probe = probe.eval().requires_grad_(False)
+    return frozen_in_nf4(probe) if holds_nf4(model) else probe  # a teacher held in NF4
 
 
 def backward(trained: nn.Module, step: Step) -> None:

@@ -13,23 +13,26 @@ beta p_t, beta KL(p_t || m) + (1 - beta) KL(p_s || m); beta 0 is the forward KL(
 reverse KL(p_s || p_t) (TRL's default), summed over the batch's completion tokens and divided by
 their count. Each step is on-policy with probability lmbda (drawn from the step's own seed, so a
 resumed run repeats it); an on-policy step samples up to distill.max_completion_length tokens at the
-temperature. The teacher is any model tfcli reads (a run, a Hugging Face directory, a GGUF file, as it
-is stored: a GGUF teacher is dequantized) and must share the student's vocabulary: one line otherwise.
+temperature. The teacher is any model tfcli reads (a run, a Hugging Face directory, a GGUF file; a GGUF
+teacher is dequantized), in its own precision or, with distill.teacher_quantize nf4, its block linears
+frozen in NF4 as QLoRA's base is; it must share the student's vocabulary: one line otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..adapters import frozen_in_nf4
 from ..data import IGNORE
 from ..data.chat import stop_ids
 from ..data.conversations import DecoderExamples, Example, built
@@ -58,6 +61,13 @@ class DistillConfig(ReplyConfig):
     teacher: str = field(
         default="",
         metadata={"help": "the teacher: a tfcli run, a Hugging Face directory or a GGUF file", "path": "path"},
+    )
+    teacher_quantize: Literal["none", "nf4"] = field(
+        default="none",
+        metadata={
+            "help": "nf4: the teacher's block linears frozen in 4-bit NF4, as QLoRA holds its base (about a "
+            "quarter of its memory; the divergence is from the NF4 weights' distribution)"
+        },
     )
     completion_field: str = field(
         default="completion", metadata={"help": "the column holding a reply (off-policy steps train on it)"}
@@ -212,7 +222,7 @@ class Completions:
         return module(batches, lambda model, heads, drawn: self.rollout(model, drawn))
 
     def rollout(self, model: nn.Module, batches: list[dict]) -> tuple[list[dict], dict[str, Tensor]]:
-        device, out, sampled, lengths = batches[0]["index"].device, [], 0, []
+        started, device, out, sampled, lengths = time.perf_counter(), batches[0]["index"].device, [], 0, []
         for b in batches:
             items, seed = [self.items[i] for i in b["index"].tolist()], int(b["seed"])
             if np.random.default_rng(seed).random() < self.cfg.lmbda:  # on-policy
@@ -227,6 +237,7 @@ class Completions:
         metrics = {
             "on_policy": torch.tensor(sampled / len(batches)),
             "completions/mean_length": torch.tensor(float(np.mean(lengths))),
+            "rollout_s": torch.tensor(time.perf_counter() - started),  # sampling (GRPO's metric)
         }
         return out, {k: v.to(device) for k, v in metrics.items()}
 
@@ -257,7 +268,8 @@ def teacher_for(cfg: DistillConfig, backbone, device: str):
             f"distill.teacher {cfg.teacher}: its vocabulary is not the student's ({rows[0]:,} against {rows[1]:,} "
             "output rows, or other tokens): distillation compares the two distributions token by token"
         )
-    return teacher.model.eval().requires_grad_(False)
+    model = teacher.model.eval().requires_grad_(False)
+    return frozen_in_nf4(model) if cfg.teacher_quantize == "nf4" else model
 
 
 def lm_head_rows(model: nn.Module) -> int:
