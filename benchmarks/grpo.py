@@ -12,6 +12,12 @@ step to step: each side's mean completion length is printed beside its times, an
 compared per generated token.
 
     python -m benchmarks grpo         (BENCH_STEPS, default 8; the first 2 are left out of the medians)
+
+RLOO (issue 73, part 4): BENCH_GRPO_LOSS=rloo runs `grpo.loss_type=rloo` against TRL's RLOOTrainer,
+both with RLOO's default KL weight (beta 0.05: the reference is the base with the adapters off on both
+sides), the rest as above.
+
+    BENCH_GRPO_LOSS=rloo python -m benchmarks grpo
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from benchmarks.trl_peer import (
 
 STEPS, PROMPTS, G, LIMIT, TEMPERATURE, LR, SEED = int(os.environ.get("BENCH_STEPS", 8)), 4, 8, 64, 0.7, 1e-5, 1337
 SKIP = 2
+LOSS = os.environ.get("BENCH_GRPO_LOSS", "dapo")  # dapo (GRPO's TRL default) or rloo (TRL's RLOOTrainer)
+RLOO_BETA = 0.05  # RLOOConfig's default KL weight
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -66,8 +74,10 @@ def tfcli_side(data: Path, out: Path, checkpointing: bool) -> dict:
         "--set", "train.log_interval=1", "--set", "train.threads=2", "--set", "finetune.report_limit=1",
         "--set", "train.eval_interval=1000", "--set", "train.ckpt_interval=1000", "--set", "adapter.rank=16",
         "--set", "adapter.alpha=32", "--set", f"train.activation_checkpointing={'blocks' if checkpointing else 'none'}",
-        "--set", "train.memory_limit=0",
+        "--set", "train.memory_limit=0", "--set", f"grpo.loss_type={LOSS}",
     ]  # fmt: skip
+    if LOSS == "rloo":
+        args += ["--set", f"grpo.beta={RLOO_BETA}"]
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"tfcli grpo: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
@@ -106,7 +116,9 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
     def final_number(prompts, completions, answer, **kw):
         return [float(correct(c[0]["content"], a, "final-number")) for c, a in zip(completions, answer)]
 
-    args = trl.GRPOConfig(
+    rloo = LOSS == "rloo"
+    args = (trl.RLOOConfig if rloo else trl.GRPOConfig)(
+        **({"beta": RLOO_BETA} if rloo else {"loss_type": LOSS}),
         max_steps=STEPS,
         per_device_train_batch_size=PROMPTS * G,
         num_generations=G,
@@ -119,7 +131,7 @@ def trl_main(data: str, out: str, checkpointing: str) -> None:
     config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=HF_TARGETS)
     steps, sampling, lengths = [], [], []
 
-    class Timed(trl.GRPOTrainer):
+    class Timed(trl.RLOOTrainer if rloo else trl.GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             t0 = time.perf_counter()
             out = super()._generate_and_score_completions(inputs)
@@ -172,8 +184,9 @@ def main() -> None:
             setting = "on" if on else "off"
             ours = tfcli_side(data, tmp / f"tfcli-{setting}", on)
             theirs = run_peer("benchmarks.grpo", str(data), str(tmp / f"trl-{setting}"), setting)
+            trainer = "RLOOTrainer" if LOSS == "rloo" else "GRPOTrainer"
             report(
-                f"grpo LoRA vs TRL GRPOTrainer ({STEPS} steps, {PROMPTS} prompts x {G}, {same_checkpointing(ours, theirs, on)})",
+                f"grpo ({LOSS}) LoRA vs TRL {trainer} ({STEPS} steps, {PROMPTS} prompts x {G}, {same_checkpointing(ours, theirs, on)})",
                 ours,
                 theirs,
             )

@@ -87,9 +87,15 @@ def run_peer(module: str, *args: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env
     )
+    if proc.returncode == -9:  # SIGKILL: on these machines, the kernel's out-of-memory killer
+        raise PeerKilled(f"{module} trl {args[:1]}: killed (SIGKILL; out of memory on this machine?)")
     if proc.returncode:
         raise RuntimeError(f"{module} trl {args[:1]}: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class PeerKilled(RuntimeError):
+    """The peer's process was killed (the kernel's out-of-memory killer): a row can say so and go on."""
 
 
 def trl_callbacks(losses: list, times: list):
