@@ -128,10 +128,12 @@ def test_the_cpu_decoding_head_is_laid_out_once_per_weight_version():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=8, vocab_size=97))
     cpu, hidden = torch.device("cpu"), torch.randn(3, 16)
+    assert decode_logits(model, cpu) is not decode_logits(model, cpu)  # trained: a fused optimizer may not bump
+    model.requires_grad_(False)
     first = decode_logits(model, cpu)
     assert decode_logits(model, cpu) is first
     with torch.no_grad():
-        model.lm_head_weight.mul_(2.0)  # what an optimizer step does to a trained head
+        model.lm_head_weight.mul_(2.0)  # a frozen head changed in place (a weight loaded into it)
     again = decode_logits(model, cpu)
     assert again is not first and torch.allclose(again(hidden), model.logits(hidden), atol=1e-5)
     other = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=8, vocab_size=97))

@@ -46,6 +46,8 @@ def decode_logits(model: nn.Module, device: torch.device) -> Callable[[Tensor], 
     if device.type != "cpu":
         return model.logits
     weight, parts = model.lm_head_weight, torch.get_num_threads()
+    if weight.requires_grad:  # a trained head: an optimizer may update it without a version bump (fused)
+        return ColumnSplitHead(weight, parts)
     key = (weight.data_ptr(), weight._version, parts)  # (`p.data = ...` keeps the tensor, not its storage)
     held = _laid_out.get("head")
     if held is None or held[0]() is not weight or held[1] != key:
@@ -53,8 +55,8 @@ def decode_logits(model: nn.Module, device: torch.device) -> Callable[[Tensor], 
     return held[2]
 
 
-# the last head laid out, kept while its weight is unchanged (same tensor, same in-place version): a
-# frozen head (LoRA, a teacher, a GRPO run's sampling every step) is copied once, not per generation
+# the last frozen head laid out, kept while its weight is unchanged (same tensor, same in-place
+# version): a frozen head (LoRA, a teacher) is copied once, not per generation
 _laid_out: dict[str, tuple] = {}
 
 
