@@ -7,7 +7,7 @@ Each step is timed whole and in two parts, as the GRPO benchmark times it: sampl
 `rollout_s`; TRL's `_generate_and_score_completions`, timed around the call) and the update (the rest:
 the teacher's pass, the student's forward and backward, the optimizer). The two sides sample different
 completions (each its own sampler), so each side's mean completion length is printed beside its
-seconds, and the step is also compared per completion token.
+seconds, and sampling is also compared per completion token (the GRPO benchmark's report).
 
     python -m benchmarks distill       (BENCH_STEPS, default 8; the first 2 are left out of the medians)
 """
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS
-from benchmarks.grpo import HF_TARGETS, prompts_file
+from benchmarks.grpo import HF_TARGETS, prompts_file, report
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
     checkpointing_ran,
@@ -37,7 +35,6 @@ from benchmarks.trl_peer import (
 )
 
 STEPS, PROMPTS, LIMIT, LR, SEED = int(os.environ.get("BENCH_STEPS", 8)), 8, 64, 1e-4, 1337
-SKIP = 2
 
 
 def tfcli_side(data: Path, teacher: Path, out: Path) -> dict:
@@ -133,10 +130,6 @@ def trl_main(data: str, out: str) -> None:
     )
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs[min(SKIP, len(xs) - 1) :])
-
-
 def main() -> None:
     if why := missing("distill"):
         print(why)
@@ -150,34 +143,7 @@ def main() -> None:
         name = f"distill on-policy LoRA vs TRL DistillationTrainer ({STEPS} steps x {PROMPTS} prompts, " + (
             same_checkpointing(ours, theirs, False) + ")"
         )
-        row = {"benchmark": name, "date": time.strftime("%Y-%m-%d")}
-        for side, run in (("tfcli", ours), ("trl", theirs)):
-            step, length = median(run["step_s"]), statistics.mean(run["length"][SKIP:] or run["length"])
-            row |= {
-                f"{side}_s_per_step": step,
-                f"{side}_sampling_s": median(run["sampling_s"]),
-                f"{side}_update_s": step - median(run["sampling_s"]),
-                f"{side}_mean_length": length,
-                f"{side}_ms_per_token": 1000 * step / (PROMPTS * length),
-                f"{side}_peak_rss_mb": run["peak_rss_mb"],
-            }
-        row["ratio"] = row["trl_s_per_step"] / row["tfcli_s_per_step"]
-        row["ratio_per_token"] = row["trl_ms_per_token"] / row["tfcli_ms_per_token"]
-        print(
-            f"{name}: s/step tfcli {row['tfcli_s_per_step']:.2f} (sampling {row['tfcli_sampling_s']:.2f}, update "
-            f"{row['tfcli_update_s']:.2f}, completions {row['tfcli_mean_length']:.1f} tokens), TRL "
-            f"{row['trl_s_per_step']:.2f} (sampling {row['trl_sampling_s']:.2f}, update {row['trl_update_s']:.2f}, "
-            f"completions {row['trl_mean_length']:.1f} tokens): "
-            f"{row['ratio']:.2f}x (target 1.3x), per completion token {row['tfcli_ms_per_token']:.1f} vs "
-            f"{row['trl_ms_per_token']:.1f} ms: {row['ratio_per_token']:.2f}x; peak RSS tfcli "
-            f"{row['tfcli_peak_rss_mb']:,.0f} MB, TRL {row['trl_peak_rss_mb']:,.0f} MB"
-        )
-        print(
-            f"  tfcli losses {[round(x, 4) for x in ours['loss']]}\n  TRL losses   {[round(x, 4) for x in theirs['loss']]}"
-        )
-        RESULTS.mkdir(exist_ok=True)
-        with open(RESULTS / "results.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        report(name, ours, theirs, PROMPTS)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ def main() -> None:
             )
 
 
-def report(name: str, ours: dict, theirs: dict) -> None:
+def report(name: str, ours: dict, theirs: dict, completions: int = PROMPTS * G) -> None:
+    """Print and save each side's step, sampling and update seconds (`completions` sampled a step)."""
     row = {"benchmark": name, "date": time.strftime("%Y-%m-%d")}
     for side, run in (("tfcli", ours), ("trl", theirs)):
         step, sampling = median(run["step_s"]), median(run["sampling_s"])
@@ -203,7 +204,7 @@ def report(name: str, ours: dict, theirs: dict) -> None:
                 f"{side}_sampling_s": sampling,
                 f"{side}_update_s": step - sampling,
                 f"{side}_mean_length": length,
-                f"{side}_sampling_ms_per_token": 1000 * sampling / (PROMPTS * G * length),
+                f"{side}_sampling_ms_per_token": 1000 * sampling / (completions * length),
                 f"{side}_peak_rss_mb": run["peak_rss_mb"],
             }
         )
