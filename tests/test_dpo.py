@@ -538,6 +538,7 @@ def test_every_loss_of_trls_dpo_family_gives_its_loss_and_gradients(tmp_path):
         ({"dpo.loss": "sigmoid,nope"}, "dpo.loss must be one or more of"),
         ({"dpo.loss": "sigmoid,orpo"}, "not cpo, simpo, orpo"),
         ({"dpo.loss": "sigmoid,sft", "dpo.loss_weights": [1.0]}, "one weight per loss of dpo.loss (2)"),
+        ({"dpo.loss": "sigmoid", "dpo.alpha": 0.25}, "dpo.alpha must be 0 unless dpo.loss is cpo or simpo"),
     ],
 )
 def test_losses_and_weights_that_do_not_fit_are_one_line(settings, message):
@@ -574,13 +575,15 @@ def labelled(pairs: list, side: str, pad: int) -> dict:
     [
         ("cpo", "CPO", {"loss_type": "sigmoid", "cpo_alpha": 1.0, "label_smoothing": 0.1}),
         ("simpo", "CPO", {"loss_type": "simpo", "cpo_alpha": 0.5, "simpo_gamma": 0.5}),
+        ("simpo", "CPO", {"loss_type": "alphapo", "cpo_alpha": 0.0, "alpha": 0.25}),  # AlphaPO
+        ("cpo", "CPO", {"loss_type": "sigmoid", "cpo_alpha": 1.0, "alpha": -0.1}),  # its reward, on CPO
         ("orpo", "ORPO", {}),
     ],
 )
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(tmp_path, loss, trainer, settings, share_prompt):
-    """CPO, SimPO (TRL's experimental CPOTrainer) and ORPO (its ORPOTrainer) need no reference: on the
-    same weights and token ids, tfcli's loss, TRL's metrics and every gradient equal theirs."""
+    """CPO, SimPO, AlphaPO (TRL's experimental CPOTrainer) and ORPO (its ORPOTrainer) need no reference:
+    on the same weights and token ids, tfcli's loss, TRL's metrics and every gradient equal theirs."""
     from dataclasses import replace
 
     import datasets
@@ -619,6 +622,7 @@ def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(tmp_path, loss, 
     ours_cfg = DPOConfig(
         beta=beta, loss=loss, label_smoothing=settings.get("label_smoothing", 0.0),
         cpo_alpha=settings.get("cpo_alpha", 1.0), simpo_gamma=settings.get("simpo_gamma", 0.5),
+        alpha=settings.get("alpha", 0.0),
     )  # fmt: skip
     ours_model = backbone.model.train()
     ours_batch = PairBatches(pairs, pad, share_prompt=share_prompt, other_targets=loss == "orpo").batch(

@@ -83,6 +83,13 @@ class DPOConfig(PairConfig):
         metadata={"help": "cpo, simpo: the weight of the chosen reply's NLL (TRL's CPOConfig; SimPO as published: 0)"},
     )
     simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin"})
+    alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "cpo, simpo: AlphaPO's reward shape, (1 - p^-alpha)/alpha of the reply's probability "
+            "(0: its log-probability; AlphaPO: simpo with cpo_alpha 0)"
+        },
+    )
     reference: Literal["auto", "copy", "base", "precompute"] = field(
         default="auto", metadata={"help": "auto: base for lora/qlora/ia3, else copy"}
     )
@@ -106,6 +113,8 @@ class DPOConfig(PairConfig):
             require(self.label_smoothing > 0, "dpo.label_smoothing", "> 0 for exo_pair (its log eps)", 0.0)
         require(self.discopop_tau > 0, "dpo.discopop_tau", "> 0", self.discopop_tau)
         require(self.cpo_alpha >= 0, "dpo.cpo_alpha", ">= 0", self.cpo_alpha)
+        if self.alpha:
+            require(self.loss in ("cpo", "simpo"), "dpo.alpha", "0 unless dpo.loss is cpo or simpo", self.alpha)
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -169,13 +178,14 @@ def dpo_loss(policy: Tensor, reference: Tensor, lengths: Tensor, cfg: DPOConfig)
 def reference_free_loss(
     policy: Tensor, lengths: Tensor, cfg: DPOConfig, others: Tensor | None = None, other_counts: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CPO, SimPO (TRL's CPOTrainer) and ORPO (its ORPOTrainer), as TRL computes them from the policy
-    alone: policy, lengths (2B,) summed log-probabilities and trained tokens, the chosen first; `others`,
+    """CPO, SimPO, AlphaPO (TRL's CPOTrainer) and ORPO (its ORPOTrainer), as TRL computes them from the
+    policy alone: policy, lengths (2B,) summed log-probabilities and trained tokens, the chosen first; `others`,
     `other_counts` (B,) those of the chosen sequences' other tokens (ORPO's NLL reads the whole sequence).
     SimPO and ORPO average the log-probabilities over the reply's tokens; cpo sums them."""
     (sc, sr), (lc, lr) = policy.chunk(2), lengths.chunk(2)
     beta, eps = cfg.beta, cfg.label_smoothing
     pc, pr = (sc / lc.clamp(min=1), sr / lr.clamp(min=1)) if cfg.loss in ("simpo", "orpo") else (sc, sr)
+    uc, ur = pc, pr  # the rewards' units: the log-probabilities, or AlphaPO's shape of them
     if cfg.loss == "orpo":  # the odds ratio of the chosen reply over the rejected one, on top of the NLL
         log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
         ratio = F.logsigmoid(log_odds)
@@ -183,11 +193,13 @@ def reference_free_loss(
         loss = nll - beta * ratio.mean()
         extra = {"log_odds_ratio": ratio.detach().mean(), "log_odds_chosen": log_odds.detach().mean()}
     else:
-        h = pc - pr - (cfg.simpo_gamma / beta if cfg.loss == "simpo" else 0.0)
+        if cfg.alpha:  # AlphaPO (Gupta et al. 2025): the reward (1 - p^-alpha) / alpha, p = exp(log p)
+            uc, ur = -torch.expm1(-cfg.alpha * pc) / cfg.alpha, -torch.expm1(-cfg.alpha * pr) / cfg.alpha
+        h = uc - ur - (cfg.simpo_gamma / beta if cfg.loss == "simpo" else 0.0)
         per_pair = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
         nll = -sc.sum() / lc.sum().clamp(min=1) if cfg.cpo_alpha else sc.new_zeros(())
         loss, extra = per_pair.mean() + cfg.cpo_alpha * nll, {}
-    rc, rr = beta * pc.detach(), beta * pr.detach()
+    rc, rr = beta * uc.detach(), beta * ur.detach()
     return loss, {
         "loss": loss.detach(),
         "rewards/chosen": rc.mean(),
