@@ -177,6 +177,10 @@ def test_loss_metrics_and_gradients_equal_trls_on_a_fixed_batch(tmp_path, loss_t
         "rewards/margins",
         "logps/chosen",
         "logps/rejected",
+        "entropy",  # of the policy's next-token distribution, over every trained token
+        "logits/chosen",  # the logits' mean over the vocabulary, over the chosen replies' tokens
+        "logits/rejected",
+        "mean_token_accuracy",  # the chosen replies' tokens that are the policy's argmax
     ):
         assert float(metrics[name]) == pytest.approx(their_metrics[name], abs=1e-5), name
     grads = convert.to_hf({f"model.{n}": p.grad for n, p in model.named_parameters()}, llama_table.rules(model.cfg))

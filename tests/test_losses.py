@@ -175,6 +175,19 @@ def test_the_vocabulary_in_tiles_gives_the_materialised_logits_results(monkeypat
     want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, trained))
     assert torch.allclose(ours, want, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, want_grads))
+    # with stats (TRL's DPO metrics): each trained position's entropy, mean logit and argmax hit, from
+    # the same tiles, and the same log-probabilities and gradients
+    again, stats = losses.token_logprobs(hidden, trained, targets, softcap=softcap, temperature=0.7, stats=True)
+    tempered = capped(hidden @ trained.t()).detach() / 0.7
+    entropy = -(tempered.softmax(-1) * tempered.log_softmax(-1)).sum(-1)
+    scale = tempered.abs().amax()  # entropies and mean logits of this size, summed in another order
+    assert torch.allclose(stats.entropy, entropy * valid, atol=1e-5 * scale)
+    assert torch.allclose(stats.mean_logit, tempered.mean(-1) * valid, atol=1e-5 * scale)
+    assert torch.equal(stats.is_top1, ((tempered.argmax(-1) == targets) & valid).float())
+    assert torch.equal(again, ours) and not stats.entropy.requires_grad
+    assert all(
+        torch.equal(a, b) for a, b in zip(torch.autograd.grad((again * upstream).sum(), (hidden, trained)), grads)
+    )
 
 
 def test_a_trained_heads_chunks_are_as_large_as_products_need_and_equal():

@@ -144,23 +144,27 @@ def _chunk_probs(
 
 class _Online(NamedTuple):
     """What one pass over the vocabulary's tiles leaves per row: the log-sum-exp of the (capped,
-    tempered) logits, the target's logit, the cap's slope there, and (asked for) the argmax and
-    sum_v softmax_v * slope_v * w_v (the hidden state's gradient, but for its target's term)."""
+    tempered) logits, the target's logit, the cap's slope there, and (asked for) the argmax,
+    sum_v softmax_v * slope_v * w_v (the hidden state's gradient, but for its target's term), and the
+    softmax's entropy and the logits' mean over the vocabulary (what TRL's DPO logs)."""
 
     lse: Tensor
     target: Tensor
     target_slope: Tensor | None
     argmax: Tensor | None
     numerator: Tensor | None
+    entropy: Tensor | None = None
+    mean_logit: Tensor | None = None
 
 
 class _Running:
     """One row block's running state over the vocabulary's tiles: the maximum logit, the sum of
-    exponentials below it, the target's logit and the cap's slope there, the argmax, and the gradient's
-    numerator sum_v exp(x_v - max) slope_v w_v, each moved on tile by tile (Milakov and Gimelshein's
-    online softmax; the numerator rescaled as flash attention rescales its output)."""
+    exponentials below it, the target's logit and the cap's slope there, the argmax, the gradient's
+    numerator sum_v exp(x_v - max) slope_v w_v, and for the moments sum_v exp(x_v - max)(x_v - max)
+    and sum_v x_v, each moved on tile by tile (Milakov and Gimelshein's online softmax; the numerator
+    rescaled as flash attention rescales its output)."""
 
-    def __init__(self, h: Tensor, softcap: float, numerator: bool, argmax: bool):
+    def __init__(self, h: Tensor, softcap: float, numerator: bool, argmax: bool, moments: bool = False):
         n, f32 = h.size(0), dict(dtype=torch.float32, device=h.device)
         self.dtype = h.dtype
         self.max = torch.full((n,), float("-inf"), **f32)
@@ -169,6 +173,9 @@ class _Running:
         self.best = torch.full((n,), float("-inf"), **f32) if argmax else None
         self.best_at = torch.zeros(n, dtype=torch.long, device=h.device) if argmax else None
         self.numerator = torch.zeros(n, h.size(1), **f32) if numerator else None
+        self.weighted = torch.zeros(n, **f32) if moments else None  # sum_v exp(x_v - max)(x_v - max)
+        self.logit_sum = torch.zeros(n, **f32) if moments else None
+        self.columns = 0
 
     def add(self, logits: Tensor, slope: Tensor | None, w: Tensor, first: int, safe: Tensor) -> None:
         """One tile: `logits` (n, c) of the vocabulary's columns from `first` on (consumed in place),
@@ -188,7 +195,17 @@ class _Running:
             )
         peak = torch.maximum(self.max, logits.amax(1))
         scale = (self.max - peak).exp_()  # the running sums at the new maximum (exp(-inf) = 0 at first)
-        probs = logits.sub_(peak[:, None]).exp_()  # exp(x - max), in place
+        if self.weighted is not None:
+            self.logit_sum.add_(logits.sum(1))
+            self.columns += logits.size(1)
+            shift = torch.where(self.total > 0, self.max - peak, 0.0)  # (on the first tile the sums are 0)
+            self.weighted.add_(self.total * shift).mul_(scale)
+        probs = logits.sub_(peak[:, None])
+        if self.weighted is not None:
+            shifted = probs.clone()
+        probs = probs.exp_()  # exp(x - max), in place
+        if self.weighted is not None:
+            self.weighted.add_((probs * shifted).sum(1))
         self.total.mul_(scale).add_(probs.sum(1))
         self.max = peak
         if self.numerator is not None:
@@ -202,15 +219,26 @@ class _Running:
 
     def result(self) -> _Online:
         gradient = self.numerator / self.total[:, None] if self.numerator is not None else None
-        return _Online(self.max + self.total.log(), self.target, self.target_slope, self.best_at, gradient)
+        moments = (None, None)
+        if self.weighted is not None:  # H = lse - E_p[x] = log(total) - sum exp(x - max)(x - max) / total
+            moments = (self.total.log() - self.weighted / self.total, self.logit_sum / self.columns)
+        return _Online(self.max + self.total.log(), self.target, self.target_slope, self.best_at, gradient, *moments)
 
 
 def _online_pass(
-    h: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, numerator: bool, argmax: bool
+    h: Tensor,
+    weight: Tensor,
+    safe: Tensor,
+    softcap: float,
+    temperature: float,
+    numerator: bool,
+    argmax: bool,
+    moments: bool = False,
 ) -> _Online:
     """One row block against every vocabulary tile (see the module's docstring); nothing of the
     vocabulary's width outlives its tile."""
-    state, cols = _Running(h, softcap, numerator, argmax), _tile(h.size(0), weight.size(0), h.device)[1]
+    state = _Running(h, softcap, numerator, argmax, moments)
+    cols = _tile(h.size(0), weight.size(0), h.device)[1]
     with repeated_ops():
         for first in range(0, weight.size(0), cols):
             w = weight[first : first + cols]
@@ -223,14 +251,21 @@ def _online_pass(
 
 
 def _online(
-    hidden: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, numerator: bool, argmax: bool
+    hidden: Tensor,
+    weight: Tensor,
+    safe: Tensor,
+    softcap: float,
+    temperature: float,
+    numerator: bool,
+    argmax: bool,
+    moments: bool = False,
 ) -> _Online:
     """_online_pass over blocks of at most ROW_BLOCK rows (each row's softmax is its own), joined."""
     rows = _tile(hidden.size(0), weight.size(0), hidden.device)[0]
     if hidden.size(0) <= rows:
-        return _online_pass(hidden, weight, safe, softcap, temperature, numerator, argmax)
+        return _online_pass(hidden, weight, safe, softcap, temperature, numerator, argmax, moments)
     parts = [
-        _online_pass(hidden[s : s + rows], weight, safe[s : s + rows], softcap, temperature, numerator, argmax)
+        _online_pass(hidden[s : s + rows], weight, safe[s : s + rows], softcap, temperature, numerator, argmax, moments)
         for s in range(0, hidden.size(0), rows)
     ]
     return _Online(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
@@ -370,21 +405,29 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     tile's share of the weight's gradient written once and the hidden states' added up."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float, temperature: float):
-        # hidden (N, D), weight (V, D), targets (N,) with IGNORE where a row has no target
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float, temperature: float, stats: bool):
+        # hidden (N, D), weight (V, D), targets (N,) with IGNORE where a row has no target; with `stats`
+        # also each row's entropy, mean logit and argmax (empty tensors without), which take no gradient
         safe = targets.clamp(min=0)
+        none = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+        entropy = mean_logit = argmax = none
         if hidden.size(0):
-            out = _online(hidden, weight, safe, softcap, temperature, numerator=False, argmax=False)
+            out = _online(hidden, weight, safe, softcap, temperature, numerator=False, argmax=stats, moments=stats)
             logp, lse = out.target - out.lse, out.lse
+            if stats:
+                entropy, mean_logit, argmax = out.entropy, out.mean_logit, out.argmax
         else:
-            logp = lse = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            logp = lse = none
+            if stats:
+                argmax = torch.zeros(0, dtype=torch.long, device=hidden.device)
         logp = logp.masked_fill(targets == IGNORE, 0.0)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.softcap, ctx.temperature = softcap, temperature
-        return logp
+        ctx.mark_non_differentiable(entropy, mean_logit, argmax)
+        return logp, entropy, mean_logit, argmax
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, *_stats):
         hidden, weight, targets, lse = ctx.saved_tensors
         n = hidden.size(0)
         grad_hidden = (
@@ -401,6 +444,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         return (
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            None,
             None,
             None,
             None,
@@ -440,21 +484,37 @@ def _tiled_backward(hidden, weight, safe, row, lse, softcap, temperature, grad_h
                     grad_weight[first : first + cols] += part
 
 
+class TokenStats(NamedTuple):
+    """Per trained position (B, T), 0 elsewhere, without gradient: the model's next-token entropy,
+    its logits' mean over the vocabulary, and whether the target is its argmax (TRL's DPO metrics)."""
+
+    entropy: Tensor
+    mean_logit: Tensor
+    is_top1: Tensor
+
+
 @eager
 def token_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float = 0.0, temperature: float = 1.0
-) -> Tensor:
+    hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float = 0.0, temperature: float = 1.0, stats: bool = False
+) -> Tensor | tuple[Tensor, TokenStats]:
     """(B, T) the log-probability of each position's target under softmax(cap(hidden @ weight.T) /
     temperature), 0 where the target is IGNORE (prompt, padding): what on-policy losses weigh token by
     token (GRPO's log pi(o_t | q, o_<t)). hidden (B, T, D), weight (V, D), targets (B, T). Only the
-    positions with a target reach the head, and no (B, T, V) logits are kept."""
+    positions with a target reach the head, and no (B, T, V) logits are kept. With `stats`, also
+    TokenStats, from the same pass over the vocabulary."""
     if not softcap and temperature != 1.0:  # uncapped logits scale with the hidden states
         hidden, temperature = hidden / temperature, 1.0
     b, t = targets.shape
-    rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target
+    flat = targets.reshape(-1)
+    rows = (flat != IGNORE).nonzero().squeeze(1)  # (N,) the positions with a target
     picked = hidden.reshape(b * t, -1)[rows]  # (N, D)
-    token = _LinearTokenLogProbs.apply(picked, weight, targets.reshape(-1)[rows], softcap, temperature)  # (N,)
-    return token.new_zeros(b * t).index_add(0, rows, token).view(b, t)
+    token, entropy, mean_logit, top = _LinearTokenLogProbs.apply(
+        picked, weight, flat[rows], softcap, temperature, stats
+    )  # (N,) each
+    spread = lambda x: x.new_zeros(b * t).index_add(0, rows, x).view(b, t)  # noqa: E731
+    if not stats:
+        return spread(token)
+    return spread(token), TokenStats(spread(entropy), spread(mean_logit), spread((top == flat[rows]).float()))
 
 
 def sequence_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float = 0.0) -> Tensor:

@@ -38,7 +38,7 @@ from ..engine.evaluate import held_out_metrics
 from ..engine.perf import training_flops_multiplier
 from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
-from ..objectives.losses import lm_head, sequence_logprobs
+from ..objectives.losses import TokenStats, lm_head, sequence_logprobs, token_logprobs
 from ..plugin import EvalOptions, Job
 from ..recipe import require
 from .pairs import PairConfig, PairTask
@@ -125,16 +125,45 @@ class DPOConfig(PairConfig):
         return list(zip(self.losses, self.loss_weights or [1.0] * len(self.losses)))
 
 
-def logps(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+def logps(model: nn.Module, batch: dict[str, Tensor], stats: dict[str, Tensor] | None = None) -> Tensor:
     """(2B,) each reply's summed log-probability of its trained tokens (the reply and its end token),
     the chosen first: from a row per pair (the prompt read once, reply_batches.PairBatches) or per reply.
-    With `other_targets` (ORPO), (3B,): then the chosen sequences' other tokens (prompt, template)."""
+    With `other_targets` (ORPO), (3B,): then the chosen sequences' other tokens (prompt, template).
+    A `stats` dict receives TRL's DPO token metrics (token_metrics), from the same pass."""
     head = lm_head(model, hidden_states(model, batch))  # (rows, T, D)
-    out = [sequence_logprobs(head.hidden, head.weight, t, head.softcap) for t in reply_targets(batch)]
+    out, per_token = [], []
+    for t in reply_targets(batch):
+        if stats is None:
+            out.append(sequence_logprobs(head.hidden, head.weight, t, head.softcap))
+        else:
+            token, st = token_logprobs(head.hidden, head.weight, t, head.softcap, stats=True)
+            out.append(token.sum(1))
+            per_token.append((t != IGNORE, st))
+    if stats is not None:
+        stats.update(token_metrics(per_token))
     if "other_targets" in batch:
         pairs = int(pair_count(batch))
         out.append(sequence_logprobs(head.hidden, head.weight, batch["other_targets"], head.softcap)[:pairs])
     return torch.cat(out)
+
+
+def token_metrics(per_token: list[tuple[Tensor, TokenStats]]) -> dict[str, Tensor]:
+    """TRL's DPO token metrics from each reply tensor's trained positions and their TokenStats (the
+    chosen replies' tensor, then the rejected ones'; or one whose rows are the chosen then the rejected):
+    the entropy over every trained token, the logits' mean over the chosen and the rejected replies'
+    tokens, and the share of the chosen replies' tokens that are the model's argmax."""
+    if len(per_token) == 1:  # a row per reply: the first half of the rows are the chosen replies
+        ((mask, st),) = per_token
+        per_token = [(m, TokenStats(*parts)) for m, *parts in zip(mask.chunk(2), *(x.chunk(2) for x in st))]
+    (chosen, c), (rejected, r) = per_token
+    mean = lambda x, m: (x * m).sum() / m.sum().clamp(min=1)  # noqa: E731
+    return {
+        "entropy": ((c.entropy * chosen).sum() + (r.entropy * rejected).sum())
+        / (chosen.sum() + rejected.sum()).clamp(min=1),
+        "logits/chosen": mean(c.mean_logit, chosen),
+        "logits/rejected": mean(r.mean_logit, rejected),
+        "mean_token_accuracy": mean(c.is_top1, chosen),
+    }
 
 
 def reply_targets(batch: dict[str, Tensor]) -> list[Tensor]:
@@ -287,13 +316,16 @@ class Preference:
         return reference_of(model, self.mode, self.frozen, lambda m: logps(m, batch))
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
-        policy, lengths = logps(model, batch), reply_lengths(batch)
+        lengths = reply_lengths(batch)
         if self.cfg.loss in REFERENCE_FREE:
-            pairs = len(lengths) // 2
+            policy, pairs = logps(model, batch), len(lengths) // 2
             others = policy[2 * pairs :] if "other_targets" in batch else None
             counts = (batch["other_targets"][:pairs] != IGNORE).sum(1) if others is not None else None
             return reference_free_loss(policy[: 2 * pairs], lengths, self.cfg, others, counts)
-        return dpo_loss(policy, self.reference(model, batch), lengths, self.cfg)
+        stats: dict[str, Tensor] = {}
+        policy = logps(model, batch, stats)
+        loss, metrics = dpo_loss(policy, self.reference(model, batch), lengths, self.cfg)
+        return loss, {**metrics, **stats}
 
 
 @torch.no_grad()
