@@ -27,6 +27,7 @@ ALL = [
     "grpo",
     "grpo_tools",
     "reward_model",
+    "distill_chunks",
     "kto",
     "reference_free",
     "distill",

@@ -113,8 +113,21 @@ def ours(student, teacher, prompts, completions, cfg: DistillConfig):
     return float(loss.detach()), grads, logged
 
 
-@pytest.mark.parametrize("beta,temperature", [(1.0, 1.0), (0.0, 0.9), (0.5, 1.0)], ids=["reverse", "forward", "jsd"])
-def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, beta, temperature):
+@pytest.mark.parametrize(
+    "beta,temperature,chunk",
+    [(1.0, 1.0, 0), (0.0, 0.9, 0), (0.5, 1.0, 0), (0.5, 1.0, 3)],
+    ids=["reverse", "forward", "jsd", "jsd-in-chunks"],
+)
+def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, monkeypatch, beta, temperature, chunk):
+    """With `chunk`, the completion tokens' logits are formed 3 rows at a time, as a large vocabulary's
+    are: the same loss and gradients."""
+    if chunk:
+        import tfcli.tasks.distill as distill
+
+        monkeypatch.setattr(distill, "distill_rows", lambda vocab: chunk)
+        taken = []
+        tempered = distill.tempered
+        monkeypatch.setattr(distill, "tempered", lambda logits, *a: taken.append(len(logits)) or tempered(logits, *a))
     student = tiny_backbone()
     teacher = teacher_of(student)
     prompts, completions = fixed(student)
@@ -123,6 +136,7 @@ def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, 
     mine, grads, logged = ours(student, teacher, prompts, completions, cfg)
     assert mine == pytest.approx(theirs, abs=1e-5) and mine > 1e-3
     assert float(logged["entropy"]) > 0
+    assert not chunk or (max(taken) == chunk and len(taken) > 2), taken  # each model's logits, 3 rows a chunk
     assert set(grads) == set(their_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
