@@ -200,12 +200,11 @@ class _Running:
             self.columns += logits.size(1)
             shift = torch.where(self.total > 0, self.max - peak, 0.0)  # (on the first tile the sums are 0)
             self.weighted.add_(self.total * shift).mul_(scale)
-        probs = logits.sub_(peak[:, None])
-        if self.weighted is not None:
-            shifted = probs.clone()
-        probs = probs.exp_()  # exp(x - max), in place
-        if self.weighted is not None:
-            self.weighted.add_((probs * shifted).sum(1))
+        shifted = logits.sub_(peak[:, None])
+        before = shifted.clone() if self.weighted is not None else None
+        probs = shifted.exp_()  # exp(x - max), in place
+        if before is not None:
+            self.weighted.add_((probs * before).sum(1))
         self.total.mul_(scale).add_(probs.sum(1))
         self.max = peak
         if self.numerator is not None:
@@ -250,22 +249,14 @@ def _online_pass(
     return state.result()
 
 
-def _online(
-    hidden: Tensor,
-    weight: Tensor,
-    safe: Tensor,
-    softcap: float,
-    temperature: float,
-    numerator: bool,
-    argmax: bool,
-    moments: bool = False,
-) -> _Online:
-    """_online_pass over blocks of at most ROW_BLOCK rows (each row's softmax is its own), joined."""
+def _online(hidden: Tensor, weight: Tensor, safe: Tensor, softcap: float, temperature: float, **asked) -> _Online:
+    """_online_pass over blocks of at most ROW_BLOCK rows (each row's softmax is its own), joined;
+    `asked`: its numerator, argmax and moments."""
     rows = _tile(hidden.size(0), weight.size(0), hidden.device)[0]
     if hidden.size(0) <= rows:
-        return _online_pass(hidden, weight, safe, softcap, temperature, numerator, argmax, moments)
+        return _online_pass(hidden, weight, safe, softcap, temperature, **asked)
     parts = [
-        _online_pass(hidden[s : s + rows], weight, safe[s : s + rows], softcap, temperature, numerator, argmax, moments)
+        _online_pass(hidden[s : s + rows], weight, safe[s : s + rows], softcap, temperature, **asked)
         for s in range(0, hidden.size(0), rows)
     ]
     return _Online(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
@@ -287,7 +278,7 @@ class _FrozenHeadCrossEntropy(torch.autograd.Function):
             zero = torch.zeros((), dtype=torch.long, device=hidden.device)
             ctx.mark_non_differentiable(zero)
             return hidden.new_zeros((), dtype=torch.float32), zero
-        out = _online(hidden, weight, safe, softcap, 1.0, grad_needed, with_accuracy)
+        out = _online(hidden, weight, safe, softcap, 1.0, numerator=grad_needed, argmax=with_accuracy)
         loss = ((out.lse - out.target) * valid).sum() / n_valid
         correct = (
             ((out.argmax == safe) & valid).sum()
