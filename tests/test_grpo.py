@@ -21,6 +21,7 @@ from tfcli.hf import interop as hf
 from tfcli.hf import llama as llama_table
 from tfcli.tasks import rewards as rewarding
 from tfcli.tasks.grpo import GRPOConfig, GRPOLoss, Prompt, Rollouts, advantages, nanstd
+from tfcli.tasks.grpo.packing import Packer
 
 from .conftest import invoke, read_metrics, write_jsonl
 from .test_gguf import chat_gguf_file, tiny_backbone
@@ -52,9 +53,10 @@ def column(name):
     return lambda c: [row[name] for row in c.rows]
 
 
-def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb):
+def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb, packer=None):
     """tfcli's rollout of the fixed completions (sampling replaced), then the loss on it after
-    `perturb` (an update between iterations): (loss, metrics, grads by transformers' names)."""
+    `perturb` (an update between iterations): (loss, metrics, grads by transformers' names). `packer`:
+    each prompt read once for its completions (grpo.share_prompt)."""
     rows = [
         [{"ra": REWARDS_A[p * G + k], "rb": REWARDS_B[p * G + k]} for k in range(G)] for p in range(2)
     ]  # each completion's reward columns: the rollout asks them of the prompt's row, so one prompt per completion
@@ -66,7 +68,7 @@ def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb):
     eos = backbone.tokenizer.token_id("<|im_end|>")
     plugin = SimpleNamespace(rt=Runtime(torch.device("cpu")), tokenizer=backbone.tokenizer, agreed=bool)
     mode = "copy" if cfg.beta > 0 else "none"
-    rollouts = Rollouts(plugin, cfg, asked, rewards, {eos}, 0, mode, {"reference": reference})
+    rollouts = Rollouts(plugin, cfg, asked, rewards, {eos}, 0, mode, {"reference": reference}, packer=packer)
     model = backbone.model.train()
     sampled = iter([completions])
     rollouts.sample = lambda m, p, seed: next(sampled)
@@ -178,20 +180,21 @@ def nudge(model):
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-CASES = [
-    pytest.param("rloo", 0.0, 1, "group", False, id="rloo"),
-    pytest.param("rloo", 0.05, 2, "batch", True, id="rloo-beta-mu2-normalized-masked"),
-    pytest.param("dapo", 0.0, 1, "group", False, id="dapo"),
-    pytest.param("grpo", 0.1, 2, "group", True, id="grpo-beta-mu2-masked"),
-    pytest.param("dr_grpo", 0.0, 2, "batch", False, id="dr_grpo-mu2-batch", marks=pytest.mark.slow),
-    pytest.param("dapo", 0.04, 2, "none", False, id="dapo-beta-mu2-none", marks=pytest.mark.slow),
-    pytest.param("grpo", 0.0, 1, "batch", False, id="grpo", marks=pytest.mark.slow),
-    pytest.param("dr_grpo", 0.1, 1, "group", True, id="dr_grpo-beta-masked", marks=pytest.mark.slow),
+CASES = [  # the last field: each prompt read once for its completions (grpo.share_prompt)
+    pytest.param("rloo", 0.0, 1, "group", False, True, id="rloo"),
+    pytest.param("rloo", 0.05, 2, "batch", True, True, id="rloo-beta-mu2-normalized-masked"),
+    pytest.param("dapo", 0.0, 1, "group", False, True, id="dapo"),
+    pytest.param("grpo", 0.1, 2, "group", True, True, id="grpo-beta-mu2-masked"),
+    pytest.param("grpo", 0.1, 2, "group", True, False, id="grpo-beta-mu2-masked-row-each"),
+    pytest.param("dr_grpo", 0.0, 2, "batch", False, True, id="dr_grpo-mu2-batch", marks=pytest.mark.slow),
+    pytest.param("dapo", 0.04, 2, "none", False, False, id="dapo-beta-mu2-none-row-each", marks=pytest.mark.slow),
+    pytest.param("grpo", 0.0, 1, "batch", False, True, id="grpo", marks=pytest.mark.slow),
+    pytest.param("dr_grpo", 0.1, 1, "group", True, True, id="dr_grpo-beta-masked", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("loss_type,beta,iterations,scale,masked", CASES)
-def test_loss_metrics_and_gradients_equal_trls(tmp_path, loss_type, beta, iterations, scale, masked):
+@pytest.mark.parametrize("loss_type,beta,iterations,scale,masked,share", CASES)
+def test_loss_metrics_and_gradients_equal_trls(tmp_path, loss_type, beta, iterations, scale, masked, share):
     cfg = GRPOConfig(
         num_generations=G,
         max_completion_length=LIMIT,
@@ -217,7 +220,9 @@ def test_loss_metrics_and_gradients_equal_trls(tmp_path, loss_type, beta, iterat
     trl_backbone, policy = copy.deepcopy(backbone), copy.deepcopy(backbone)
     if beta > 0:  # TRL reads its reference from the directory the policy came from: the reference's
         trl_backbone.model.load_state_dict(reference.state_dict())
-    mine, metrics, grads, rollout = ours(backbone, reference, cfg, prompts, completions, update)
+    packer = Packer(lambda n: n) if share else None  # rows cost their tokens: every prompt's completions in one
+    mine, metrics, grads, rollout = ours(backbone, reference, cfg, prompts, completions, update, packer)
+    assert ("packed_ids" in rollout) == share and (not share or rollout["packed_ids"].size(0) == 2)
     if beta > 0:
         trl_loss, their_metrics, their_grads, out = theirs_with_policy(
             tmp_path, trl_backbone, policy, cfg, prompts, completions, update
@@ -264,6 +269,43 @@ def theirs_with_policy(tmp_path, reference_backbone, policy_backbone, cfg, promp
         return theirs(tmp_path, reference_backbone, cfg, prompts, completions, perturb)
     finally:
         transformers.AutoModelForCausalLM.from_pretrained = original
+
+
+def test_packing_holds_a_prompts_completions_while_that_costs_less_and_the_window_allows():
+    """Packer.layout: consecutive completions of one prompt share a row while adding one costs less
+    than a row of its own (a linear cost: always; a quadratic one: two a row here) and the row fits a
+    sliding window; completions with nothing trained are left out; the unpack index finds each
+    completion token where the rows_of layout has it."""
+    from tfcli.data import IGNORE
+    from tfcli.tasks.grpo.loss import rows_of
+
+    prompts = [[1, 2, 3, 4, 5]] * 3 + [[6, 7, 8, 9, 10]] * 3
+    completions = [[11, 12, 13], [14, 15, 16], [17, 18, 19], [20, 21, 22], [23, 24, 25], [26, 27, 28]]
+    rows = rows_of(prompts, completions, [False, False, False, False, True, False], 0)
+    linear = Packer(lambda n: n)
+    assert linear.layout(prompts, completions, rows["targets"]) == [(0, [0, 1, 2]), (3, [3, 5])]
+    assert Packer(lambda n: n * n).layout(prompts, completions, rows["targets"]) == [(0, [0, 1]), (2, [2]), (3, [3, 5])]
+    assert Packer(lambda n: n, window=8)(prompts, completions, rows, 0) is None  # one a row: rows_of's
+    packed = linear(prompts, completions, rows, 0)
+    assert packed["packed_ids"].tolist() == [
+        [1, 2, 3, 4, 5, 11, 12, 5, 14, 15, 5, 17, 18],
+        [6, 7, 8, 9, 10, 20, 21, 10, 26, 27, 0, 0, 0],
+    ]
+    assert packed["shared_prompt"].tolist() == [[4, 7, 10], [4, 7, 13]]
+    trained = rows["targets"] != IGNORE
+    flat_targets = packed["packed_targets"].reshape(-1)[packed["unpack"]]
+    assert torch.equal(flat_targets[trained], rows["targets"][trained])
+
+
+def test_a_rollouts_memory_plan_is_laid_out_as_its_rollouts():
+    from tfcli.tasks.grpo.rollouts import planned_rollout
+
+    cfg = GRPOConfig(num_generations=4, max_completion_length=6)
+    batch = {"index": torch.tensor([3, 5])}
+    plain = planned_rollout(batch, cfg, 16, 64, 0)
+    assert plain["input_ids"].shape == (8, 16) and "packed_ids" not in plain
+    packed = planned_rollout(batch, cfg, 16, 64, 0, Packer(lambda n: n))
+    assert packed["packed_ids"].shape == (2, 9 + 4 * 6) and packed["shared_prompt"].shape == (2, 4)
 
 
 # --- advantages and rewards ---------------------------------------------------------------------

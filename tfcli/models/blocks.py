@@ -384,10 +384,10 @@ def decoder_positions(
     plain (positions start.., no mask: SDPA's causal fast path), packed documents (doc_ids (B, T):
     positions restart per document, (B, 1, T, T) within-document mask), left-padded batched
     generation (key_mask (B, cached + T) of 1 = token: positions count real tokens, pads unseen), or
-    two replies to one prompt in a row (shared_prompt, see two_replies)."""
+    replies to one prompt in a row (shared_prompt, see replies_to_one_prompt)."""
     T = input_ids.size(1)
     if shared_prompt is not None:
-        return two_replies(shared_prompt, T, context)
+        return replies_to_one_prompt(shared_prompt, T, context)
     start = caches[0].length if caches else 0
     if start + T > context:
         raise ValueError(f"sequence of {start + T} tokens is longer than the context ({context})")
@@ -399,20 +399,24 @@ def decoder_positions(
     return document_positions(doc_ids), (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
 
 
-def two_replies(shared_prompt: Tensor, T: int, context: int) -> tuple[Tensor, Tensor]:
-    """Positions (B, T) and mask (B, 1, T, T) of rows holding a prompt, then a reply, then a second
-    reply to the same prompt (then padding): shared_prompt (B, 2) is (P, S), the prompt [0, P), the
-    first reply [P, S), the second from S. The second reply's positions continue the prompt's and it
-    does not see the first, so each reply meets what it would alone after the prompt, and the prompt
-    is read once for both (DPO's chosen and rejected)."""
+def replies_to_one_prompt(shared_prompt: Tensor, T: int, context: int) -> tuple[Tensor, Tensor]:
+    """Positions (B, T) and mask (B, 1, T, T) of rows holding a prompt, then K replies to it one after
+    another (then padding): shared_prompt (B, K) is where each reply starts, the prompt [0, first
+    start), reply k from its start to the next one's (the last to the row's end; a start at T: no such
+    reply). Every reply's positions continue the prompt's and no reply sees another, so each meets what
+    it would alone after the prompt, and the prompt is read once for all of them (DPO's chosen and
+    rejected, K = 2; GRPO's completions of one prompt)."""
     idx = torch.arange(T, device=shared_prompt.device)  # (T,)
-    prompt, split = shared_prompt[:, :1], shared_prompt[:, 1:]  # (B, 1) each
-    second = idx >= split  # (B, T)
-    if int(split.max()) > context:
-        raise ValueError(f"a prompt and reply of {int(split.max())} tokens are longer than the context ({context})")
-    pos = torch.where(second, idx - (split - prompt), idx).clamp(max=context - 1)  # (pads past the end: any)
-    first = (idx >= prompt) & ~second  # (B, T): the first reply's tokens
-    return pos, ~(second[:, :, None] & first[:, None, :])[:, None]  # (B, 1, T, T)
+    starts = shared_prompt  # (B, K), non-decreasing along K
+    reply = (idx[None, :, None] >= starts[:, None, :]).sum(-1) - 1  # (B, T): -1 in the prompt
+    start = starts.gather(1, reply.clamp(min=0))  # (B, T): where each token's reply starts
+    followed = starts[:, 1:] < T  # a reply with another after it: all tokens (the last may hold padding)
+    ends = torch.where(followed, starts[:, 1:] - starts[:, :-1] + starts[:, :1], 0)  # (B, K - 1)
+    if ends.numel() and int(ends.max()) > context:
+        raise ValueError(f"a prompt and reply of {int(ends.max())} tokens are longer than the context ({context})")
+    pos = torch.where(reply >= 0, idx - start + starts[:, :1], idx).clamp(max=context - 1)  # (pads past the end: any)
+    apart = (reply[:, :, None] >= 0) & (reply[:, None, :] >= 0) & (reply[:, :, None] != reply[:, None, :])
+    return pos, ~apart[:, None]  # (B, 1, T, T)
 
 
 def own_key(t_query: int, t_key: int, device) -> Tensor:

@@ -230,7 +230,7 @@ class _Wrapped(nn.Module):
 class TransformersDecoder(DecoderTraits, _Wrapped):
     """A transformers *ForCausalLM. forward() returns hidden states; logits() applies its output layer."""
 
-    reads_two_replies = False  # no blocks.two_replies: DPO takes a row per reply (tasks/dpo.py)
+    reads_shared_prompt = False  # no blocks.replies_to_one_prompt: DPO and GRPO take a row per reply
 
     def __init__(self, cfg: TransformersConfig):
         super().__init__(cfg, "AutoModelForCausalLM")

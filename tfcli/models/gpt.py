@@ -107,7 +107,8 @@ class GPT(nn.Module):
         position counts from its document's first token in the block.
         key_mask (B, cached + T) of 1 = token, 0 = left padding (batched generation): pads are never
         attended to and positions count real tokens only.
-        shared_prompt (B, 2): each row a prompt and two replies to it (blocks.two_replies)."""
+        shared_prompt (B, K): each row a prompt and K replies to it, where each starts
+        (blocks.replies_to_one_prompt)."""
         pos, mask = decoder_positions(input_ids, caches, self.cfg.max_seq_len, doc_ids, key_mask, shared_prompt)
         x = self.drop(self.tied.lookup(input_ids, self.wte.weight) + self.wpe(pos))  # (B, T, D)
         call = lambda i, block, h: block(h, mask=mask, causal=True, cache=caches[i] if caches else None)

@@ -290,7 +290,7 @@ class Llama(DecoderTraits, nn.Module):
     @property
     def shortest_window(self) -> int:
         """The narrowest sliding window of any layer (0: none). A window counts keys by their distance
-        in the row, which two replies in one row (blocks.two_replies) do not keep for the second."""
+        in the row, which replies in one row (blocks.replies_to_one_prompt) do not keep for the later ones."""
         return min((w for w in map(self.cfg.window_of, range(self.cfg.n_layer)) if w), default=0)
 
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:

@@ -39,7 +39,7 @@ class PairTask(ReplyTask):
     model_kinds = (kinds.DECODER,)
 
     def resolve(self, recipe, backbone):
-        """A model that cannot read a prompt once for two replies (blocks.two_replies; the generic path's
+        """A model that cannot read a prompt once for two replies (blocks.replies_to_one_prompt; the generic path's
         transformers modules), or whose sliding window is shorter than a row of two replies can be
         (a window counts the second reply's keys by their distance in the row, not by its positions),
         trains with a row per reply (share_prompt false), said once."""
@@ -48,7 +48,7 @@ class PairTask(ReplyTask):
         longest_row = 2 * min(recipe.data.seq_len, backbone.cfg.max_seq_len)
         if not recipe.settings.share_prompt:
             return recipe
-        if not getattr(backbone.model, "reads_two_replies", True) or 0 < window < longest_row:
+        if not getattr(backbone.model, "reads_shared_prompt", True) or 0 < window < longest_row:
             why = (
                 "this model reads"
                 if not window

@@ -150,9 +150,9 @@ class Seq2SeqReplies(Source):
 
 class PairBatches(Source):
     """Preference pairs (data/preferences.py). With share_prompt, a batch of B pairs is B decoder rows:
-    each the prompt once, the chosen reply, then the rejected one (shared_prompt (B, 2): where the
-    chosen reply starts and ends; the model's blocks.two_replies), with `targets` the chosen reply's
-    and `rejected_targets` the rejected one's, so a prompt costs one pass instead of two. Without it,
+    each the prompt once, the chosen reply, then the rejected one (shared_prompt (B, 2): where each
+    reply starts; the model's blocks.replies_to_one_prompt), with `targets` the chosen reply's and
+    `rejected_targets` the rejected one's, so a prompt costs one pass instead of two. Without it,
     2B rows: the chosen replies first, then the rejected ones. `reference` (N, 2), when the reference
     model's log-probabilities were computed ahead, rides along as ref_logps (2B,), chosen first.
     `other_targets` (ORPO, whose NLL reads the whole chosen sequence): the chosen sequences' other

@@ -58,6 +58,10 @@ class GRPOConfig(ReplyConfig):
     )
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt"})
     max_completion_length: int = field(default=256, metadata={"help": "tokens (TRL: 512)"})
+    share_prompt: bool = field(
+        default=True,
+        metadata={"help": "a prompt's completions in one row after it, the prompt read once (false: a row each)"},
+    )
     temperature: float = field(
         default=1.0,
         metadata={"help": "sampling temperature of the completions (log-probabilities are of logits / temperature)"},

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ...data import IGNORE
 from ...objectives.losses import lm_head, token_logprobs
 from .config import EPS, GRPOConfig
+from .packing import packed_logprobs
 
 
 def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
@@ -134,7 +135,13 @@ class GRPOLoss:
 
 
 def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], temperature: float) -> Tensor:
-    """(R, T) log pi of each completion token (of logits / temperature), 0 elsewhere."""
+    """(R, T) log pi of each completion token (of logits / temperature), 0 elsewhere; read from the
+    packed rows where the rollout has them (packing.py: each prompt once)."""
+    if "packed_ids" in batch:
+        hidden = model(batch["packed_ids"], shared_prompt=batch["shared_prompt"])  # (B, Tp, D)
+        head = lm_head(model, hidden)
+        packed = token_logprobs(head.hidden, head.weight, batch["packed_targets"], head.softcap, temperature)
+        return packed_logprobs(batch, packed)
     hidden = model(batch["input_ids"])  # (R, T, D)
     head = lm_head(model, hidden)
     return token_logprobs(head.hidden, head.weight, batch["targets"], head.softcap, temperature)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ...data.chat import stop_ids, tool_templates
-from ...display import console, phase
+from ...display import console, note, phase
 from ...engine.backbone import from_run
 from ...engine.perf import training_flops_multiplier
 from ...errors import UserError
@@ -25,6 +25,7 @@ from ..reference import reference_mode, starting_model
 from ..replies import ReplyTask, report_rows
 from .config import GRPOConfig, fields_of, reward_spec
 from .loss import GRPOLoss
+from .packing import Packer
 from .prompts import Prompt, PromptBatches, PromptBuilder
 from .rollouts import Completed, Rollouts, planned_rollout
 from .turns import ToolTurns, ToolUse, public, tool_sums
@@ -175,7 +176,8 @@ class GRPO(ReplyTask):
         pad = type(backbone.model).pad_id(backbone.tokenizer)
         loss = GRPOLoss(cfg)
         tooling = self.tooling(recipe, backbone, stops)
-        rollouts = Rollouts(self, cfg, train.examples, rewards, stops, pad, mode, frozen, tooling)
+        packer = self.packer(recipe, backbone)
+        rollouts = Rollouts(self, cfg, train.examples, rewards, stops, pad, mode, frozen, tooling, packer)
         self.held = (held, rollouts)
         prompt_len = int(np.mean([len(p.ids) for p in train.examples[:500]]))
         full = backbone.model.flops_per_token(prompt_len + cfg.max_completion_length // 2)
@@ -193,9 +195,22 @@ class GRPO(ReplyTask):
             examples=len(train.examples),
             loss_weight=loss.weight,
             frozen=frozen,
-            plan_batch=lambda b: planned_rollout(b, cfg, recipe.data.seq_len, backbone.cfg.max_seq_len, pad),
+            plan_batch=lambda b: planned_rollout(b, cfg, recipe.data.seq_len, backbone.cfg.max_seq_len, pad, packer),
             online=OnPolicy(rollouts, reuse=cfg.num_iterations, curve="reward", shown=SHOWN),
         )
+
+    def packer(self, recipe, backbone) -> Packer | None:
+        """How rollouts read each prompt once for its completions (grpo.share_prompt), where the model
+        can (the generic path's transformers modules cannot: a row per completion, said once)."""
+        model = backbone.model
+        if not recipe.settings.share_prompt:
+            return None
+        if not getattr(model, "reads_shared_prompt", True):
+            note("grpo: this model reads a row per completion (grpo.share_prompt false): each prompt is read G times")
+            return None
+        weights, attention = model.flops_per_token(0), model.flops_per_token(1) - model.flops_per_token(0)
+        row_cost = lambda n: n * (weights + attention * n)  # noqa: E731 (a token's attention grows with its row)
+        return Packer(row_cost, getattr(model, "shortest_window", 0))
 
     def evaluation(self, recipe):
         """Job.evaluate: the mean reward of greedy completions of the first grpo.eval_prompts held-out

@@ -19,6 +19,7 @@ from .. import rewards as rewarding
 from ..reference import reference_of
 from .config import GRPOConfig
 from .loss import advantages, completion_logprobs, nanstd, rloo_advantages, rows_of
+from .packing import Packer
 from .prompts import Prompt
 from .turns import Conversation, ToolUse, tool_metrics
 
@@ -32,9 +33,20 @@ class Rollouts:
     metrics. Generation runs in eval mode, without gradients, with the draw's own seed."""
 
     def __init__(
-        self, plugin: GRPO, cfg: GRPOConfig, prompts: list[Prompt], rewards, stops, pad, mode, frozen, tooling=None
+        self,
+        plugin: GRPO,
+        cfg: GRPOConfig,
+        prompts: list[Prompt],
+        rewards,
+        stops,
+        pad,
+        mode,
+        frozen,
+        tooling=None,
+        packer: Packer | None = None,
     ):
         self.plugin, self.cfg, self.prompts, self.rewards = plugin, cfg, prompts, rewards
+        self.packer = packer
         self.stops, self.pad, self.mode, self.frozen = stops, pad, mode, frozen
         self.tooling: ToolUse | None = tooling
         self.weights = torch.tensor([r.weight for r in rewards])
@@ -61,6 +73,8 @@ class Rollouts:
             n = len(group)
             masked = [cfg.mask_truncated_completions and not s for s in stopped[start : start + n]]
             built = rows_of(completed.prompt_ids, completed.ids, masked, self.pad, completed.sampled)
+            if self.packer is not None:  # each prompt read once for its completions (grpo.share_prompt)
+                built.update(self.packer(completed.prompt_ids, completed.ids, built, self.pad) or {})
             rows = {k: v.to(device) for k, v in built.items()}
             if cfg.reads_old:  # the model as it sampled
                 with torch.no_grad():
@@ -274,18 +288,21 @@ def pooled_nanstd(rewards: Tensor, rt) -> Tensor:
     return torch.where(n > 1, (squares / (n - 1).clamp(min=1)).sqrt(), torch.tensor(math.nan))
 
 
-def planned_rollout(batch: dict, cfg: GRPOConfig, seq_len: int, context: int, pad: int) -> dict[str, Tensor]:
+def planned_rollout(
+    batch: dict, cfg: GRPOConfig, seq_len: int, context: int, pad: int, packer: Packer | None = None
+) -> dict[str, Tensor]:
     """What the memory plan runs the loss on: a drawn batch's G rollouts at the longest rows the recipe
-    allows (prompt + max_completion_length tokens), nothing sampled."""
-    rows, width = batch["index"].numel() * cfg.num_generations, min(seq_len, context)
-    device = batch["index"].device
-    targets = torch.full((rows, width), IGNORE, dtype=torch.long, device=device)
-    targets[:, width - 1 - cfg.max_completion_length : width - 1] = pad
-    out = {
-        "input_ids": torch.full((rows, width), pad, dtype=torch.long, device=device),
-        "targets": targets,
-        "advantages": torch.zeros(rows, device=device),
-    }
+    allows (prompt + max_completion_length tokens), nothing sampled, laid out as the rollouts are."""
+    prompts, width = batch["index"].numel(), min(seq_len, context)
+    completion = min(cfg.max_completion_length, width - 1)
+    asked = [[pad] * (width - completion - 1) + [i] for i in range(prompts) for _ in range(cfg.num_generations)]
+    completions = [[pad] * completion for _ in asked]
+    out = rows_of(asked, completions, [False] * len(asked), pad)
+    if packer is not None:
+        out.update(packer(asked, completions, out, pad) or {})
+    device, rows = batch["index"].device, len(asked)
+    out = {k: v.to(device) for k, v in out.items()}
+    out["advantages"] = torch.zeros(rows, device=device)
     if cfg.reads_old:
         out["old_logps"] = torch.zeros(rows, width, device=device)
     if cfg.beta > 0:
