@@ -54,6 +54,25 @@ def test_a_decoder_batch_of_left_padded_prompts_generates_what_each_alone_does(g
     assert generate_batch(gpt, PROMPTS, max_new_tokens=32, stop_ids=stop) == [cut(r, stop) for r in alone]
 
 
+def test_a_prompt_asked_several_times_is_read_once_and_continued_in_each_row(gpt):
+    """GRPO's G completions of one prompt: the prompts' pass reads each distinct prompt once (2 rows
+    here, not 5), its cache copied to the rows that asked it; greedy rows are each prompt's alone, and
+    sampled rows of one prompt differ from each other."""
+    asked = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0], PROMPTS[2]]
+    alone = {
+        i: list(generate_tokens(gpt, torch.tensor([PROMPTS[i]]), max_new_tokens=16, temperature=0.0)) for i in (0, 2)
+    }
+    read = []
+    hook = gpt.register_forward_hook(lambda m, args, out: read.append(args[0].shape))
+    try:
+        assert generate_batch(gpt, asked, max_new_tokens=16) == [alone[i] for i in (0, 2, 0, 0, 2)]
+        assert read[0] == (2, len(PROMPTS[0])) and all(shape == (5, 1) for shape in read[1:])
+        sampled = generate_batch(gpt, asked, max_new_tokens=16, temperature=1.0, seed=0)
+    finally:
+        hook.remove()
+    assert len({tuple(sampled[i]) for i in (0, 2, 3)}) == 3
+
+
 def test_an_encoder_decoder_batch_generates_what_each_alone_does(t5):
     alone = [
         list(generate_seq2seq(t5, torch.tensor([p]), start_id=0, max_new_tokens=32, temperature=0.0)) for p in PROMPTS

@@ -303,11 +303,20 @@ def _prefill(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, st
         def step(tokens: Tensor) -> Tensor:
             return model.decode(tokens, encoded, mask, caches)
     else:
-        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)  # (B, L) left padding
-        ids = torch.tensor([[pad_id] * (width - n) + list(p) for n, p in zip(lengths, prompts)], device=device)
+        # a prompt asked several times (GRPO's G completions) is read once, its cache then copied to its rows
+        distinct = {tuple(p): None for p in prompts} if not inputs else {}
+        read = [list(p) for p in distinct] if 0 < len(distinct) < len(prompts) else prompts
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in read], device=device)  # (B, L) left pads
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in read], device=device)
         steps = min(max_new_tokens, model.cfg.max_seq_len - width)
         caches = model.new_caches(width + steps)
         first = model(ids, caches, key_mask=mask, **inputs)
+        if read is not prompts:
+            where = {p: i for i, p in enumerate(distinct)}
+            rows = torch.tensor([where[tuple(p)] for p in prompts], device=device)
+            for cache in caches:
+                cache.select(rows)
+            first, mask, ids = first.index_select(0, rows), mask.index_select(0, rows), ids.index_select(0, rows)
 
         def step(tokens: Tensor) -> Tensor:
             nonlocal mask, ids, caches
