@@ -30,6 +30,7 @@ ALL = [
     "distill_chunks",
     "kto",
     "reference_free",
+    "cpo_tokens",
     "distill",
     "preference_learning",
     "distill_learning",
