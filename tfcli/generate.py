@@ -314,8 +314,9 @@ def _prefill(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, st
             return model.decode(tokens, encoded, mask, caches)
     else:
         # a prompt asked several times (GRPO's G completions) is read once, its cache then copied to its rows
-        distinct = {tuple(p): None for p in prompts} if not inputs else {}
-        read = [list(p) for p in distinct] if 0 < len(distinct) < len(prompts) else prompts
+        # (not with images: each row's pixels go with it)
+        distinct = dict.fromkeys(map(tuple, prompts))
+        read = [list(p) for p in distinct] if len(distinct) < len(prompts) and not inputs else prompts
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in read], device=device)  # (B, L) left pads
         ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in read], device=device)
         steps = min(max_new_tokens, model.cfg.max_seq_len - width)

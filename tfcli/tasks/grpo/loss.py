@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ...data import IGNORE
 from ...objectives.losses import lm_head, token_logprobs
 from .config import EPS, GRPOConfig
-from .packing import packed_logprobs
+from .packing import Packer, packed_logprobs
 
 
 def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
@@ -153,10 +153,12 @@ def rows_of(
     masked: list[bool],
     pad: int,
     trained: list[list[bool]] | None = None,
+    packer: Packer | None = None,
 ) -> dict[str, Tensor]:
     """Rows of prompt + completion, right-padded: input_ids (R, T) and targets (R, T) holding each
     completion token at the position before it (IGNORE elsewhere, everywhere in a masked row, and at
-    the tokens `trained` says the model read rather than wrote: a tool's result between its turns)."""
+    the tokens `trained` says the model read rather than wrote: a tool's result between its turns);
+    with `packer`, also the read that takes each prompt once for its completions (packing.py)."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     targets = torch.full((len(prompts), width), IGNORE, dtype=torch.long)
@@ -167,4 +169,5 @@ def rows_of(
             if trained is not None:
                 wanted[~torch.tensor(trained[r], dtype=torch.bool)] = IGNORE
             targets[r, len(p) - 1 : len(p) + len(c) - 1] = wanted
-    return {"input_ids": ids, "targets": targets}
+    rows = {"input_ids": ids, "targets": targets}
+    return {**rows, **((packer and packer(prompts, completions, rows, pad)) or {})}

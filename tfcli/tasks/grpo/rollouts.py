@@ -46,7 +46,7 @@ class Rollouts:
         packer: Packer | None = None,
     ):
         self.plugin, self.cfg, self.prompts, self.rewards = plugin, cfg, prompts, rewards
-        self.packer = packer
+        self.packer = packer  # each prompt read once for its completions (grpo.share_prompt)
         self.stops, self.pad, self.mode, self.frozen = stops, pad, mode, frozen
         self.tooling: ToolUse | None = tooling
         self.weights = torch.tensor([r.weight for r in rewards])
@@ -72,9 +72,7 @@ class Rollouts:
         for group, completed in zip(asked, done):
             n = len(group)
             masked = [cfg.mask_truncated_completions and not s for s in stopped[start : start + n]]
-            built = rows_of(completed.prompt_ids, completed.ids, masked, self.pad, completed.sampled)
-            if self.packer is not None:  # each prompt read once for its completions (grpo.share_prompt)
-                built.update(self.packer(completed.prompt_ids, completed.ids, built, self.pad) or {})
+            built = rows_of(completed.prompt_ids, completed.ids, masked, self.pad, completed.sampled, self.packer)
             rows = {k: v.to(device) for k, v in built.items()}
             if cfg.reads_old:  # the model as it sampled
                 with torch.no_grad():
@@ -297,9 +295,7 @@ def planned_rollout(
     completion = min(cfg.max_completion_length, width - 1)
     asked = [[pad] * (width - completion - 1) + [i] for i in range(prompts) for _ in range(cfg.num_generations)]
     completions = [[pad] * completion for _ in asked]
-    out = rows_of(asked, completions, [False] * len(asked), pad)
-    if packer is not None:
-        out.update(packer(asked, completions, out, pad) or {})
+    out = rows_of(asked, completions, [False] * len(asked), pad, packer=packer)
     device, rows = batch["index"].device, len(asked)
     out = {k: v.to(device) for k, v in out.items()}
     out["advantages"] = torch.zeros(rows, device=device)
