@@ -19,6 +19,7 @@ ALL = [
     "mae",
     "loop",
     "busy",
+    "store",
     "generation",
     "smollm2",
     "families",

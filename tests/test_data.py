@@ -137,6 +137,33 @@ def test_two_workers_make_the_same_store_as_one(tmp_path, small_text, monkeypatc
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def test_auto_workers_start_processes_only_for_a_source_of_several_batches(tmp_path, small_text, monkeypatch):
+    """workers 0 keeps a source of fewer than POOL_MIN_BATCHES batches in this process (a pool of
+    spawned processes costs more to start than tokenizing it takes: python -m benchmarks store) and
+    spreads a larger one over default_workers() processes; both make the store one process makes."""
+    monkeypatch.setattr(documents, "PIECE_CHARS", 1500)
+    pools = []
+    real_context = store.multiprocessing.get_context
+
+    def counted_context(method):
+        context = real_context(method)
+        pool = type(context).Pool.__get__(context)  # the class's own, not one patched earlier
+        monkeypatch.setattr(context, "Pool", lambda n, *a: pools.append(n) or pool(n, *a))
+        return context
+
+    monkeypatch.setattr(store.multiprocessing, "get_context", counted_context)
+    monkeypatch.setattr(store, "default_workers", lambda: 2)
+    source, tok = open_source(str(small_text)), char_tokenizer(small_text.read_text())
+    one = store.prepare(source, tok, tmp_path / "one", workers=1, quiet=True)
+    monkeypatch.setattr(store, "BATCH_CHARS", len(small_text.read_text()) // (store.POOL_MIN_BATCHES - 1) + 1)
+    small = store.prepare(source, tok, tmp_path / "small", workers=0, quiet=True)
+    assert pools == []  # 60k characters in fewer batches than POOL_MIN_BATCHES: no process started
+    monkeypatch.setattr(store, "BATCH_CHARS", 4000)
+    large = store.prepare(source, tok, tmp_path / "large", workers=0, quiet=True)
+    assert pools == [2]
+    assert np.array_equal(one.tokens, small.tokens) and np.array_equal(one.tokens, large.tokens)
+
+
 def test_a_sentence_store_keeps_sentence_and_document_boundaries(tmp_path):
     (tmp_path / "a.jsonl").write_text(
         json.dumps({"text": "One two. Three four five!"})

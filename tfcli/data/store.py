@@ -18,6 +18,7 @@ Stores made for a run live in the cache, named by the source's fingerprint and t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -40,6 +41,9 @@ from .tokenizers import TextTokenizer
 FORMAT = "tfcli-tokens/1"
 INDEX = "index.json"
 BATCH_CHARS = 1 << 21  # characters of text per task sent to a worker
+# batches a source must hold before `workers` 0 (auto) starts processes for it: starting a pool of 2
+# costs about 2 s, what one process takes to tokenize 1-2 batches (python -m benchmarks store)
+POOL_MIN_BATCHES = 3
 MODES = ("text", "sentences", "paragraphs")  # what a segment is (tokenize_worker.segments)
 
 
@@ -190,7 +194,7 @@ def prepare(
     started = time.perf_counter()
     try:
         with phase(f"tokenizing {source.spec}", source.total_bytes(), "bytes") as advance:
-            counts = _write(source, tokenizer, tmp, mode, eos_id, dtype, workers or default_workers(), advance)
+            counts = _write(source, tokenizer, tmp, mode, eos_id, dtype, workers, advance)
         if counts["tokens"] == 0:
             raise UserError(f"{source.spec}: no text (every document is empty)")
         tokenizer.save(tmp)
@@ -237,9 +241,15 @@ def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
 
 def _results(source: DocumentSource, tokenizer: TextTokenizer, mode: str, eos_id: int, workers: int, advance):
     """Encoded batches in order: in `workers` processes (a window of 2 batches each in flight, so
-    memory stays bounded), or in this process for one worker; advance(chars) as each is handed out."""
+    memory stays bounded), or in this process for one worker; advance(chars) as each is handed out.
+    `workers` 0: a process per core (default_workers) for a source of POOL_MIN_BATCHES batches or
+    more, this process for a smaller one."""
     init = (tokenizer.tok.to_str(), eos_id, mode)
     batches = _counted(_batches(source.pieces()), advance)
+    if workers == 0:
+        first = list(itertools.islice(batches, POOL_MIN_BATCHES))
+        workers = default_workers() if len(first) == POOL_MIN_BATCHES else 1
+        batches = itertools.chain(first, batches)
     if workers <= 1:
         previous = os.environ.get("TOKENIZERS_PARALLELISM")
         tokenize_worker.start(*init)  # one thread, as each worker process has
