@@ -80,9 +80,22 @@ def tokenizer():
     return tok
 
 
+_FAST: dict = {}
+
+
+def hf_fast(tokenizer, template: str | None = None):
+    """transformers' tokenizer over `tokenizer`'s own (bos <s>, eos </s>), made once per tokenizer: it
+    deep-copies the 50k vocabulary, 0.2 s each time; the chat template is set on every call."""
+    held = _FAST.get(id(tokenizer.tok))
+    if held is None or held[0] is not tokenizer.tok:
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+        held = _FAST[id(tokenizer.tok)] = (tokenizer.tok, fast)
+    held[1].chat_template = template
+    return held[1]
+
+
 def hf_ids(tokenizer, template: str, conversation: list[dict]):
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
-    hf.chat_template = template
+    hf = hf_fast(tokenizer, template)
     out = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 

@@ -23,7 +23,7 @@ from tfcli.tasks import answers
 from tfcli.tasks.reply_batches import PackedReplies, decoder_loss, decoder_rows, decoder_targets, pack
 
 from .conftest import invoke, read_metrics, train_losses, write_jsonl
-from .test_chat import CONVERSATIONS, END_OF_TURN, hf_ids, keeps_prefixes, tokenizer  # noqa: F401  (the fixture)
+from .test_chat import CONVERSATIONS, END_OF_TURN, hf_fast, hf_ids, keeps_prefixes, tokenizer  # noqa: F401  (the fixture)
 from .test_gguf import chat_gguf_file, tiny_backbone
 
 transformers = pytest.importorskip("transformers")
@@ -51,8 +51,7 @@ def expected_trained(tok, template: ChatTemplate, conversation: list[dict], trai
     """From transformers' rendering and its tokenizer's offsets: a token is trained when it overlaps an
     assistant reply's text or the end-of-turn token written right after it (found by searching the
     rendered text, not by differencing renderings as tfcli does)."""
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<s>", eos_token="</s>")
-    hf_tok.chat_template = template.source
+    hf_tok = hf_fast(tok, template.source)
     text = hf_tok.apply_chat_template(conversation, tokenize=False)
     encoded = hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
     spans, at = [], 0

@@ -18,7 +18,7 @@ from tfcli.errors import UserError
 from tfcli.tools import calls
 
 from .conftest import invoke, write_jsonl
-from .test_chat import hf_ids
+from .test_chat import hf_fast, hf_ids
 from .test_chat import tokenizer as tokenizer  # noqa: F401  (the fixture)
 from .test_gguf import chat_gguf_file
 
@@ -52,8 +52,7 @@ def conversation(a: int = 123, b: int = 45) -> list[dict]:
 def test_a_tool_conversation_renders_as_transformers_and_trains_only_the_assistants_turns(tokenizer):  # noqa: F811
     template = ChatTemplate.load("qwen2.5-instruct")
     messages = conversation()
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
-    hf.chat_template = template.source
+    hf = hf_fast(tokenizer, template.source)
     theirs = hf.apply_chat_template(messages, tools=[MULTIPLY], tokenize=True)
     theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
     ours = template.render(tokenizer, messages, tools=[MULTIPLY], bos_token="<s>", eos_token="</s>")
@@ -71,7 +70,7 @@ def test_the_shipped_llama_3_1_template_renders_as_metas_and_trains_the_call(tok
     through transformers) with and without a system message and a generation prompt; the call is
     trained as Llama writes it ({"name", "parameters"}), the ipython result and the tool list are not."""
     meta = trl_training_template("llama3_1")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    hf = hf_fast(tokenizer)
     template = ChatTemplate.load("llama-3.1-instruct")
     for messages in (conversation(), conversation()[1:], conversation()[:2]):
         for prompt in (False, True):
@@ -132,7 +131,7 @@ def test_the_shipped_mistral_v3_template_renders_as_mistrals_with_ids_given_wher
     from tfcli.data.chat import stop_ids, with_call_ids
     from tfcli.tasks.grpo.turns import ToolTurns
 
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    hf = hf_fast(tokenizer)
     template = ChatTemplate.load("mistral-v3-instruct")
     assert template.needs_call_ids and calls.format_of(template) == "mistral"
     for messages in (conversation()[1:], conversation()[1:3], conversation()[:2]):
@@ -170,7 +169,7 @@ def test_a_template_with_generation_markers_trains_what_they_mark_as_transformer
     template, tfcli's mask is transformers' `assistant_masks`, token for token."""
     source = trl_training_template()
     messages = conversation()
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, bos_token="<s>", eos_token="</s>")
+    hf = hf_fast(tokenizer)
     out = hf.apply_chat_template(
         messages, tools=[MULTIPLY], tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
         chat_template=source,
