@@ -142,16 +142,17 @@ def test_auto_workers_start_processes_only_for_a_source_of_several_batches(tmp_p
     spawned processes costs more to start than tokenizing it takes: python -m benchmarks store) and
     spreads a larger one over default_workers() processes; both make the store one process makes."""
     monkeypatch.setattr(documents, "PIECE_CHARS", 1500)
-    pools = []
-    real_context = store.multiprocessing.get_context
+    pools, context = [], store.multiprocessing.get_context
 
-    def counted_context(method):
-        context = real_context(method)
-        pool = type(context).Pool.__get__(context)  # the class's own, not one patched earlier
-        monkeypatch.setattr(context, "Pool", lambda n, *a: pools.append(n) or pool(n, *a))
-        return context
+    class Counted:  # the context store.py asks for, counting the pools it starts
+        def __init__(self, method):
+            self.context = context(method)
 
-    monkeypatch.setattr(store.multiprocessing, "get_context", counted_context)
+        def Pool(self, processes, *args):  # noqa: N802 (multiprocessing's name)
+            pools.append(processes)
+            return self.context.Pool(processes, *args)
+
+    monkeypatch.setattr(store.multiprocessing, "get_context", Counted)
     monkeypatch.setattr(store, "default_workers", lambda: 2)
     source, tok = open_source(str(small_text)), char_tokenizer(small_text.read_text())
     one = store.prepare(source, tok, tmp_path / "one", workers=1, quiet=True)

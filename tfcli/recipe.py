@@ -128,7 +128,9 @@ class DataConfig:
     document_mask: bool = field(
         default=False, metadata={"help": "packed blocks: attend within a document only, positions restart per document"}
     )
-    workers: int = field(default=0, metadata={"help": "tokenizing processes (0: one per core, at most 8; one below 6M characters)"})
+    workers: int = field(
+        default=0, metadata={"help": "tokenizing processes (0: one per core, at most 8; one below 6M characters)"}
+    )
     streaming: bool = field(
         default=False, metadata={"help": "read the documents as a stream (no store), shuffled through a buffer"}
     )

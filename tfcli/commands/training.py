@@ -111,7 +111,9 @@ def prepare(
     objective: str = typer.Option(
         "clm", help="What it is for: clm and span store a token stream; mlm and electra store sentences."
     ),
-    workers: int = typer.Option(0, help="Tokenizing processes [default: one per core, at most 8; this one below 6M characters]."),
+    workers: int = typer.Option(
+        0, help="Tokenizing processes [default: one per core, at most 8; this one below 6M characters]."
+    ),
     text_field: str = typer.Option("text", help="The column holding the text in JSON Lines, CSV and parquet files."),
     paragraphs: bool = typer.Option(
         False, "--paragraphs", help="mlm/electra: every blank-line paragraph is a document."

@@ -42,7 +42,8 @@ FORMAT = "tfcli-tokens/1"
 INDEX = "index.json"
 BATCH_CHARS = 1 << 21  # characters of text per task sent to a worker
 # batches a source must hold before `workers` 0 (auto) starts processes for it: starting a pool of 2
-# costs about 2 s, what one process takes to tokenize 1-2 batches (python -m benchmarks store)
+# costs up to 2 s (0.8 s in a fresh `tfcli prepare`), about what one process takes to tokenize a
+# batch or two (python -m benchmarks store)
 POOL_MIN_BATCHES = 3
 MODES = ("text", "sentences", "paragraphs")  # what a segment is (tokenize_worker.segments)
 

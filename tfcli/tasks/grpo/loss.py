@@ -170,4 +170,6 @@ def rows_of(
                 wanted[~torch.tensor(trained[r], dtype=torch.bool)] = IGNORE
             targets[r, len(p) - 1 : len(p) + len(c) - 1] = wanted
     rows = {"input_ids": ids, "targets": targets}
-    return {**rows, **((packer and packer(prompts, completions, rows, pad)) or {})}
+    if packer is not None:
+        rows.update(packer(prompts, completions, rows, pad) or {})
+    return rows
