@@ -57,7 +57,7 @@ def base_model(run_dir: Path, recipe):
         model = adapters.merge(from_run(source.path).model)  # a base that was itself adapted
     else:
         cfg, state = interop.read_pretrained(source.path, source.raw_config, source.is_gguf)
-        model = load_hf_weights(build_model(cfg), state, source.path)
+        model = read_into(cfg, state, source.path)
     if model.cfg != recipe.model:
         raise UserError(f"{run_dir}: its base model {named} is no longer the model the run trained on")
     return model.train()
@@ -75,7 +75,7 @@ def from_run(path: Path, which: str = "best", device: str = "cpu") -> Backbone:
         raise UserError(f"{run} has no config.yaml; is it a tfcli run?")
     recipe = recipes.load_resolved(run / "config.yaml")
     partial = bool(checkpoint.read_meta(ckpt).get("partial"))
-    model = base_model(run, recipe) if partial else build_model(recipe.model)
+    model = base_model(run, recipe) if partial else build_model(recipe.model, weights_follow=True)
     if recipe.finetune is not None:
         adapters.apply(
             model, recipe.finetune.train, recipe.adapter, recipe.finetune.freeze_router, recipe.finetune.train_vision
@@ -121,9 +121,14 @@ def from_hf(named: Path | ModelSource, specials: list[str], shapes_only: bool = 
             f"{source.path}: its tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
             f"({cfg.vocab_size}); the tokenizer is not this model's"
         )
-    model = on_meta(cfg) if shapes_only else load_hf_weights(build_model(cfg), state, source.path)
+    model = on_meta(cfg) if shapes_only else read_into(cfg, state, source.path)
     heads = {k[len("heads.") :]: v for k, v in state.items() if k.startswith("heads.")}
     return Backbone(model, tok, str(source.path), heads)
+
+
+def read_into(cfg, state: dict, path: Path):
+    """The model of `cfg` holding a Hugging Face file's weights (none drawn at random first)."""
+    return load_hf_weights(build_model(cfg, weights_follow=True), state, path)
 
 
 def load_hf_weights(model, state: dict, path: Path):
@@ -190,7 +195,7 @@ def for_resume(run_dir: Path, recipe, ckpt: Path, shapes_only: bool = False) -> 
     if shapes_only:
         model = on_meta(recipe.model)
     else:
-        model = base_model(run_dir, recipe) if partial else build_model(recipe.model)
+        model = base_model(run_dir, recipe) if partial else build_model(recipe.model, weights_follow=True)
     return Backbone(model, tok, recorded(run_dir).get("from") or str(run_dir), resumed=True)
 
 

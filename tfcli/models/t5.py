@@ -166,24 +166,24 @@ class T5(nn.Module):
         """Mesh TensorFlow's T5 initialisation: each matrix at std fan_in**-0.5, the query also
         divided by sqrt(d_kv) (standing in for the attention scale T5 leaves out), embeddings at 1."""
         d, inner = self.cfg.d_model, self.cfg.n_head * self.cfg.d_kv
+        normal_ = nn.init.normal_  # through nn.init (the same draws): a model read from a file skips them
         for m in self.modules():
             if isinstance(m, Attention):
-                w = m.q.weight if m.cross else m.qkv.weight[:inner]
-                w.normal_(0.0, (d * self.cfg.d_kv) ** -0.5)
-                (m.kv.weight if m.cross else m.qkv.weight[inner:]).normal_(0.0, d**-0.5)
-                m.out.weight.normal_(0.0, inner**-0.5)
+                normal_(m.q.weight if m.cross else m.qkv.weight[:inner], 0.0, (d * self.cfg.d_kv) ** -0.5)
+                normal_(m.kv.weight if m.cross else m.qkv.weight[inner:], 0.0, d**-0.5)
+                normal_(m.out.weight, 0.0, inner**-0.5)
             elif isinstance(m, MLP):
                 for lin in (m.up, m.gate):
                     if lin is not None:
-                        lin.weight.normal_(0.0, d**-0.5)
-                m.down.weight.normal_(0.0, self.cfg.d_ff**-0.5)
+                        normal_(lin.weight, 0.0, d**-0.5)
+                normal_(m.down.weight, 0.0, self.cfg.d_ff**-0.5)
             elif isinstance(m, nn.RMSNorm):
-                m.weight.fill_(1.0)
+                nn.init.ones_(m.weight)
         for bias in (self.encoder_bias, self.decoder_bias):
-            bias.embedding.weight.normal_(0.0, d**-0.5)
-        self.shared.weight.normal_(0.0, 1.0)
+            normal_(bias.embedding.weight, 0.0, d**-0.5)
+        normal_(self.shared.weight, 0.0, 1.0)
         if self.lm_head is not None:
-            self.lm_head.weight.normal_(0.0, d**-0.5)
+            normal_(self.lm_head.weight, 0.0, d**-0.5)
 
     @property
     def lm_head_weight(self) -> Tensor:
