@@ -31,10 +31,31 @@ def one_core_per_worker() -> None:
 
 one_core_per_worker()
 
-# The files that take longest (measured on 2 cores, 2026-11-27) run first: with a worker per core
+# The files that take longest (measured on 2 cores, 2026-12-02) run first: with a worker per core
 # and a file at a time (--dist loadfile), the longest start at once and the short ones fill in
 # after, so that the workers finish together instead of one waiting on a long file started last.
-LONGEST_FIRST = ["test_readme", "test_ddp", "test_resume_matrix", "test_sft", "test_compile", "test_gguf"]
+LONGEST_FIRST = [
+    "test_readme",
+    "test_ddp",
+    "test_compile",
+    "test_moe",
+    "test_smollm2",
+    "test_generic",
+    "test_bench_harness",
+    "test_failures",
+    "test_vlm",  # the fast tier's longest file
+]
+
+
+def pytest_configure(config):
+    """tfcli's bytecode compiled once, before the workers start: the suite starts some 170 Python
+    processes (torchrun's, compare's cells, documented commands), and where PYTHONDONTWRITEBYTECODE
+    is set (this project's machines) each compiled the package from its source again, 0.5 s a
+    process. Reading bytecode is still allowed there; only writing it is off."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        import compileall
+
+        compileall.compile_dir(REPO / "tfcli", quiet=2)
 
 
 def pytest_collection_modifyitems(items):
@@ -58,6 +79,16 @@ def quiet_machine(monkeypatch):
     from tfcli.engine import runtime
 
     monkeypatch.setattr(runtime, "busy_cores", lambda seconds=0.2: 0.0)
+
+
+@pytest.fixture(autouse=True)
+def notes_shown():
+    """Each test starts with notes shown, as each command does: a run called in the test process with
+    quiet on (the driver's display.configure) would otherwise silence the notes of the tests after it
+    in the same worker, which some tests read."""
+    from tfcli import display
+
+    display.configure(True)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ GGUF; unknown architectures, other tokenizers and truncated files are one-line e
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import shutil
@@ -49,6 +50,7 @@ def small_gpt2(merges: int = 3000) -> str:
         kept.update(dict.fromkeys((a, b, a + b)))
     kept = {token: i for i, token in enumerate([*kept, "<|endoftext|>"])}
     out = Path(tempfile.mkdtemp(prefix="small-gpt2-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # a directory per process, not left in /tmp
     (out / "vocab.json").write_text(json.dumps(kept))
     (out / "merges.txt").write_text("\n".join(lines[: merges + 1]) + "\n")  # the #version line, then merges
     return str(out)
