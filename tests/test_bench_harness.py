@@ -54,6 +54,7 @@ def test_the_lease_runs_every_kind_of_row_end_to_end_on_the_cpu(tmp_path, monkey
     assert "torch " in (tmp_path / "versions.txt").read_text()
 
 
+@pytest.mark.slow  # 6-13 s: the fast tier keeps under 3 minutes
 def test_the_lease_lists_what_its_budget_left_out_and_stops_a_contender_at_its_time(tmp_path):
     """Rows that would start past the budget are listed as skipped (none started); a contender past its
     time is killed with everything it started, and its row says so."""

@@ -300,6 +300,7 @@ def test_tfcli_starts_without_importing_torchs_compiler_or_its_distributed_check
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # 6-13 s: the fast tier keeps under 3 minutes
 def test_set_train_steps_wins_over_the_recipes_epochs_as_the_steps_flag_does(tmp_path):
     """`--steps 2` trained 2 steps, `--set train.steps=2` silently trained finetune.epochs' worth."""
     from .conftest import hf_llama_dir, write_jsonl

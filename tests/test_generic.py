@@ -130,6 +130,7 @@ def test_three_lora_steps_give_the_losses_of_transformers_and_peft(pair):
 FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True, bias=False)
 
 
+@pytest.mark.slow  # 6-13 s: the fast tier keeps under 3 minutes
 def test_lora_reaches_every_linear_of_the_layers_as_peft_all_linear(tmp_path):
     """Falcon's attention is one fused query_key_value, its MLP dense_h_to_4h / dense_4h_to_h: names
     tfcli has no part for. The llama recipes' LoRA targets (every part) adapted its dense alone (0.06% of

@@ -209,6 +209,7 @@ def _first(ids: list[int], part: list[int]) -> int | None:
     return next((i for i in range(len(ids) - len(part) + 1) if ids[i : i + len(part)] == part), None)
 
 
+@pytest.mark.slow  # 6-13 s: the fast tier keeps under 3 minutes
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_a_tool_rollouts_ids_mask_loss_and_gradients_equal_trls(tmp_path, monkeypatch, loss_type):
     source = trl_template()

@@ -389,6 +389,7 @@ def directory_with_tokenizer(arch: str, path, **extra):
     return path
 
 
+@pytest.mark.slow  # 6-13 s: the fast tier keeps under 3 minutes
 def test_sft_logs_the_routers_and_the_expert_load_and_dpo_trains(tmp_path):
     from tfcli.engine.plots import read_metrics
 
