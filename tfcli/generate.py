@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .adapters import held_for_generation
 from .data.image_prompts import image_prompts
 from .errors import UserError
 from .models import kinds
@@ -259,11 +260,12 @@ def generate_batch(
     `encode`) reads them right-padded and starts every row's decoder from `start_id`. Greedy output is
     the batch-1 output, row by row. `inputs`: what the prompts' pass reads besides their tokens (a
     vision-language model's pixel_values, the frames of the rows' image tokens in order)."""
-    first, step, steps, device = _prefill(model, prompts, max_new_tokens, start_id, pad_id, inputs)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    rows, _ = _rows_until_stop(
-        first, step, decode_logits(model, device), steps, set(stop_ids), sampling, seed, device, keep_stop, finished
-    )
+    with held_for_generation(model):
+        first, step, steps, device = _prefill(model, prompts, max_new_tokens, start_id, pad_id, inputs)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        rows, _ = _rows_until_stop(
+            first, step, decode_logits(model, device), steps, set(stop_ids), sampling, seed, device, keep_stop, finished
+        )
     return rows
 
 
@@ -287,11 +289,13 @@ def generate_turns(
     the next turn's header, at most `room` of them) or None to end it. Those ids are fed one per step
     into the same KV cache (nothing is read twice) while the other rows go on sampling; they count
     toward max_new_tokens. -> (each row's ids after its prompt, whether each id was sampled)."""
-    first, step, steps, device = _prefill(model, prompts, max_new_tokens, 0, pad_id, None)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    return _rows_until_stop(
-        first, step, decode_logits(model, device), steps, set(stop_ids), sampling, seed, device, True, finished, turns
-    )
+    with held_for_generation(model):
+        first, step, steps, device = _prefill(model, prompts, max_new_tokens, 0, pad_id, None)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        logits = decode_logits(model, device)
+        return _rows_until_stop(
+            first, step, logits, steps, set(stop_ids), sampling, seed, device, True, finished, turns
+        )
 
 
 def _prefill(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, start_id: int, pad_id: int, inputs):
