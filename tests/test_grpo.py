@@ -495,3 +495,29 @@ def test_a_reward_that_fails_on_the_first_rows_stops_before_training(tmp_path, c
 def test_eval_names_the_settings_it_takes(chat_model):
     result = invoke("eval", "grpo", "--checkpoint", chat_model, "--set", "data.seq_len=128")
     assert result.exit_code == 2 and "grpo.<field> with a field of preset, prompt_field" in result.output, result.output
+
+
+def test_a_sampled_evaluation_draws_the_same_completions_every_time_and_not_the_greedy_ones(tmp_path, char_model):
+    """grpo.eval_sampled: the held-out prompts answered at grpo.temperature with the evaluation's own
+    seed (the reward the policy expects, as TRL's evaluation samples it): two evaluations of the same
+    model draw the same completions (checkpoints are compared on the same numbers), which are not the
+    greedy ones; a higher temperature draws others."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    (tmp_path / "reward.py").write_text(VOWELS)
+
+    def completions(name, *more):
+        out = tmp_path / f"{name}.json"
+        args = ["eval", "grpo", "--checkpoint", char_model, "--data", data, "--limit", 6, "--out", out]
+        result = invoke(
+            *args, "--reward", f"{tmp_path}/reward.py:vowels", "--set", "grpo.max_completion_length=16", *more
+        )
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(x) for x in (tmp_path / f"{name}-samples.jsonl").read_text().splitlines()]
+        return [r["completion"] for r in rows]
+
+    greedy = completions("greedy")
+    sampled = completions("sampled", "--set", "grpo.eval_sampled=true")
+    assert len(sampled) == 6 and sampled == completions("again", "--set", "grpo.eval_sampled=true")
+    assert sampled != greedy and len(set(sampled)) > 1
+    hotter = completions("hotter", "--set", "grpo.eval_sampled=true", "--set", "grpo.temperature=2.0")
+    assert hotter != sampled

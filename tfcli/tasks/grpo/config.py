@@ -103,6 +103,14 @@ class GRPOConfig(ReplyConfig):
     eval_prompts: int = field(
         default=64, metadata={"resumable": True, "help": "held-out prompts answered (greedy) at each evaluation"}
     )
+    eval_sampled: bool = field(
+        default=False,
+        metadata={
+            "resumable": True,
+            "help": "held-out prompts answered by sampling (temperature, top_k, top_p; the same seed at every "
+            "evaluation) instead of greedily: the reward the policy expects, as TRL's evaluation samples",
+        },
+    )
     generate_batch: int = field(
         default=64, metadata={"resumable": True, "help": "rows generated together at an evaluation"}
     )

@@ -30,6 +30,10 @@ from .prompts import Prompt, PromptBatches, PromptBuilder
 from .rollouts import Completed, Rollouts, planned_rollout
 from .turns import ToolTurns, ToolUse, public, tool_sums
 
+# grpo.eval_sampled's seed (plus each group's offset): the same draws at every evaluation, so that
+# checkpoints are compared on the same random numbers
+EVAL_SEED = 20_251
+
 SHOWN = (  # the log line's metrics (metrics.jsonl keeps every one)
     "reward",
     "reward_std",
@@ -213,7 +217,7 @@ class GRPO(ReplyTask):
         return Packer(row_cost, getattr(model, "shortest_window", 0))
 
     def evaluation(self, recipe):
-        """Job.evaluate: the mean reward of greedy completions of the first grpo.eval_prompts held-out
+        """Job.evaluate: the mean reward of greedy (or sampled) completions of the first grpo.eval_prompts held-out
         prompts; they are written to samples/eval-NNN.jsonl and the first grpo.show printed."""
 
         def evaluate(module: nn.Module, run_dir: Path) -> dict[str, float]:
@@ -234,9 +238,9 @@ class GRPO(ReplyTask):
     def answered(
         self, model: nn.Module, rollouts: Rollouts, prompts: list[Prompt], alone: bool = False
     ) -> tuple[dict[str, float], list[dict]]:
-        """Greedy completions of this process's share of `prompts` (equal shares), scored: (metrics pooled
-        over the processes, this process's lines). `alone`: all of them here (the final report runs on
-        rank 0 after the processes have parted)."""
+        """Greedy (grpo.eval_sampled: sampled) completions of this process's share of `prompts` (equal
+        shares), scored: (metrics pooled over the processes, this process's lines). `alone`: all of them
+        here (the final report runs on rank 0 after the processes have parted)."""
         cfg, rt = rollouts.cfg, self.rt
         shared = rt.distributed and not alone
         share = len(prompts) // rt.world_size * rt.world_size if shared else len(prompts)
@@ -248,7 +252,8 @@ class GRPO(ReplyTask):
             with phase("answering held-out prompts", len(mine), "prompts") as advance:
                 for s in range(0, len(mine), cfg.generate_batch):
                     group = mine[s : s + cfg.generate_batch]
-                    parts.append(rollouts.complete(model, group, None, 0.0, self.agreed if shared else bool))
+                    sampled = (EVAL_SEED + s, cfg.temperature) if cfg.eval_sampled else (None, 0.0)
+                    parts.append(rollouts.complete(model, group, *sampled, self.agreed if shared else bool))
                     advance(len(group))
         finally:
             model.train(was)
@@ -311,7 +316,7 @@ class GRPO(ReplyTask):
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
-        """`tfcli eval grpo`: the mean reward of greedy completions of the held-out prompts (the first
+        """`tfcli eval grpo`: the mean reward of greedy (or sampled) completions of the held-out prompts (the first
         --limit N of each split), written beside the run (or --out) with their completions."""
         splits = self.prompts(recipe, backbone, options.data, need_train=False, say=not options.quiet)
         held = {s: p.examples[: options.limit or None] for s, p in self.held_out(splits).items()}

@@ -114,7 +114,8 @@ class Rollouts:
         """The prompts' completions: sampled in one turn, or with tools, turn after turn."""
         if self.tooling is None:
             if temperature > 0:
-                ids = self.sample(model, [p.ids for p in prompts], seed)
+                asked = [p.ids for p in prompts]  # an evaluation's processes agree through `finished`
+                ids = self.sample(model, asked, seed) if finished is None else self.sample(model, asked, seed, finished)
             else:
                 ids = self.greedy(model, [p.ids for p in prompts], finished)
             return Completed([p.ids for p in prompts], ids, None, None)
@@ -152,7 +153,7 @@ class Rollouts:
         )
 
     @torch.no_grad()
-    def sample(self, model: nn.Module, prompts: list[list[int]], seed: int) -> list[list[int]]:
+    def sample(self, model: nn.Module, prompts: list[list[int]], seed: int, finished=None) -> list[list[int]]:
         cfg, was = self.cfg, model.training
         model.eval()
         try:
@@ -167,7 +168,7 @@ class Rollouts:
                 seed=seed,
                 pad_id=self.pad,
                 keep_stop=True,
-                finished=self.plugin.agreed,
+                finished=finished or self.plugin.agreed,
             )
         finally:
             model.train(was)
