@@ -140,7 +140,7 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))
     held_prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts[-GRPO_PROMPTS:]))
     how = "sampled" if SAMPLED else "greedy"
-    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held" + ("-sampled" * SAMPLED)
+    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held{'-sampled' * SAMPLED}"
     common = ["--reward", f"rm:{rm}", "--set", "grpo.max_completion_length=48"]
     common += ["--set", "grpo.eval_sampled=true"] if SAMPLED else []
     if not (run / "eval.json").is_file():
