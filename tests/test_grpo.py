@@ -71,7 +71,7 @@ def ours(backbone, reference, cfg: GRPOConfig, prompts, completions, perturb, pa
     rollouts = Rollouts(plugin, cfg, asked, rewards, {eos}, 0, mode, {"reference": reference}, packer=packer)
     model = backbone.model.train()
     sampled = iter([completions])
-    rollouts.sample = lambda m, p, seed: next(sampled)
+    rollouts.sample = lambda m, p, seed, finished=None: next(sampled)
     batch = {"index": torch.tensor([0, 1]), "seed": torch.tensor([0])}
     rollouts.prompts = [asked[0], asked[G]]
     rollouts.score = _scoring_each_row(rollouts, asked)

@@ -101,7 +101,11 @@ class GRPOConfig(ReplyConfig):
         default=False, metadata={"help": "completions cut at the length limit are left out of the loss"}
     )
     eval_prompts: int = field(
-        default=64, metadata={"resumable": True, "help": "held-out prompts answered (greedy) at each evaluation"}
+        default=64,
+        metadata={
+            "resumable": True,
+            "help": "held-out prompts answered at each evaluation (greedy unless eval_sampled)",
+        },
     )
     eval_sampled: bool = field(
         default=False,

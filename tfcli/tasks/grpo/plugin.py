@@ -217,8 +217,9 @@ class GRPO(ReplyTask):
         return Packer(row_cost, getattr(model, "shortest_window", 0))
 
     def evaluation(self, recipe):
-        """Job.evaluate: the mean reward of greedy (or sampled) completions of the first grpo.eval_prompts held-out
-        prompts; they are written to samples/eval-NNN.jsonl and the first grpo.show printed."""
+        """Job.evaluate: the mean reward of greedy (grpo.eval_sampled: sampled) completions of the first
+        grpo.eval_prompts held-out prompts; they are written to samples/eval-NNN.jsonl and the first
+        grpo.show printed."""
 
         def evaluate(module: nn.Module, run_dir: Path) -> dict[str, float]:
             held, rollouts = self.held
@@ -316,8 +317,9 @@ class GRPO(ReplyTask):
         return results
 
     def evaluate(self, recipe, backbone, options: EvalOptions) -> dict[str, Any]:
-        """`tfcli eval grpo`: the mean reward of greedy (or sampled) completions of the held-out prompts (the first
-        --limit N of each split), written beside the run (or --out) with their completions."""
+        """`tfcli eval grpo`: the mean reward of greedy (grpo.eval_sampled: sampled) completions of the
+        held-out prompts (the first --limit N of each split), written beside the run (or --out) with
+        their completions."""
         splits = self.prompts(recipe, backbone, options.data, need_train=False, say=not options.quiet)
         held = {s: p.examples[: options.limit or None] for s, p in self.held_out(splits).items()}
         rewards = self.rewards(recipe, [], options.named_code)

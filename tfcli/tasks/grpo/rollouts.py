@@ -114,8 +114,7 @@ class Rollouts:
         """The prompts' completions: sampled in one turn, or with tools, turn after turn."""
         if self.tooling is None:
             if temperature > 0:
-                asked = [p.ids for p in prompts]  # an evaluation's processes agree through `finished`
-                ids = self.sample(model, asked, seed) if finished is None else self.sample(model, asked, seed, finished)
+                ids = self.sample(model, [p.ids for p in prompts], seed, finished)
             else:
                 ids = self.greedy(model, [p.ids for p in prompts], finished)
             return Completed([p.ids for p in prompts], ids, None, None)
@@ -154,6 +153,8 @@ class Rollouts:
 
     @torch.no_grad()
     def sample(self, model: nn.Module, prompts: list[list[int]], seed: int, finished=None) -> list[list[int]]:
+        """Completions sampled with the run's settings; `finished` (default: the processes agree) as
+        generate_batch's: an evaluation on rank 0 alone stops by itself."""
         cfg, was = self.cfg, model.training
         model.eval()
         try:
