@@ -142,6 +142,30 @@ def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, 
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
 
 
+def test_student_and_teacher_read_each_row_only_as_far_as_its_completion_ends():
+    """Completions of 3, 6, 2 and 4 tokens after prompts of 5 pad the step's rows to 11 positions:
+    each model reads groups of rows of like width (reply_batches.hidden_states), never a row's padding
+    beyond its group's widest row; the loss is the one TRL's trainer gives (the test above)."""
+    student = tiny_backbone()
+    teacher = teacher_of(student)
+    prompts, completions = fixed(student)
+    read = {"student": [], "teacher": []}
+    hooks = [
+        b.model.register_forward_pre_hook(lambda m, args, who=who: read[who].append(tuple(args[0].shape)))
+        for who, b in (("student", student), ("teacher", teacher))
+    ]
+    widths = torch.tensor([len(p) + len(c) - 1 for p, c in zip(prompts, completions)])
+    try:
+        ours(student, teacher, prompts, completions, DistillConfig(lmbda=1.0))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    padded = len(prompts) * int(widths.max() + 1)
+    for who, shapes in read.items():
+        assert sum(r for r, _ in shapes) == len(prompts) and len(shapes) > 1, (who, shapes)
+        assert sum(r * t for r, t in shapes) <= 1.125 * int(widths.sum()) < padded, (who, shapes)
+
+
 def test_the_generalized_jsd_is_the_two_kls_at_its_ends_and_symmetric_between():
     g = torch.Generator().manual_seed(0)
     s = torch.log_softmax(torch.randn(5, 11, generator=g), -1)

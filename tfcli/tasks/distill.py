@@ -51,7 +51,7 @@ from ..plugin import EvalOptions, Job, OnPolicy
 from ..recipe import require
 from .grpo.loss import rows_of
 from .replies import ReplyConfig, ReplyTask
-from .reply_batches import count_tokens, decoder_rows
+from .reply_batches import count_tokens, decoder_rows, hidden_states
 
 
 @dataclass(frozen=True)
@@ -175,16 +175,18 @@ class _ChunkedDivergence(torch.autograd.Function):
 
 class Divergence:
     """The loss for the trainer: the student's divergence from the teacher at the batch's completion
-    tokens (`targets` not IGNORE), summed and divided by their count; the student's entropy logged."""
+    tokens (`targets` not IGNORE), summed and divided by their count; the student's entropy logged.
+    Both models read rows of like width together, each only as far as its completion ends
+    (reply_batches.hidden_states): a long completion does not pad the step's other rows."""
 
     def __init__(self, cfg: DistillConfig, frozen: dict):
         self.cfg, self.frozen = cfg, frozen
 
     def __call__(self, model: nn.Module, heads: nn.ModuleDict, batch: dict[str, Tensor]):
         valid = batch["targets"] != IGNORE
-        teacher_model, student = self.frozen["teacher"], model(batch["input_ids"])[valid]
+        teacher_model, student = self.frozen["teacher"], hidden_states(model, batch)[valid]
         with torch.no_grad():
-            teacher = teacher_model(batch["input_ids"])[valid]
+            teacher = hidden_states(teacher_model, batch)[valid]
         total, entropy = divergence(model, teacher_model, student, teacher, self.cfg)
         count = valid.sum().clamp(min=1)
         loss = total / count
