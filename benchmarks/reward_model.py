@@ -4,8 +4,9 @@
           (128) steps x 8 pairs from the first TRAIN pairs; held-out pairwise accuracy on the last HELD
           pairs of the file, which it never trained on, beside chance (50%) and beside DPO's implicit
           reward accuracy on the same pairs after the same budget (tfcli finetune dpo, its recipe's LoRA).
-  grpo    GRPO with the reward model as its only reward (--reward rm:RUN) on HH prompts: the reward
-          model's mean score of greedy replies to held-out prompts before and after.
+  grpo    GRPO with the reward model as its only reward (--reward rm:RUN) on HH prompts (each pair's
+          conversation up to its reply, once; the first TRAIN to train on, the last BENCH_RM_GRPO_PROMPTS
+          held out): the reward model's mean score of replies to the held-out prompts before and after.
   speed   one LoRA reward-model step against TRL's RewardTrainer (peft LoRA, task SEQ_CLS: the score
           trains whole) on the same pairs in the same order, 20 steps of 8 pairs, each side in a fresh
           process, checkpointing off on both: seconds per step (target tfcli >= 1.3x) and peak RSS. The
@@ -57,6 +58,8 @@ GRPO_STEPS, GRPO_PROMPTS = (
 )
 GRPO_LR = os.environ.get("BENCH_RM_GRPO_LR", "")  # empty: the GRPO recipe's LoRA lr
 SAMPLED = os.environ.get("BENCH_RM_GRPO_SAMPLED", "") == "1"  # held-out replies sampled (grpo.eval_sampled)
+GRPO_TEMPERATURE = os.environ.get("BENCH_RM_GRPO_TEMPERATURE", "")  # empty: the recipe's (1.0)
+GRPO_GENERATIONS = int(os.environ.get("BENCH_RM_GRPO_GENERATIONS", 4))  # completions per prompt
 
 
 def split_files(tmp: Path) -> tuple[Path, Path]:
@@ -131,28 +134,37 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     """GRPO on HH prompts with the reward model as its reward: held-out reward before and after."""
     from tfcli.data.preferences import PairFields, split_pair
 
-    prompts = []
+    prompts, seen = [], set()
     for line in HH.read_text().splitlines():
         parsed = split_pair(json.loads(line), PairFields())
-        if not isinstance(parsed, str) and len(parsed[0]) == 1:  # one user turn: a prompt to answer
-            prompts.append({"prompt": parsed[0][0]["content"]})
+        if isinstance(parsed, str) or (key := json.dumps(parsed[0])) in seen:
+            continue
+        seen.add(key)  # each conversation so far, ending with the user's turn, once
+        prompts.append({"messages": parsed[0]})
+    assert len(prompts) > TRAIN + GRPO_PROMPTS, f"only {len(prompts)} HH prompts"
     data, held_prompts = runs / "prompts.jsonl", runs / f"held-prompts-{GRPO_PROMPTS}.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))  # never the held out
     held_prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts[-GRPO_PROMPTS:]))
-    how = "sampled" if SAMPLED else "greedy"
-    run = runs / f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-{GRPO_PROMPTS}held{'-sampled' * SAMPLED}"
+    how = f"sampled at temperature {GRPO_TEMPERATURE or 1.0}" if SAMPLED else "greedy"
+    warm = f"-t{GRPO_TEMPERATURE}" if GRPO_TEMPERATURE else ""
+    run = runs / (
+        f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-g{GRPO_GENERATIONS}-{GRPO_PROMPTS}held"
+        f"{'-sampled' * SAMPLED}{warm}"
+    )
     common = ["--reward", f"rm:{rm}", "--set", "grpo.max_completion_length=48"]
     common += ["--set", "grpo.eval_sampled=true"] if SAMPLED else []
+    common += ["--set", f"grpo.temperature={GRPO_TEMPERATURE}"] if GRPO_TEMPERATURE else []
     if not (run / "eval.json").is_file():
         args = ["finetune", "grpo", "--from", str(gguf_file()), "--data", str(data), "--train", "lora"]
         args += ["--steps", str(GRPO_STEPS), "--batch-size", "4", "--seed", str(SEED), "--quiet", *common]
-        args += ["--set", "grpo.num_generations=4", "--set", f"grpo.eval_prompts={GRPO_PROMPTS}"]
+        args += ["--set", f"grpo.num_generations={GRPO_GENERATIONS}"]
+        args += ["--set", f"grpo.eval_prompts={GRPO_PROMPTS}"]
         args += ["--set", f"train.threads={THREADS}", "--set", "train.eval_interval=1000"]
         args += ["--set", f"data.val_source={held_prompts}", "--set", f"finetune.report_limit={GRPO_PROMPTS}"]
         args += ["--lr", GRPO_LR] if GRPO_LR else []
         tfcli(*args, out=run)
     after = next(v for v in json.loads((run / "eval.json").read_text()).values() if isinstance(v, dict))
-    before_file = runs / f"grpo-before-{GRPO_PROMPTS}{'-sampled' * SAMPLED}.json"
+    before_file = runs / f"grpo-before-{GRPO_PROMPTS}{'-sampled' * SAMPLED}{warm}.json"
     if not before_file.is_file():
         args = ["eval", "grpo", "--checkpoint", str(gguf_file()), "--data", str(held_prompts)]
         tfcli(*args, *common, "--out", str(before_file), "--quiet")
@@ -160,7 +172,7 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     diffs = paired(before_file.with_name(before_file.stem + "-samples.jsonl"), run / "samples.jsonl")
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
     print(
-        f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x 4, 48 tokens, lr "
+        f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x {GRPO_GENERATIONS}, 48 tokens, lr "
         f"{GRPO_LR or 'the recipe'}'s): held-out mean reward ({how} replies) {before['reward']:.3f} before, {after['reward']:.3f} "
         f"after ({after['n']} prompts); paired {mean:+.3f} +- {se:.3f} (standard error; "
         f"{sum(d > 0 for d in diffs)} prompts up, {sum(d < 0 for d in diffs)} down)"
