@@ -145,11 +145,11 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
     data, held_prompts = runs / "prompts.jsonl", runs / f"held-prompts-{GRPO_PROMPTS}.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts[:TRAIN]))  # never the held out
     held_prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts[-GRPO_PROMPTS:]))
-    how = f"sampled at temperature {GRPO_TEMPERATURE or 1.0}" if SAMPLED else "greedy"
-    warm = f"-t{GRPO_TEMPERATURE}" if GRPO_TEMPERATURE else ""
+    how = f"replies sampled at temperature {GRPO_TEMPERATURE or 1.0}" if SAMPLED else "greedy replies"
+    at_temperature = f"-t{GRPO_TEMPERATURE}" if GRPO_TEMPERATURE else ""
     run = runs / (
         f"grpo-{GRPO_STEPS}steps-lr{GRPO_LR or 'recipe'}-g{GRPO_GENERATIONS}-{GRPO_PROMPTS}held"
-        f"{'-sampled' * SAMPLED}{warm}"
+        f"{'-sampled' * SAMPLED}{at_temperature}"
     )
     common = ["--reward", f"rm:{rm}", "--set", "grpo.max_completion_length=48"]
     common += ["--set", "grpo.eval_sampled=true"] if SAMPLED else []
@@ -164,16 +164,17 @@ def grpo(rm: Path, held: Path, runs: Path) -> None:
         args += ["--lr", GRPO_LR] if GRPO_LR else []
         tfcli(*args, out=run)
     after = next(v for v in json.loads((run / "eval.json").read_text()).values() if isinstance(v, dict))
-    before_file = runs / f"grpo-before-{GRPO_PROMPTS}{'-sampled' * SAMPLED}{warm}.json"
+    before_file = runs / f"grpo-before-{GRPO_PROMPTS}{'-sampled' * SAMPLED}{at_temperature}.json"
     if not before_file.is_file():
         args = ["eval", "grpo", "--checkpoint", str(gguf_file()), "--data", str(held_prompts)]
         tfcli(*args, *common, "--out", str(before_file), "--quiet")
     before = next(v for v in json.loads(before_file.read_text()).values() if isinstance(v, dict))
     diffs = paired(before_file.with_name(before_file.stem + "-samples.jsonl"), run / "samples.jsonl")
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+    lr = GRPO_LR or "the recipe's"
     print(
         f"GRPO with the reward model as its reward (LoRA, {GRPO_STEPS} steps x 4 prompts x {GRPO_GENERATIONS}, 48 tokens, lr "
-        f"{GRPO_LR or 'the recipe'}'s): held-out mean reward ({how} replies) {before['reward']:.3f} before, {after['reward']:.3f} "
+        f"{lr}): held-out mean reward ({how}) {before['reward']:.3f} before, {after['reward']:.3f} "
         f"after ({after['n']} prompts); paired {mean:+.3f} +- {se:.3f} (standard error; "
         f"{sum(d > 0 for d in diffs)} prompts up, {sum(d < 0 for d in diffs)} down)"
     )
