@@ -13,13 +13,13 @@ and the peak RSS of the full and the LoRA training processes. Needs the model fi
 from __future__ import annotations
 
 import importlib.util
-import resource
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import Contenders, isolated, report, train_step
 from benchmarks.generation import greedy_ids
+from tfcli.engine.perf import peak_resident_bytes
 
 BATCH, SEQ, NEW = 4, 512, 128
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -97,7 +97,7 @@ def _tagged(step, tag: str):
 
     def run():
         step()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_resident_bytes() / 2**20  # its own, not the harness's that started it
         Path("bench-results").mkdir(exist_ok=True)
         (Path("bench-results") / f"rss-{tag}.txt").write_text(f"{peak:.0f}")
 

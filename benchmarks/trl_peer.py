@@ -140,9 +140,10 @@ def plain_copy(gguf: Path, out: Path) -> Path:
 
 
 def peak_rss_mb() -> float:
-    import resource
+    """This process's own peak (VmHWM), not the harness's that started it, as tfcli's runs log theirs."""
+    from tfcli.engine.perf import peak_resident_bytes
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_resident_bytes() / 2**20
 
 
 def trainer_args(out: str, seed: int) -> dict:

@@ -10,7 +10,8 @@ An approach is what `finetune --train` takes (all, head, lora, ia3, bitfit), `+h
 head on pooled features instead of the label word as text (`lora+head`), `:POOLING` for how the
 head pools (`head:mean`, `lora+head:last`), or `Kshot` for prompting with K solved examples and no
 training at all (`0shot,4shot,8shot`: `tfcli eval --few-shot K`). Every cell's process is timed by
-the operating system: CPU time and peak resident memory (wait4's rusage) go in the table.
+the operating system (CPU time, wait4's rusage); a training cell's peak memory is what its run logs,
+a prompting cell's its rusage peak where that exceeds this process's own (otherwise "-").
 
 Running the same command again finishes the grid: a cell with its eval.json is done and never run
 again; an interrupted cell resumes from its last checkpoint; a failed cell is tried again.
@@ -482,7 +483,11 @@ def run_grid(grid: Grid, out: Path, quiet: bool = False) -> list[dict]:
 
 def run_cell(cmd: list[str], log):
     """The cell's process -> (exit code, its rusage). Ctrl-C lets it checkpoint at its next step,
-    then stops the grid."""
+    then stops the grid. The rusage's ru_maxrss is this process's peak at the start when the cell's
+    own was lower (it survives fork and exec): `record_usage` keeps only a peak above it."""
+    from ..engine.perf import peak_resident_bytes
+
+    own_peak_kb = peak_resident_bytes() / 1024
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         _, status, usage = os.wait4(proc.pid, 0)
@@ -492,21 +497,35 @@ def run_cell(cmd: list[str], log):
             "compare interrupted: the running cell saved a checkpoint; run the same command again to finish the grid"
         ) from None
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage
+    return proc.returncode, CellUsage(usage.ru_utime + usage.ru_stime, usage.ru_maxrss, own_peak_kb)
 
 
-def record_usage(run_dir: Path, usage, wall_s: float) -> None:
-    """The cell's CPU seconds and wall seconds (summed over its attempts) and peak resident memory,
-    in usage.json."""
+@dataclass(frozen=True)
+class CellUsage:
+    """What the cell's process used: CPU seconds, and its rusage peak beside the peak it inherited."""
+
+    cpu_s: float
+    maxrss_kb: float
+    inherited_kb: float
+
+    @property
+    def peak_mb(self) -> float | None:
+        """The cell's own peak, where the rusage can tell it (above what it inherited)."""
+        return self.maxrss_kb / 1024 if self.maxrss_kb > self.inherited_kb * 1.01 else None
+
+
+def record_usage(run_dir: Path, usage: CellUsage, wall_s: float) -> None:
+    """The cell's CPU seconds and wall seconds (summed over its attempts) and, where its rusage tells
+    it, its peak resident memory, in usage.json. A training cell's run logs its own peak besides."""
     path = run_dir / "usage.json"
     before = json.loads(path.read_text()) if path.is_file() else {}
-    cpu = usage.ru_utime + usage.ru_stime
+    peaks = [p for p in (before.get("peak_rss_mb"), usage.peak_mb) if p is not None]
     path.write_text(
         json.dumps(
             {
-                "cpu_s": round(before.get("cpu_s", 0) + cpu, 1),
+                "cpu_s": round(before.get("cpu_s", 0) + usage.cpu_s, 1),
                 "wall_s": round(before.get("wall_s", 0) + wall_s, 1),
-                "peak_rss_mb": round(max(before.get("peak_rss_mb", 0), usage.ru_maxrss / 1024), 1),
+                **({"peak_rss_mb": round(max(peaks), 1)} if peaks else {}),
             }
         )
     )

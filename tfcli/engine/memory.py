@@ -34,6 +34,7 @@ from ..models.moe import moe_layers
 from ..models.nf4 import NF4Linear
 from ..recipe import parse_limit
 from . import optimizers, scratch
+from .perf import peak_resident_bytes, proc_bytes
 
 MARGIN = 0.9  # train.memory_limit auto: this share of what the device has
 DEPTH_FIELDS = ("n_layer", "n_decoder_layer", "decoder_n_layer")  # the block counts a probe shrinks
@@ -232,14 +233,8 @@ def gb(n: float) -> str:
 
 def resident_bytes() -> float:
     """This process's resident memory now (Linux: /proc/self/status; elsewhere its peak so far)."""
-    now = _proc_bytes("/proc/self/status", "VmRSS:")
-    if now is not None:
-        return now
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(rss if sys.platform == "darwin" else rss * 1024)
+    now = proc_bytes("/proc/self/status", "VmRSS:")
+    return now if now is not None else peak_resident_bytes()
 
 
 def device_capacity(device: torch.device, local_processes: int = 1) -> float:
@@ -257,18 +252,7 @@ def device_capacity(device: torch.device, local_processes: int = 1) -> float:
 
 def available_ram() -> float | None:
     """The memory the system could give now (Linux's MemAvailable), or None where it does not say."""
-    return _proc_bytes("/proc/meminfo", "MemAvailable:")
-
-
-def _proc_bytes(path: str, key: str) -> float | None:
-    """A 'Key:  N kB' line of a Linux /proc file, in bytes (None elsewhere)."""
-    try:
-        for line in open(path):
-            if line.startswith(key):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
 def tensor_bytes(*modules: nn.Module) -> float:

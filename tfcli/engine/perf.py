@@ -116,8 +116,29 @@ def peak_memory_mb(device: torch.device) -> float:
     CPU (the whole process: weights, gradients, optimizer state, activations, data)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_resident_bytes() / 2**20
+
+
+def peak_resident_bytes() -> float:
+    """This process's own peak resident memory: Linux's VmHWM, which starts again at exec. getrusage's
+    ru_maxrss does not: it keeps the peak of the process that started this one (a compare cell, a
+    torchrun worker), so it is only the fallback where /proc is absent."""
+    own = proc_bytes("/proc/self/status", "VmHWM:")
+    if own is not None:
+        return own
     import resource
     import sys
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+    return float(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def proc_bytes(path: str, key: str) -> float | None:
+    """A 'Key:  N kB' line of a Linux /proc file, in bytes (None elsewhere)."""
+    try:
+        for line in open(path):
+            if line.startswith(key):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
