@@ -18,30 +18,63 @@ pytestmark = pytest.mark.slow  # the whole module is left out of the fast tier
 
 
 def run_tfcli(args, nproc: int):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    prefix = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    """`tfcli ARGS` in one process, or in `nproc` as `torchrun --standalone` starts them."""
+    argv = [sys.executable, "-m", "tfcli", *map(str, args)]
+    result = (
+        torchrun_workers(argv, nproc)
         if nproc > 1
-        else [sys.executable]
-    )
-    result = subprocess.run(
-        prefix + ["-m", "tfcli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+        else subprocess.run(
+            argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300
+        )
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
+def torchrun_workers(argv: list[str], nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The processes `torchrun --standalone --nproc-per-node=N` starts, without its agent (2.6 s of
+    starting torch and a rendezvous at every launch on this machine): each with the environment
+    torchrun gives it, and all stopped once one fails, as torchrun stops them. torchrun itself runs
+    the documented commands (test_readme) and the tests of rendezvous and collective timeouts here.
+    Output: each rank's stdout, then each rank's stderr, in rank order."""
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1"}
+    common |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            argv, env={**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out, stderr=err, text=True
+        )
+        for r, (out, err) in enumerate(outs)
+    ]
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode for p in procs):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    texts = []
+    for files in zip(*outs):
+        for f in files:
+            f.seek(0)
+        texts.append("".join(f.read() for f in files))
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(argv, code, texts[0], texts[1])
+
+
 def shares_of_two_processes(script: Path, out: Path) -> list[dict]:
-    """Run `script` on 2 processes under torchrun; each writes out/share-RANK.json (a file each: two
-    prints on one pipe interleave). Returns them in rank order."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    """Run `script` on 2 processes as torchrun starts them; each writes out/share-RANK.json (a file
+    each: two prints on one pipe interleave). Returns them in rank order."""
+    result = torchrun_workers([sys.executable, str(script)], 2)
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(path.read_text()) for path in sorted(out.glob("share-*.json"))]
 
