@@ -263,6 +263,9 @@ BAD = [  # (arguments, what the one line must say); {root} is the workspace
         ["pretrain", "--resume", "run", "--set", "model.d_model=64"],
         "model.d_model was 32 and cannot change when resuming",
     ),
+    # --from gives the whole model: a model setting would be dropped (the run kept the source's)
+    (["pretrain", "--from", "run", "--set", "model.n_layer=1"], "--set model.n_layer=1: the model comes from --from"),
+    (["finetune", "mnli", "--from", "run", "--set", "model.dropout=0.1"], "--set model.dropout=0.1: the model comes"),
     (["eval", "--checkpoint", "{truncated}"], "model.safetensors: unreadable"),
     (["eval", "--checkpoint", "{badtokenizer}"], "tokenizer.json: not a readable tokenizer"),
     (["eval", "--checkpoint", "{badmeta}"], "has no config.yaml"),

@@ -174,6 +174,20 @@ def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run
         )
 
 
+def refuse_model_sets(sets: list[str], source: ModelSource | None, vision: ModelSource | None = None) -> None:
+    """--from gives the whole model: the run keeps the source's shape and settings (Plugin.resolve), so a
+    --set model.* would be written on the command line and dropped from what runs. Refused, as a
+    resumed run refuses one (a model joined by --vision-from takes the recipe's model settings)."""
+    if source is None or vision is not None:
+        return
+    named = [s for s in sets if recipes.parse_override(s)[0].startswith("model.")]
+    if named:
+        raise UserError(
+            f"--set {named[0]}: the model comes from --from {source} as it was saved (its shape and settings); "
+            f"model.* sets a model built from a recipe, without --from"
+        )
+
+
 def named_code(shortcuts: dict, sets: list[str]) -> frozenset[str]:
     """The user's own functions (file.py:function, absolute) that this command line names, in its flags
     or its --set values: the only code tfcli may import (a GRPO reward). A run, a recipe or a grid file

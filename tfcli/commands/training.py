@@ -20,6 +20,7 @@ from .common import (
     note,
     overrides,
     recipes,
+    refuse_model_sets,
     run_training,
     task_target,
     training_recipe,
@@ -79,7 +80,9 @@ def pretrain(
         "train.precision": precision,
         "train.seed": seed,
     }
-    rec, resume_dir = training_recipe(default, recipe, resume, overrides(set_, ctx.args), shortcuts)
+    sets = overrides(set_, ctx.args)
+    refuse_model_sets(sets, source)
+    rec, resume_dir = training_recipe(default, recipe, resume, sets, shortcuts)
     if no_nsp:
         if rec.objective != "mlm":
             raise UserError("--no-nsp applies to --objective mlm only")
@@ -289,6 +292,7 @@ def finetune(
         **{f"{key}.{k}": v for k, v in settings.items()},
     }
     sets = overrides(set_, ctx.args)
+    refuse_model_sets(sets, source, vision)
     named = {recipes.parse_override(s)[0] for s in sets}
     if "train.steps" in named and "finetune.epochs" not in named and shortcuts["finetune.epochs"] is None:
         shortcuts = {**shortcuts, "finetune.epochs": 0.0}  # --set train.steps wins as --steps does
