@@ -49,6 +49,15 @@ def test_unknown_approaches_and_missing_tasks_are_refused():
         compare.load_grid(None, None, "x", "all", None, None, None, [])
 
 
+def test_a_model_setting_is_refused_before_any_cell_runs():
+    """Every cell's model comes whole from its --from source (finetune --from refuses model.*): a grid
+    that sets or varies one would fail in every cell's process; it is refused at once instead."""
+    with pytest.raises(UserError, match="compare: model.dropout: each cell's model comes from its --from"):
+        compare.load_grid(None, "mnli", "x", "all", None, None, None, ["model.dropout=0.1"])
+    with pytest.raises(UserError, match="compare: model.n_layer: each cell's model comes from its --from"):
+        compare.load_grid(None, "mnli", "x", "all", None, None, None, [], vary=["model.n_layer=1,2"])
+
+
 def study(hf_bert, mnli_dir, out):
     return invoke(
         "compare",
