@@ -749,6 +749,7 @@ def held(megabytes: int) -> bytearray:
     return ballast
 
 
+@pytest.mark.slow  # a process of its own importing torch: the whole suite only
 def test_the_peak_a_process_reports_is_its_own_not_the_peak_of_the_process_that_started_it():
     """getrusage's ru_maxrss survives fork and exec: a compare cell, a torchrun worker or a benchmark's
     side reported the larger starting process's peak as its own (every cell of a grid run from pytest
