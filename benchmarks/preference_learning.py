@@ -82,9 +82,11 @@ def learn(method: str, train: Path, held: Path, runs: Path) -> None:
     else:
         before = evaluated(method, gguf_file(), held, runs / f"held-{method}-base.json")["rewards/margins"]
     dev = ", ".join(f"{m:.3f} at {s}" for s, m in dev_margins(run))
+    picked = Path(json.loads((runs / f"held-{method}.json").read_text())["checkpoint"]).name  # the run's best
     print(
         f"{method} (LoRA, {STEPS} steps x {BATCH}, lr {LR:g}): held-out margin {before:.3f} before, "
-        f"{after['rewards/margins']:.3f} after on {after['n']} {('rows' if method == 'kto' else 'pairs')} "
+        f"{after['rewards/margins']:.3f} after ({picked}, the checkpoint the run picked by its dev loss) "
+        f"on {after['n']} {('rows' if method == 'kto' else 'pairs')} "
         f"never trained on; dev margins {dev}; '{PARIS}' -> {paris(run)!r}"
     )
 
