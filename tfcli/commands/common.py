@@ -174,13 +174,18 @@ def refuse_retroactive_changes(saved: recipes.Recipe, asked: recipes.Recipe, run
         )
 
 
+def is_model_setting(key: str) -> bool:
+    """A recipe key of the model section: what a model read --from keeps as it was saved."""
+    return key.startswith("model.")
+
+
 def refuse_model_sets(sets: list[str], source: ModelSource | None, vision: ModelSource | None = None) -> None:
     """--from gives the whole model: the run keeps the source's shape and settings (Plugin.resolve), so a
     --set model.* would be written on the command line and dropped from what runs. Refused, as a
     resumed run refuses one (a model joined by --vision-from takes the recipe's model settings)."""
     if source is None or vision is not None:
         return
-    named = [s for s in sets if recipes.parse_override(s)[0].startswith("model.")]
+    named = [s for s in sets if is_model_setting(recipes.parse_override(s)[0])]
     if named:
         raise UserError(
             f"--set {named[0]}: the model comes from --from {source} as it was saved (its shape and settings); "

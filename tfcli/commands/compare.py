@@ -325,8 +325,9 @@ def check(grid: Grid) -> None:
     if grid.report_limit < 0:
         raise UserError(f"compare: --report-limit {grid.report_limit}: give N >= 0 (0: every example)")
     from ..recipe import parse_override
+    from .common import is_model_setting
 
-    model_keys = [k for k in [parse_override(s)[0] for s in grid.sets] + list(grid.vary) if k.startswith("model.")]
+    model_keys = [k for k in [parse_override(s)[0] for s in grid.sets] + list(grid.vary) if is_model_setting(k)]
     if model_keys:  # finetune --from would refuse it in every cell's process
         raise UserError(
             f"compare: {model_keys[0]}: each cell's model comes from its --from source as saved; "
