@@ -95,14 +95,11 @@ def test_an_encoder_decoder_batch_generates_what_each_alone_does(t5):
     assert generate_batch(t5, PROMPTS, max_new_tokens=32, start_id=0, stop_ids=stop) == [cut(r, stop) for r in alone]
 
 
-def test_a_lora_generation_forms_each_update_once_and_samples_what_forming_it_per_token_does(gpt, monkeypatch):
-    """While a batch generates, each LoRA linear holds its scaled B (adapters.held_for_generation)
-    instead of forming it at every token (a quarter of a LoRA linear's time at 8 rows): once per
-    linear per generation, the same sampled ids as forming it per token, and nothing held after it,
-    so the next training step forms B with its gradient again (also inside a generation)."""
+def lora_model(gpt):
+    """A copy of the GPT with LoRA on q, k, v, up and down, B random (an update that changes outputs)."""
     import copy
 
-    from tfcli import adapters, generate
+    from tfcli import adapters
     from tfcli.recipe import AdapterConfig
 
     model = copy.deepcopy(gpt)
@@ -111,7 +108,51 @@ def test_a_lora_generation_forms_each_update_once_and_samples_what_forming_it_pe
     with torch.no_grad():
         for m in loras:
             m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    model.eval()
+    return model.eval(), loras
+
+
+def test_a_lora_generation_on_the_cpu_reads_the_weights_export_merges(gpt):
+    """On the CPU a LoRA model generates from each linear's base and update merged once per generation
+    (adapters.held_for_generation): the two small products a LoRA linear adds at every token cost a
+    sixth of a LoRA-adapted SmolLM2's decoding. The merged weights are those export writes
+    (adapters.merge), bit for bit: every adapted linear's output while generating, and so the sampled
+    ids, are the merged model's; nothing is held after it."""
+    import copy
+
+    from tfcli import adapters
+
+    model, loras = lora_model(gpt)
+    exported = adapters.merge(copy.deepcopy(model))
+    names = {name for name, m in model.named_modules() if isinstance(m, adapters.LoRALinear)}
+    outputs: dict[str, list] = {"lora": [], "merged": []}
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out, into=into: outputs[into].append(out))
+        for into, source in (("lora", model), ("merged", exported))
+        for name, m in source.named_modules()
+        if name in names
+    ]
+    try:
+        sampled = generate_batch(model, PROMPTS, max_new_tokens=24, temperature=1.0, seed=3)
+        assert sampled == generate_batch(exported, PROMPTS, max_new_tokens=24, temperature=1.0, seed=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(outputs["lora"]) == len(outputs["merged"]) > 20 * len(loras)
+    assert all(torch.equal(a, b) for a, b in zip(outputs["lora"], outputs["merged"]))
+    assert all(m.held_weight is None and m.held_b is None for m in loras)
+    assert len({tuple(r) for r in sampled}) > 1
+
+
+def test_a_lora_generation_forms_each_update_once_and_samples_what_forming_it_per_token_does(gpt, monkeypatch):
+    """Where the merged copy is not made (a GPU, a 4-bit base, more than MERGED_GENERATION_BYTES),
+    each LoRA linear holds its scaled B while a batch generates instead of forming it at every token
+    (a quarter of a LoRA linear's time at 8 rows): once per linear per generation, the same sampled
+    ids as forming it per token, and nothing held after it, so the next training step forms B with
+    its gradient again (also inside a generation)."""
+    from tfcli import adapters, generate
+
+    model, loras = lora_model(gpt)
+    monkeypatch.setattr(adapters, "MERGED_GENERATION_BYTES", 0)  # the held-B path (a larger model's)
     formed = []
     scaled_b = adapters.LoRALinear.scaled_b
     monkeypatch.setattr(adapters.LoRALinear, "scaled_b", lambda self: formed.append(self) or scaled_b(self))

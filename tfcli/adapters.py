@@ -88,7 +88,9 @@ class LoRALinear(nn.Module):
         self.enabled = [p in targets for p in self.parts]
         self.active = True  # False inside adapters.disabled(model)
         self.scale, self.drop = cfg.alpha / cfg.rank, nn.Dropout(cfg.dropout)
-        self.held_b: Tensor | None = None  # scaled_b(), kept while a generation runs (held_for_generation)
+        # kept while a generation runs (held_for_generation): the merged weight, or else scaled_b()
+        self.held_weight: Tensor | None = None
+        self.held_b: Tensor | None = None
         n = sum(self.enabled)
         self.lora_a = nn.Parameter(torch.empty(n, cfg.rank, base.in_features))  # (parts, r, D_in)
         self.adapted = adapted_widths(self.widths, self.enabled)
@@ -112,6 +114,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:  # adapters.disabled: the base model alone
             return self.base(x)
+        if self.held_weight is not None and not torch.is_grad_enabled():  # never in a step that trains
+            return linear(x, self.held_weight, self.base.bias)
         flat = x.reshape(-1, x.size(-1))  # (N, in)
         dropped = self.drop(flat) if self.training and self.drop.p else flat
         h = F.linear(dropped, self.lora_a.flatten(0, 1))  # (N, parts * r)
@@ -128,8 +132,20 @@ class LoRALinear(nn.Module):
         """A plain linear: the base (dequantized if NF4) plus the update, in full precision."""
         base = self.base.dequantized() if isinstance(self.base, nf4.NF4Linear) else self.base
         with torch.no_grad():
-            base.weight += self.delta_weight().to(base.weight.dtype)
+            base.weight.copy_(self.merged_weight(base.weight))
         return base
+
+    def merged_weight(self, weight: Tensor | None = None) -> Tensor:
+        """A new tensor of the base's weight plus the update (in one fused product, in fp32, rounded
+        once to the weight's dtype): what `merged` writes and what a CPU generation reads."""
+        weight = self.base.weight if weight is None else weight
+        with torch.no_grad():
+            return torch.addmm(weight.float(), self.scaled_b(), self.lora_a.flatten(0, 1)).to(weight.dtype)
+
+    def dense_base(self) -> bool:
+        """Whether the base is a plain weight (not NF4, not a shard of one) a merged copy can be made of."""
+        weight = getattr(self.base, "weight", None)
+        return isinstance(weight, Tensor) and type(weight.data) is Tensor and weight.is_floating_point()
 
 
 class ExpertLoRA(nn.Module):
@@ -435,21 +451,35 @@ def disabled(model: nn.Module):
             m.active = True
 
 
+MERGED_GENERATION_BYTES = 2 << 30  # the most a generation's merged copies of LoRA linears may take
+
+
 @contextlib.contextmanager
 def held_for_generation(model: nn.Module):
-    """Inside it (a generation: no weight changes, no gradient), each LoRA linear keeps its scaled B
-    (scaled_b) instead of forming it again at every token: the scaling and block-diagonal layout
-    were a quarter of a LoRA linear's time at 8 rows a token. The same matrix in the same layout as
-    in training, so the same products."""
+    """Inside it (a generation: no weight changes, no gradient), the LoRA linears do not form their
+    update at every token. On the CPU, each holds its weight merged with its update (the weight
+    export writes, bit for bit), so a decoding step reads one matrix a linear: the two small products
+    a LoRA linear adds cost a sixth of a LoRA-adapted SmolLM2's decoding, 8 rows a token
+    (docs/results/measured.md); TRL's vLLM path samples from merged weights too. The copies last the
+    generation, up to MERGED_GENERATION_BYTES in all (the gain is a fixed cost a linear, the copy grows
+    with the model). Elsewhere (a GPU, a 4-bit base, a sharded one, a larger model) each keeps its
+    scaled B instead: the scaling and block-diagonal layout were a quarter of a LoRA linear's time."""
     held = [m for m in model.modules() if isinstance(m, LoRALinear) and m.active]
+    merge = (
+        all(m.dense_base() and m.base.weight.device.type == "cpu" for m in held)
+        and sum(m.base.weight.nbytes for m in held) <= MERGED_GENERATION_BYTES
+    )
     with torch.no_grad():
         for m in held:
-            m.held_b = m.scaled_b()
+            if merge:
+                m.held_weight = m.merged_weight()
+            else:
+                m.held_b = m.scaled_b()
     try:
         yield
     finally:
         for m in held:
-            m.held_b = None
+            m.held_weight = m.held_b = None
 
 
 def merge(model: nn.Module) -> nn.Module:
