@@ -107,10 +107,6 @@ class LoRALinear(nn.Module):
             *[next(blocks) if on else self.lora_b.new_zeros(w, 0) for w, on in zip(self.widths, self.enabled)]
         )
 
-    def delta_weight(self) -> Tensor:
-        """(out, in): the update of the whole fused weight, zeros where a part is not adapted."""
-        return self.scaled_b() @ self.lora_a.flatten(0, 1)
-
     def forward(self, x: Tensor) -> Tensor:
         if not self.active:  # adapters.disabled: the base model alone
             return self.base(x)
