@@ -115,8 +115,8 @@ def ours(student, teacher, prompts, completions, cfg: DistillConfig):
 
 @pytest.mark.parametrize(
     "beta,temperature,chunk",
-    [(1.0, 1.0, 0), (0.0, 0.9, 0), (0.5, 1.0, 0), (0.5, 1.0, 3)],
-    ids=["reverse", "forward", "jsd", "jsd-in-chunks"],
+    [(1.0, 1.0, 0), (0.0, 0.9, 0), (0.5, 1.0, 0), (0.5, 1.0, 3), (1.0, 0.8, 3)],
+    ids=["reverse", "forward", "jsd", "jsd-in-chunks", "reverse-in-chunks"],
 )
 def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, monkeypatch, beta, temperature, chunk):
     """With `chunk`, the completion tokens' logits are formed 3 rows at a time, as a large vocabulary's
@@ -126,8 +126,8 @@ def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, 
 
         monkeypatch.setattr(distill, "distill_rows", lambda vocab: chunk)
         taken = []
-        tempered = distill.tempered
-        monkeypatch.setattr(distill, "tempered", lambda logits, *a: taken.append(len(logits)) or tempered(logits, *a))
+        formed = distill.chunk_logits
+        monkeypatch.setattr(distill, "chunk_logits", lambda h, *a: taken.append(len(h)) or formed(h, *a))
     student = tiny_backbone()
     teacher = teacher_of(student)
     prompts, completions = fixed(student)
@@ -140,6 +140,39 @@ def test_the_divergence_and_gradients_equal_trls_distillation_trainer(tmp_path, 
     assert set(grads) == set(their_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, their_grads[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0])
+@pytest.mark.parametrize("softcap,temperature,rows", [(0.0, 1.0, 64), (4.0, 0.7, 5)])
+def test_the_kls_closed_form_gradient_is_autograds(beta, softcap, temperature, rows):
+    """Reverse and forward KL take their gradient in closed form, the logits in reused buffers
+    (kl_with_gradient): the summed divergence, the student's entropy and the gradients of the hidden
+    states and the head equal autograd's through the plain formula (a soft cap, a temperature, in
+    chunks of 5 rows or one), the teacher's cap its own; without a gradient asked for, the same sums."""
+    from tfcli.tasks.distill import _ChunkedDivergence, generalized_jsd, tempered
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(13, 8, generator=g), torch.randn(50, 8, generator=g)
+    their_hidden, their_weight = torch.randn(13, 8, generator=g), torch.randn(50, 8, generator=g)
+    cfg = DistillConfig(beta=beta, temperature=temperature)
+    caps = (softcap, softcap / 2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    mine = tempered(h @ w.t(), caps[0], temperature)
+    theirs = tempered(their_hidden @ their_weight.t(), caps[1], temperature)
+    expected = generalized_jsd(mine, theirs, beta).sum()
+    expected.backward()
+    entropy = -(mine.exp() * mine).sum()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    total, got_entropy = _ChunkedDivergence.apply(h2, w2, their_hidden, their_weight, caps, cfg, rows)
+    (2.0 * total).backward()
+    scale = max(float(expected), 1.0)
+    assert float(total) == pytest.approx(float(expected), abs=1e-5 * scale) and float(expected) > 0.1
+    assert float(got_entropy) == pytest.approx(float(entropy), abs=1e-5 * max(float(entropy), 1.0))
+    torch.testing.assert_close(h2.grad, 2.0 * h.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w2.grad, 2.0 * w.grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        again, _ = _ChunkedDivergence.apply(hidden, weight, their_hidden, their_weight, caps, cfg, rows)
+    assert float(again) == pytest.approx(float(total), abs=1e-6 * scale)
 
 
 def test_student_and_teacher_read_each_row_only_as_far_as_its_completion_ends():

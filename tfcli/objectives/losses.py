@@ -59,13 +59,15 @@ def _tile(rows: int, vocab: int, device: torch.device | None = None) -> tuple[in
 
 
 _cpu_chunk = {"logits": torch.empty(0)}  # grown to the largest chunk or tile used; kept up to
-# CHUNK_ELEMENTS (128 MB of fp32) between calls, larger given back once the call's chunks are done
+# CHUNK_ELEMENTS (128 MB of fp32) between calls, larger given back once the call's chunks are done;
+# others (distillation's) are reused across one call's chunks and given back after it (give_back)
 
 
 @releases_after_probes
 def release_buffers() -> None:
-    """Give the reused buffer of logits back (the memory plan, once its probes have run)."""
-    _cpu_chunk["logits"] = torch.empty(0)
+    """Give the reused buffers of logits back (the memory plan, once its probes have run)."""
+    for name in _cpu_chunk:
+        _cpu_chunk[name] = torch.empty(0)
 
 
 def _keep_at_most(elements: int) -> None:
@@ -74,19 +76,31 @@ def _keep_at_most(elements: int) -> None:
     step's peak (faulting it in afresh costs ~0.15 s a step on a 2-core EPYC, 2% of a Gemma-3-270M
     step: docs/results/measured.md)."""
     if _cpu_chunk["logits"].numel() > elements:
-        release_buffers()
+        _cpu_chunk["logits"] = torch.empty(0)
 
 
-def _cpu_logits(h: Tensor, w: Tensor) -> Tensor:
-    """h @ w.T in fp32: on the CPU (fp32 inputs) into the one reused buffer (see _chunk_probs), else a
-    new tensor."""
-    c, v = h.size(0), w.size(0)
+def reused(name: str, rows: int, columns: int) -> Tensor:
+    """(rows, columns) of fp32 in the CPU buffer `name`, grown to the largest asked for and kept
+    until given back: a fresh 100+ MB tensor comes as new pages from the OS, and faulting them in
+    costs about half as much as a softmax over them (docs/results/measured.md)."""
+    buf = _cpu_chunk.get(name, torch.empty(0))
+    if buf.numel() < rows * columns:
+        buf = _cpu_chunk[name] = torch.empty(rows * columns)
+    return buf[: rows * columns].view(rows, columns)
+
+
+def give_back(*names: str) -> None:
+    """Release the reused buffers `names` (a loss's, once its chunks are done)."""
+    for name in names:
+        _cpu_chunk.pop(name, None)
+
+
+def scratch_logits(h: Tensor, w: Tensor, name: str = "logits") -> Tensor:
+    """h @ w.T in fp32: on the CPU (fp32 inputs) into the reused buffer `name`, else a new tensor
+    (CUDA's caching allocator reuses memory already)."""
     if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32:
         return (h @ w.t()).float()
-    buf = _cpu_chunk["logits"]
-    if buf.numel() < c * v:
-        buf = _cpu_chunk["logits"] = torch.empty(c * v)
-    return torch.mm(h, w.t(), out=buf[: c * v].view(c, v))
+    return torch.mm(h, w.t(), out=reused(name, h.size(0), w.size(0)))
 
 
 class LMHead(NamedTuple):
@@ -106,7 +120,7 @@ def lm_head(model: nn.Module, hidden: Tensor) -> LMHead:
     return LMHead(hidden * scale if scale != 1.0 else hidden, model.lm_head_weight, cap)
 
 
-def _capped(logits: Tensor, softcap: float) -> Tensor | None:
+def capped_in_place(logits: Tensor, softcap: float) -> Tensor | None:
     """cap * tanh(logits / cap), in place, returning d capped / d logits = 1 - tanh^2 ((c, V); None
     without a cap)."""
     if not softcap:
@@ -120,22 +134,19 @@ def _capped(logits: Tensor, softcap: float) -> Tensor | None:
 def _chunk_probs(
     h: Tensor, weight: Tensor, rows: int, softcap: float = 0.0, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor | None]:
-    """softmax(cap(h @ weight.T) / temperature) in fp32, (c, V), and the cap's slope (see _capped). On the CPU every
+    """softmax(cap(h @ weight.T) / temperature) in fp32, (c, V), and the cap's slope (see
+    capped_in_place). On the CPU every
     chunk of every call is written into one reused buffer of `rows` x V, softmaxed in place: the
     allocator hands out a fresh 100+ MB tensor as new pages from the OS, and faulting them in costs
     about half as much as the softmax itself (docs/results/measured.md). CUDA's caching allocator
     reuses memory already. The buffer stays allocated for the process's life, once it has trained or
     evaluated."""
-    c, v = h.size(0), weight.size(0)
     if h.device.type != "cpu" or h.dtype != torch.float32 or weight.dtype != torch.float32:
         logits = (h @ weight.t()).float()
-        slope = _capped(logits, softcap)
+        slope = capped_in_place(logits, softcap)
         return torch.softmax(logits.div_(temperature) if temperature != 1.0 else logits, dim=-1), slope
-    buf = _cpu_chunk["logits"]
-    if buf.numel() < c * v:  # as large as the chunks have needed (a few targets need no 128 MB)
-        buf = _cpu_chunk["logits"] = torch.empty(c * v)
-    logits = torch.mm(h, weight.t(), out=buf[: c * v].view(c, v))  # (c, V)
-    slope = _capped(logits, softcap)
+    logits = scratch_logits(h, weight)  # (c, V), as large as the chunks have needed
+    slope = capped_in_place(logits, softcap)
     if temperature != 1.0:
         logits.div_(temperature)
     logits.sub_(logits.amax(-1, keepdim=True)).exp_()
@@ -241,8 +252,8 @@ def _online_pass(
     with repeated_ops():
         for first in range(0, weight.size(0), cols):
             w = weight[first : first + cols]
-            logits = _cpu_logits(h, w)  # (n, c)
-            slope = _capped(logits, softcap)
+            logits = scratch_logits(h, w)  # (n, c)
+            slope = capped_in_place(logits, softcap)
             if temperature != 1.0:
                 logits.div_(temperature)
             state.add(logits, slope, w, first, safe)
@@ -452,8 +463,8 @@ def _tiled_backward(hidden, weight, safe, row, lse, softcap, temperature, grad_h
         h, t, g_row, m = hidden[s : s + rows], safe[s : s + rows], row[s : s + rows], lse[s : s + rows]
         for first in range(0, v, cols):
             w = weight[first : first + cols]
-            logits = _cpu_logits(h, w)
-            slope = _capped(logits, softcap)
+            logits = scratch_logits(h, w)
+            slope = capped_in_place(logits, softcap)
             if temperature != 1.0:
                 logits.div_(temperature)
             g = logits.sub_(m[:, None]).exp_().neg_()  # d logp / d logits = onehot - p

@@ -46,7 +46,7 @@ from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..generate import generate_batch
 from ..models import kinds
-from ..objectives.losses import CHUNK_ELEMENTS, lm_head
+from ..objectives.losses import CHUNK_ELEMENTS, capped_in_place, give_back, lm_head, reused, scratch_logits
 from ..plugin import EvalOptions, Job, OnPolicy
 from ..recipe import require
 from .grpo.loss import rows_of
@@ -112,18 +112,12 @@ def tempered(logits: Tensor, softcap: float, temperature: float) -> Tensor:
 
 def divergence(student_model: nn.Module, teacher_model: nn.Module, student: Tensor, teacher: Tensor, cfg):
     """(summed divergence, summed student entropy) over the rows of the two models' hidden states at
-    the completion tokens (N, D each). Where their (N, V) logits would pass losses.CHUNK_ELEMENTS (128
-    MB), in chunks of rows whose gradient is taken as each is formed (_ChunkedDivergence)."""
+    the completion tokens (N, D each), in chunks of rows whose logits stay under
+    losses.CHUNK_ELEMENTS (128 MB) a model, each chunk's gradient taken as it is formed
+    (_ChunkedDivergence)."""
     mine, theirs = lm_head(student_model, student), lm_head(teacher_model, teacher)
-    rows = distill_rows(mine.weight.size(0))
-    if student.size(0) > rows:
-        caps = (mine.softcap, theirs.softcap)
-        return _ChunkedDivergence.apply(mine.hidden, mine.weight, theirs.hidden, theirs.weight, caps, cfg, rows)
-    logp = tempered(mine.hidden.float() @ mine.weight.float().t(), mine.softcap, cfg.temperature)
-    with torch.no_grad():
-        their_logp = tempered(theirs.hidden.float() @ theirs.weight.float().t(), theirs.softcap, cfg.temperature)
-        entropy = -(logp.detach().exp() * logp.detach()).sum()
-    return generalized_jsd(logp, their_logp, cfg.beta).sum(), entropy
+    rows, caps = distill_rows(mine.weight.size(0)), (mine.softcap, theirs.softcap)
+    return _ChunkedDivergence.apply(mine.hidden, mine.weight, theirs.hidden, theirs.weight, caps, cfg, rows)
 
 
 def distill_rows(vocab: int) -> int:
@@ -131,35 +125,106 @@ def distill_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
+SCRATCH = ("student", "teacher", "probs")  # the divergence's reused CPU buffers, each a chunk's (c, V)
+
+
+def chunk_logits(h: Tensor, w: Tensor, name: str) -> Tensor:
+    """(c, V) fp32 logits of a chunk, into the reused CPU buffer `name` (losses.scratch_logits)."""
+    return scratch_logits(h.float(), w.float(), name)
+
+
+def log_softmax_in_place(logits: Tensor, softcap: float, temperature: float, spare: Tensor) -> Tensor | None:
+    """logits -> log-softmax(cap(logits) / temperature), in place; `spare` (same shape) left holding
+    the softmax. Returns the cap's slope (None without a cap). Three passes, no new (c, V) tensor."""
+    slope = capped_in_place(logits, softcap)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    logits.sub_(logits.amax(-1, keepdim=True))
+    total = torch.exp(logits, out=spare).sum(-1, keepdim=True)
+    spare.div_(total)
+    logits.sub_(total.log_())
+    return slope
+
+
+def row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """(c,) sum_v a[r, v] b[r, v]: one read of each, no (c, V) product kept."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def kl_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad: bool):
+    """The reverse (beta 1) or forward (beta 0) KL summed over a chunk's rows, its student entropy,
+    and the gradient with respect to the student's logits (None unless want_grad), in closed form:
+    reverse, p (log p - t - KL_row) / T; forward, (p - e^t) / T; times the cap's slope. `theirs` is
+    the teacher's log-softmax, overwritten. The same as autograd's through the generalized JSD
+    (tested against TRL's), in a few passes over the chunk's buffers instead of autograd's dozen."""
+    mine = chunk_logits(h.detach(), w.detach(), "student")
+    probs = reused_like(mine, "probs")
+    slope = log_softmax_in_place(mine, caps[0], cfg.temperature, probs)
+    entropy = -row_dots(probs, mine).sum()
+    if cfg.beta == 1.0:
+        diff = theirs.neg_().add_(mine)  # log p - t
+        per_row = row_dots(probs, diff)
+        grad = diff.sub_(per_row[:, None]).mul_(probs) if want_grad else None
+    else:
+        diff = mine.neg_().add_(theirs)  # t - log p
+        per_row = row_dots(theirs.exp_(), diff)
+        grad = probs.sub_(theirs) if want_grad else None
+    if grad is not None:
+        grad.div_(cfg.temperature)
+        if slope is not None:
+            grad.mul_(slope)
+    return per_row.sum(), entropy, grad
+
+
+def reused_like(x: Tensor, name: str) -> Tensor:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return torch.empty_like(x)
+    return reused(name, *x.shape)
+
+
+def jsd_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad: bool):
+    """The generalized JSD between the two (0 < beta < 1) through autograd, as generalized_jsd."""
+    with torch.enable_grad():
+        logits = chunk_logits(h.detach(), w.detach(), "student").requires_grad_()
+        mine = tempered(logits, caps[0], cfg.temperature)
+        part = generalized_jsd(mine, theirs, cfg.beta).sum()
+        grad = torch.autograd.grad(part, logits)[0] if want_grad else None
+    return part.detach(), -(mine.detach().exp() * mine.detach()).sum(), grad
+
+
 class _ChunkedDivergence(torch.autograd.Function):
     """The generalized JSD summed over the rows, `rows` at a time: each chunk's logits, divergence and
     its gradient with respect to the student's logits are formed together, and only the gradient's
     products with the head (the hidden states' (N, D) and the head weight's (V, D)) kept for the
     backward pass, as a fused cross-entropy keeps them: a 1,024-token batch of a 152k vocabulary peaked
-    at 5.3 GB in one piece, 1.6 GB in chunks (python -m benchmarks distill_chunks)."""
+    at 5.3 GB in one piece, 1.6 GB in chunks (python -m benchmarks distill_chunks). On the CPU the
+    chunks are written into three buffers of a chunk's (c, V), reused from chunk to chunk and given
+    back at the end. Reverse and forward KL take their gradient in closed form (kl_with_gradient),
+    the JSD between them through autograd."""
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, caps, cfg, rows):
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        train_head = ctx.needs_input_grad[1]
+        train_head, train_hidden = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+        want_grad = train_head or train_hidden
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if train_head else None
         total = hidden.new_zeros((), dtype=torch.float32)
         entropy = total.clone()
-        w, tw = weight.float(), teacher_weight.float()
+        w = weight.float()
+        closed_form = kl_with_gradient if cfg.beta in (0.0, 1.0) else jsd_with_gradient
         for i in range(0, hidden.size(0), rows):
             h = hidden[i : i + rows].float()
             with torch.no_grad():
-                theirs = tempered(teacher_hidden[i : i + rows].float() @ tw.t(), caps[1], cfg.temperature)
-            with torch.enable_grad():
-                logits = (h @ w.t()).requires_grad_()
-                mine = tempered(logits, caps[0], cfg.temperature)
-                part = generalized_jsd(mine, theirs, cfg.beta).sum()
-                (grad_logits,) = torch.autograd.grad(part, logits)
-            total += part.detach()
-            entropy -= (mine.detach().exp() * mine.detach()).sum()
-            grad_hidden[i : i + rows] = grad_logits @ w
+                theirs = chunk_logits(teacher_hidden[i : i + rows], teacher_weight, "teacher")
+                log_softmax_in_place(theirs, caps[1], cfg.temperature, reused_like(theirs, "probs"))
+                part, chunk_entropy, grad_logits = closed_form(h, w, theirs, caps, cfg, want_grad)
+            total += part
+            entropy += chunk_entropy
+            if grad_hidden is not None:
+                torch.mm(grad_logits, w, out=grad_hidden[i : i + rows])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), h)
+        give_back(*SCRATCH)  # not held through the backward pass and the optimizer's step
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.mark_non_differentiable(entropy)
@@ -168,7 +233,7 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_entropy):
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_h = (grad_hidden * grad_total).to(ctx.dtypes[0])
+        grad_h = (grad_hidden * grad_total).to(ctx.dtypes[0]) if grad_hidden is not None else None
         grad_w = (grad_weight * grad_total).to(ctx.dtypes[1]) if grad_weight is not None else None
         return grad_h, grad_w, None, None, None, None, None
 
