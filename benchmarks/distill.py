@@ -21,12 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import ROOT
 from benchmarks.grpo import HF_TARGETS, prompts_file, report
+from benchmarks.lockstep import step_begins, step_ends
 from benchmarks.smollm2 import gguf_file
 from benchmarks.trl_peer import (
     checkpointing_ran,
     missing,
     peak_rss_mb,
+    peer_env,
     plain_copy,
     run_peer,
     same_checkpointing,
@@ -35,13 +38,12 @@ from benchmarks.trl_peer import (
 )
 
 STEPS, PROMPTS, LIMIT, LR, SEED = int(os.environ.get("BENCH_STEPS", 8)), 8, 64, 1e-4, 1337
+TURNS = os.environ.get("BENCH_TURNS", "1") != "0"  # 0: tfcli's run, then TRL's (before 2026-12-03)
 
 
-def tfcli_side(data: Path, teacher: Path, out: Path) -> dict:
-    import subprocess
-
-    args = [
-        sys.executable, "-m", "tfcli", "finetune", "distill", "--from", str(gguf_file()), "--teacher", str(teacher),
+def tfcli_args(data: Path, teacher: Path, out: Path) -> list[str]:
+    return [
+        "finetune", "distill", "--from", str(gguf_file()), "--teacher", str(teacher),
         "--data", str(data), "--train", "lora", "--steps", str(STEPS), "--batch-size", str(PROMPTS),
         "--lr", str(LR), "--seed", str(SEED), "--out", str(out), "--quiet",
         "--set", f"distill.max_completion_length={LIMIT}", "--set", "distill.lmbda=1", "--set", "distill.beta=1",
@@ -50,9 +52,10 @@ def tfcli_side(data: Path, teacher: Path, out: Path) -> dict:
         "--set", "adapter.alpha=32", "--set", "train.activation_checkpointing=none", "--set", "train.memory_limit=0",
         "--set", "finetune.warmup_fraction=0",
     ]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"tfcli distill: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+
+
+def tfcli_read(out: Path) -> dict:
+    """A finished tfcli run's steps (seconds from its metrics), sampling seconds, lengths, peak."""
     train = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["split"] == "train"]
     ends = [m["elapsed_s"] for m in train]
     return {
@@ -63,6 +66,39 @@ def tfcli_side(data: Path, teacher: Path, out: Path) -> dict:
         "peak_rss_mb": max(m["peak_mem_mb"] for m in train),
         "checkpointing": tfcli_checkpointing(out),
     }
+
+
+def tfcli_side(data: Path, teacher: Path, out: Path) -> dict:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfcli", *tfcli_args(data, teacher, out)], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise RuntimeError(f"tfcli distill: {(proc.stderr or proc.stdout).strip().splitlines()[-1]}")
+    return tfcli_read(out)
+
+
+def in_turns(data: Path, teacher: Path, tmp: Path) -> tuple[dict, dict]:
+    """Both sides at once, one step of each in turn (benchmarks/lockstep.py), each step timed by the
+    conductor from its go to its end."""
+    from benchmarks import lockstep
+
+    ours, theirs = lockstep.conduct(
+        [
+            [sys.executable, "-m", "benchmarks.lockstep", "tfcli", *tfcli_args(data, teacher, tmp / "tfcli")],
+            [sys.executable, "-m", "benchmarks.distill", "trl", str(data), str(tmp / "trl")],
+        ],
+        [{**os.environ, "PYTHONPATH": str(ROOT)}, peer_env()],
+        cwd=str(ROOT),
+    )
+    for name, side in (("tfcli distill", ours), ("TRL distill", theirs)):
+        if side.proc.returncode:
+            raise RuntimeError(f"{name}: {(side.stderr or side.stdout).strip().splitlines()[-1]}")
+    return (
+        {**tfcli_read(tmp / "tfcli"), "step_s": ours.step_s},
+        {**json.loads(theirs.stdout.strip().splitlines()[-1]), "step_s": theirs.step_s},
+    )
 
 
 def trl_main(data: str, out: str) -> None:
@@ -95,10 +131,12 @@ def trl_main(data: str, out: str) -> None:
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
+            step_begins()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             steps.append(time.perf_counter() - self.t0)
+            step_ends()
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "loss" in logs:
@@ -138,10 +176,15 @@ def main() -> None:
         tmp = Path(tmp)
         data = prompts_file(tmp)
         teacher = plain_copy(gguf_file(), tmp / "smollm2-hf")
-        ours = tfcli_side(data, teacher, tmp / "tfcli")
-        theirs = run_peer("benchmarks.distill", str(data), str(tmp / "trl"))
+        if TURNS:
+            ours, theirs = in_turns(data, teacher, tmp)
+        else:
+            ours = tfcli_side(data, teacher, tmp / "tfcli")
+            theirs = run_peer("benchmarks.distill", str(data), str(tmp / "trl"))
         name = f"distill on-policy LoRA vs TRL DistillationTrainer ({STEPS} steps x {PROMPTS} prompts, " + (
-            same_checkpointing(ours, theirs, False) + ")"
+            f"{'steps in turns' if TURNS else 'one side after the other'}, "
+            + same_checkpointing(ours, theirs, False)
+            + ")"
         )
         report(name, ours, theirs, PROMPTS)
 

@@ -76,14 +76,19 @@ def allocators() -> str:
     return f"huge pages tfcli {on.get(os.environ.get('THP_MEM_ALLOC_ENABLE', '1'), 'on')}, TRL {on.get(peer_huge_pages(), 'off')}"
 
 
-def run_peer(module: str, *args: str) -> dict:
-    """`python -m module trl args` in a fresh process; its last line of output as JSON."""
-    env = {
+def peer_env() -> dict[str, str]:
+    """The environment of the peer's process."""
+    return {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "TOKENIZERS_PARALLELISM": "false",
         "THP_MEM_ALLOC_ENABLE": peer_huge_pages(),
     }
+
+
+def run_peer(module: str, *args: str) -> dict:
+    """`python -m module trl args` in a fresh process; its last line of output as JSON."""
+    env = peer_env()
     proc = subprocess.run(
         [sys.executable, "-m", module, "trl", *args], capture_output=True, text=True, cwd=ROOT, env=env
     )

@@ -97,3 +97,34 @@ def test_the_cuda_peak_replay_finds_the_peak_and_what_was_live_there():
     assert sorted(e["addr"] for e in live) == [2, 3, 4]
     assert where(live[0]) == "blocks.py:20:forward"
     assert grouped(live) == [("blocks.py:20:forward", 130, 2), ("blocks.py:10:forward", 40, 1)]
+
+
+def test_two_sides_in_lockstep_take_one_step_each_in_turn(tmp_path):
+    """benchmarks/lockstep.py: the conductor lets one step of one side run while the other waits,
+    then one of the other; a side with fewer steps ends and the other goes on alone; each side's
+    steps are timed from its go to its end, and its output, return code and failure come back."""
+    import sys
+
+    from benchmarks import lockstep
+
+    log = tmp_path / "log"
+    side = (
+        "import sys, time; from benchmarks.lockstep import step_begins, step_ends\n"
+        "name, steps = sys.argv[1], int(sys.argv[2])\n"
+        "for i in range(steps):\n"
+        "    step_begins()\n"
+        f"    open({str(log)!r}, 'a').write(f'{{name}}{{i}} ')\n"
+        "    time.sleep(0.05)\n"
+        "    step_ends()\n"
+        "print('done', name)\n"
+        "sys.exit(3 if name == 'C' else 0)\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    argv = lambda name, steps: [sys.executable, "-c", side, name, str(steps)]  # noqa: E731
+    a, b = lockstep.conduct([argv("A", 3), argv("B", 2)], cwd=root)
+    assert log.read_text().split() == ["A0", "B0", "A1", "B1", "A2"]
+    assert len(a.step_s) == 3 and len(b.step_s) == 2 and all(0.05 <= s < 1 for s in a.step_s + b.step_s)
+    assert (a.stdout, b.stdout, a.proc.returncode) == ("done A\n", "done B\n", 0)
+    (c,) = lockstep.conduct([argv("C", 1)], cwd=root)
+    assert c.proc.returncode == 3 and c.step_s and c.stdout == "done C\n"
+    lockstep.step_begins(), lockstep.step_ends()  # outside a conductor: nothing to wait for
