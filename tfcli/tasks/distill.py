@@ -110,11 +110,13 @@ def tempered(logits: Tensor, softcap: float, temperature: float) -> Tensor:
     return F.log_softmax(logits / temperature, dim=-1)
 
 
+@torch.compiler.disable
 def divergence(student_model: nn.Module, teacher_model: nn.Module, student: Tensor, teacher: Tensor, cfg):
     """(summed divergence, summed student entropy) over the rows of the two models' hidden states at
     the completion tokens (N, D each), in chunks of rows whose logits stay under
     losses.CHUNK_ELEMENTS (128 MB) a model, each chunk's gradient taken as it is formed
-    (_ChunkedDivergence)."""
+    (_ChunkedDivergence). Outside a compiled graph, as the fused cross-entropy is: dynamo cannot
+    trace its in-place buffers, and it is a few large products already."""
     mine, theirs = lm_head(student_model, student), lm_head(teacher_model, teacher)
     rows, caps = distill_rows(mine.weight.size(0)), (mine.softcap, theirs.softcap)
     return _ChunkedDivergence.apply(mine.hidden, mine.weight, theirs.hidden, theirs.weight, caps, cfg, rows)
