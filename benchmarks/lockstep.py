@@ -62,9 +62,10 @@ class Side:
 
 
 def conduct(argvs: list[list[str]], envs: list[dict] | None = None, cwd: str | None = None) -> list[Side]:
-    """Start one process per argv (in its env, this process's by default), then run their steps in turns until all have ended -> each side's
-    stdout and stderr (through files, so that no side blocks on a full pipe while the other runs),
-    return code (side.proc.returncode) and seconds per step."""
+    """Start one process per argv (in its env, this process's by default), then run their steps in
+    turns until all have ended -> each side's stdout and stderr (through files, so that no side
+    blocks on a full pipe while the other runs), return code (side.proc.returncode) and seconds
+    per step."""
     sides = []
     for argv, env in zip(argvs, envs or [dict(os.environ)] * len(argvs)):
         go_r, go_w = os.pipe()

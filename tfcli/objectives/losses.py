@@ -95,12 +95,22 @@ def give_back(*names: str) -> None:
         _cpu_chunk.pop(name, None)
 
 
+def _reusable(*tensors: Tensor) -> bool:
+    """Whether a result of these goes into a reused buffer: fp32 on the CPU (CUDA's caching allocator
+    reuses memory already)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
 def scratch_logits(h: Tensor, w: Tensor, name: str = "logits") -> Tensor:
-    """h @ w.T in fp32: on the CPU (fp32 inputs) into the reused buffer `name`, else a new tensor
-    (CUDA's caching allocator reuses memory already)."""
-    if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32:
+    """h @ w.T in fp32: into the reused buffer `name` where _reusable, else a new tensor."""
+    if not _reusable(h, w):
         return (h @ w.t()).float()
     return torch.mm(h, w.t(), out=reused(name, h.size(0), w.size(0)))
+
+
+def scratch_like(x: Tensor, name: str) -> Tensor:
+    """An uninitialised tensor of x's shape: the reused buffer `name` where _reusable, else a new one."""
+    return reused(name, *x.shape) if _reusable(x) else torch.empty_like(x)
 
 
 class LMHead(NamedTuple):
@@ -135,13 +145,13 @@ def _chunk_probs(
     h: Tensor, weight: Tensor, rows: int, softcap: float = 0.0, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor | None]:
     """softmax(cap(h @ weight.T) / temperature) in fp32, (c, V), and the cap's slope (see
-    capped_in_place). On the CPU every
-    chunk of every call is written into one reused buffer of `rows` x V, softmaxed in place: the
+    capped_in_place). On the CPU every chunk of every call is written into one reused buffer of
+    `rows` x V, softmaxed in place: the
     allocator hands out a fresh 100+ MB tensor as new pages from the OS, and faulting them in costs
     about half as much as the softmax itself (docs/results/measured.md). CUDA's caching allocator
     reuses memory already. The buffer stays allocated for the process's life, once it has trained or
     evaluated."""
-    if h.device.type != "cpu" or h.dtype != torch.float32 or weight.dtype != torch.float32:
+    if not _reusable(h, weight):
         logits = (h @ weight.t()).float()
         slope = capped_in_place(logits, softcap)
         return torch.softmax(logits.div_(temperature) if temperature != 1.0 else logits, dim=-1), slope

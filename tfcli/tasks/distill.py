@@ -46,7 +46,7 @@ from ..engine.trainer import ObjectiveModule
 from ..errors import UserError
 from ..generate import generate_batch
 from ..models import kinds
-from ..objectives.losses import CHUNK_ELEMENTS, capped_in_place, give_back, lm_head, reused, scratch_logits
+from ..objectives.losses import CHUNK_ELEMENTS, capped_in_place, give_back, lm_head, scratch_like, scratch_logits
 from ..plugin import EvalOptions, Job, OnPolicy
 from ..recipe import require
 from .grpo.loss import rows_of
@@ -160,7 +160,7 @@ def kl_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad:
     the teacher's log-softmax, overwritten. The same as autograd's through the generalized JSD
     (tested against TRL's), in a few passes over the chunk's buffers instead of autograd's dozen."""
     mine = chunk_logits(h.detach(), w.detach(), "student")
-    probs = reused_like(mine, "probs")
+    probs = scratch_like(mine, "probs")
     slope = log_softmax_in_place(mine, caps[0], cfg.temperature, probs)
     entropy = -row_dots(probs, mine).sum()
     if cfg.beta == 1.0:
@@ -178,12 +178,6 @@ def kl_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad:
     return per_row.sum(), entropy, grad
 
 
-def reused_like(x: Tensor, name: str) -> Tensor:
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return torch.empty_like(x)
-    return reused(name, *x.shape)
-
-
 def jsd_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad: bool):
     """The generalized JSD between the two (0 < beta < 1) through autograd, as generalized_jsd."""
     with torch.enable_grad():
@@ -191,7 +185,8 @@ def jsd_with_gradient(h: Tensor, w: Tensor, theirs: Tensor, caps, cfg, want_grad
         mine = tempered(logits, caps[0], cfg.temperature)
         part = generalized_jsd(mine, theirs, cfg.beta).sum()
         grad = torch.autograd.grad(part, logits)[0] if want_grad else None
-    return part.detach(), -(mine.detach().exp() * mine.detach()).sum(), grad
+    mine = mine.detach()
+    return part.detach(), -row_dots(mine.exp(), mine).sum(), grad
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -218,7 +213,7 @@ class _ChunkedDivergence(torch.autograd.Function):
             h = hidden[i : i + rows].float()
             with torch.no_grad():
                 theirs = chunk_logits(teacher_hidden[i : i + rows], teacher_weight, "teacher")
-                log_softmax_in_place(theirs, caps[1], cfg.temperature, reused_like(theirs, "probs"))
+                log_softmax_in_place(theirs, caps[1], cfg.temperature, scratch_like(theirs, "probs"))
                 part, chunk_entropy, grad_logits = closed_form(h, w, theirs, caps, cfg, want_grad)
             total += part
             entropy += chunk_entropy
