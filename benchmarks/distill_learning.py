@@ -15,8 +15,12 @@ addition, on-policy against off-policy at the same budget, scored on held-out pr
              the sum (`tfcli eval grpo`).
 
 The report: the held-out accuracy of the base (the student before), the teacher, each student, and the
-share of the gap between base and teacher that each student closed. BENCH_DISTILL_RUNS=DIR keeps the
-runs (a second call reuses what is finished). Quality figures only: nothing here is timed.
+share of the gap between base and teacher that each student closed. BENCH_DISTILL_SEEDS (1337) lists the
+students' seeds (comma-separated: each a pair of students, their LoRA's initial weights, their prompts'
+order and their samples drawn apart; the teacher and its replies are the same for all), and the report
+adds each student's mean over them and, paired over the seeds, off-policy minus on-policy.
+BENCH_DISTILL_RUNS=DIR keeps the runs (a second call reuses what is finished). Quality figures only:
+nothing here is timed.
 
     python -m benchmarks distill_learning
 """
@@ -37,6 +41,7 @@ TEACHER_STEPS = int(os.environ.get("BENCH_DISTILL_TEACHER_STEPS", 40))
 STEPS = int(os.environ.get("BENCH_DISTILL_STEPS", 32))
 HELD = int(os.environ.get("BENCH_DISTILL_HELD", 200))
 BATCH, LIMIT, LR, SEED = 8, 64, 1e-4, 1337
+SEEDS = [int(s) for s in os.environ.get("BENCH_DISTILL_SEEDS", str(SEED)).split(",")]
 THREADS = int(os.environ.get("BENCH_THREADS", 2))  # of each run (1: beside another job)
 COMMON = ["--set", f"train.threads={THREADS}", "--set", "data.seq_len=128", "--set", "train.eval_interval=1000"]
 
@@ -92,12 +97,12 @@ def reply(line: dict) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-def student(name: str, lmbda: float, data: Path, teacher_run: Path, runs: Path) -> Path:
+def student(name: str, lmbda: float, data: Path, teacher_run: Path, runs: Path, seed: int = SEED) -> Path:
     run = runs / name
     if not (run / "eval.json").is_file():
         args = ["finetune", "distill", "--from", str(gguf_file()), "--teacher", str(teacher_run), "--data", str(data)]
         args += ["--train", "lora", "--steps", str(STEPS), "--batch-size", str(BATCH), "--lr", str(LR)]
-        args += ["--seed", str(SEED), "--quiet", "--set", f"distill.lmbda={lmbda}", *COMMON]
+        args += ["--seed", str(seed), "--quiet", "--set", f"distill.lmbda={lmbda}", *COMMON]
         args += ["--set", f"distill.max_completion_length={LIMIT}", "--set", "finetune.report_limit=8"]
         tfcli(*args, out=run)
     return run
@@ -117,14 +122,26 @@ def main() -> None:
         top = accuracy(strong, held, runs / "held-teacher.json")["reward"]
         print(f"held-out accuracy ({HELD} prompts, greedy): student before {base:.3f}, teacher {top:.3f}")
         prompts, replies = student_data(strong, train, runs)
-        for name, lmbda, data in (("on-policy", 1.0, prompts), ("off-policy", 0.0, replies)):
-            run = student(name, lmbda, data, strong, runs)
-            got = accuracy(run, held, runs / f"held-{name}.json")["reward"]
-            closed = (got - base) / (top - base) if top != base else float("nan")
-            print(
-                f"{name} student (LoRA, {STEPS} steps x {BATCH} prompts, lmbda {lmbda:g}): {got:.3f}, "
-                f"{100 * closed:.0f}% of the gap to the teacher closed"
-            )
+        got: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
+        for seed in SEEDS:
+            for name, lmbda, data in (("on-policy", 1.0, prompts), ("off-policy", 0.0, replies)):
+                label = name if seed == SEED else f"{name}-seed{seed}"  # the first sitting's names kept
+                run = student(label, lmbda, data, strong, runs, seed)
+                got[name].append(accuracy(run, held, runs / f"held-{label}.json")["reward"])
+                print(
+                    f"{name} student (LoRA, {STEPS} steps x {BATCH} prompts, lmbda {lmbda:g}, seed {seed}): "
+                    f"{got[name][-1]:.3f}, {100 * closed(got[name][-1], base, top):.0f}% of the gap closed"
+                )
+        for name, scores in got.items():
+            mean = sum(scores) / len(scores)
+            print(f"{name}, mean of {len(scores)} seeds: {mean:.3f}, {100 * closed(mean, base, top):.0f}% of the gap")
+        gaps = [off - on for on, off in zip(got["on-policy"], got["off-policy"])]
+        print("off-policy minus on-policy, seed by seed: " + ", ".join(f"{g:+.3f}" for g in gaps))
+
+
+def closed(score: float, base: float, top: float) -> float:
+    """The share of the base-to-teacher gap a student's held-out accuracy closed."""
+    return (score - base) / (top - base) if top != base else float("nan")
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ def test_a_lora_generation_on_the_cpu_reads_the_weights_export_merges(gpt):
 
 
 def test_a_lora_generation_forms_each_update_once_and_samples_what_forming_it_per_token_does(gpt, monkeypatch):
-    """Where the merged copy is not made (a GPU, a 4-bit base, more than MERGED_GENERATION_BYTES),
+    """Where the merged copy is not made (a GPU, a sharded base, more than MERGED_GENERATION_BYTES),
     each LoRA linear holds its scaled B while a batch generates instead of forming it at every token
     (a quarter of a LoRA linear's time at 8 rows): once per linear per generation, the same sampled
     ids as forming it per token, and nothing held after it, so the next training step forms B with

@@ -59,6 +59,54 @@ def test_every_block_linear_is_nf4_in_under_30_percent_of_fp32_and_computes_near
         assert torch.allclose(model.logits(model(ids)), after, atol=1e-4)  # B = 0: merged = dequantized base
 
 
+def test_a_qlora_generation_on_the_cpu_dequantizes_once_and_reads_the_weights_export_writes(monkeypatch):
+    """While a QLoRA model generates on the CPU (adapters.held_for_generation), no NF4 weight is
+    dequantized at a token (that was 31 of a 2-step QLoRA SFT run's 42 s, its report's sampling): each
+    LoRA linear holds its dequantized base merged with its update and each other NF4 linear its
+    dequantized weight, the weights export writes (adapters.merge), bit for bit. Every linear's output
+    while generating, and so the sampled ids, are the exported model's; nothing is held after it."""
+    import copy
+
+    from tfcli.generate import generate_batch
+
+    model = quantizable_llama()
+    adapters.apply(model, "qlora", AdapterConfig(targets=("q", "v")))
+    loras = [m for m in model.modules() if isinstance(m, adapters.LoRALinear)]
+    with torch.no_grad():
+        for m in loras:
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    exported = adapters.merge(copy.deepcopy(model))
+    names = {n for n, m in model.named_modules() if isinstance(m, adapters.LoRALinear)}
+    names |= {n for n, m in model.named_modules() if isinstance(m, nf4.NF4Linear) and not n.endswith(".base")}
+    assert len(names) == 2 * 5
+    outputs: dict[str, list] = {"qlora": [], "exported": []}
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out, into=into: outputs[into].append(out))
+        for into, source in (("qlora", model), ("exported", exported))
+        for name, m in source.named_modules()
+        if name in names
+    ]
+    dequantized_per_token = []
+    linear_nf4 = nf4._nf4().linear_nf4
+    monkeypatch.setattr(nf4._nf4(), "linear_nf4", lambda x, w: dequantized_per_token.append(w) or linear_nf4(x, w))
+    prompts = [[5, 9, 13, 2, 7], [4], [11, 12, 13]]
+    try:
+        sampled = generate_batch(model, prompts, max_new_tokens=16, temperature=1.0, seed=3)
+        assert sampled == generate_batch(exported, prompts, max_new_tokens=16, temperature=1.0, seed=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not dequantized_per_token
+    assert len(outputs["qlora"]) == len(outputs["exported"]) > 10 * len(names)
+    assert all(torch.equal(a, b) for a, b in zip(outputs["qlora"], outputs["exported"]))
+    quantized = [m for m in model.modules() if isinstance(m, nf4.NF4Linear)]
+    assert all(m.held_weight is None and m.held_b is None for m in loras) and all(q.dense is None for q in quantized)
+    assert len({tuple(r) for r in sampled}) > 1
+    with torch.no_grad():  # outside a generation: dequantized at every forward again
+        model(torch.tensor([prompts[0]]))
+    assert len(dequantized_per_token) == len(quantized)
+
+
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     return hf_llama_dir(tmp_path_factory.mktemp("qlora") / "base", hidden=128, inner=256)

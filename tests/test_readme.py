@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ KINDS = {
 }
 TINY_PRETRAIN = [
     "--steps",
+    "2",
+    "--batch-size",
     "2",
     "--set",
     "train.log_interval=1",
@@ -258,18 +261,35 @@ def prepare(command: str, runs: dict[str, Path], n: int) -> list[str] | None:
 
 def run_command(argv: list[str], cwd: Path, env: dict) -> tuple[int, str]:
     """A tfcli command in this process (CliRunner, cwd = the sandbox): importing torch and the rest
-    again for each of ~80 commands cost half of this test's time. torchrun commands get a process."""
+    again for each of ~80 commands cost half of this test's time; `compare`'s cells run here too (test_compare
+    runs them in processes of their own). torchrun commands get a process."""
     if argv[1:3] == ["-m", "tfcli"]:
+        from tfcli.commands import compare
+
         with pytest.MonkeyPatch.context() as mp:  # cwd and environment restored afterwards
             mp.chdir(cwd)
             for key, value in env.items():
                 mp.setenv(key, value)
+            mp.setattr(compare, "run_cell", cell_in_this_process)
             result = invoke(*argv[3:])
         return result.exit_code, result.output + (repr(result.exception) if result.exception else "")
     result = subprocess.run(
         argv, cwd=cwd, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
     )
     return result.returncode, result.stdout[-2000:] + "\n" + result.stderr[-2000:]
+
+
+def cell_in_this_process(cmd: list[str], log) -> tuple:
+    """compare.run_cell's contract for a cell's `python -m tfcli ...` command, run by CliRunner: its
+    output into the cell's log, its CPU seconds, no peak (this process's is not the cell's)."""
+    from tfcli.commands import compare
+
+    assert cmd[1:3] == ["-m", "tfcli"], cmd
+    started = time.process_time()
+    result = invoke(*cmd[3:])
+    log.write(result.output + (repr(result.exception) if result.exception else ""))
+    log.flush()
+    return result.exit_code, compare.CellUsage(time.process_time() - started, 0.0, 0.0)
 
 
 def test_every_documented_command_runs_outside_the_checkout(sandbox):

@@ -138,11 +138,6 @@ class LoRALinear(nn.Module):
         with torch.no_grad():
             return torch.addmm(weight.float(), self.scaled_b(), self.lora_a.flatten(0, 1)).to(weight.dtype)
 
-    def dense_base(self) -> bool:
-        """Whether the base is a plain weight (not NF4, not a shard of one) a merged copy can be made of."""
-        weight = getattr(self.base, "weight", None)
-        return isinstance(weight, Tensor) and type(weight.data) is Tensor and weight.is_floating_point()
-
 
 class ExpertLoRA(nn.Module):
     """LoRA on a mixture's experts (adapter.experts): one rank-r update per expert for each targeted part
@@ -447,35 +442,59 @@ def disabled(model: nn.Module):
             m.active = True
 
 
-MERGED_GENERATION_BYTES = 2 << 30  # the most a generation's merged copies of LoRA linears may take
+MERGED_GENERATION_BYTES = 2 << 30  # the most a generation's full-precision copies of linears may take
 
 
 @contextlib.contextmanager
 def held_for_generation(model: nn.Module):
     """Inside it (a generation: no weight changes, no gradient), the LoRA linears do not form their
-    update at every token. On the CPU, each holds its weight merged with its update (the weight
-    export writes, bit for bit), so a decoding step reads one matrix a linear: the two small products
-    a LoRA linear adds cost a sixth of a LoRA-adapted SmolLM2's decoding, 8 rows a token
-    (docs/results/measured.md); TRL's vLLM path samples from merged weights too. The copies last the
-    generation, up to MERGED_GENERATION_BYTES in all (the gain is a fixed cost a linear, the copy grows
-    with the model). Elsewhere (a GPU, a 4-bit base, a sharded one, a larger model) each keeps its
-    scaled B instead: the scaling and block-diagonal layout were a quarter of a LoRA linear's time."""
+    update at every token, nor the NF4 linears dequantize their weight. On the CPU, each LoRA linear
+    holds its weight merged with its update (the weight export writes, bit for bit; an NF4 base's
+    dequantized first, as export does), and each other NF4 linear its dequantized weight (what its
+    forward computes, bit for bit), so a decoding step reads one matrix a linear: the two small products
+    a LoRA linear adds cost a sixth of a LoRA-adapted SmolLM2's decoding, 8 rows a token, and
+    dequantizing a QLoRA base at every token most of it (docs/results/measured.md); TRL's vLLM path
+    samples from merged weights too. The copies last the generation, up to MERGED_GENERATION_BYTES in
+    all (the gain is a fixed cost a linear, the copy grows with the model). Elsewhere (a GPU, a sharded
+    base, a larger model) each LoRA linear keeps its scaled B instead: the scaling and block-diagonal
+    layout were a quarter of a LoRA linear's time."""
     held = [m for m in model.modules() if isinstance(m, LoRALinear) and m.active]
-    merge = (
-        all(m.dense_base() and m.base.weight.device.type == "cpu" for m in held)
-        and sum(m.base.weight.nbytes for m in held) <= MERGED_GENERATION_BYTES
-    )
+    merged_bases = {id(m.base) for m in held}
+    quantized = [m for m in model.modules() if isinstance(m, nf4.NF4Linear) and id(m) not in merged_bases]
+    copies = all(_copyable(m.base) for m in held) and all(_copyable(q) for q in quantized)
+    size = sum(_dense_bytes(m.base) for m in held) + sum(_dense_bytes(q) for q in quantized)
+    copies = copies and size <= MERGED_GENERATION_BYTES
     with torch.no_grad():
         for m in held:
-            if merge:
-                m.held_weight = m.merged_weight()
-            else:
+            if not copies:
                 m.held_b = m.scaled_b()
+            elif isinstance(m.base, nf4.NF4Linear):
+                m.held_weight = m.merged_weight(m.base.dense_weight())
+            else:
+                m.held_weight = m.merged_weight()
+        for q in quantized if copies else ():
+            q.dense = q.dense_weight()
     try:
         yield
     finally:
         for m in held:
             m.held_weight = m.held_b = None
+        for q in quantized:
+            q.dense = None
+
+
+def _copyable(linear: nn.Module) -> bool:
+    """Whether a generation may hold a full-precision copy of the linear's weight: a plain weight or
+    a whole NF4 one (not a process's share), on the CPU."""
+    if isinstance(linear, nf4.NF4Linear):
+        return not linear.sharded() and linear.weight.device.type == "cpu"
+    weight = getattr(linear, "weight", None)
+    dense = isinstance(weight, Tensor) and type(weight.data) is Tensor and weight.is_floating_point()
+    return dense and weight.device.type == "cpu"
+
+
+def _dense_bytes(linear: nn.Module) -> int:
+    return linear.dense_bytes() if isinstance(linear, nf4.NF4Linear) else linear.weight.nbytes
 
 
 def merge(model: nn.Module) -> nn.Module:

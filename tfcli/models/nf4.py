@@ -12,6 +12,7 @@ import logging
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 BLOCK, SCALER_BLOCKS = 64, (256, 128, 64, 32, 16, 8)  # torchao's (and the QLoRA paper's) 64 and 256;
@@ -87,14 +88,25 @@ class NF4Linear(nn.Module):
         weight = _nf4().to_nf4(base.weight.detach(), BLOCK, scaler_block(base))
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if base.bias is None else nn.Parameter(base.bias.detach(), requires_grad=False)
+        self.dense: Tensor | None = None  # the dequantized weight, kept while a generation runs
 
     def forward(self, x: Tensor) -> Tensor:
-        out = _nf4().linear_nf4(x, self.weight)  # (..., out)
+        if self.dense is not None and not torch.is_grad_enabled():  # adapters.held_for_generation
+            out = F.linear(x, self.dense.to(x.dtype))  # what linear_nf4 computes, dequantized once
+        else:
+            out = _nf4().linear_nf4(x, self.weight)  # (..., out)
         return out if self.bias is None else out + self.bias
+
+    def dense_weight(self) -> Tensor:
+        """The dequantized weight, in the precision it was quantized from (what export writes)."""
+        return self.weight.get_original_weight()
+
+    def dense_bytes(self) -> int:
+        return self.weight.numel() * self.weight.dtype.itemsize
 
     def dequantized(self) -> nn.Linear:
         """A plain linear of the dequantized weight (what export writes)."""
-        weight = self.weight.get_original_weight()
+        weight = self.dense_weight()
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=weight.device)
         with torch.no_grad():
             plain.weight.copy_(weight)
