@@ -111,6 +111,25 @@ def lora_model(gpt):
     return model.eval(), loras
 
 
+def generated_beside(model, exported, names: set[str], prompts, max_new_tokens: int):
+    """Sample from `model` and from `exported` with the same seed (asserting the same ids) -> (the
+    ids, the outputs of `model`'s modules `names` at every forward, those of `exported`'s)."""
+    outputs: dict[str, list] = {"model": [], "exported": []}
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out, into=into: outputs[into].append(out))
+        for into, source in (("model", model), ("exported", exported))
+        for name, m in source.named_modules()
+        if name in names
+    ]
+    try:
+        sampled = generate_batch(model, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=3)
+        assert sampled == generate_batch(exported, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sampled, outputs["model"], outputs["exported"]
+
+
 def test_a_lora_generation_on_the_cpu_reads_the_weights_export_merges(gpt):
     """On the CPU a LoRA model generates from each linear's base and update merged once per generation
     (adapters.held_for_generation): the two small products a LoRA linear adds at every token cost a
@@ -124,21 +143,9 @@ def test_a_lora_generation_on_the_cpu_reads_the_weights_export_merges(gpt):
     model, loras = lora_model(gpt)
     exported = adapters.merge(copy.deepcopy(model))
     names = {name for name, m in model.named_modules() if isinstance(m, adapters.LoRALinear)}
-    outputs: dict[str, list] = {"lora": [], "merged": []}
-    hooks = [
-        m.register_forward_hook(lambda _m, _a, out, into=into: outputs[into].append(out))
-        for into, source in (("lora", model), ("merged", exported))
-        for name, m in source.named_modules()
-        if name in names
-    ]
-    try:
-        sampled = generate_batch(model, PROMPTS, max_new_tokens=24, temperature=1.0, seed=3)
-        assert sampled == generate_batch(exported, PROMPTS, max_new_tokens=24, temperature=1.0, seed=3)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert len(outputs["lora"]) == len(outputs["merged"]) > 20 * len(loras)
-    assert all(torch.equal(a, b) for a, b in zip(outputs["lora"], outputs["merged"]))
+    sampled, ours, theirs = generated_beside(model, exported, names, PROMPTS, 24)
+    assert len(ours) == len(theirs) > 20 * len(loras)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert all(m.held_weight is None and m.held_b is None for m in loras)
     assert len({tuple(r) for r in sampled}) > 1
 

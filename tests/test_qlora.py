@@ -67,7 +67,7 @@ def test_a_qlora_generation_on_the_cpu_dequantizes_once_and_reads_the_weights_ex
     while generating, and so the sampled ids, are the exported model's; nothing is held after it."""
     import copy
 
-    from tfcli.generate import generate_batch
+    from .test_generate_batch import generated_beside
 
     model = quantizable_llama()
     adapters.apply(model, "qlora", AdapterConfig(targets=("q", "v")))
@@ -79,26 +79,14 @@ def test_a_qlora_generation_on_the_cpu_dequantizes_once_and_reads_the_weights_ex
     names = {n for n, m in model.named_modules() if isinstance(m, adapters.LoRALinear)}
     names |= {n for n, m in model.named_modules() if isinstance(m, nf4.NF4Linear) and not n.endswith(".base")}
     assert len(names) == 2 * 5
-    outputs: dict[str, list] = {"qlora": [], "exported": []}
-    hooks = [
-        m.register_forward_hook(lambda _m, _a, out, into=into: outputs[into].append(out))
-        for into, source in (("qlora", model), ("exported", exported))
-        for name, m in source.named_modules()
-        if name in names
-    ]
     dequantized_per_token = []
     linear_nf4 = nf4._nf4().linear_nf4
     monkeypatch.setattr(nf4._nf4(), "linear_nf4", lambda x, w: dequantized_per_token.append(w) or linear_nf4(x, w))
     prompts = [[5, 9, 13, 2, 7], [4], [11, 12, 13]]
-    try:
-        sampled = generate_batch(model, prompts, max_new_tokens=16, temperature=1.0, seed=3)
-        assert sampled == generate_batch(exported, prompts, max_new_tokens=16, temperature=1.0, seed=3)
-    finally:
-        for h in hooks:
-            h.remove()
+    sampled, ours, theirs = generated_beside(model, exported, names, prompts, 16)
     assert not dequantized_per_token
-    assert len(outputs["qlora"]) == len(outputs["exported"]) > 10 * len(names)
-    assert all(torch.equal(a, b) for a, b in zip(outputs["qlora"], outputs["exported"]))
+    assert len(ours) == len(theirs) > 10 * len(names)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     quantized = [m for m in model.modules() if isinstance(m, nf4.NF4Linear)]
     assert all(m.held_weight is None and m.held_b is None for m in loras) and all(q.dense is None for q in quantized)
     assert len({tuple(r) for r in sampled}) > 1

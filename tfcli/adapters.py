@@ -132,9 +132,10 @@ class LoRALinear(nn.Module):
         return base
 
     def merged_weight(self, weight: Tensor | None = None) -> Tensor:
-        """A new tensor of the base's weight plus the update (in one fused product, in fp32, rounded
-        once to the weight's dtype): what `merged` writes and what a CPU generation reads."""
-        weight = self.base.weight if weight is None else weight
+        """A new tensor of the base's weight (dequantized if NF4) plus the update (in one fused product,
+        in fp32, rounded once to the weight's dtype): what `merged` writes and a CPU generation reads."""
+        if weight is None:
+            weight = self.base.dense_weight() if isinstance(self.base, nf4.NF4Linear) else self.base.weight
         with torch.no_grad():
             return torch.addmm(weight.float(), self.scaled_b(), self.lora_a.flatten(0, 1)).to(weight.dtype)
 
@@ -466,12 +467,10 @@ def held_for_generation(model: nn.Module):
     copies = copies and size <= MERGED_GENERATION_BYTES
     with torch.no_grad():
         for m in held:
-            if not copies:
-                m.held_b = m.scaled_b()
-            elif isinstance(m.base, nf4.NF4Linear):
-                m.held_weight = m.merged_weight(m.base.dense_weight())
-            else:
+            if copies:
                 m.held_weight = m.merged_weight()
+            else:
+                m.held_b = m.scaled_b()
         for q in quantized if copies else ():
             q.dense = q.dense_weight()
     try:
